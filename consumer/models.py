@@ -1,0 +1,49 @@
+"""Built-in models for tests, benchmarks and the demo. None downloads anything.
+
+- `consumer.models:synthetic` — echoes each payload after sleeping
+  `base_ms + per_item_ms × batch_size` (the cost model of a GPU batch). Payloads of the
+  form {"fail": true} raise, to exercise failure isolation.
+- `consumer.models:noop` — echoes at once (measures the scheduler alone).
+- `consumer.models:tiny_text` — a small torch model built in code (seeded weights): token
+  ids in, class probabilities out, run through `consumer.torch_runner.TorchRunner`
+  (device placement, inference mode, padding, warm-up).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+
+class Synthetic:
+    def __init__(self, base_ms: float = 5.0, per_item_ms: float = 0.5):
+        if base_ms < 0 or per_item_ms < 0:
+            raise ValueError("base_ms and per_item_ms must be >= 0")
+        self.base_ms = float(base_ms)
+        self.per_item_ms = float(per_item_ms)
+
+    def cost_s(self, batch_size: int) -> float:
+        return (self.base_ms + self.per_item_ms * batch_size) / 1000
+
+    def __call__(self, payloads: list[Any]) -> list[Any]:
+        for p in payloads:
+            if isinstance(p, dict) and p.get("fail"):
+                raise ValueError(f"synthetic failure requested by payload {p!r}")
+        time.sleep(self.cost_s(len(payloads)))
+        return list(payloads)
+
+
+def synthetic(base_ms: float = 5.0, per_item_ms: float = 0.5) -> Synthetic:
+    return Synthetic(base_ms, per_item_ms)
+
+
+def noop() -> Synthetic:
+    return Synthetic(0.0, 0.0)
+
+
+def tiny_text(device: str = "cpu", vocab: int = 1000, classes: int = 4, seed: int = 0):
+    """Payload: {"tokens": [int, ...]} (ids < vocab, at most 512). Result: probabilities."""
+    from consumer.torch_runner import TorchRunner, build_tiny_text_model
+
+    module = build_tiny_text_model(vocab=vocab, classes=classes, seed=seed)
+    return TorchRunner(module, device=device, vocab=vocab)

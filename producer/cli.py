@@ -1,0 +1,47 @@
+"""`batchgate submit`: enqueue one request from the shell."""
+
+from __future__ import annotations
+
+import click
+import orjson
+
+from producer.sync import Producer
+from scheduler_core.cli import queue_option, redis_url_option
+from scheduler_core.errors import InvalidRequest, RequestFailed
+
+
+@click.command("submit")
+@redis_url_option
+@queue_option
+@click.option("--priority", default="normal", show_default=True,
+              type=click.Choice(["high", "normal", "low"], case_sensitive=False))
+@click.option("--deadline-ms", type=int, default=None,
+              help="Do not run the request after this many ms [default: no deadline].")
+@click.option("--idempotency-key", default=None,
+              help="Resubmitting with the same key returns the first request's id.")
+@click.option("--wait/--no-wait", default=False, show_default=True,
+              help="Wait for the result and print it as JSON.")
+@click.option("--timeout", type=float, default=30.0, show_default=True,
+              help="With --wait: seconds to wait for the result.")
+@click.argument("payload")
+def submit_command(redis_url: str, queue: str, priority: str, deadline_ms: int | None,
+                   idempotency_key: str | None, wait: bool, timeout: float,
+                   payload: str) -> None:
+    """Enqueue PAYLOAD (a JSON value); print its id, or with --wait its result."""
+    try:
+        value = orjson.loads(payload)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequest("payload", f"is not valid JSON: {exc}") from None
+    with Producer(redis_url, queue) as producer:
+        handle = producer.submit(value, priority=priority, deadline_ms=deadline_ms,
+                                 idempotency_key=idempotency_key)
+        if not wait:
+            click.echo(handle.id)
+            return
+        try:
+            result = handle.result(timeout=timeout)
+        except TimeoutError as exc:
+            raise click.ClickException(f"{exc} (request {handle.id} stays queued)") from None
+        except RequestFailed as exc:
+            raise click.ClickException(str(exc)) from None
+        click.echo(orjson.dumps(result).decode())

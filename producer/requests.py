@@ -1,0 +1,109 @@
+"""Validation and encoding of new requests, shared by Producer and AsyncProducer.
+
+Everything here runs before any Redis call, so bad input never writes anything.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from scheduler_core.errors import InvalidRequest
+from scheduler_core.keys import QueueKeys
+from scheduler_core.policy import Priority
+from scheduler_core.scripts import NewRequest
+from scheduler_core.wire import CANCELLED, DEADLINE, DEFAULT_MAX_PAYLOAD_BYTES, encode_error
+
+MAX_DEADLINE_MS = 86_400_000  # 24 h
+MAX_BATCH_SUBMIT = 10_000  # requests per submit_many call (one atomic script call)
+IDEMPOTENCY_KEY = re.compile(r"^[A-Za-z0-9_.:-]{1,200}$")
+DEFAULT_IDEMPOTENCY_TTL_S = 86_400
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+def check_deadline(deadline_ms: Any) -> int:
+    """0 for no deadline, else the validated number of milliseconds."""
+    if deadline_ms is None:
+        return 0
+    if isinstance(deadline_ms, bool) or not isinstance(deadline_ms, (int, float)):
+        raise InvalidRequest("deadline_ms", f"must be a number of milliseconds, got {deadline_ms!r}")
+    if not 1 <= deadline_ms <= MAX_DEADLINE_MS:
+        raise InvalidRequest("deadline_ms", f"{deadline_ms} is outside [1, {MAX_DEADLINE_MS}]")
+    return int(deadline_ms)
+
+
+def check_timeout(timeout: Any) -> float | None:
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
+        raise InvalidRequest("timeout", f"must be a number of seconds >= 0, got {timeout!r}")
+    return float(timeout)
+
+
+def check_idempotency_key(key: Any) -> str | None:
+    if key is None:
+        return None
+    if not isinstance(key, str) or not IDEMPOTENCY_KEY.match(key):
+        raise InvalidRequest(
+            "idempotency_key",
+            f"{key!r} must be 1-200 characters from letters, digits, '_', '.', ':' and '-'",
+        )
+    return key
+
+
+@dataclass(frozen=True)
+class ProducerConfig:
+    queue: str
+    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
+    idempotency_ttl_s: int = DEFAULT_IDEMPOTENCY_TTL_S
+    result_ttl_s: int = 600  # for results this producer writes itself (cancel, deadline)
+
+    def __post_init__(self) -> None:
+        QueueKeys(self.queue)
+        for name, low, high in (("max_payload_bytes", 16, 512 << 20),
+                                ("idempotency_ttl_s", 1, 30 * 86_400),
+                                ("result_ttl_s", 1, 30 * 86_400)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise InvalidRequest(name, f"{value!r} is outside [{low}, {high}]")
+
+
+def build_requests(config: ProducerConfig, payloads: Iterable[Any], priority: Any,
+                   deadline_ms: Any, idempotency_keys: list[str | None] | None = None,
+                   ) -> list[NewRequest]:
+    from scheduler_core.wire import encode_request
+
+    level = int(Priority.parse(priority))
+    deadline = check_deadline(deadline_ms)
+    payloads = list(payloads)
+    if not payloads:
+        raise InvalidRequest("payloads", "is empty")
+    if len(payloads) > MAX_BATCH_SUBMIT:
+        raise InvalidRequest("payloads", f"{len(payloads)} requests, over the limit of "
+                                         f"{MAX_BATCH_SUBMIT} per call")
+    keys = idempotency_keys or [None] * len(payloads)
+    requests = []
+    for index, (payload, key) in enumerate(zip(payloads, keys, strict=True)):
+        try:
+            envelope = encode_request(payload, config.max_payload_bytes)
+        except InvalidRequest as exc:
+            if len(payloads) == 1:
+                raise
+            raise InvalidRequest(f"payloads[{index}]", str(exc)) from None
+        requests.append(NewRequest(new_id(), level, deadline, envelope,
+                                   check_idempotency_key(key)))
+    return requests
+
+
+def cancel_envelope(request_id: str, deadline: bool) -> tuple[bytes, str]:
+    """The result a producer stores for a request it removes before it ran."""
+    if deadline:
+        return (encode_error(request_id, DEADLINE, "deadline passed before a consumer ran it"),
+                "expired")
+    return encode_error(request_id, CANCELLED, "cancelled before it ran"), "cancelled"

@@ -1,0 +1,262 @@
+"""Producer: the synchronous client (threads, WSGI apps, scripts)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable
+from typing import Any, Literal
+
+import redis
+
+from producer.requests import (
+    ProducerConfig,
+    build_requests,
+    cancel_envelope,
+    check_timeout,
+    new_id,
+)
+from scheduler_core.connection import DEFAULT_REDIS_URL, Backoff, connect
+from scheduler_core.keys import QueueKeys
+from scheduler_core.policy import Priority
+from scheduler_core.scripts import (
+    NewRequest,
+    Scripts,
+    cancel_keys,
+    enqueue_call,
+    enqueue_reply,
+)
+from scheduler_core.wire import Result, decode_result
+
+log = logging.getLogger("batchgate.producer")
+
+CancelOutcome = Literal["cancelled", "running", "finished"]
+POLL_S = 1.0  # a waiting handle re-checks `result:<id>` this often (lost-inbox fallback)
+DEADLINE_GRACE_S = 0.01
+_CANCEL_OUTCOMES: dict[int, CancelOutcome] = {1: "cancelled", 2: "running", 0: "finished"}
+
+
+class Handle:
+    """A submitted request. `result()` blocks until its result arrives."""
+
+    def __init__(self, producer: Producer, request_id: str, deadline_at: float | None):
+        self.id = request_id
+        self._producer = producer
+        self._deadline_at = deadline_at  # time.monotonic() after which it may be expired
+        self._event = threading.Event()
+        self._result: Result | None = None
+
+    def __repr__(self) -> str:
+        return f"<Handle {self.id} {'done' if self.done() else 'pending'}>"
+
+    def _resolve(self, result: Result) -> None:
+        if self._result is None:
+            self._result = result
+            self._event.set()
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def result(self, timeout: float | None = None) -> Any:
+        """The model's result for this request.
+
+        Raises RequestFailed (the model raised, or the request was dead-lettered),
+        DeadlineExceeded (not run before its deadline_ms), RequestCancelled, or
+        TimeoutError if nothing arrived within `timeout` seconds (the request stays queued).
+        """
+        timeout = check_timeout(timeout)
+        end = None if timeout is None else time.monotonic() + timeout
+        while not self._event.is_set():
+            now = time.monotonic()
+            if end is not None and now >= end:
+                if not self._producer._poll(self):
+                    raise TimeoutError(f"no result for request {self.id} within {timeout}s")
+                break
+            step = POLL_S if end is None else min(POLL_S, end - now)
+            if self._deadline_at is not None:
+                step = min(step, max(0.0, self._deadline_at - now))
+            if self._event.wait(step):
+                break
+            if self._deadline_at is not None and time.monotonic() >= self._deadline_at:
+                self._producer._expire(self)
+            self._producer._poll(self)
+        assert self._result is not None
+        return self._result.unwrap()
+
+    def cancel(self) -> CancelOutcome:
+        """Remove the request if it is still waiting: 'cancelled' (it will never run, its
+        result is RequestCancelled), 'running' (already in a batch: it will complete), or
+        'finished' (it already has a result)."""
+        return self._producer._cancel(self, deadline=False)
+
+
+class Producer:
+    """Submits requests to one queue; one listener thread receives all their results.
+
+    Results come back through this instance's inbox (one Redis list), drained by a single
+    thread that resolves the waiting handles, and are also stored by id for
+    `result_ttl_s` so that `fetch(id)` finds them later, from any process.
+    """
+
+    def __init__(self, redis_url: str = DEFAULT_REDIS_URL, queue: str = "default", *,
+                 max_payload_bytes: int | None = None, idempotency_ttl_s: int | None = None,
+                 client: redis.Redis | None = None):
+        overrides = {k: v for k, v in (("max_payload_bytes", max_payload_bytes),
+                                       ("idempotency_ttl_s", idempotency_ttl_s)) if v is not None}
+        self.config = ProducerConfig(queue=queue, **overrides)
+        self.keys = QueueKeys(queue)
+        self.id = new_id()
+        self._redis = client or connect(redis_url)
+        self._owns_client = client is None
+        self._scripts = Scripts(self._redis)
+        self._handles: dict[str, Handle] = {}
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._listener: threading.Thread | None = None
+
+    # -- public API -----------------------------------------------------------------
+    def submit(self, payload: Any, priority: Priority | int | str = Priority.NORMAL,
+               deadline_ms: float | None = None, idempotency_key: str | None = None) -> Handle:
+        """Enqueue one request; returns its Handle once Redis has accepted it.
+
+        Raises InvalidRequest (a ValueError naming the field) before writing anything, or
+        QueueFull when the queue's max_queue_size would be exceeded.
+        """
+        return self._submit([payload], priority, deadline_ms, [idempotency_key])[0]
+
+    def submit_many(self, payloads: Iterable[Any], priority: Priority | int | str =
+                    Priority.NORMAL, deadline_ms: float | None = None,
+                    idempotency_keys: list[str | None] | None = None) -> list[Handle]:
+        """Enqueue up to 10,000 requests in one atomic script call (one round trip):
+        all are accepted or, on bad input or QueueFull, none is."""
+        return self._submit(payloads, priority, deadline_ms, idempotency_keys)
+
+    def fetch(self, request_id: str) -> Result | None:
+        """The stored result of any request of this queue, or None if there is none (still
+        waiting or running, unknown, or expired after result_ttl_s)."""
+        raw = self._redis.get(self.keys.result(request_id))
+        return decode_result(raw) if raw is not None else None
+
+    def close(self) -> None:
+        self._closed.set()
+        if self._listener is not None:
+            self._listener.join(timeout=5)
+        if self._owns_client:
+            self._redis.close()
+
+    def __enter__(self) -> Producer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals ------------------------------------------------------------------
+    def _submit(self, payloads: Iterable[Any], priority: Any, deadline_ms: Any,
+                idempotency_keys: list[str | None] | None) -> list[Handle]:
+        if self._closed.is_set():
+            raise RuntimeError("producer is closed")
+        requests = build_requests(self.config, payloads, priority, deadline_ms,
+                                  idempotency_keys)
+        self._ensure_listener()
+        handles = self._register(requests)
+        keys, args = enqueue_call(self.keys, self.id, requests, self.config.idempotency_ttl_s)
+        try:
+            ids = enqueue_reply(self.keys, self._scripts.enqueue(keys=keys, args=args))
+        except BaseException:
+            self._unregister(requests)
+            raise
+        return self._rebind(handles, ids)
+
+    def _register(self, requests: list[NewRequest]) -> list[Handle]:
+        now = time.monotonic()
+        handles = [Handle(self, r.id, now + r.deadline_ms / 1000 + DEADLINE_GRACE_S
+                          if r.deadline_ms else None) for r in requests]
+        with self._lock:
+            for h in handles:
+                self._handles[h.id] = h
+        return handles
+
+    def _unregister(self, requests: list[NewRequest]) -> None:
+        with self._lock:
+            for r in requests:
+                self._handles.pop(r.id, None)
+
+    def _rebind(self, handles: list[Handle], ids: list[str]) -> list[Handle]:
+        """An idempotent duplicate is answered under the first request's id."""
+        with self._lock:
+            for h, effective in zip(handles, ids, strict=True):
+                if effective != h.id:
+                    self._handles.pop(h.id, None)
+                    h.id = effective
+                    self._handles[effective] = h
+        return handles
+
+    def _deliver(self, raw: bytes) -> None:
+        try:
+            result = decode_result(raw)
+        except (ValueError, KeyError) as exc:
+            log.error("dropping malformed result envelope: %s", exc)
+            return
+        with self._lock:
+            handle = self._handles.pop(result.id, None)
+        if handle is not None:
+            handle._resolve(result)
+
+    def _ensure_listener(self) -> None:
+        if self._listener is None:
+            with self._lock:
+                if self._listener is None:
+                    self._listener = threading.Thread(
+                        target=self._listen, name=f"batchgate-listener-{self.id[:8]}",
+                        daemon=True)
+                    self._listener.start()
+
+    def _listen(self) -> None:
+        inbox = self.keys.inbox(self.id)
+        backoff = Backoff("producer listener")
+        while not self._closed.is_set():
+            try:
+                popped = self._redis.blmpop(1, 1, inbox, direction="LEFT", count=512)
+                backoff.succeeded()
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                if self._closed.is_set():
+                    return
+                backoff.sleep_after(exc)
+                continue
+            if popped:
+                for raw in popped[1]:
+                    self._deliver(raw)
+
+    def _poll(self, handle: Handle) -> bool:
+        """Resolve `handle` from its stored result, if there is one."""
+        try:
+            result = self.fetch(handle.id)
+        except (redis.ConnectionError, redis.TimeoutError):
+            return False
+        if result is None:
+            return False
+        with self._lock:
+            self._handles.pop(handle.id, None)
+        handle._resolve(result)
+        return True
+
+    def _cancel(self, handle: Handle, deadline: bool) -> CancelOutcome:
+        envelope, counter = cancel_envelope(handle.id, deadline)
+        reply = self._scripts.cancel(
+            keys=cancel_keys(self.keys, handle.id, self.id),
+            args=[handle.id, self.config.result_ttl_s, envelope, counter])
+        outcome = _CANCEL_OUTCOMES[int(reply)]
+        if outcome == "cancelled":
+            with self._lock:
+                self._handles.pop(handle.id, None)
+            handle._resolve(decode_result(envelope))
+        return outcome
+
+    def _expire(self, handle: Handle) -> None:
+        """Past its deadline and still waiting: remove it so it is never run."""
+        handle._deadline_at = None  # one attempt; if running, its result will come
+        try:
+            self._cancel(handle, deadline=True)
+        except (redis.ConnectionError, redis.TimeoutError):
+            handle._deadline_at = time.monotonic() + POLL_S

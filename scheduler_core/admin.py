@@ -1,0 +1,134 @@
+"""Queue administration shared by the CLI and the consumer: policy and statistics."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import redis
+
+from scheduler_core.errors import PolicyConflict
+from scheduler_core.keys import QueueKeys
+from scheduler_core.policy import Policy, Priority
+from scheduler_core.scripts import source
+
+CONSUMER_ALIVE_S = 5.0  # a consumer heartbeats at least every second while running
+
+
+def _pairs(flat: list[Any]) -> dict[str, str]:
+    text = [x.decode() if isinstance(x, bytes) else str(x) for x in flat]
+    return dict(zip(text[::2], text[1::2], strict=True))
+
+
+def store_policy(client: redis.Redis, queue: str, policy: Policy, replace: bool) -> Policy:
+    """Write `policy` (always, or only if the queue has none); return the stored one."""
+    keys = QueueKeys(queue)
+    args: list[Any] = ["replace" if replace else "ensure"]
+    for field, value in policy.to_redis().items():
+        args += [field, value]
+    reply = client.eval(source("configure"), 1, keys.policy, *args)
+    return Policy.from_redis(_pairs(reply[1:]))
+
+
+def read_policy(client: redis.Redis, queue: str) -> Policy | None:
+    raw = client.hgetall(QueueKeys(queue).policy)
+    return Policy.from_redis(raw) if raw else None
+
+
+def ensure_policy(client: redis.Redis, queue: str, requested: dict[str, Any]) -> Policy:
+    """The queue's policy, created from `requested` if it has none.
+
+    `requested` holds only the values a user gave explicitly (None = not given). If the
+    queue already has a policy and any given value differs, PolicyConflict says which.
+    """
+    given = {k: v for k, v in requested.items() if v is not None}
+    wanted = Policy.build(**given)
+    stored = store_policy(client, queue, wanted, replace=False)
+    diff = stored.differences(given)
+    if diff:
+        detail = ", ".join(f"{k}={have} (asked {want})" for k, (have, want) in diff.items())
+        raise PolicyConflict(
+            f"queue {queue!r} already runs with {detail}. Every consumer of a queue applies "
+            "the same rules: start without these flags to adopt the stored policy, or change "
+            f"it for all with `batchgate policy set --queue {queue} ...`"
+        )
+    return stored
+
+
+@dataclass
+class QueueStats:
+    queue: str
+    policy: dict[str, Any] | None
+    depth: dict[str, int]
+    in_flight_requests: int
+    in_flight_batches: int
+    oldest_wait_ms: float | None
+    consumers_alive: int
+    processed: int
+    failed: int
+    requeued: int
+    cancelled: int
+    expired: int
+    dead_letters: int
+    batches: int
+    mean_batch_size: float | None
+    queue_wait_ms: dict[str, float | None]
+    end_to_end_ms: dict[str, float | None]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _percentiles(samples_us: list[bytes]) -> dict[str, float | None]:
+    values = sorted(int(x) for x in samples_us)
+    if not values:
+        return {"p50": None, "p99": None, "samples": 0}
+
+    def pick(q: float) -> float:
+        # nearest-rank percentile over the capped window of recent samples
+        return values[min(len(values) - 1, max(0, int(q * len(values) + 0.5) - 1))] / 1000
+    return {"p50": pick(0.50), "p99": pick(0.99), "samples": len(values)}
+
+
+def queue_stats(client: redis.Redis, queue: str) -> QueueStats:
+    keys = QueueKeys(queue)
+    pipe = client.pipeline(transaction=True)
+    pipe.time()
+    pipe.hgetall(keys.policy)
+    for key in keys.pending_all:
+        pipe.zcard(key)
+    for key in keys.pending_all:
+        pipe.zrange(key, 0, 0, withscores=True)
+    pipe.hlen(keys.owner)
+    pipe.zcard(keys.inflight)
+    pipe.zrange(keys.consumers, 0, -1, withscores=True)
+    pipe.hgetall(keys.stats)
+    pipe.zcard(keys.dead)
+    pipe.lrange(keys.wait_samples, 0, -1)
+    pipe.lrange(keys.e2e_samples, 0, -1)
+    (now_s, now_frac), policy, d0, d1, d2, o0, o1, o2, owned, batches_in_flight, consumers, \
+        counters, dead, waits, e2e = pipe.execute()
+    now_us = now_s * 1_000_000 + now_frac
+    oldest = [score for first in (o0, o1, o2) for _, score in first]
+    counters = {k.decode(): int(v) for k, v in counters.items()}
+    alive_after = now_us - CONSUMER_ALIVE_S * 1_000_000
+    batches = counters.get("batches", 0)
+    return QueueStats(
+        queue=queue,
+        policy=Policy.from_redis(policy).to_redis() if policy else None,
+        depth={p.name.lower(): n for p, n in zip(Priority, (d0, d1, d2), strict=True)},
+        in_flight_requests=owned,
+        in_flight_batches=batches_in_flight,
+        oldest_wait_ms=(now_us - min(oldest)) / 1000 if oldest else None,
+        consumers_alive=sum(1 for _, beat in consumers if beat >= alive_after),
+        processed=counters.get("processed", 0),
+        failed=counters.get("failed", 0),
+        requeued=counters.get("requeued", 0),
+        cancelled=counters.get("cancelled", 0),
+        expired=counters.get("expired", 0),
+        dead_letters=dead,
+        batches=batches,
+        mean_batch_size=counters.get("batched_requests", 0) / batches if batches else None,
+        queue_wait_ms=_percentiles(waits),
+        end_to_end_ms=_percentiles(e2e),
+    )

@@ -1,0 +1,55 @@
+"""Exceptions shared by producers, consumers and the CLI."""
+
+from __future__ import annotations
+
+
+class BatchgateError(Exception):
+    """Base class of every batchgate error."""
+
+
+class InvalidRequest(BatchgateError, ValueError):
+    """Bad input, rejected before anything is written. `field` names the culprit."""
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        super().__init__(f"{field}: {message}")
+
+
+class InvalidPolicy(InvalidRequest):
+    """A policy value outside its documented range."""
+
+
+class PolicyConflict(BatchgateError):
+    """A consumer asked for rules that differ from the ones stored with the queue."""
+
+
+class QueueFull(BatchgateError):
+    """`max_queue_size` would be exceeded; nothing was written."""
+
+    def __init__(self, queue: str, depth: int, limit: int, adding: int,
+                 retry_after_s: float | None = None):
+        self.queue = queue
+        self.depth = depth
+        self.limit = limit
+        self.retry_after_s = retry_after_s
+        hint = f"; retry after ~{retry_after_s:.2f}s" if retry_after_s is not None else ""
+        super().__init__(
+            f"queue {queue!r} is full: depth {depth} + {adding} new > max_queue_size {limit}{hint}"
+        )
+
+
+class RequestFailed(BatchgateError):
+    """The request was run (or given up on) and did not produce a result."""
+
+    def __init__(self, request_id: str, message: str, error_type: str = "RequestFailed"):
+        self.request_id = request_id
+        self.error_type = error_type
+        super().__init__(f"request {request_id} failed: {error_type}: {message}")
+
+
+class DeadlineExceeded(RequestFailed):
+    """The request's `deadline_ms` passed before a consumer ran it; it was not run."""
+
+
+class RequestCancelled(RequestFailed):
+    """The request was cancelled by its producer before it ran."""

@@ -1,0 +1,147 @@
+"""The key schema: every Redis key batchgate uses, in one place.
+
+All keys of a queue share the hash tag `{bg:<queue>}`, so they live in one cluster slot
+and one Lua script may touch them all. Every key a script touches is passed in KEYS.
+
+| key                         | type   | holds                                                     |
+|-----------------------------|--------|-----------------------------------------------------------|
+| `{bg:q}:policy`             | hash   | the queue's Policy (see policy.py)                        |
+| `{bg:q}:pending:<0|1|2>`    | zset   | waiting request ids per priority, score = arrival (µs)    |
+| `{bg:q}:jobs`               | hash   | id -> request envelope (opaque orjson bytes)              |
+| `{bg:q}:meta`               | hash   | id -> "orig_prio:arrival_us:deadline_us:attempts:producer"|
+| `{bg:q}:owner`              | hash   | id -> batch id, while the request is in flight            |
+| `{bg:q}:inflight`           | zset   | batch id -> lease deadline (µs)                           |
+| `{bg:q}:batches`            | hash   | batch id -> "consumer|id,id,..."                          |
+| `{bg:q}:clock`              | string | last arrival score issued (keeps arrival order strict)    |
+| `{bg:q}:seq`                | string | batch id counter; a batch id is its fencing token         |
+| `{bg:q}:marker`             | zset   | wake-up marker idle consumers block on (BZPOPMIN)         |
+| `{bg:q}:wake:<consumer>`    | zset   | a consumer's private wake-up key (its own due timer)      |
+| `{bg:q}:consumers`          | zset   | consumer name -> last heartbeat (µs)                      |
+| `{bg:q}:stats`              | hash   | counters: processed, failed, batches, ...                 |
+| `{bg:q}:samples:wait`       | list   | recent queue waits (µs), capped                           |
+| `{bg:q}:samples:e2e`        | list   | recent enqueue-to-result times (µs), capped               |
+| `{bg:q}:samples:model`      | list   | recent batches as "size:model_us", capped                 |
+| `{bg:q}:dead`               | zset   | dead-lettered ids -> time (µs); envelope kept in jobs     |
+| `{bg:q}:dead:reason`        | hash   | dead-lettered id -> reason                                |
+| `{bg:q}:result:<id>`        | string | result envelope, expires after result_ttl_s               |
+| `{bg:q}:inbox:<producer>`   | list   | result envelopes for one Producer instance, expires       |
+| `{bg:q}:idem:<key>`         | string | idempotency key -> request id, expires                    |
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from scheduler_core.errors import InvalidRequest
+
+QUEUE_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+MAX_QUEUE_NAME = 128
+
+
+def validate_queue_name(name: object, field: str = "queue") -> str:
+    if not isinstance(name, str) or not QUEUE_NAME.match(name):
+        raise InvalidRequest(
+            field,
+            f"{name!r} is not a valid queue name: 1-{MAX_QUEUE_NAME} characters from "
+            "letters, digits, '_', '.', ':' and '-' (no braces or spaces)",
+        )
+    return name
+
+
+@dataclass(frozen=True)
+class QueueKeys:
+    queue: str
+
+    def __post_init__(self) -> None:
+        validate_queue_name(self.queue)
+
+    @property
+    def tag(self) -> str:
+        return f"{{bg:{self.queue}}}"
+
+    def _k(self, suffix: str) -> str:
+        return f"{self.tag}:{suffix}"
+
+    @property
+    def policy(self) -> str:
+        return self._k("policy")
+
+    def pending(self, priority: int) -> str:
+        return self._k(f"pending:{int(priority)}")
+
+    @property
+    def pending_all(self) -> list[str]:
+        return [self.pending(p) for p in range(3)]
+
+    @property
+    def jobs(self) -> str:
+        return self._k("jobs")
+
+    @property
+    def meta(self) -> str:
+        return self._k("meta")
+
+    @property
+    def owner(self) -> str:
+        return self._k("owner")
+
+    @property
+    def inflight(self) -> str:
+        return self._k("inflight")
+
+    @property
+    def batches(self) -> str:
+        return self._k("batches")
+
+    @property
+    def clock(self) -> str:
+        return self._k("clock")
+
+    @property
+    def seq(self) -> str:
+        return self._k("seq")
+
+    @property
+    def marker(self) -> str:
+        return self._k("marker")
+
+    def wake(self, consumer: str) -> str:
+        return self._k(f"wake:{consumer}")
+
+    @property
+    def consumers(self) -> str:
+        return self._k("consumers")
+
+    @property
+    def stats(self) -> str:
+        return self._k("stats")
+
+    @property
+    def wait_samples(self) -> str:
+        return self._k("samples:wait")
+
+    @property
+    def e2e_samples(self) -> str:
+        return self._k("samples:e2e")
+
+    @property
+    def model_samples(self) -> str:
+        return self._k("samples:model")
+
+    @property
+    def dead(self) -> str:
+        return self._k("dead")
+
+    @property
+    def dead_reason(self) -> str:
+        return self._k("dead:reason")
+
+    def result(self, request_id: str) -> str:
+        return self._k(f"result:{request_id}")
+
+    def inbox(self, producer: str) -> str:
+        return self._k(f"inbox:{producer}")
+
+    def idempotency(self, key: str) -> str:
+        return self._k(f"idem:{key}")

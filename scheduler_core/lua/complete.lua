@@ -1,0 +1,84 @@
+--[[ complete: record results of (part of) a batch, fenced by the batch id.
+
+KEYS[1]  {bg:q}:inflight      zset   batch id -> lease deadline
+KEYS[2]  {bg:q}:batches       hash   batch id -> "consumer|ids"
+KEYS[3]  {bg:q}:owner         hash   id -> batch id
+KEYS[4]  {bg:q}:jobs          hash   id -> envelope
+KEYS[5]  {bg:q}:meta          hash   id -> meta
+KEYS[6]  {bg:q}:stats         hash   counters
+KEYS[7]  {bg:q}:samples:e2e   list   recent enqueue-to-result times (µs)
+KEYS[8]  {bg:q}:dead          zset   dead-lettered id -> time
+KEYS[9]  {bg:q}:dead:reason   hash   dead-lettered id -> error envelope
+KEYS[10+2i] {bg:q}:result:<id_i>         result of request i
+KEYS[11+2i] {bg:q}:inbox:<producer_i>    its producer's inbox (any key if it has none)
+
+ARGV[1]  batch id (the fencing token returned by pop_batch)
+ARGV[2]  result TTL, seconds
+ARGV[3]  n, number of results (1..4096)
+ARGV[4+3i..6+3i] for result i: id, outcome ('ok' | 'err' | 'dead'), result envelope
+
+Returns  {accepted, refused, remaining}: results written; results refused because the
+         request is not (or no longer) in this batch; requests of the batch still open.
+         The batch leaves the in-flight set when remaining reaches 0.
+Errors   {-1}  stale batch: its lease expired and it was re-queued (or it never existed);
+               nothing written, the late result is discarded
+         {-3, field} malformed argument
+
+'dead' keeps the request's envelope in jobs and lists it in the dead-letter set.
+Work is bounded by n plus the batch's size.
+]]
+-- @include _common.lua
+
+local batch_id = ARGV[1]
+local ttl, n = tonumber(ARGV[2]), tonumber(ARGV[3])
+if not ttl or ttl < 1 then return {-3, 'result_ttl_s'} end
+if not n or n < 1 or n > 4096 or #ARGV ~= 3 + 3 * n or #KEYS ~= 9 + 2 * n then
+  return {-3, 'n'}
+end
+if not redis.call('ZSCORE', KEYS[1], batch_id) then return {-1} end
+
+local now = now_us()
+local accepted, refused, failed = 0, 0, 0
+local e2e = {}
+for i = 0, n - 1 do
+  local id, outcome, envelope = ARGV[4 + 3 * i], ARGV[5 + 3 * i], ARGV[6 + 3 * i]
+  if redis.call('HGET', KEYS[3], id) ~= batch_id then
+    refused = refused + 1
+  else
+    local m = parse_meta(redis.call('HGET', KEYS[5], id))
+    redis.call('SET', KEYS[10 + 2 * i], envelope, 'EX', ttl)
+    if m and m.producer ~= '' then
+      redis.call('RPUSH', KEYS[11 + 2 * i], envelope)
+      redis.call('EXPIRE', KEYS[11 + 2 * i], ttl)
+    end
+    if m then e2e[#e2e + 1] = int(now - m.arrival) end
+    redis.call('HDEL', KEYS[3], id)
+    if outcome == 'dead' then
+      redis.call('ZADD', KEYS[8], int(now), id)
+      redis.call('HSET', KEYS[9], id, envelope)
+    else
+      redis.call('HDEL', KEYS[4], id)
+      redis.call('HDEL', KEYS[5], id)
+    end
+    if outcome ~= 'ok' then failed = failed + 1 end
+    accepted = accepted + 1
+  end
+end
+
+local remaining = 0
+for _, id in ipairs(batch_ids(redis.call('HGET', KEYS[2], batch_id))) do
+  if redis.call('HGET', KEYS[3], id) == batch_id then remaining = remaining + 1 end
+end
+if remaining == 0 then
+  redis.call('ZREM', KEYS[1], batch_id)
+  redis.call('HDEL', KEYS[2], batch_id)
+end
+if accepted > 0 then
+  redis.call('HINCRBY', KEYS[6], 'processed', accepted - failed)
+  redis.call('HINCRBY', KEYS[6], 'failed', failed)
+end
+if #e2e > 0 then
+  redis.call('LPUSH', KEYS[7], unpack(e2e))
+  redis.call('LTRIM', KEYS[7], 0, 9999)
+end
+return {accepted, refused, remaining}

@@ -1,0 +1,116 @@
+--[[ enqueue: add N requests to a queue atomically (all or none).
+
+KEYS[1]  {bg:q}:policy      hash   read: strategy, max_batch_size, max_queue_size
+KEYS[2]  {bg:q}:pending:0   zset   HIGH
+KEYS[3]  {bg:q}:pending:1   zset   NORMAL
+KEYS[4]  {bg:q}:pending:2   zset   LOW
+KEYS[5]  {bg:q}:jobs        hash   id -> envelope
+KEYS[6]  {bg:q}:meta        hash   id -> meta
+KEYS[7]  {bg:q}:clock       string last arrival score issued
+KEYS[8]  {bg:q}:marker      zset   wake-up marker for idle consumers
+KEYS[9..] {bg:q}:idem:<key> string one per request whose idem flag is 1, in order
+
+ARGV[1]  producer id (owner of the inbox results go to; may be empty)
+ARGV[2]  n, the number of requests (1..10000)
+ARGV[3]  idempotency key TTL in seconds
+ARGV[4+5i..8+5i] for request i: id, priority (0|1|2), deadline_ms (0 = none),
+         envelope bytes, idem flag (0|1)
+
+Returns  {1, added, depth_after, id_1 .. id_n}  where id_i is the id now holding request
+         i: its own, or the earlier request's id when its idempotency key was seen before.
+         An id that is already queued or in flight is not added again, so a client may
+         resend an enqueue whose reply it lost.
+Errors   {-1, depth, max_queue_size, adding}  queue full, nothing written
+         {-3, field}                          malformed argument, nothing written
+
+Arrival scores come from TIME and are strictly increasing per queue, so ties keep
+arrival order. Work is bounded by n.
+]]
+-- @include _common.lua
+
+local n = tonumber(ARGV[2])
+if not n or n < 1 or n > 10000 or #ARGV ~= 3 + 5 * n then return {-3, 'n'} end
+local idem_ttl = tonumber(ARGV[3])
+if not idem_ttl or idem_ttl < 1 then return {-3, 'idempotency_ttl'} end
+local producer = ARGV[1]
+if string.find(producer, '[:|,]') then return {-3, 'producer'} end
+
+local policy = redis.call('HMGET', KEYS[1], 'strategy', 'max_batch_size', 'max_queue_size')
+local strategy = policy[1] or 'fifo'
+local batch_size = tonumber(policy[2]) or 1
+local limit = tonumber(policy[3]) or 0
+
+local depth = {redis.call('ZCARD', KEYS[2]), redis.call('ZCARD', KEYS[3]),
+               redis.call('ZCARD', KEYS[4])}
+local total = depth[1] + depth[2] + depth[3]
+
+-- Pass 1: validate, resolve idempotency keys, count what is really new.
+local effective, fresh, seen_keys = {}, 0, {}
+local key_index = 9
+for i = 0, n - 1 do
+  local base = 4 + 5 * i
+  local id, prio, deadline_ms = ARGV[base], tonumber(ARGV[base + 1]), tonumber(ARGV[base + 2])
+  if id == '' or string.find(id, '[:|,]') then return {-3, 'id'} end
+  if prio ~= 0 and prio ~= 1 and prio ~= 2 then return {-3, 'priority'} end
+  if not deadline_ms or deadline_ms < 0 then return {-3, 'deadline_ms'} end
+  local existing = false
+  if ARGV[base + 4] == '1' then
+    local key = KEYS[key_index]
+    key_index = key_index + 1
+    if not key then return {-3, 'idempotency_key'} end
+    existing = seen_keys[key] or redis.call('GET', key)
+    if not existing then seen_keys[key] = id end
+  end
+  if not existing and redis.call('HEXISTS', KEYS[5], id) == 1 then existing = id end
+  if existing then
+    effective[i + 1] = existing
+  else
+    effective[i + 1] = false
+    fresh = fresh + 1
+  end
+end
+if limit > 0 and total + fresh > limit then return {-1, total, limit, fresh} end
+
+-- Pass 2: write.
+local now = now_us()
+local last = tonumber(redis.call('GET', KEYS[7]) or '0')
+local wake = (strategy == 'fifo')
+key_index = 9
+for i = 0, n - 1 do
+  local base = 4 + 5 * i
+  local id, prio, deadline_ms = ARGV[base], tonumber(ARGV[base + 1]), tonumber(ARGV[base + 2])
+  local idem_key = nil
+  if ARGV[base + 4] == '1' then
+    idem_key = KEYS[key_index]
+    key_index = key_index + 1
+  end
+  if not effective[i + 1] then
+    local arrival = math.max(now, last + 1)
+    last = arrival
+    local deadline = 0
+    if deadline_ms > 0 then deadline = now + deadline_ms * 1000 end
+    redis.call('ZADD', KEYS[2 + prio], int(arrival), id)
+    redis.call('HSET', KEYS[5], id, ARGV[base + 3])
+    redis.call('HSET', KEYS[6], id, format_meta({prio = prio, arrival = arrival,
+      deadline = deadline, attempts = 0, producer = producer}))
+    if idem_key then redis.call('SET', idem_key, id, 'EX', idem_ttl, 'NX') end
+    effective[i + 1] = id
+    -- Wake an idle consumer only when its next decision may have changed: the request
+    -- is due at once (HIGH, or LOW with nothing ahead), it fills a batch, or it is the
+    -- first to wait (a new due time). Otherwise a sleeping consumer's timer stands.
+    if strategy == 'dynamic' then
+      if total == 0 or total + 1 >= batch_size then wake = true end
+    elseif strategy == 'priority' then
+      if prio == 0 or depth[prio + 1] == 0 or depth[prio + 1] + 1 >= batch_size
+         or (prio == 2 and depth[1] + depth[2] == 0) then wake = true end
+    end
+    depth[prio + 1] = depth[prio + 1] + 1
+    total = total + 1
+  end
+end
+redis.call('SET', KEYS[7], int(last))
+if wake then redis.call('ZADD', KEYS[8], 0, 'w') end
+
+local reply = {1, fresh, total}
+for i = 1, n do reply[#reply + 1] = effective[i] end
+return reply

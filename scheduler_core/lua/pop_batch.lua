@@ -1,0 +1,179 @@
+--[[ pop_batch: apply the queue's strategy and, if a batch is due, move it in flight.
+
+This is where the scheduling rules live (SEED-EN.md sections 1-2):
+  fifo      oldest requests across all priorities, up to max_batch_size, never waits.
+  dynamic   oldest across all priorities; released when max_batch_size wait, or when the
+            oldest has waited max_queue_delay_ms; never earlier.
+  priority  HIGH waiting -> up to max_batch_size HIGH at once, no waiting;
+            else NORMAL waiting -> the dynamic rule on NORMAL (nothing while not due);
+            else LOW -> up to max_batch_size LOW.
+            Aging: a request that has waited aging_ms moves up one level, 2 x aging_ms two
+            levels, so NORMAL and LOW are served even under sustained HIGH load.
+
+KEYS[1]  {bg:q}:policy      hash
+KEYS[2]  {bg:q}:pending:0   zset  HIGH    (score = arrival, µs)
+KEYS[3]  {bg:q}:pending:1   zset  NORMAL
+KEYS[4]  {bg:q}:pending:2   zset  LOW
+KEYS[5]  {bg:q}:jobs        hash  id -> envelope
+KEYS[6]  {bg:q}:meta        hash  id -> meta (attempts incremented here)
+KEYS[7]  {bg:q}:owner       hash  id -> batch id
+KEYS[8]  {bg:q}:inflight    zset  batch id -> lease deadline (µs)
+KEYS[9]  {bg:q}:batches     hash  batch id -> "consumer|ids"
+KEYS[10] {bg:q}:seq         string batch id counter
+KEYS[11] {bg:q}:marker      zset  wake-up marker
+KEYS[12] {bg:q}:consumers   zset  consumer -> last heartbeat (µs)
+KEYS[13] {bg:q}:stats       hash  counters
+KEYS[14] {bg:q}:samples:wait list recent queue waits (µs)
+
+ARGV[1]  consumer name (no '|')
+ARGV[2]  lease in ms (100..86400000)
+
+Returns  {batch_id, now_us, lease_deadline_us, then per request 7 values:
+          id, envelope (false if missing), arrival_us, attempts (this delivery, 1-based),
+          producer, state, level}
+         state: 'run' | 'expired' (deadline passed: do not run) |
+                'exhausted' (max_attempts deliveries used: dead-letter it)
+         {0, wait_ms}  nothing due; wait_ms until the next request falls due, -1 if none
+Errors   {-1}  queue has no policy (no consumer configured it yet)
+         {-3, field} malformed argument
+
+Work is bounded: at most 2 x max_batch_size promotions and max_batch_size pops per call.
+]]
+-- @include _common.lua
+
+local consumer, lease_ms = ARGV[1], tonumber(ARGV[2])
+if consumer == '' or string.find(consumer, '|') then return {-3, 'consumer'} end
+if not lease_ms or lease_ms < 100 or lease_ms > 86400000 then return {-3, 'lease_ms'} end
+
+local policy = redis.call('HMGET', KEYS[1], 'strategy', 'max_batch_size',
+                          'max_queue_delay_ms', 'aging_ms', 'max_attempts')
+if not policy[1] then return {-1} end
+local strategy = policy[1]
+local batch_size = tonumber(policy[2])
+local delay = tonumber(policy[3]) * 1000
+local aging = tonumber(policy[4]) * 1000
+local max_attempts = tonumber(policy[5])
+
+local now = now_us()
+redis.call('ZADD', KEYS[12], int(now), consumer)
+
+local function move(from, to, id, score)
+  redis.call('ZREM', KEYS[2 + from], id)
+  redis.call('ZADD', KEYS[2 + to], score, id)
+end
+
+-- Aging (priority only): level = original priority - floor(wait / aging_ms).
+if strategy == 'priority' and aging > 0 then
+  local limit = 2 * batch_size
+  local low = redis.call('ZRANGEBYSCORE', KEYS[4], '-inf', int(now - aging),
+                         'WITHSCORES', 'LIMIT', 0, limit)
+  for i = 1, #low, 2 do move(2, 1, low[i], low[i + 1]) end
+  local twice = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', int(now - 2 * aging),
+                           'WITHSCORES', 'LIMIT', 0, limit)
+  for i = 1, #twice, 2 do move(1, 0, twice[i], twice[i + 1]) end
+  local once = redis.call('ZRANGEBYSCORE', KEYS[3], '(' .. int(now - 2 * aging),
+                          int(now - aging), 'WITHSCORES', 'LIMIT', 0, limit)
+  for i = 1, #once, 2 do
+    local m = parse_meta(redis.call('HGET', KEYS[6], once[i]))
+    if not m or m.prio <= 1 then move(1, 0, once[i], once[i + 1]) end
+  end
+end
+
+local count = {redis.call('ZCARD', KEYS[2]), redis.call('ZCARD', KEYS[3]),
+               redis.call('ZCARD', KEYS[4])}
+local total = count[1] + count[2] + count[3]
+if total == 0 then return {0, -1} end
+
+local function oldest(level)
+  local first = redis.call('ZRANGE', KEYS[2 + level], 0, 0, 'WITHSCORES')
+  if first[1] then return tonumber(first[2]) end
+  return nil
+end
+
+-- The n oldest requests of the given levels, merged by arrival.
+local function take(levels, n)
+  local candidates = {}
+  for _, level in ipairs(levels) do
+    local items = redis.call('ZRANGE', KEYS[2 + level], 0, n - 1, 'WITHSCORES')
+    for i = 1, #items, 2 do
+      candidates[#candidates + 1] = {id = items[i], score = tonumber(items[i + 1]),
+                                     level = level}
+    end
+  end
+  table.sort(candidates, function(a, b) return a.score < b.score end)
+  local chosen = {}
+  for i = 1, math.min(n, #candidates) do chosen[i] = candidates[i] end
+  return chosen
+end
+
+local function wait_until(due)
+  return {0, math.max(0, math.ceil((due - now) / 1000))}
+end
+
+local chosen
+if strategy == 'fifo' then
+  chosen = take({0, 1, 2}, batch_size)
+elseif strategy == 'dynamic' then
+  local first = math.huge
+  for level = 0, 2 do first = math.min(first, oldest(level) or math.huge) end
+  if total < batch_size and now - first < delay then return wait_until(first + delay) end
+  chosen = take({0, 1, 2}, batch_size)
+else
+  if count[1] > 0 then
+    chosen = take({0}, batch_size)
+  elseif count[2] > 0 then
+    local first = oldest(1)
+    if count[2] < batch_size and now - first < delay then
+      local due = first + delay
+      if aging > 0 then
+        due = math.min(due, first + aging)
+        if count[3] > 0 then due = math.min(due, oldest(2) + aging) end
+      end
+      return wait_until(due)
+    end
+    chosen = take({1}, batch_size)
+  else
+    chosen = take({2}, batch_size)
+  end
+end
+
+local batch_id = redis.call('INCR', KEYS[10])
+local lease_deadline = now + lease_ms * 1000
+local reply = {batch_id, int(now), int(lease_deadline)}
+local ids, waits = {}, {}
+for _, c in ipairs(chosen) do
+  local id = c.id
+  redis.call('ZREM', KEYS[2 + c.level], id)
+  -- A member without (valid) meta was written by hand: deliver it once, marked so the
+  -- consumer dead-letters it instead of crashing.
+  local m = parse_meta(redis.call('HGET', KEYS[6], id)) or
+    {prio = c.level, arrival = c.score, deadline = 0, attempts = max_attempts, producer = ''}
+  local state = 'run'
+  if m.attempts >= max_attempts then
+    state = 'exhausted'
+  elseif m.deadline > 0 and m.deadline <= now then
+    state = 'expired'
+  else
+    waits[#waits + 1] = int(now - m.arrival)
+  end
+  m.attempts = m.attempts + 1
+  redis.call('HSET', KEYS[6], id, format_meta(m))
+  redis.call('HSET', KEYS[7], id, batch_id)
+  ids[#ids + 1] = id
+  local envelope = redis.call('HGET', KEYS[5], id)
+  for _, v in ipairs({id, envelope, int(m.arrival), m.attempts, m.producer, state,
+                      c.level}) do
+    reply[#reply + 1] = v
+  end
+end
+redis.call('ZADD', KEYS[8], int(lease_deadline), batch_id)
+redis.call('HSET', KEYS[9], batch_id, consumer .. '|' .. table.concat(ids, ','))
+redis.call('HINCRBY', KEYS[13], 'batches', 1)
+redis.call('HINCRBY', KEYS[13], 'batched_requests', #ids)
+if #waits > 0 then
+  redis.call('LPUSH', KEYS[14], unpack(waits))
+  redis.call('LTRIM', KEYS[14], 0, 9999)
+end
+-- More work remains: wake one more idle consumer so it can take it or time its due date.
+if total > #chosen then redis.call('ZADD', KEYS[11], 0, 'w') end
+return reply

@@ -1,0 +1,145 @@
+"""The wire format: what producers, Redis and consumers exchange. orjson only, no pickle.
+
+Request envelope (value of `{bg:q}:jobs[id]`):   {"v": 1, "payload": <JSON value>}
+Result envelope (`result:<id>` and inbox items):
+    {"v": 1, "id": "...", "ok": true,  "value": <JSON value>}
+    {"v": 1, "id": "...", "ok": false, "error": {"type": "...", "message": "..."}}
+
+Payloads and results are JSON values: dict (str keys), list, str, int (64-bit), finite
+float, bool, None; nested at most MAX_DEPTH deep; at most the configured size encoded.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from scheduler_core.errors import (
+    DeadlineExceeded,
+    InvalidRequest,
+    RequestCancelled,
+    RequestFailed,
+)
+
+WIRE_VERSION = 1
+MAX_DEPTH = 64
+DEFAULT_MAX_PAYLOAD_BYTES = 1 << 20  # 1 MiB
+DEFAULT_MAX_RESULT_BYTES = 8 << 20  # 8 MiB
+INT_MIN, INT_MAX = -(2**63), 2**64 - 1  # what orjson encodes
+
+# Error types with a dedicated exception on the producer side.
+DEADLINE = "DeadlineExceeded"
+CANCELLED = "Cancelled"
+
+
+def check_json_value(value: Any, field: str) -> None:
+    """Raise InvalidRequest naming `field` unless `value` is a plain, finite JSON value."""
+    stack: list[tuple[Any, int, str]] = [(value, 0, field)]
+    while stack:
+        item, depth, where = stack.pop()
+        if depth > MAX_DEPTH:
+            raise InvalidRequest(where, f"nested deeper than {MAX_DEPTH} levels")
+        if item is None or isinstance(item, (bool, str)):
+            continue
+        if isinstance(item, int):
+            if not INT_MIN <= item <= INT_MAX:
+                raise InvalidRequest(where, f"integer {item} does not fit in 64 bits")
+        elif isinstance(item, float):
+            if not math.isfinite(item):
+                raise InvalidRequest(where, f"{item!r} is not valid JSON (NaN/Infinity)")
+        elif isinstance(item, dict):
+            for key, sub in item.items():
+                if not isinstance(key, str):
+                    raise InvalidRequest(where, f"object key {key!r} is not a string")
+                stack.append((sub, depth + 1, f"{where}.{key}"))
+        elif isinstance(item, (list, tuple)):
+            stack.extend((sub, depth + 1, f"{where}[{i}]") for i, sub in enumerate(item))
+        else:
+            raise InvalidRequest(where, f"{type(item).__name__} is not JSON-serialisable")
+
+
+def _dumps(value: Any, field: str, max_bytes: int) -> bytes:
+    check_json_value(value, field)
+    try:
+        data = orjson.dumps(value)
+    except orjson.JSONEncodeError as exc:  # e.g. a str with lone surrogates (not UTF-8)
+        raise InvalidRequest(field, f"cannot be encoded as JSON: {exc}") from None
+    if len(data) > max_bytes:
+        raise InvalidRequest(field, f"{len(data)} bytes encoded, over the limit of {max_bytes}")
+    return data
+
+
+def encode_request(payload: Any, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> bytes:
+    body = _dumps(payload, "payload", max_bytes)
+    return b'{"v":%d,"payload":%s}' % (WIRE_VERSION, body)
+
+
+def decode_request(data: bytes) -> Any:
+    """The payload of a stored request; ValueError if the entry is malformed."""
+    try:
+        envelope = orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        raise ValueError(f"request envelope is not JSON: {exc}") from None
+    if not isinstance(envelope, dict) or envelope.get("v") != WIRE_VERSION:
+        raise ValueError(f"request envelope has no supported version (want v={WIRE_VERSION})")
+    if "payload" not in envelope:
+        raise ValueError("request envelope has no payload")
+    return envelope["payload"]
+
+
+def encode_result(request_id: str, value: Any, max_bytes: int = DEFAULT_MAX_RESULT_BYTES) -> bytes:
+    """A success envelope; InvalidRequest(field='result') if the value is not sendable."""
+    body = _dumps(value, "result", max_bytes)
+    return b'{"v":%d,"id":%s,"ok":true,"value":%s}' % (
+        WIRE_VERSION, orjson.dumps(request_id), body)
+
+
+def encode_error(request_id: str, error_type: str, message: str) -> bytes:
+    return orjson.dumps({
+        "v": WIRE_VERSION,
+        "id": request_id,
+        "ok": False,
+        "error": {"type": error_type, "message": message[:4000]},
+    })
+
+
+@dataclass(frozen=True)
+class Result:
+    """A finished request: `value` when ok, else `error_type` and `message`."""
+
+    id: str
+    ok: bool
+    value: Any = None
+    error_type: str = ""
+    message: str = ""
+
+    def unwrap(self) -> Any:
+        """The value, or the request's error raised as an exception."""
+        if self.ok:
+            return self.value
+        raise self.exception()
+
+    def exception(self) -> RequestFailed:
+        if self.error_type == DEADLINE:
+            return DeadlineExceeded(self.id, self.message, self.error_type)
+        if self.error_type == CANCELLED:
+            return RequestCancelled(self.id, self.message, self.error_type)
+        return RequestFailed(self.id, self.message, self.error_type)
+
+
+def decode_result(data: bytes) -> Result:
+    envelope = orjson.loads(data)
+    if not isinstance(envelope, dict) or envelope.get("v") != WIRE_VERSION:
+        raise ValueError(f"result envelope has no supported version (want v={WIRE_VERSION})")
+    if envelope.get("ok"):
+        return Result(id=envelope["id"], ok=True, value=envelope.get("value"))
+    error = envelope.get("error") or {}
+    return Result(
+        id=envelope["id"],
+        ok=False,
+        error_type=str(error.get("type", "RequestFailed")),
+        message=str(error.get("message", "")),
+    )

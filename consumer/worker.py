@@ -6,6 +6,7 @@ and heartbeats while the model runs; any consumer re-queues batches whose lease 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -150,10 +151,8 @@ class Consumer:
             self.stopping.set()
             self._lease_stop.set()
             lease.join(timeout=5)
-            try:
+            with contextlib.suppress(redis.RedisError):
                 self.redis.zrem(self.keys.consumers, self.config.name)
-            except redis.RedisError:
-                pass
             log.info("consumer %s stopped after %d batches, %d requests", self.config.name,
                      self.batches_done, self.requests_done)
 

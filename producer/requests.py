@@ -32,7 +32,8 @@ def check_deadline(deadline_ms: Any) -> int:
     if deadline_ms is None:
         return 0
     if isinstance(deadline_ms, bool) or not isinstance(deadline_ms, (int, float)):
-        raise InvalidRequest("deadline_ms", f"must be a number of milliseconds, got {deadline_ms!r}")
+        raise InvalidRequest("deadline_ms",
+                             f"must be a number of milliseconds, got {deadline_ms!r}")
     if not 1 <= deadline_ms <= MAX_DEADLINE_MS:
         raise InvalidRequest("deadline_ms", f"{deadline_ms} is outside [1, {MAX_DEADLINE_MS}]")
     return int(deadline_ms)

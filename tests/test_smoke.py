@@ -1,4 +1,4 @@
-from producer import Producer, Priority
+from producer import Priority, Producer
 
 
 def test_round_trip(shared_redis, queue, start_consumer):

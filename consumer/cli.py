@@ -11,6 +11,7 @@ import click
 import orjson
 
 from consumer.loader import load_model
+from consumer.supervisor import supervise, supervisor_options, wants_supervisor
 from consumer.worker import Consumer, ConsumerConfig
 from scheduler_core.cli import policy_options, policy_values, queue_option, redis_url_option
 
@@ -56,18 +57,26 @@ def install_signal_handlers(consumer: Consumer) -> None:
               help="Device for torch models (cpu, cuda:0, ...), passed to the factory.")
 @click.option("--lease-ms", type=int, default=10_000, show_default=True,
               help="A batch whose lease is not renewed for this long is re-queued.")
+@click.option("--max-batch-ms", type=int, default=0, show_default=True,
+              help="A batch running longer than this is deemed hung: its lease lapses and "
+                   "another consumer re-runs it. 0 = never.")
 @click.option("--name", default="", help="Consumer name [default: host:pid:random].")
 @policy_options
+@supervisor_options
 def consumer_command(redis_url: str, queue: str, model_spec: str, model_arg: tuple[str, ...],
-                     device: str | None, lease_ms: int, name: str, **kwargs: Any) -> None:
+                     device: str | None, lease_ms: int, max_batch_ms: int, name: str,
+                     **kwargs: Any) -> None:
     """Pop batches from QUEUE and run MODEL on them until SIGTERM/SIGINT.
 
     The first consumer of a queue stores its policy; later ones adopt it, and one started
     with conflicting policy flags exits with an error.
     """
+    if wants_supervisor(kwargs):  # --replicas N / --devices: one child process each
+        raise SystemExit(supervise(click.get_current_context()))
+    metrics_port = kwargs.pop("metrics_port", None)
     policy = policy_values(kwargs)
     config = ConsumerConfig(redis_url=redis_url, queue=queue, lease_ms=lease_ms,
-                            policy=policy, name=name)
+                            max_batch_ms=max_batch_ms, policy=policy, name=name)
     model_kwargs = parse_model_args(model_arg)
     if device is not None:
         model_kwargs["device"] = device
@@ -75,6 +84,10 @@ def consumer_command(redis_url: str, queue: str, model_spec: str, model_arg: tup
     consumer = Consumer(model=_unloaded, config=config)
     consumer.start()
     install_signal_handlers(consumer)
+    if metrics_port:
+        from consumer.metrics import serve_metrics
+
+        serve_metrics(consumer, metrics_port)
     consumer.model = load_model(model_spec, model_kwargs)
     if consumer.stopping.is_set():
         return

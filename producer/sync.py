@@ -141,6 +141,7 @@ class Producer:
     def close(self) -> None:
         self._closed.set()
         if self._listener is not None:
+            self._wake_listener()
             self._listener.join(timeout=5)
         if self._owns_client:
             self._redis.close()
@@ -226,7 +227,20 @@ class Producer:
                 continue
             if popped:
                 for raw in popped[1]:
-                    self._deliver(raw)
+                    if raw:  # b"" is close()'s wake-up
+                        self._deliver(raw)
+
+    def _wake_listener(self) -> None:
+        """End the listener's blocking pop now instead of at its 1 s timeout: an empty
+        item in this producer's own inbox (skipped; it expires if never popped)."""
+        inbox = self.keys.inbox(self.id)
+        try:
+            pipe = self._redis.pipeline(transaction=False)
+            pipe.lpush(inbox, b"")
+            pipe.expire(inbox, 10)
+            pipe.execute()
+        except redis.RedisError:
+            pass  # the pop times out by itself
 
     def _poll(self, handle: Handle) -> bool:
         """Resolve `handle` from its stored result, if there is one."""

@@ -7,7 +7,7 @@ from typing import Any
 
 import redis
 
-from scheduler_core.errors import PolicyConflict
+from scheduler_core.errors import InvalidPolicy, PolicyConflict
 from scheduler_core.keys import QueueKeys
 from scheduler_core.policy import Policy, Priority
 from scheduler_core.scripts import source
@@ -27,6 +27,9 @@ def store_policy(client: redis.Redis, queue: str, policy: Policy, replace: bool)
     for field, value in policy.to_redis().items():
         args += [field, value]
     reply = client.eval(source("configure"), 1, keys.policy, *args)
+    if int(reply[0]) < 0:
+        field = reply[1].decode() if isinstance(reply[1], bytes) else str(reply[1])
+        raise InvalidPolicy(field, "rejected by configure.lua")
     return Policy.from_redis(_pairs(reply[1:]))
 
 
@@ -90,6 +93,11 @@ def _percentiles(samples_us: list[bytes]) -> dict[str, float | None]:
     return {"p50": pick(0.50), "p99": pick(0.99), "samples": len(values)}
 
 
+def _policy_values(policy: Policy) -> dict[str, Any]:
+    """The policy as JSON values: numbers as numbers (Redis stores them as strings)."""
+    return {**asdict(policy), "strategy": policy.strategy.value}
+
+
 def queue_stats(client: redis.Redis, queue: str) -> QueueStats:
     keys = QueueKeys(queue)
     pipe = client.pipeline(transaction=True)
@@ -115,7 +123,7 @@ def queue_stats(client: redis.Redis, queue: str) -> QueueStats:
     batches = counters.get("batches", 0)
     return QueueStats(
         queue=queue,
-        policy=Policy.from_redis(policy).to_redis() if policy else None,
+        policy=_policy_values(Policy.from_redis(policy)) if policy else None,
         depth={p.name.lower(): n for p, n in zip(Priority, (d0, d1, d2), strict=True)},
         in_flight_requests=owned,
         in_flight_batches=batches_in_flight,

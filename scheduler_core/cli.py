@@ -19,6 +19,10 @@ LAZY_COMMANDS = {
     "consumer": "consumer.cli:consumer_command",
     "submit": "producer.cli:submit_command",
     "demo": "producer.demo:demo_command",
+    "bench": "producer.bench:bench_command",
+    "bulk": "producer.bulk_cli:bulk_group",
+    "dead-letter": "scheduler_core.deadletter:dead_letter_group",
+    "gateway": "producer.gateway_cli:gateway_command",
 }
 
 redis_url_option = click.option(

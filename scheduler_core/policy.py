@@ -39,6 +39,9 @@ class Strategy(str, enum.Enum):
     DYNAMIC = "dynamic"  # arrival order, batch released when full or when the oldest is due
     PRIORITY = "priority"  # HIGH at once, NORMAL by the dynamic rule, LOW when idle, aging
 
+    def __str__(self) -> str:  # "fifo", as users type it (not "Strategy.FIFO")
+        return self.value
+
 
 # (minimum, maximum) of each integer field; 0 means "off" where the field allows it.
 LIMITS: dict[str, tuple[int, int]] = {

@@ -7,6 +7,22 @@ local function now_us()
   return tonumber(t[1]) * 1000000 + tonumber(t[2])
 end
 
+-- An integer argument in [lo, hi] written as plain decimal digits, else nil. tonumber()
+-- alone accepts 'nan', 'inf', '1e300', '0x1f' and '1.5', which would reach a command
+-- (EX, ZADD, LIMIT) and fail half-way through a script, after some of its writes.
+local function int_arg(s, lo, hi)
+  if type(s) ~= 'string' or #s > 16 or not string.match(s, '^%-?%d+$') then return nil end
+  local n = tonumber(s)
+  if n < lo or n > hi then return nil end
+  return n
+end
+
+-- A request id or producer id as producers make them (uuid hex): 1-128 characters from
+-- letters, digits, '_', '.', '-'. Anything else was written by hand.
+local function valid_id(s)
+  return #s >= 1 and #s <= 128 and not string.find(s, '[^%w_.%-]')
+end
+
 -- Integers as exact decimal strings (tostring() would print 1.7e+15).
 local function int(n)
   return string.format('%.0f', n)
@@ -15,8 +31,8 @@ end
 -- meta value: "orig_prio:arrival_us:deadline_us:attempts:producer"
 local function parse_meta(raw)
   if not raw then return nil end
-  local p, a, d, n, producer = string.match(raw, '^(%d):(%d+):(%d+):(%d+):(.*)$')
-  if not p then return nil end
+  local p, a, d, n, producer = string.match(raw, '^([0-2]):(%d+):(%d+):(%d+):(.*)$')
+  if not p or #a > 17 or #d > 17 or #n > 9 then return nil end  -- absurd: by hand
   return {prio = tonumber(p), arrival = tonumber(a), deadline = tonumber(d),
           attempts = tonumber(n), producer = producer}
 end

@@ -22,6 +22,8 @@ Errors   {-3, field} malformed argument
 -- @include _common.lua
 
 if ARGV[4] ~= 'cancelled' and ARGV[4] ~= 'expired' then return {-3, 'counter'} end
+if not int_arg(ARGV[2], 1, 315360000) then return {-3, 'result_ttl_s'} end
+if #ARGV ~= 4 or #KEYS ~= 9 then return {-3, 'args'} end
 
 local id = ARGV[1]
 if redis.call('HEXISTS', KEYS[6], id) == 1 then return 2 end

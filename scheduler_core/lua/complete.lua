@@ -15,7 +15,8 @@ KEYS[11+2i] {bg:q}:inbox:<producer_i>    its producer's inbox (any key if it has
 ARGV[1]  batch id (the fencing token returned by pop_batch)
 ARGV[2]  result TTL, seconds
 ARGV[3]  n, number of results (1..4096)
-ARGV[4+3i..6+3i] for result i: id, outcome ('ok' | 'err' | 'dead'), result envelope
+ARGV[4+3i..6+3i] for result i: id, outcome ('ok' | 'err' | 'dead' | 'expired'), result
+         envelope; 'expired' (deadline passed, not run) counts as expired, not failed
 
 Returns  {accepted, refused, remaining}: results written; results refused because the
          request is not (or no longer) in this batch; requests of the batch still open.
@@ -30,15 +31,19 @@ Work is bounded by n plus the batch's size.
 -- @include _common.lua
 
 local batch_id = ARGV[1]
-local ttl, n = tonumber(ARGV[2]), tonumber(ARGV[3])
-if not ttl or ttl < 1 then return {-3, 'result_ttl_s'} end
-if not n or n < 1 or n > 4096 or #ARGV ~= 3 + 3 * n or #KEYS ~= 9 + 2 * n then
+local ttl, n = int_arg(ARGV[2], 1, 315360000), int_arg(ARGV[3], 1, 4096)
+if not ttl then return {-3, 'result_ttl_s'} end
+if not n or #ARGV ~= 3 + 3 * n or #KEYS ~= 9 + 2 * n then
   return {-3, 'n'}
+end
+local outcomes = {ok = true, err = true, dead = true, expired = true}
+for i = 0, n - 1 do
+  if not outcomes[ARGV[5 + 3 * i]] then return {-3, 'outcome'} end
 end
 if not redis.call('ZSCORE', KEYS[1], batch_id) then return {-1} end
 
 local now = now_us()
-local accepted, refused, failed = 0, 0, 0
+local accepted, refused, failed, expired = 0, 0, 0, 0
 local e2e = {}
 for i = 0, n - 1 do
   local id, outcome, envelope = ARGV[4 + 3 * i], ARGV[5 + 3 * i], ARGV[6 + 3 * i]
@@ -60,7 +65,11 @@ for i = 0, n - 1 do
       redis.call('HDEL', KEYS[4], id)
       redis.call('HDEL', KEYS[5], id)
     end
-    if outcome ~= 'ok' then failed = failed + 1 end
+    if outcome == 'expired' then
+      expired = expired + 1
+    elseif outcome ~= 'ok' then
+      failed = failed + 1
+    end
     accepted = accepted + 1
   end
 end
@@ -74,8 +83,22 @@ if remaining == 0 then
   redis.call('HDEL', KEYS[2], batch_id)
 end
 if accepted > 0 then
-  redis.call('HINCRBY', KEYS[6], 'processed', accepted - failed)
+  redis.call('HINCRBY', KEYS[6], 'processed', accepted - failed - expired)
   redis.call('HINCRBY', KEYS[6], 'failed', failed)
+  if expired > 0 then redis.call('HINCRBY', KEYS[6], 'expired', expired) end
+  -- Recent service rate (enqueue's retry-after hint): completions counted over windows of
+  -- at least 1 s; rate_mrps = the last window's rate in milli-requests per second. A
+  -- window longer than 10 s spanned an idle gap and is not published.
+  local w = redis.call('HMGET', KEYS[6], 'rate_since_us', 'rate_count')
+  local since, count = tonumber(w[1]), (tonumber(w[2]) or 0) + accepted
+  if not since or now - since >= 1000000 then
+    if since and now - since <= 10000000 then
+      redis.call('HSET', KEYS[6], 'rate_mrps', int(count * 1e9 / (now - since)))
+    end
+    redis.call('HSET', KEYS[6], 'rate_since_us', int(now), 'rate_count', 0)
+  else
+    redis.call('HSET', KEYS[6], 'rate_count', count)
+  end
 end
 if #e2e > 0 then
   redis.call('LPUSH', KEYS[7], unpack(e2e))

@@ -8,19 +8,23 @@ KEYS[5]  {bg:q}:jobs        hash   id -> envelope
 KEYS[6]  {bg:q}:meta        hash   id -> meta
 KEYS[7]  {bg:q}:clock       string last arrival score issued
 KEYS[8]  {bg:q}:marker      zset   wake-up marker for idle consumers
-KEYS[9..] {bg:q}:idem:<key> string one per request whose idem flag is 1, in order
+KEYS[9]  {bg:q}:stats       hash   read on rejection: the recent service rate
+KEYS[10..] {bg:q}:idem:<key> string one per request whose idem flag is 1, in order
 
 ARGV[1]  producer id (owner of the inbox results go to; may be empty)
+         ids: 1-128 characters from letters, digits, '_', '.', '-'
 ARGV[2]  n, the number of requests (1..10000)
-ARGV[3]  idempotency key TTL in seconds
-ARGV[4+5i..8+5i] for request i: id, priority (0|1|2), deadline_ms (0 = none),
-         envelope bytes, idem flag (0|1)
+ARGV[3]  idempotency key TTL in seconds (1..315360000)
+ARGV[4+5i..8+5i] for request i: id, priority (0|1|2), deadline_ms
+         (0 = none, ..86400000), envelope bytes, idem flag (0|1)
+Integer arguments are plain decimal digits ('1.5', 'nan', '1e3' are malformed).
 
 Returns  {1, added, depth_after, id_1 .. id_n}  where id_i is the id now holding request
          i: its own, or the earlier request's id when its idempotency key was seen before.
          An id that is already queued or in flight is not added again, so a client may
          resend an enqueue whose reply it lost.
-Errors   {-1, depth, max_queue_size, adding}  queue full, nothing written
+Errors   {-1, depth, max_queue_size, adding, rate_mrps}  queue full, nothing written;
+         rate_mrps: recent service rate (milli-requests/s; 0 = none measured lately)
          {-3, field}                          malformed argument, nothing written
 
 Arrival scores come from TIME and are strictly increasing per queue, so ties keep
@@ -28,12 +32,12 @@ arrival order. Work is bounded by n.
 ]]
 -- @include _common.lua
 
-local n = tonumber(ARGV[2])
-if not n or n < 1 or n > 10000 or #ARGV ~= 3 + 5 * n then return {-3, 'n'} end
-local idem_ttl = tonumber(ARGV[3])
-if not idem_ttl or idem_ttl < 1 then return {-3, 'idempotency_ttl'} end
+local n = int_arg(ARGV[2], 1, 10000)
+if not n or #ARGV ~= 3 + 5 * n then return {-3, 'n'} end
+local idem_ttl = int_arg(ARGV[3], 1, 315360000)
+if not idem_ttl then return {-3, 'idempotency_ttl'} end
 local producer = ARGV[1]
-if string.find(producer, '[:|,]') then return {-3, 'producer'} end
+if producer ~= '' and not valid_id(producer) then return {-3, 'producer'} end
 
 local policy = redis.call('HMGET', KEYS[1], 'strategy', 'max_batch_size', 'max_queue_size')
 local strategy = policy[1] or 'fifo'
@@ -46,13 +50,15 @@ local total = depth[1] + depth[2] + depth[3]
 
 -- Pass 1: validate, resolve idempotency keys, count what is really new.
 local effective, fresh, seen_keys = {}, 0, {}
-local key_index = 9
+local key_index = 10
 for i = 0, n - 1 do
   local base = 4 + 5 * i
-  local id, prio, deadline_ms = ARGV[base], tonumber(ARGV[base + 1]), tonumber(ARGV[base + 2])
-  if id == '' or string.find(id, '[:|,]') then return {-3, 'id'} end
-  if prio ~= 0 and prio ~= 1 and prio ~= 2 then return {-3, 'priority'} end
-  if not deadline_ms or deadline_ms < 0 then return {-3, 'deadline_ms'} end
+  local id, prio = ARGV[base], int_arg(ARGV[base + 1], 0, 2)
+  local deadline_ms = int_arg(ARGV[base + 2], 0, 86400000)
+  if not valid_id(id) then return {-3, 'id'} end
+  if not prio then return {-3, 'priority'} end
+  if not deadline_ms then return {-3, 'deadline_ms'} end
+  if ARGV[base + 4] ~= '0' and ARGV[base + 4] ~= '1' then return {-3, 'idempotency_key'} end
   local existing = false
   if ARGV[base + 4] == '1' then
     local key = KEYS[key_index]
@@ -69,13 +75,21 @@ for i = 0, n - 1 do
     fresh = fresh + 1
   end
 end
-if limit > 0 and total + fresh > limit then return {-1, total, limit, fresh} end
+if limit > 0 and total + fresh > limit then
+  -- The rate complete.lua measured, decayed when no window has closed for over 2 s
+  -- (consumers stalled or gone): then it is at most rate_count / time since.
+  local r = redis.call('HMGET', KEYS[9], 'rate_mrps', 'rate_since_us', 'rate_count')
+  local rate, since = tonumber(r[1]) or 0, tonumber(r[2])
+  local idle = since and (now_us() - since) or 0
+  if idle > 2000000 then rate = math.min(rate, (tonumber(r[3]) or 0) * 1e9 / idle) end
+  return {-1, total, limit, fresh, int(rate)}
+end
 
 -- Pass 2: write.
 local now = now_us()
 local last = tonumber(redis.call('GET', KEYS[7]) or '0')
 local wake = (strategy == 'fifo')
-key_index = 9
+key_index = 10
 for i = 0, n - 1 do
   local base = 4 + 5 * i
   local id, prio, deadline_ms = ARGV[base], tonumber(ARGV[base + 1]), tonumber(ARGV[base + 2])

@@ -13,8 +13,9 @@ Errors   {-3, field} malformed argument
 ]]
 -- @include _common.lua
 
-local lease_ms = tonumber(ARGV[3])
-if not lease_ms or lease_ms < 100 or lease_ms > 86400000 then return {-3, 'lease_ms'} end
+local lease_ms = int_arg(ARGV[3], 100, 86400000)
+if not lease_ms then return {-3, 'lease_ms'} end
+if #ARGV ~= 3 or ARGV[1] == '' then return {-3, 'consumer'} end
 local now = now_us()
 redis.call('ZADD', KEYS[2], int(now), ARGV[1])
 if ARGV[2] == '' then return 1 end

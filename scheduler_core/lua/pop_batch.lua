@@ -21,9 +21,11 @@ KEYS[8]  {bg:q}:inflight    zset  batch id -> lease deadline (µs)
 KEYS[9]  {bg:q}:batches     hash  batch id -> "consumer|ids"
 KEYS[10] {bg:q}:seq         string batch id counter
 KEYS[11] {bg:q}:marker      zset  wake-up marker
-KEYS[12] {bg:q}:consumers   zset  consumer -> last heartbeat (µs)
+KEYS[12] {bg:q}:consumers   zset  consumer -> last heartbeat (µs); pruned after 1 h
 KEYS[13] {bg:q}:stats       hash  counters
 KEYS[14] {bg:q}:samples:wait list recent queue waits (µs)
+KEYS[15] {bg:q}:dead        zset  dead-lettered id -> time (µs)
+KEYS[16] {bg:q}:dead:reason hash  dead-lettered id -> error envelope
 
 ARGV[1]  consumer name (no '|')
 ARGV[2]  lease in ms (100..86400000)
@@ -35,27 +37,41 @@ Returns  {batch_id, now_us, lease_deadline_us, then per request 7 values:
                 'exhausted' (max_attempts deliveries used: dead-letter it)
          {0, wait_ms}  nothing due; wait_ms until the next request falls due, -1 if none
 Errors   {-1}  queue has no policy (no consumer configured it yet)
-         {-3, field} malformed argument
+         {-3, field} malformed argument, or {-3, 'policy'}: the stored policy is unreadable;
+               nothing written
 
+A request delivered before (its batch was re-queued after a crash or hang) is returned
+in a batch of its own, so that a poison payload fails alone. A member whose id no producer
+makes (written by hand) is dead-lettered here, never delivered; if that leaves nothing,
+the reply is {0, 0} (pop again at once).
 Work is bounded: at most 2 x max_batch_size promotions and max_batch_size pops per call.
 ]]
 -- @include _common.lua
 
-local consumer, lease_ms = ARGV[1], tonumber(ARGV[2])
-if consumer == '' or string.find(consumer, '|') then return {-3, 'consumer'} end
-if not lease_ms or lease_ms < 100 or lease_ms > 86400000 then return {-3, 'lease_ms'} end
+local consumer, lease_ms = ARGV[1], int_arg(ARGV[2], 100, 86400000)
+if type(consumer) ~= 'string' or consumer == '' or string.find(consumer, '|') then
+  return {-3, 'consumer'}
+end
+if not lease_ms then return {-3, 'lease_ms'} end
 
 local policy = redis.call('HMGET', KEYS[1], 'strategy', 'max_batch_size',
                           'max_queue_delay_ms', 'aging_ms', 'max_attempts')
 if not policy[1] then return {-1} end
 local strategy = policy[1]
-local batch_size = tonumber(policy[2])
-local delay = tonumber(policy[3]) * 1000
-local aging = tonumber(policy[4]) * 1000
-local max_attempts = tonumber(policy[5])
+local batch_size = int_arg(policy[2], 1, 4096)
+local delay = int_arg(policy[3], 0, 600000)
+local aging = int_arg(policy[4], 0, 86400000)
+local max_attempts = int_arg(policy[5], 1, 100)
+if not (batch_size and delay and aging and max_attempts) or (strategy ~= 'fifo'
+    and strategy ~= 'dynamic' and strategy ~= 'priority') then
+  return {-3, 'policy'}  -- altered by hand: nothing written
+end
+delay, aging = delay * 1000, aging * 1000
 
 local now = now_us()
 redis.call('ZADD', KEYS[12], int(now), consumer)
+-- Forget consumers silent for an hour, so the set does not grow with every restart.
+redis.call('ZREMRANGEBYSCORE', KEYS[12], '-inf', int(now - 3600000000))
 
 local function move(from, to, id, score)
   redis.call('ZREM', KEYS[2 + from], id)
@@ -137,17 +153,50 @@ else
   end
 end
 
+-- A request delivered before whose batch never completed (its consumer crashed, hung or
+-- lost its lease) runs in a batch of its own, so a payload that kills its consumer cannot
+-- drag its batch-mates to max_attempts with it.
+local metas, kept = {}, {}
+for _, c in ipairs(chosen) do
+  if valid_id(c.id) then
+    kept[#kept + 1] = c
+  else
+    redis.call('ZREM', KEYS[2 + c.level], c.id)
+    redis.call('ZADD', KEYS[15], int(now), c.id)
+    redis.call('HSET', KEYS[16], c.id, cjson.encode({v = 1, id = c.id, ok = false,
+      error = {type = 'MalformedRequest', message = 'request id written by hand: not ' ..
+               '1-128 characters from letters, digits, _ . -'}}))
+  end
+end
+chosen = kept
+if #chosen == 0 then return {0, 0} end
+for i, c in ipairs(chosen) do
+  local m = parse_meta(redis.call('HGET', KEYS[6], c.id))
+  local retried = m and m.attempts > 0
+  if retried and i > 1 then
+    for j = #chosen, i, -1 do chosen[j] = nil end
+    break
+  end
+  metas[i] = m
+  if retried then
+    for j = #chosen, 2, -1 do chosen[j] = nil end
+    break
+  end
+end
+
 local batch_id = redis.call('INCR', KEYS[10])
 local lease_deadline = now + lease_ms * 1000
 local reply = {batch_id, int(now), int(lease_deadline)}
 local ids, waits = {}, {}
-for _, c in ipairs(chosen) do
+for i, c in ipairs(chosen) do
   local id = c.id
   redis.call('ZREM', KEYS[2 + c.level], id)
   -- A member without (valid) meta was written by hand: deliver it once, marked so the
   -- consumer dead-letters it instead of crashing.
-  local m = parse_meta(redis.call('HGET', KEYS[6], id)) or
-    {prio = c.level, arrival = c.score, deadline = 0, attempts = max_attempts, producer = ''}
+  local arrival = c.score
+  if arrival ~= arrival or arrival == math.huge or arrival == -math.huge then arrival = now end
+  local m = metas[i] or
+    {prio = c.level, arrival = arrival, deadline = 0, attempts = max_attempts, producer = ''}
   local state = 'run'
   if m.attempts >= max_attempts then
     state = 'exhausted'

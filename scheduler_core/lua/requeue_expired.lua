@@ -20,8 +20,8 @@ Errors   {-3, field} malformed argument
 ]]
 -- @include _common.lua
 
-local limit = tonumber(ARGV[1])
-if not limit or limit < 1 or limit > 1000 then return {-3, 'limit'} end
+local limit = int_arg(ARGV[1], 1, 1000)
+if not limit then return {-3, 'limit'} end
 local now = now_us()
 local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', int(now), 'LIMIT', 0, limit)
 local requeued = 0

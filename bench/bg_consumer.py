@@ -1,0 +1,71 @@
+"""One batchgate consumer process for `batchgate bench`.
+
+It runs `consumer.worker.Consumer` exactly as `batchgate consumer` does (same loop, same
+scripts, the queue's stored policy), with one addition: the model is wrapped so that each
+result carries the timestamps of its batch, which the benchmark reads back at the
+producer. Per request it returns {"r": <model result>, "s": [enqueue_us (Redis TIME),
+pop_us (Redis TIME), model_start_us, model_end_us, batch_size, pid]}; the first two come
+from the batch in hand (`Consumer._current`), the others from time.time(). All clocks are
+the same host clock, so the stamps compare across processes.
+
+Prints "ready" on stdout once the model is loaded, waits for the start signal (bench/
+_gate.py), runs; the benchmark SIGKILLs it when the run is over (its queue is deleted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from typing import Any
+
+import orjson
+from _gate import guard_parent, ready_then_wait
+
+from consumer.loader import load_model
+from consumer.worker import Consumer, ConsumerConfig
+
+
+class Stamped:
+    def __init__(self, inner: Any, consumer: Consumer):
+        self.inner = inner
+        self.consumer = consumer
+        self.pid = os.getpid()
+
+    def __call__(self, payloads: list[Any]) -> list[Any]:
+        batch = getattr(self.consumer, "_current", None)
+        t0 = time.time()
+        out = self.inner(payloads)
+        t1 = time.time()
+        n = len(payloads)
+        items = [it for it in batch.items if it.state == "run"] if batch is not None else []
+        if len(items) != n:  # not expected in a benchmark: no expired or malformed items
+            enq, popped = [0] * n, 0
+        else:
+            enq, popped = [it.arrival_us for it in items], batch.popped_us
+        t0_us, t1_us = int(t0 * 1e6), int(t1 * 1e6)
+        return [{"r": r, "s": [e, popped, t0_us, t1_us, n, self.pid]}
+                for r, e in zip(out, enq, strict=True)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--redis-url", required=True)
+    parser.add_argument("--queue", required=True)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--model-args", default="{}", help="JSON object of factory kwargs")
+    parser.add_argument("--name", default="")
+    parser.add_argument("--go", required=True, help="start-gate list key")
+    args = parser.parse_args()
+    guard_parent()
+    consumer = Consumer(model=lambda payloads: payloads,
+                        config=ConsumerConfig(redis_url=args.redis_url, queue=args.queue,
+                                              name=args.name))
+    consumer.start()  # adopts the policy the benchmark stored for this queue
+    consumer.model = Stamped(load_model(args.model, orjson.loads(args.model_args)), consumer)
+    ready_then_wait(args.redis_url, args.go)
+    consumer.run()
+
+
+if __name__ == "__main__":
+    main()

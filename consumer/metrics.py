@@ -1,0 +1,135 @@
+"""Prometheus metrics of one consumer: `batchgate consumer --metrics-port PORT` serves
+them at http://HOST:PORT/metrics (needs `prometheus_client`, the `metrics` extra).
+
+| metric                                      | type      | labels                      |
+|---------------------------------------------|-----------|-----------------------------|
+| `batchgate_queue_depth`                     | gauge     | queue, priority             |
+| `batchgate_queue_in_flight_requests`        | gauge     | queue                       |
+| `batchgate_consumer_queue_wait_seconds`     | histogram | queue, priority             |
+| `batchgate_consumer_batch_size`             | histogram | queue                       |
+| `batchgate_consumer_model_seconds`          | histogram | queue                       |
+| `batchgate_consumer_requests_total`         | counter   | queue, outcome              |
+| `batchgate_consumer_redis_up`               | gauge     | queue                       |
+
+Depth and in-flight are read from Redis at scrape time (the whole queue, every consumer).
+The rest describe this consumer's batches: queue wait is enqueue to pop by Redis' clock,
+labelled with the priority the request was served at (aging may promote it); batch size
+counts the requests the model ran; outcome is ok, failed, expired (deadline passed before
+it ran) or dead_letter.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import orjson
+import redis
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from consumer.worker import Batch, Consumer
+from scheduler_core.keys import QueueKeys
+from scheduler_core.policy import Priority
+from scheduler_core.wire import DEADLINE
+
+log = logging.getLogger("batchgate.metrics")
+
+WAIT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                30.0, 60.0, 300.0, 1800.0)
+MODEL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                 30.0, 60.0)
+SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
+OUTCOMES = ("ok", "failed", "expired", "dead_letter")
+
+
+class DepthCollector(Collector):
+    """Queue depth per priority and requests in flight, read from Redis at each scrape."""
+
+    def __init__(self, client: redis.Redis, queue: str):
+        self.client, self.queue, self.keys = client, queue, QueueKeys(queue)
+
+    def collect(self) -> Iterator[Metric]:
+        up = GaugeMetricFamily("batchgate_consumer_redis_up",
+                               "1 if the last scrape could read the queue from Redis.",
+                               labels=["queue"])
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            for key in self.keys.pending_all:
+                pipe.zcard(key)
+            pipe.hlen(self.keys.owner)
+            *depths, owned = pipe.execute()
+        except redis.RedisError as exc:
+            log.debug("metrics scrape cannot read Redis: %s", exc)
+            up.add_metric([self.queue], 0)
+            yield up
+            return
+        up.add_metric([self.queue], 1)
+        yield up
+        depth = GaugeMetricFamily("batchgate_queue_depth", "Requests waiting, per priority.",
+                                  labels=["queue", "priority"])
+        for level, count in zip(Priority, depths, strict=True):
+            depth.add_metric([self.queue, level.name.lower()], count)
+        yield depth
+        in_flight = GaugeMetricFamily("batchgate_queue_in_flight_requests",
+                                      "Requests in a batch being run.", labels=["queue"])
+        in_flight.add_metric([self.queue], owned)
+        yield in_flight
+
+
+class ConsumerMetrics:
+    """The consumer's batch observer: called once per batch, before its completion."""
+
+    def __init__(self, queue: str, client: redis.Redis,
+                 registry: CollectorRegistry | None = None):
+        self.queue = queue
+        self.registry = registry or CollectorRegistry()
+        self.registry.register(DepthCollector(client, queue))
+        self.wait = Histogram("batchgate_consumer_queue_wait_seconds",
+                              "Enqueue to pop, per priority served at.", ["queue", "priority"],
+                              buckets=WAIT_BUCKETS, registry=self.registry)
+        self.size = Histogram("batchgate_consumer_batch_size", "Requests the model ran at once.",
+                              ["queue"], buckets=SIZE_BUCKETS, registry=self.registry)
+        self.model = Histogram("batchgate_consumer_model_seconds", "Model time per batch.",
+                               ["queue"], buckets=MODEL_BUCKETS, registry=self.registry)
+        self.outcomes = Counter("batchgate_consumer_requests", "Requests answered, by outcome.",
+                                ["queue", "outcome"], registry=self.registry)
+        for outcome in OUTCOMES:
+            self.outcomes.labels(queue, outcome)  # exported at 0 from the start
+
+    def on_batch(self, batch: Batch, ran: int, model_us: int,
+                 outcomes: dict[str, tuple[str, bytes]]) -> None:
+        try:
+            for item in batch.items:
+                level = Priority(item.level).name.lower() if 0 <= item.level <= 2 else "other"
+                self.wait.labels(self.queue, level).observe(
+                    max(0, batch.popped_us - item.arrival_us) / 1e6)
+            if ran:
+                self.size.labels(self.queue).observe(ran)
+                self.model.labels(self.queue).observe(model_us / 1e6)
+            for kind, envelope in outcomes.values():
+                self.outcomes.labels(self.queue, outcome_of(kind, envelope)).inc()
+        except Exception:  # metrics must never stop the consumer
+            log.exception("metrics observer failed")
+
+
+def outcome_of(kind: str, envelope: bytes) -> str:
+    if kind == "ok":
+        return "ok"
+    if kind == "dead":
+        return "dead_letter"
+    try:
+        error_type = orjson.loads(envelope)["error"]["type"]
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return "failed"
+    return "expired" if error_type == DEADLINE else "failed"
+
+
+def serve_metrics(consumer: Consumer, port: int, host: str = "0.0.0.0") -> ConsumerMetrics:
+    """Attach metrics to `consumer` and serve them on http://host:port/metrics."""
+    metrics = ConsumerMetrics(consumer.config.queue, consumer.redis)
+    start_http_server(port, addr=host, registry=metrics.registry)
+    consumer.observer = metrics
+    log.info("metrics on http://%s:%d/metrics", host, port)
+    return metrics

@@ -1,0 +1,762 @@
+"""`batchgate bench`: batchgate's strategies against each other, RQ, an in-process batcher
+and the raw-Redis limit, in one run, on one machine, against one Redis.
+
+What it runs (docs/benchmarks.md has the results and how to read them):
+
+- an open-loop load generator (arrivals never wait for answers): Poisson at rate λ, a
+  bursty mode (the seed's "50 requests within 100 ms" on top of λ=10) and a backlog mode
+  (every request at t=0, to measure capacity); priorities mixed 10% HIGH / 60% NORMAL /
+  30% LOW; arrivals, priorities and payloads come from a fixed seed;
+- systems: batchgate (`bench/bg_consumer.py`: the real Consumer loop, model wrapped to
+  stamp its batches), RQ (`bench/rq_worker.py`: one job per request, `SimpleWorker`, model
+  loaded once per worker), an asyncio batcher with the same rules and no Redis
+  (`bench/inprocess.py`), and the raw-Redis ceiling (`bench/raw_consumer.py`: enqueue,
+  pop, complete, deliver as plain pipelined commands);
+- per request: intended arrival, submit, enqueue (Redis time), pop (Redis time), batch
+  start, batch end, result seen; summarised with HdrHistogram (producer/bench_stats.py);
+- output: results.json, results.md and PNG plots (bench/plots.py) in --out.
+
+The producer side of every system runs in this process; consumers and workers are child
+processes started from the checkout's `bench/` folder, so the command needs a checkout
+(an editable install: `pip install -e .[bench]`). Without --redis-url it starts a private
+redis-server and kills it at the end; with one it only creates keys containing its run id
+and deletes them when done.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import os
+import platform
+import random
+import select
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import click
+import orjson
+import redis
+
+from producer.sync import Producer
+from scheduler_core.admin import store_policy
+from scheduler_core.keys import QueueKeys
+from scheduler_core.policy import Policy
+
+REPO = Path(__file__).resolve().parent.parent
+BENCH_DIR = REPO / "bench"
+PRIORITIES = ("high", "normal", "low")
+MIX = (0.1, 0.6, 0.3)  # HIGH, NORMAL, LOW
+MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "noop": ("consumer.models:noop", {}),
+    "synthetic": ("consumer.models:synthetic", {"base_ms": 5.0, "per_item_ms": 0.5}),
+    "tiny_text": ("consumer.models:tiny_text", {}),
+}
+SUBMIT_CHUNK = 10_000  # Producer.submit_many's limit per call
+READY_TIMEOUT_S = 90.0
+
+
+# -- workload -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Workload:
+    """Arrival process. `kind`: poisson (rate λ for duration_s), bursty (poisson plus
+    `burst_size` requests spread over `burst_window_s` every `burst_every_s`), backlog
+    (`count` requests, all at t=0)."""
+
+    kind: str
+    rate: float = 0.0
+    duration_s: float = 0.0
+    count: int = 0
+    seed: int = 1
+    model: str = "noop"
+    burst_size: int = 50
+    burst_window_s: float = 0.1
+    burst_every_s: float = 2.0
+
+    def arrivals(self) -> tuple[list[float], list[int], list[Any]]:
+        """(offsets in s, priorities 0-2, payloads), sorted by offset."""
+        rng = random.Random(self.seed)
+        times: list[float] = []
+        if self.kind == "backlog":
+            times = [0.0] * self.count
+        else:
+            at = rng.expovariate(self.rate)
+            while at < self.duration_s:
+                times.append(at)
+                at += rng.expovariate(self.rate)
+            if self.kind == "bursty":
+                start = self.burst_every_s / 2
+                while start < self.duration_s:
+                    times += [start + rng.random() * self.burst_window_s
+                              for _ in range(self.burst_size)]
+                    start += self.burst_every_s
+                times.sort()
+            elif self.kind != "poisson":
+                raise ValueError(f"unknown workload kind {self.kind!r}")
+        prios = rng.choices((0, 1, 2), weights=MIX, k=len(times))
+        if self.model == "tiny_text":
+            payloads: list[Any] = [{"tokens": [rng.randrange(1, 1000)
+                                               for _ in range(rng.randint(4, 64))]}
+                                   for _ in times]
+        else:
+            payloads = [{"i": i} for i in range(len(times))]
+        return times, prios, payloads
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    section: str
+    system: str  # batchgate | rq | raw | inprocess
+    model: str  # key of MODELS
+    workload: Workload
+    consumers: int
+    strategy: str = "dynamic"
+    max_batch_size: int = 32
+    max_queue_delay_ms: int = 50
+    aging_ms: int = 1000
+    grace_s: float = 3.0  # after the last arrival, how long to wait for stragglers
+
+    def policy(self) -> Policy:
+        return Policy.build(self.strategy, max_batch_size=self.max_batch_size,
+                            max_queue_delay_ms=self.max_queue_delay_ms,
+                            aging_ms=self.aging_ms)
+
+    def label(self) -> str:
+        w = self.workload
+        load = f"backlog {w.count}" if w.kind == "backlog" else f"{w.kind} λ={w.rate:g}"
+        strat = "" if self.system in ("rq", "raw") else \
+            f" {self.strategy}(b≤{self.max_batch_size})"
+        return f"{self.system}{strat} {self.model} {load} N={self.consumers}"
+
+
+# -- child processes ------------------------------------------------------------------
+def _child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    paths = [str(REPO), str(BENCH_DIR)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH")
+                                           else [])
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        env[var] = "1"  # one thread per worker: the host's cores are shared by everything
+    return env
+
+
+class Child:
+    """A bench/ script as a child process that prints "ready" once it can work."""
+
+    def __init__(self, script: str, args: list[str], log_path: Path):
+        self.argv = [sys.executable, str(BENCH_DIR / script), *args]
+        self.log_path = log_path
+        self._log = log_path.open("ab")
+        self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=self._log,
+                                     env=_child_env(), cwd=str(BENCH_DIR),
+                                     start_new_session=True)
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        assert self.proc.stdout is not None
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([self.proc.stdout], [], [], 0.05)
+            if ready and b"ready" in self.proc.stdout.readline():
+                return
+            if self.proc.poll() is not None:
+                break
+        self.kill()
+        raise click.ClickException(
+            f"{shlex.join(self.argv)} did not start:\n{self.log_path.read_text()[-3000:]}")
+
+    def cpu_s(self) -> float:
+        """User + system CPU seconds used so far (Linux /proc; 0 elsewhere)."""
+        try:
+            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, IndexError, ValueError):
+            return 0.0
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        self._log.close()
+
+
+def start_children(specs: list[tuple[str, list[str]]], log_dir: Path, tag: str) -> list[Child]:
+    children: list[Child] = []
+    try:
+        for i, (script, args) in enumerate(specs):
+            children.append(Child(script, args, log_dir / f"{tag}-{i}.log"))
+        for child in children:
+            child.wait_ready()
+    except BaseException:
+        for child in children:
+            child.kill()
+        raise
+    return children
+
+
+# -- the shared context ---------------------------------------------------------------
+@dataclass
+class Context:
+    redis_url: str
+    out: Path
+    run_id: str
+    client: redis.Redis = field(init=False)
+    counter: int = 0
+
+    def __post_init__(self) -> None:
+        self.client = redis.Redis.from_url(self.redis_url)
+        (self.out / "logs").mkdir(parents=True, exist_ok=True)
+
+    def name(self, what: str) -> str:
+        self.counter += 1
+        return f"bench-{self.run_id}-{self.counter}-{what}"
+
+    def redis_cpu_s(self) -> float:
+        info = self.client.info("cpu")
+        return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
+
+    def delete_matching(self, pattern: str) -> None:
+        batch = []
+        for key in self.client.scan_iter(match=pattern, count=1000):
+            batch.append(key)
+            if len(batch) >= 500:
+                self.client.unlink(*batch)
+                batch = []
+        if batch:
+            self.client.unlink(*batch)
+
+
+class InboxListener(threading.Thread):
+    """Drains a result list with BLMPOP and stamps each item as it is seen."""
+
+    def __init__(self, url: str, key: str):
+        super().__init__(daemon=True, name=f"bench-listener-{key}")
+        self.client = redis.Redis.from_url(url)
+        self.key = key
+        self.seen: list[tuple[float, bytes]] = []
+        self.stopping = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopping.is_set():
+            popped = self.client.blmpop(0.2, 1, self.key, direction="LEFT", count=512)
+            if popped:
+                now = time.time()
+                self.seen.extend((now, raw) for raw in popped[1])
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.join(timeout=2)
+        self.client.close()
+
+
+# -- systems --------------------------------------------------------------------------
+class StampingProducer(Producer):
+    """The real Producer; its listener thread also notes when each result arrived."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.seen: list[tuple[float, bytes]] = []
+
+    def _deliver(self, raw: bytes) -> None:
+        self.seen.append((time.time(), raw))
+        super()._deliver(raw)
+
+
+class Driver:
+    """The producer side of one system under test, plus its worker processes."""
+
+    def __init__(self, ctx: Context, spec: RunSpec):
+        self.ctx, self.spec = ctx, spec
+        self.children: list[Child] = []
+        self.cpu_children = 0.0
+        self.go_key = f"bench-{ctx.run_id}:go:{ctx.counter}"
+
+    def go(self) -> None:
+        """Release the workers (they wait at bench/_gate.py once ready)."""
+        self.ctx.client.rpush(self.go_key, *["go"] * len(self.children))
+
+    def seen_count(self) -> int:
+        raise NotImplementedError
+
+    def stop_children(self) -> None:
+        self.cpu_children = sum(c.cpu_s() for c in self.children)
+        for child in self.children:
+            child.kill()
+        self.children = []
+        self.ctx.client.delete(self.go_key)
+
+
+class BatchgateDriver(Driver):
+    def start(self) -> None:
+        self.queue = self.ctx.name("bg")
+        store_policy(self.ctx.client, self.queue, self.spec.policy(), replace=True)
+        model, kwargs = MODELS[self.spec.model]
+        args = ["--redis-url", self.ctx.redis_url, "--queue", self.queue, "--model", model,
+                "--model-args", orjson.dumps(kwargs).decode(), "--go", self.go_key]
+        self.children = start_children(
+            [("bg_consumer.py", [*args, "--name", f"{self.queue}-c{i}"])
+             for i in range(self.spec.consumers)], self.ctx.out / "logs", self.queue)
+        self.producer = StampingProducer(self.ctx.redis_url, self.queue)
+        self.index: dict[str, int] = {}
+
+    def submit(self, idx: list[int], prios: list[int], payloads: list[Any]) -> None:
+        groups: dict[int, list[int]] = {}
+        for i in idx:
+            groups.setdefault(prios[i], []).append(i)
+        for prio, members in sorted(groups.items()):
+            for s in range(0, len(members), SUBMIT_CHUNK):
+                chunk = members[s:s + SUBMIT_CHUNK]
+                handles = self.producer.submit_many([payloads[i] for i in chunk],
+                                                    priority=prio)
+                for i, handle in zip(chunk, handles, strict=True):
+                    self.index[handle.id] = i
+
+    def seen_count(self) -> int:
+        return len(self.producer.seen)
+
+    def stop(self) -> None:
+        self.stop_children()
+        self.producer.close()
+        self.ctx.delete_matching(f"{QueueKeys(self.queue).tag}*")
+
+    def results(self) -> Iterator[tuple[int, float, list[Any]]]:
+        for seen, raw in self.producer.seen:
+            env = orjson.loads(raw)
+            i = self.index.get(env["id"])
+            if i is None or not env.get("ok"):
+                continue
+            enq, popped, t0, t1, b, pid = env["value"]["s"]
+            yield i, seen, [enq / 1e6, popped / 1e6, t0 / 1e6, t1 / 1e6, b, pid]
+
+
+class RQDriver(Driver):
+    def start(self) -> None:
+        from rq import Queue
+
+        base = self.ctx.name("rq")
+        self.prefix = base
+        self.inbox = f"{base}:inbox"
+        names = [f"{base}-{p}" for p in PRIORITIES]
+        self.conn = redis.Redis.from_url(self.ctx.redis_url)
+        self.queues = [Queue(n, connection=self.conn) for n in names]
+        model, kwargs = MODELS[self.spec.model]
+        args = ["--redis-url", self.ctx.redis_url, "--queues", ",".join(names),
+                "--model", model, "--model-args", orjson.dumps(kwargs).decode(),
+                "--go", self.go_key]
+        self.children = start_children(
+            [("rq_worker.py", [*args, "--name", f"{base}-w{i}"])
+             for i in range(self.spec.consumers)], self.ctx.out / "logs", base)
+        self.listener = InboxListener(self.ctx.redis_url, self.inbox)
+        self.listener.start()
+
+    def submit(self, idx: list[int], prios: list[int], payloads: list[Any]) -> None:
+        from rq import Queue
+
+        for s in range(0, len(idx), 1000):
+            pipe = self.conn.pipeline()
+            groups: dict[int, list[Any]] = {}
+            for i in idx[s:s + 1000]:
+                groups.setdefault(prios[i], []).append(Queue.prepare_data(
+                    "rq_jobs.infer", args=(i, payloads[i], self.inbox),
+                    job_id=f"{self.prefix}-{i}", result_ttl=600))
+            for prio, jobs in groups.items():
+                self.queues[prio].enqueue_many(jobs, pipeline=pipe)
+            pipe.execute()
+
+    def seen_count(self) -> int:
+        return len(self.listener.seen)
+
+    def stop(self) -> None:
+        self.stop_children()
+        self.listener.stop()
+        self.conn.close()
+        self.ctx.delete_matching(f"*{self.prefix}*")
+
+    def results(self) -> Iterator[tuple[int, float, list[Any]]]:
+        for seen, raw in self.listener.seen:
+            i, enq, t0, t1, pid = orjson.loads(raw)
+            yield i, seen, [enq or None, None, t0, t1, 1, pid]
+
+
+class RawDriver(Driver):
+    def start(self) -> None:
+        base = self.ctx.name("raw")
+        self.key, self.inbox = f"{base}:q", f"{base}:inbox"
+        self.conn = redis.Redis.from_url(self.ctx.redis_url)
+        args = ["--redis-url", self.ctx.redis_url, "--queue", self.key, "--inbox", self.inbox,
+                "--batch", str(self.spec.max_batch_size), "--go", self.go_key]
+        self.children = start_children([("raw_consumer.py", args)] * self.spec.consumers,
+                                       self.ctx.out / "logs", base)
+        self.listener = InboxListener(self.ctx.redis_url, self.inbox)
+        self.listener.start()
+
+    def submit(self, idx: list[int], prios: list[int], payloads: list[Any]) -> None:
+        for s in range(0, len(idx), SUBMIT_CHUNK):
+            pipe = self.conn.pipeline(transaction=False)
+            for i in idx[s:s + SUBMIT_CHUNK]:
+                pipe.rpush(self.key, b"%d" % i)
+            pipe.execute()
+
+    def seen_count(self) -> int:
+        return len(self.listener.seen)
+
+    def stop(self) -> None:
+        self.stop_children()
+        self.listener.stop()
+        self.conn.close()
+        self.ctx.delete_matching(f"{self.key.rsplit(':', 1)[0]}*")
+
+    def results(self) -> Iterator[tuple[int, float, list[Any]]]:
+        for seen, raw in self.listener.seen:
+            i, popped, b, pid = raw.split(b":")
+            t = int(popped) / 1e6
+            yield int(i), seen, [None, t, t, t, int(b), int(pid)]
+
+
+DRIVERS = {"batchgate": BatchgateDriver, "rq": RQDriver, "raw": RawDriver}
+
+
+# -- one run --------------------------------------------------------------------------
+def empty_record(n: int) -> dict[str, list[Any]]:
+    return {k: [None] * n for k in ("t_sched", "t_submit", "t_enq", "t_pop", "t0", "t1",
+                                    "batch", "worker", "t_seen")}
+
+
+def drive(driver: Any, spec: RunSpec, times: list[float], prios: list[int],
+          payloads: list[Any]) -> tuple[dict[str, list[Any]], bool]:
+    """Replay the arrivals open-loop; wait for the answers (up to grace_s after the last
+    arrival, or a generous drain time for a backlog). Returns the records and whether
+    every request was answered."""
+    n = len(times)
+    rec = empty_record(n)
+    base_perf = time.perf_counter() + 0.05
+    base_wall = time.time() + (base_perf - time.perf_counter())
+    rec["t_sched"] = [base_wall + t for t in times]
+    backlog = spec.workload.kind == "backlog"
+    if not backlog:
+        driver.go()
+    i = 0
+    while i < n:
+        now = time.perf_counter() - base_perf
+        if times[i] > now:
+            time.sleep(times[i] - now)
+            continue
+        j = i + 1
+        while j < n and times[j] <= now:
+            j += 1
+        stamp = time.time()
+        driver.submit(list(range(i, j)), prios, payloads)
+        for k in range(i, j):
+            rec["t_submit"][k] = stamp
+        i = j
+    grace = spec.grace_s
+    if backlog:  # all enqueued: now release the workers together
+        driver.go()
+        grace = max(grace, 30.0)
+    deadline = time.monotonic() + grace
+    while driver.seen_count() < n and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return rec, driver.seen_count() >= n
+
+
+def execute(ctx: Context, spec: RunSpec) -> dict[str, Any]:
+    from producer.bench_stats import summarize
+
+    times, prios, payloads = spec.workload.arrivals()
+    if spec.system == "inprocess":
+        rec, cpu = run_inprocess(ctx, spec)
+        complete = all(t is not None for t in rec["t_seen"])
+    else:
+        driver = DRIVERS[spec.system](ctx, spec)
+        driver.start()
+        redis_cpu0, own_cpu0 = ctx.redis_cpu_s(), time.process_time()
+        try:
+            rec, complete = drive(driver, spec, times, prios, payloads)
+            cpu = {"redis": ctx.redis_cpu_s() - redis_cpu0,
+                   "producer": time.process_time() - own_cpu0}
+        finally:
+            driver.stop()
+        cpu["workers"] = driver.cpu_children
+        for i, seen, (enq, popped, t0, t1, b, pid) in driver.results():
+            rec["t_seen"][i], rec["t_enq"][i], rec["t_pop"][i] = seen, enq, popped
+            rec["t0"][i], rec["t1"][i], rec["batch"][i], rec["worker"][i] = t0, t1, b, pid
+    rec["prio"] = prios
+    summary = summarize(rec, spec, cpu)
+    summary["all_answered"] = complete
+    return {"spec": spec_dict(spec), "label": spec.label(), "summary": summary}
+
+
+def spec_dict(spec: RunSpec) -> dict[str, Any]:
+    data = asdict(spec)
+    data["policy"] = spec.policy().to_redis() if spec.system in ("batchgate", "inprocess") \
+        else None
+    data["model_spec"] = MODELS[spec.model]
+    return data
+
+
+def run_inprocess(ctx: Context, spec: RunSpec) -> tuple[dict[str, list[Any]], dict[str, float]]:
+    out = ctx.out / "logs" / f"{ctx.name('inproc')}.json"
+    log = out.with_suffix(".log")
+    cmd = [sys.executable, str(BENCH_DIR / "inprocess.py"), "--spec",
+           orjson.dumps(asdict(spec)).decode(), "--out", str(out)]
+    with log.open("wb") as err:
+        proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=err, env=_child_env(),
+                              cwd=str(BENCH_DIR), timeout=spec.workload.duration_s + 600)
+    if proc.returncode != 0:
+        raise click.ClickException(f"in-process batcher failed:\n{log.read_text()[-3000:]}")
+    data = orjson.loads(out.read_bytes())
+    out.unlink()
+    return data["records"], data["cpu"]
+
+
+# -- measurements outside the runs ----------------------------------------------------
+def measure_ping(ctx: Context, count: int) -> dict[str, float]:
+    from producer.bench_stats import hdr_summary, new_hist
+
+    client = redis.Redis.from_url(ctx.redis_url)
+    hist = new_hist()
+    for _ in range(50):
+        client.ping()
+    for _ in range(count):
+        t0 = time.perf_counter()
+        client.ping()
+        hist.record_value(max(1, int((time.perf_counter() - t0) * 1e6)))
+    client.close()
+    return hdr_summary(hist)
+
+
+def machine_info(ctx: Context) -> dict[str, Any]:
+    cpu_model = ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu_model = line.split(":", 1)[1].strip()
+                break
+    mem_gib = None
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                mem_gib = round(int(line.split()[1]) / 2**20, 1)
+    versions = {}
+    for mod in ("redis", "hiredis", "rq", "hdrh", "matplotlib", "torch", "orjson"):
+        try:
+            versions[mod] = getattr(__import__(mod), "__version__", "?")
+        except ImportError:
+            versions[mod] = None
+    server = ctx.client.info("server")
+    return {
+        "cpu": cpu_model, "cores": os.cpu_count(), "mem_gib": mem_gib,
+        "os": f"{platform.system()} {platform.release()}",
+        "python": platform.python_version(), "versions": versions,
+        "redis_server": server.get("redis_version"),
+        "redis_hz": ctx.client.config_get("hz").get("hz"),
+    }
+
+
+def busy_processes(limit: int = 6) -> list[str]:
+    """The busiest processes on the host right now (name and %CPU), to say how loaded it
+    was; command lines are not recorded."""
+    try:
+        out = subprocess.run(["ps", "-eo", "pcpu,comm", "--sort=-pcpu"], capture_output=True,
+                             text=True, timeout=5).stdout.splitlines()[1:limit + 1]
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [" ".join(line.split()) for line in out]
+
+
+# -- the plan -------------------------------------------------------------------------
+SECTIONS = ("light", "throughput", "saturation", "grid", "bursty", "torch")
+QUICK_GRID = (50, 600, 2500)
+FULL_GRID = (20, 100, 250, 400, 550, 700, 900, 1300, 2000, 2600, 3200)
+
+
+def build_plan(quick: bool, scale: float, consumers: int, sections: tuple[str, ...],
+               grid: tuple[float, ...] | None, seed: int) -> list[RunSpec]:
+    def dur(full_s: float, quick_s: float) -> float:
+        return max(0.5, (quick_s if quick else full_s) * scale)
+
+    def cnt(full_n: int, quick_n: int) -> int:
+        return max(50, int((quick_n if quick else full_n) * scale))
+
+    grid = grid or (QUICK_GRID if quick else FULL_GRID)
+    ns = [consumers] if quick or consumers == 1 else [1, consumers]
+    plan: list[RunSpec] = []
+    add = plan.append
+    grace = max(1.0, 3.0 * min(1.0, scale * 2))
+
+    if "light" in sections:  # fifo, no-op, light load: the latency floor
+        w = Workload("poisson", rate=50, duration_s=dur(20, 4), seed=seed, model="noop")
+        for system in ("batchgate", "raw", "rq", "inprocess"):
+            add(RunSpec("light", system, "noop", w, consumers, strategy="fifo",
+                        max_batch_size=1, grace_s=grace))
+    if "throughput" in sections:  # capacity with a no-op model: a backlog drained
+        for n in ns:
+            big = Workload("backlog", count=cnt(30_000, 10_000), seed=seed, model="noop")
+            add(RunSpec("throughput", "batchgate", "noop", big, n, strategy="dynamic"))
+            add(RunSpec("throughput", "batchgate", "noop", big, n, strategy="priority"))
+            add(RunSpec("throughput", "batchgate", "noop", replace(big, count=cnt(6000, 2000)),
+                        n, strategy="fifo", max_batch_size=1))
+            add(RunSpec("throughput", "raw", "noop", replace(big, count=cnt(60_000, 20_000)),
+                        n))
+            add(RunSpec("throughput", "rq", "noop", replace(big, count=cnt(3000, 1000)), n))
+            add(RunSpec("throughput", "inprocess", "noop", big, n, strategy="dynamic"))
+    if "saturation" in sections:  # t(b) = 5 + 0.5 b ms, batches of 32: per-consumer rate
+        for n in sorted({1, consumers}):
+            w = Workload("backlog", count=cnt(8000, 3000) * n, seed=seed, model="synthetic")
+            add(RunSpec("saturation", "batchgate", "synthetic", w, n, strategy="dynamic"))
+    if "grid" in sections:  # the latency-throughput curves, sleep model
+        for strategy in ("fifo", "dynamic", "priority"):
+            for rate in grid:
+                w = Workload("poisson", rate=rate, duration_s=dur(6, 2.5), seed=seed,
+                             model="synthetic")
+                b = 1 if strategy == "fifo" else 32
+                add(RunSpec("grid", "batchgate", "synthetic", w, consumers,
+                            strategy=strategy, max_batch_size=b, grace_s=grace))
+                if not quick or strategy == "dynamic":
+                    add(RunSpec("grid", "inprocess", "synthetic", w, consumers,
+                                strategy=strategy, max_batch_size=b, grace_s=grace))
+        rq_rates = [r for r in grid if r <= 400] or [min(grid)]
+        if not quick:
+            rq_rates = [20, 100, 250, 400]
+        for rate in rq_rates[: (1 if quick else None)]:
+            w = Workload("poisson", rate=rate, duration_s=dur(6, 2.5), seed=seed,
+                         model="synthetic")
+            add(RunSpec("grid", "rq", "synthetic", w, consumers, grace_s=grace))
+    if "bursty" in sections:  # the seed's 50 requests within 100 ms at λ=10
+        w = Workload("bursty", rate=10, duration_s=dur(10, 4), seed=seed, model="synthetic",
+                     burst_every_s=2.0)
+        for strategy in ("fifo", "dynamic", "priority"):
+            add(RunSpec("bursty", "batchgate", "synthetic", w, consumers, strategy=strategy,
+                        max_batch_size=1 if strategy == "fifo" else 32, grace_s=grace))
+        add(RunSpec("bursty", "inprocess", "synthetic", w, consumers, strategy="dynamic",
+                    grace_s=grace))
+        add(RunSpec("bursty", "rq", "synthetic", w, consumers, grace_s=grace))
+    if "torch" in sections:  # the small torch model (CPU here)
+        for rate in (50,) if quick else (50, 400):
+            w = Workload("poisson", rate=rate, duration_s=dur(6, 3), seed=seed,
+                         model="tiny_text")
+            add(RunSpec("torch", "batchgate", "tiny_text", w, consumers, strategy="dynamic",
+                        grace_s=grace))
+            add(RunSpec("torch", "inprocess", "tiny_text", w, consumers, strategy="dynamic",
+                        grace_s=grace))
+            if rate <= 50:
+                add(RunSpec("torch", "rq", "tiny_text", w, consumers, grace_s=grace))
+    return plan
+
+
+# -- the command ----------------------------------------------------------------------
+@contextlib.contextmanager
+def redis_for_bench(url: str | None) -> Iterator[tuple[str, bool]]:
+    if url:
+        yield url, False
+        return
+    from scheduler_core.embedded import embedded_redis
+
+    with embedded_redis() as private_url:
+        yield private_url, True
+
+
+@click.command("bench")
+@click.option("--quick", is_flag=True, help="A small plan that runs in under 2 minutes.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Where results.json, results.md and the plots go "
+                   "[default: bench/results/<time>].")
+@click.option("--redis-url", default=None,
+              help="Benchmark against this Redis (only keys with the run id are created "
+                   "and deleted) [default: a private redis-server on a free port].")
+@click.option("--consumers", type=click.IntRange(1, 64), default=2, show_default=True,
+              help="Consumer processes (and RQ workers, and in-process model workers).")
+@click.option("--sections", default=",".join(SECTIONS), show_default=True,
+              help="Comma-separated subset of: " + ", ".join(SECTIONS) + ".")
+@click.option("--grid", default=None,
+              help="Comma-separated arrival rates (req/s) for the strategy grid "
+                   f"[default: {','.join(map(str, QUICK_GRID))} with --quick, else "
+                   f"{','.join(map(str, FULL_GRID))}].")
+@click.option("--scale", type=click.FloatRange(0.01, 100), default=1.0, show_default=True,
+              help="Multiply every duration and request count (0.1 for a smoke run).")
+@click.option("--seed", type=int, default=1, show_default=True)
+@click.option("--plots/--no-plots", default=True, show_default=True)
+def bench_command(quick: bool, out_dir: Path | None, redis_url: str | None, consumers: int,
+                  sections: str, grid: str | None, scale: float, seed: int,
+                  plots: bool) -> None:
+    """Benchmark fifo, dynamic and priority against RQ, an in-process batcher and the
+    raw-Redis ceiling; write results.json, results.md and PNG plots."""
+    from producer.bench_stats import analyse, render_markdown
+
+    chosen = tuple(s.strip() for s in sections.split(",") if s.strip())
+    unknown = set(chosen) - set(SECTIONS)
+    if unknown:
+        raise click.BadParameter(f"unknown sections {sorted(unknown)}", param_hint="--sections")
+    rates = tuple(float(x) for x in grid.split(",")) if grid else None
+    if not (BENCH_DIR / "bg_consumer.py").exists():
+        raise click.ClickException(f"{BENCH_DIR} not found: `batchgate bench` runs from a "
+                                   "checkout of batchgate (pip install -e '.[bench]').")
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = out_dir or BENCH_DIR / "results" / (stamp + ("-quick" if quick else ""))
+    out.mkdir(parents=True, exist_ok=True)
+    plan = build_plan(quick, scale, consumers, chosen, rates, seed)
+    command = "batchgate bench " + shlex.join(sys.argv[2:] if len(sys.argv) > 1 else [])
+    started = time.monotonic()
+    with redis_for_bench(redis_url) as (url, private):
+        ctx = Context(url, out, uuid.uuid4().hex[:6])
+        meta = {"command": command.strip(), "started": dt.datetime.now().isoformat(
+            timespec="seconds"), "quick": quick, "scale": scale, "seed": seed,
+            "consumers": consumers, "sections": list(chosen), "private_redis": private,
+            "machine": machine_info(ctx), "load_before": list(os.getloadavg()),
+            "busy_before": busy_processes()}
+        click.echo(f"batchgate bench: {len(plan)} runs, results in {out}", err=True)
+        meta["ping_us"] = measure_ping(ctx, 500 if quick else 2000)
+        runs = []
+        loads = []
+        for k, spec in enumerate(plan, 1):
+            t0 = time.monotonic()
+            result = execute(ctx, spec)
+            result["loadavg"] = os.getloadavg()[0]
+            loads.append(result["loadavg"])
+            runs.append(result)
+            s = result["summary"]
+            click.echo(f"[{k:>2}/{len(plan)}] {result['label']:<58} "
+                       f"{s['throughput_rps']:>9.1f} req/s  p50 {s['latency_ms']['all']['p50']}"
+                       f"  p99 {s['latency_ms']['all']['p99']} ms  ({time.monotonic() - t0:.1f}s)",
+                       err=True)
+        meta["ping_us_after"] = measure_ping(ctx, 500 if quick else 2000)
+        meta["load_after"] = list(os.getloadavg())
+        meta["busy_after"] = busy_processes()
+        meta["loadavg_1m_during"] = {"min": min(loads, default=None),
+                                     "max": max(loads, default=None)}
+        ctx.client.close()
+    meta["elapsed_s"] = round(time.monotonic() - started, 1)
+    results = {"meta": meta, "runs": runs}
+    results["analysis"] = analyse(results)
+    (out / "results.json").write_bytes(orjson.dumps(results, option=orjson.OPT_INDENT_2
+                                                    | orjson.OPT_SERIALIZE_NUMPY))
+    images: list[str] = []
+    if plots:
+        images = make_plots(results, out)
+    (out / "results.md").write_text(render_markdown(results, images))
+    click.echo((out / "results.md").read_text())
+    click.echo(f"wrote {out / 'results.json'}, {out / 'results.md'}"
+               + (f" and {len(images)} plots" if images else ""), err=True)
+
+
+def make_plots(results: dict[str, Any], out: Path) -> list[str]:
+    """bench/plots.py, loaded from the checkout (it is also a script of its own)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("batchgate_bench_plots",
+                                                  BENCH_DIR / "plots.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.make_all(results, out)

@@ -1,0 +1,213 @@
+"""A bulk job's state in Redis: its checkpoint (and progress) and the lease that keeps two
+runs of one job from writing the same output file.
+
+| key                           | type   | holds                                              |
+|-------------------------------|--------|----------------------------------------------------|
+| `batchgate:bulk:<job>`        | hash   | spec, epoch, input fingerprint, next_line,         |
+|                               |        | out_bytes, progress; expires 7 days after the end  |
+| `batchgate:bulk:<job>:lease`  | string | token of the run writing the output; expires unless |
+|                               |        | renewed (a killed run's lease lapses in lease_s)   |
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import secrets
+import threading
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from scheduler_core.errors import BatchgateError, InvalidRequest
+
+JOB_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+FINISHED_TTL_S = 7 * 86_400
+_RENEW = "if redis.call('GET', KEYS[1]) == ARGV[1] then " \
+         "return redis.call('PEXPIRE', KEYS[1], ARGV[2]) else return 0 end"
+_RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then " \
+           "return redis.call('DEL', KEYS[1]) else return 0 end"
+
+
+class BulkError(BatchgateError):
+    """A bulk job cannot run: bad input or output, changed input, or already running."""
+
+
+def check_job_id(job_id: str) -> str:
+    if not isinstance(job_id, str) or not JOB_ID.match(job_id):
+        raise InvalidRequest("job_id", f"{job_id!r}: use 1-64 letters, digits, '_', '.', '-'")
+    return job_id
+
+
+def state_key(job_id: str) -> str:
+    return f"batchgate:bulk:{job_id}"
+
+
+def lease_key(job_id: str) -> str:
+    return f"batchgate:bulk:{job_id}:lease"
+
+
+def count_lines(path: Path) -> int:
+    """Lines in a file (a last line without a newline counts)."""
+    count, last = 0, b"\n"
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            count += chunk.count(b"\n")
+            last = chunk[-1:]
+    return count + (last != b"\n")
+
+
+def fingerprint(path: Path) -> str:
+    st = path.stat()
+    return f"{st.st_size}:{st.st_mtime_ns}"
+
+
+@dataclass
+class BulkState:
+    """One bulk job as stored in `batchgate:bulk:<job>` (all values are strings there)."""
+
+    job_id: str
+    input: str
+    output: str
+    queue: str
+    priority: str
+    window: int
+    epoch: str  # part of every idempotency key: a restarted job never reuses old requests
+    input_fingerprint: str
+    total: int  # lines in the input
+    next_line: int = 1  # first input line without a record in the output (1-based)
+    out_bytes: int = 0  # output size at the checkpoint
+    errors: int = 0  # error records written
+    state: str = "queued"  # queued | running | done | failed
+    error: str = ""  # why the last run failed
+    runs: int = 0  # runs started (1 + resumes)
+    created_at: float = 0.0
+    run_started_at: float = 0.0
+    run_start_line: int = 1
+    updated_at: float = 0.0
+    finished_at: float = 0.0
+
+    @property
+    def done(self) -> int:
+        return self.next_line - 1
+
+    @property
+    def rate(self) -> float:
+        """Input lines per second over the current (or last) run."""
+        end = self.finished_at or self.updated_at
+        elapsed = end - self.run_started_at
+        lines = self.next_line - self.run_start_line
+        return lines / elapsed if self.run_started_at and elapsed > 0 and lines > 0 else 0.0
+
+    @property
+    def eta_s(self) -> float | None:
+        if self.state == "done":
+            return 0.0
+        rate = self.rate
+        return (self.total - self.done) / rate if rate > 0 else None
+
+    def progress(self) -> dict[str, Any]:
+        """What `bulk status` shows and an RQ job's meta holds."""
+        return {"state": self.state, "done": self.done, "total": self.total,
+                "errors": self.errors, "rate": round(self.rate, 2), "eta_s": self.eta_s,
+                "runs": self.runs, "error": self.error, "output": self.output}
+
+    def to_redis(self) -> dict[str, str]:
+        return {k: str(v) for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_redis(cls, raw: dict[bytes, bytes]) -> BulkState:
+        data = {k.decode(): v.decode() for k, v in raw.items()}
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            if f.name in data:
+                kind = f.type if isinstance(f.type, str) else f.type.__name__
+                values[f.name] = {"int": int, "float": float}.get(kind, str)(data[f.name])
+        return cls(**values)
+
+
+class StateStore:
+    def __init__(self, client: redis.Redis, job_id: str):
+        self.client = client
+        self.job_id = check_job_id(job_id)
+        self.key = state_key(job_id)
+
+    def load(self) -> BulkState | None:
+        raw = self.client.hgetall(self.key)
+        return BulkState.from_redis(raw) if raw else None
+
+    def save(self, job: BulkState, /, **changes: Any) -> BulkState:
+        """Apply `changes` to `job` and store it."""
+        for name, value in changes.items():
+            setattr(job, name, value)
+        job.updated_at = time.time()
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hset(self.key, mapping=job.to_redis())
+        if job.state in ("done", "failed"):
+            pipe.expire(self.key, FINISHED_TTL_S)
+        else:
+            pipe.persist(self.key)
+        pipe.execute()
+        return job
+
+    def mark_failed(self, error: str) -> None:
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hset(self.key, mapping={"state": "failed", "error": error[:2000],
+                                     "updated_at": str(time.time())})
+        pipe.expire(self.key, FINISHED_TTL_S)
+        pipe.execute()
+
+    def delete(self) -> None:
+        self.client.delete(self.key)
+
+    def running(self) -> bool:
+        """Whether a run holds the job's lease now."""
+        return bool(self.client.exists(lease_key(self.job_id)))
+
+
+def new_epoch() -> str:
+    return secrets.token_hex(3)
+
+
+class Lease:
+    """Exclusive right to run one bulk job, renewed by a thread; lapses `ttl_s` after its
+    holder dies. `acquire` waits up to `wait_s` for a dead holder's lease to lapse."""
+
+    def __init__(self, client: redis.Redis, job_id: str, ttl_s: float):
+        if not 1 <= ttl_s <= 3600:
+            raise InvalidRequest("lease_s", f"{ttl_s} is outside [1, 3600]")
+        self.client, self.key, self.ttl_ms = client, lease_key(job_id), int(ttl_s * 1000)
+        self.token = secrets.token_hex(8)
+        self.lost = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def acquire(self, wait_s: float) -> None:
+        end = time.monotonic() + wait_s
+        while not self.client.set(self.key, self.token, nx=True, px=self.ttl_ms):
+            if time.monotonic() >= end:
+                left = self.client.pttl(self.key)
+                raise BulkError(f"bulk job is already running (its lease {self.key} is held"
+                                f" for another {max(left, 0) / 1000:.1f}s)")
+            time.sleep(min(0.2, self.ttl_ms / 4000))
+        self._thread = threading.Thread(target=self._renew, name="bulk-lease", daemon=True)
+        self._thread.start()
+
+    def _renew(self) -> None:
+        while not self._stop.wait(self.ttl_ms / 3000):
+            try:
+                if not self.client.eval(_RENEW, 1, self.key, self.token, self.ttl_ms):
+                    self.lost.set()
+                    return
+            except redis.RedisError:
+                continue  # retried next period; the lease lasts ttl_s
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        with contextlib.suppress(redis.RedisError):  # else it lapses by itself
+            self.client.eval(_RELEASE, 1, self.key, self.token)

@@ -1,0 +1,446 @@
+"""`batchgate demo`: the seed's comparison of FIFO, dynamic batching and priority, live.
+
+For each strategy the demo starts `--consumers` real `batchgate consumer` processes on a
+queue of its own, replays the same seeded open-loop workload through a `Producer`
+(Poisson arrivals, 10% HIGH / 60% NORMAL / 30% LOW), waits for every answer, stops the
+consumers with SIGTERM and reads the queue's statistics. Latency is end to end, measured
+in this process: from just before `submit` to the moment the result reached the
+producer's listener thread.
+
+The default synthetic model costs t(b) = base_ms + per_item_ms x b per batch of b, so one
+request at a time (fifo) caps a consumer at 1000 / t(1) requests/s, while a batch of 32
+costs barely more than a batch of 1. The default rate is above what fifo can serve and
+far below what batching can: batching matters.
+
+Without `--redis-url` the demo runs against a private redis-server it starts and kills.
+With `--redis-url` it only creates queues named `demo-<random>-<strategy>` and deletes
+exactly those queues' keys when it is done (`--keep-queues` leaves them for
+`batchgate stats`); it never flushes anything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import click
+import orjson
+import redis
+
+from producer.sync import Handle, Producer
+from scheduler_core.admin import queue_stats
+from scheduler_core.connection import connect
+from scheduler_core.embedded import embedded_redis
+from scheduler_core.errors import BatchgateError, RequestFailed
+from scheduler_core.keys import QueueKeys
+
+STRATEGIES = ("fifo", "dynamic", "priority")
+PRIORITIES = ("high", "normal", "low")
+MIX = (0.1, 0.6, 0.3)  # share of HIGH, NORMAL, LOW requests
+MODELS = {"synthetic": "consumer.models:synthetic", "tiny_text": "consumer.models:tiny_text"}
+READY_TIMEOUT_S = 60.0  # torch consumers import slowly on small machines
+STOP_TIMEOUT_S = 15.0
+
+
+# -- workload ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Workload:
+    model: str
+    rate: float  # requests/s, Poisson
+    duration_s: float
+    seed: int
+
+    def arrivals(self) -> list[tuple[float, str, Any]]:
+        """(offset in s, priority, payload): identical for every strategy."""
+        rng = random.Random(self.seed)
+        out: list[tuple[float, str, Any]] = []
+        at = rng.expovariate(self.rate)
+        while at < self.duration_s:
+            priority = rng.choices(PRIORITIES, weights=MIX)[0]
+            if self.model == "tiny_text":
+                payload: Any = {"tokens": [rng.randrange(1, 1000)
+                                           for _ in range(rng.randint(4, 64))]}
+            else:
+                payload = {"n": len(out), "priority": priority}
+            out.append((at, priority, payload))
+            at += rng.expovariate(self.rate)
+        return out
+
+
+@dataclass
+class Sent:
+    handle: Handle
+    priority: str
+    submitted: float  # time.perf_counter() just before submit
+
+
+class TimedProducer(Producer):
+    """A Producer that notes when each result reaches its listener thread."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.arrived: dict[str, float] = {}
+
+    def _deliver(self, raw: bytes) -> None:
+        now = time.perf_counter()
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            self.arrived[orjson.loads(raw)["id"]] = now
+        super()._deliver(raw)
+
+
+def pace(producer: Producer, arrivals: list[tuple[float, str, Any]], sent: list[Sent],
+         errors: list[BaseException]) -> None:
+    """Open loop: submit each request at its time, whether or not earlier ones are done."""
+    try:
+        start = time.perf_counter()
+        for offset, priority, payload in arrivals:
+            delay = start + offset - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            submitted = time.perf_counter()
+            sent.append(Sent(producer.submit(payload, priority=priority), priority, submitted))
+    except BaseException as exc:  # re-raised by the main thread
+        errors.append(exc)
+
+
+# -- consumers -----------------------------------------------------------------------
+def batchgate_argv() -> list[str]:
+    """The `batchgate` installed next to this Python, else the same CLI via `-m`."""
+    script = shutil.which("batchgate", path=os.path.dirname(sys.executable))
+    return [script] if script else [sys.executable, "-m", "scheduler_core.cli"]
+
+
+@dataclass
+class ConsumerProcess:
+    """`batchgate consumer ...`, started exactly as a user would start it."""
+
+    argv: list[str]
+    log: Path = field(init=False)
+    proc: subprocess.Popen[bytes] = field(init=False)
+
+    def __post_init__(self) -> None:
+        fd, path = tempfile.mkstemp(prefix="batchgate-demo-consumer-", suffix=".log")
+        self.log = Path(path)
+        with os.fdopen(fd, "wb") as out:  # the child keeps its own copy of the descriptor
+            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT,
+                                         start_new_session=True)  # Ctrl-C reaches us only
+
+    def ready(self) -> bool:
+        if self.proc.poll() is not None:
+            raise BatchgateError(f"consumer exited with {self.proc.returncode}: "
+                                 f"{' '.join(self.argv)}\n{self.output()}")
+        return b"ready on queue" in self.log.read_bytes()
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")[-4000:]
+
+    def terminate(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
+    def reap(self) -> None:
+        try:
+            self.proc.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.unlink(missing_ok=True)
+
+
+def start_consumers(count: int, redis_url: str, queue: str, strategy: str, model: str,
+                    model_args: list[str]) -> list[ConsumerProcess]:
+    argv = [*batchgate_argv(), "--log-level", "WARNING", "consumer", "--redis-url", redis_url,
+            "--queue", queue, "--strategy", strategy, "--model", MODELS[model], *model_args]
+    procs = [ConsumerProcess(argv) for _ in range(count)]
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    try:
+        while not all(p.ready() for p in procs):
+            if time.monotonic() > deadline:
+                raise BatchgateError(f"consumers not ready after {READY_TIMEOUT_S:.0f}s:\n"
+                                     + procs[0].output())
+            time.sleep(0.05)
+    except BaseException:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.reap()
+        raise
+    return procs
+
+
+# -- one strategy --------------------------------------------------------------------
+def percentiles(values: list[float]) -> dict[str, float | int | None]:
+    """Exact nearest-rank p50/p99 of latencies in ms."""
+    ordered = sorted(values)
+    if not ordered:
+        return {"n": 0, "p50": None, "p99": None}
+
+    def rank(q: float) -> float:
+        return round(ordered[max(0, min(len(ordered) - 1, int(q * len(ordered) + 0.5) - 1))], 1)
+    return {"n": len(ordered), "p50": rank(0.50), "p99": rank(0.99)}
+
+
+def run_strategy(client: redis.Redis, redis_url: str, queue: str,
+                 arrivals: list[tuple[float, str, Any]], consumers: list[ConsumerProcess],
+                 drain_timeout_s: float) -> dict[str, Any]:
+    """Replay `arrivals` on `queue`, wait for every answer, stop the consumers, measure."""
+    sent: list[Sent] = []
+    errors: list[BaseException] = []
+    with TimedProducer(redis_url, queue) as producer:
+        pacer = threading.Thread(target=pace, args=(producer, arrivals, sent, errors),
+                                 name="batchgate-demo-pacer", daemon=True)
+        pacer.start()
+        pacer.join()
+        if errors:
+            raise errors[0]
+        deadline = time.perf_counter() + drain_timeout_s
+        latencies: dict[str, list[float]] = {p: [] for p in PRIORITIES}
+        unanswered = failed = 0
+        last = sent[0].submitted if sent else 0.0
+        for s in sent:
+            try:
+                s.handle.result(timeout=max(0.0, deadline - time.perf_counter()))
+            except TimeoutError:
+                unanswered += 1
+                continue
+            except RequestFailed:
+                failed += 1
+            done = producer.arrived.get(s.handle.id, time.perf_counter())
+            latencies[s.priority].append((done - s.submitted) * 1000)
+            last = max(last, done)
+    for c in consumers:
+        c.terminate()  # they finish the batch in hand and exit; reaped later
+    stats = queue_stats(client, queue)
+    batches = [sample.decode().split(":") for sample in
+               client.lrange(QueueKeys(queue).model_samples, 0, -1)]
+    model_ms = sum(int(us) for _, us in batches) / 1000
+    elapsed = (last - sent[0].submitted) if sent else 0.0
+    span = (sent[-1].submitted - sent[0].submitted) if sent else 0.0
+    answered = len(sent) - unanswered
+    all_latencies = [x for values in latencies.values() for x in values]
+    return {
+        "queue": queue,
+        "policy": stats.policy,
+        "submitted": len(sent),
+        "answered": answered,
+        "failed": failed,
+        "unanswered": unanswered,
+        "elapsed_s": round(elapsed, 3),
+        "offered_rps": round(len(sent) / span, 1) if span > 0 else None,
+        "throughput_rps": round(answered / elapsed, 1) if elapsed > 0 else None,
+        "batches": stats.batches,
+        "mean_batch_size": (round(stats.mean_batch_size, 2)
+                            if stats.mean_batch_size is not None else None),
+        "mean_model_ms": round(model_ms / len(batches), 2) if batches else None,
+        "busy": round(model_ms / 1000 / (len(consumers) * elapsed), 3) if elapsed else None,
+        "latency_ms": {**{p: percentiles(v) for p, v in latencies.items()},
+                       "all": percentiles(all_latencies)},
+    }
+
+
+# -- the seed's claims, checked against what was measured ------------------------------
+def _n(value: float | None, spec: str = ".0f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def claims(results: dict[str, dict[str, Any]], rate: float, consumers: int
+           ) -> dict[str, dict[str, Any]]:
+    """One line per strategy relating the measurements to SEED-EN.md, and whether the
+    relation was seen in this run (`holds`)."""
+    fifo, dyn, prio = (results[s] for s in STRATEGIES)
+    out: dict[str, dict[str, Any]] = {}
+
+    t1 = fifo["mean_model_ms"]
+    capacity = consumers * 1000 / t1 if t1 else None
+    lowest = fifo["mean_batch_size"] is not None and all(
+        r["mean_batch_size"] is None or fifo["mean_batch_size"] <= r["mean_batch_size"]
+        for r in (dyn, prio))
+    if (fifo["throughput_rps"] or 0) < 0.9 * (fifo["offered_rps"] or 0):
+        load = (f"it cannot keep up with {fifo['offered_rps']:g} req/s: the queue grows; busy "
+                f"{_n(fifo['busy'], '.0%')} yet p99 {_n(fifo['latency_ms']['all']['p99'])} ms "
+                "(seed 1: 'utilisation high but P99 high')")
+    else:
+        load = (f"it keeps up with {fifo['offered_rps']:g} req/s: predictable latency at low "
+                "utilisation")
+    out["fifo"] = {"holds": lowest, "capacity_rps": capacity and round(capacity, 1), "text": (
+        f"lowest mean batch ({_n(fifo['mean_batch_size'], '.2f')}): one request per model "
+        f"call caps {consumers} consumer(s) at ~{_n(capacity)} req/s of model time, so {load}; "
+        "HIGH waits like LOW.")}
+
+    policy = dyn["policy"] or {}
+    delay, size = int(policy.get("max_queue_delay_ms", 50)), int(policy.get("max_batch_size", 32))
+    t_b = dyn["mean_model_ms"] or 0.0
+    bound = delay + t_b
+    p99, mean = dyn["latency_ms"]["all"]["p99"], dyn["mean_batch_size"]
+    fill_ms = size / rate * 1000
+    if fill_ms < delay:  # seed 2: batches fill before the window closes
+        holds = mean is not None and mean >= size / 2
+        text = (f"a full batch forms in {fill_ms:.0f} ms < max_queue_delay {delay} ms, so "
+                f"batches fill up (mean {_n(mean, '.1f')} of {size}) and p99 is {_n(p99)} ms "
+                "(seed 2).")
+    else:  # seed 2: light load, most requests wait out the window
+        holds = p99 is not None and p99 >= 0.9 * bound
+        text = (f"p99 {_n(p99)} ms >= max_queue_delay {delay} ms + t({_n(mean, '.1f')}) "
+                f"{t_b:.0f} ms = {bound:.0f} ms: below {size} requests per {delay} ms the "
+                "window, not the model, is the main term of P99 (seed 2); batches of "
+                f"{_n(mean, '.1f')} instead of 1.")
+    out["dynamic"] = {"holds": holds, "expected_p99_ms": round(bound, 1), "text": text}
+
+    lat = prio["latency_ms"]
+    high, normal, low = (lat[p]["p50"] for p in PRIORITIES)
+    aging = int((prio["policy"] or {}).get("aging_ms", 0))
+    out["priority"] = {
+        "holds": None not in (high, normal, low) and high < normal and high < low,
+        "text": (f"HIGH p50 {_n(high)} ms < NORMAL {_n(normal)} ms, LOW {_n(low)} ms: HIGH "
+                 "goes to the head and never waits for a batch (seed 1); LOW runs only when "
+                 f"no NORMAL waits (p99 {_n(lat['low']['p99'])} ms; aging promotes any "
+                 f"request waiting over {aging} ms).")}
+    return out
+
+
+# -- output --------------------------------------------------------------------------
+def _ms(entry: dict[str, Any]) -> str:
+    if not entry["n"]:
+        return "-"
+    return f"{entry['p50']:.0f}/{entry['p99']:.0f}"
+
+
+def render(report: dict[str, Any]) -> str:
+    w = report["workload"]
+    lines = [
+        f"batchgate demo: {w['requests']} requests per strategy, Poisson {w['rate']:g} req/s "
+        f"for {w['duration_s']:g} s (HIGH/NORMAL/LOW = 10/60/30%), model {w['model']}"
+        + (f" t(b) = {w['base_ms']:g} + {w['per_item_ms']:g} x b ms" if w["model"] ==
+           "synthetic" else "") + f", {report['consumers']} consumer(s) per strategy",
+        "",
+        f"{'strategy':<9} {'req/s':>7} {'batch':>6} {'busy':>5} {'answered':>9}   "
+        f"{'HIGH':>11} {'NORMAL':>11} {'LOW':>11}   (p50/p99 ms)",
+    ]
+    for name in STRATEGIES:
+        r = report["strategies"][name]
+        lat = r["latency_ms"]
+        lines.append(
+            f"{name:<9} {r['throughput_rps'] or 0:>7.1f} {r['mean_batch_size'] or 0:>6.2f} "
+            f"{r['busy'] or 0:>5.0%} {r['answered']:>4}/{r['submitted']:<4}   "
+            f"{_ms(lat['high']):>11} {_ms(lat['normal']):>11} {_ms(lat['low']):>11}")
+    lines.append("")
+    for name in STRATEGIES:
+        claim = report["claims"][name]
+        mark = "ok " if claim["holds"] else "?? "
+        lines.append(f"[{mark}] {name}: {claim['text']}")
+    lines.append(f"\n({report['redis']}; finished in {report['wall_s']:.1f} s)")
+    return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def redis_for_demo(redis_url: str | None) -> Iterator[tuple[str, str]]:
+    if redis_url:
+        shown, parts = redis_url, urlsplit(redis_url)  # shown without its password
+        if "@" in parts.netloc:
+            shown = parts._replace(netloc=f"***@{parts.netloc.rpartition('@')[2]}").geturl()
+        yield redis_url, f"Redis at {shown}"
+    else:
+        with embedded_redis() as url:
+            yield url, "embedded redis-server"
+
+
+def delete_queues(client: redis.Redis, prefix: str) -> int:
+    """Remove every key of the demo's queues (`{bg:<prefix>-...}`), nothing else."""
+    deleted = 0
+    for key in client.scan_iter(match=f"{{bg:{prefix}-*", count=500):
+        deleted += client.unlink(key)
+    return deleted
+
+
+@click.command("demo")
+@click.option("--redis-url", default=None,
+              help="Use this Redis instead of a private embedded one (only demo-* queues are "
+                   "created there, and removed afterwards).")
+@click.option("--model", type=click.Choice(sorted(MODELS)), default="synthetic",
+              show_default=True, help="synthetic cost model, or the small torch model.")
+@click.option("--duration", type=click.FloatRange(0.5, 600), default=8.0, show_default=True,
+              help="Seconds of arrivals per strategy.")
+@click.option("--rate", type=click.FloatRange(1, 5000), default=110.0, show_default=True,
+              help="Mean arrival rate, requests/s (Poisson).")
+@click.option("--consumers", type=click.IntRange(1, 32), default=2, show_default=True,
+              help="Consumer processes per strategy.")
+@click.option("--base-ms", type=click.FloatRange(0), default=20.0, show_default=True,
+              help="synthetic: fixed cost of one model call, ms.")
+@click.option("--per-item-ms", type=click.FloatRange(0), default=2.0, show_default=True,
+              help="synthetic: extra cost per request in the batch, ms.")
+@click.option("--device", default=None, help="tiny_text: torch device (cpu, cuda:0, ...).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Workload seed.")
+@click.option("--keep-queues", is_flag=True,
+              help="With --redis-url: leave the demo's queues for `batchgate stats`.")
+@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
+def demo_command(redis_url: str | None, model: str, duration: float, rate: float,
+                 consumers: int, base_ms: float, per_item_ms: float, device: str | None,
+                 seed: int, keep_queues: bool, as_json: bool) -> None:
+    """Run one mixed HIGH/NORMAL/LOW workload through fifo, dynamic and priority and
+    compare throughput, p50/p99 latency per priority and batch size (under a minute)."""
+    started = time.perf_counter()
+    if threading.current_thread() is threading.main_thread():
+        # Stopped from outside: unwind like Ctrl-C, so consumers and redis-server go too.
+        signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
+    arrivals = Workload(model, rate, duration, seed).arrivals()
+    if not arrivals:
+        raise click.UsageError("the workload is empty: raise --rate or --duration")
+    if model == "synthetic":
+        model_args = ["--model-arg", f"base_ms={base_ms}", "--model-arg",
+                      f"per_item_ms={per_item_ms}"]
+    else:
+        model_args = ["--device", device] if device else []
+    prefix = f"demo-{uuid.uuid4().hex[:8]}"
+    results: dict[str, dict[str, Any]] = {}
+    started_procs: list[ConsumerProcess] = []
+    with redis_for_demo(redis_url) as (url, where):
+        client = connect(url)
+        try:
+            for strategy in STRATEGIES:
+                queue = f"{prefix}-{strategy}"
+                click.echo(f"{strategy}: starting {consumers} consumer(s) on {queue!r} ...",
+                           err=True)
+                procs = start_consumers(consumers, url, queue, strategy, model, model_args)
+                started_procs += procs
+                click.echo(f"{strategy}: {len(arrivals)} requests over {duration:g} s ...",
+                           err=True)
+                results[strategy] = run_strategy(client, url, queue, arrivals, procs,
+                                                 drain_timeout_s=max(10.0, duration))
+        finally:
+            for p in started_procs:
+                p.terminate()
+            for p in started_procs:
+                p.reap()
+            if redis_url and not keep_queues:
+                delete_queues(client, prefix)
+            client.close()
+    report = {
+        "redis": where,
+        "consumers": consumers,
+        "workload": {"model": model, "rate": rate, "duration_s": duration, "seed": seed,
+                     "requests": len(arrivals), "mix": dict(zip(PRIORITIES, MIX, strict=True)),
+                     **({"base_ms": base_ms, "per_item_ms": per_item_ms}
+                        if model == "synthetic" else {})},
+        "queues_kept": bool(redis_url and keep_queues),
+        "strategies": results,
+        "claims": claims(results, rate, consumers),
+        "wall_s": round(time.perf_counter() - started, 2),
+    }
+    if as_json:
+        click.echo(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode())
+    else:
+        click.echo(render(report))

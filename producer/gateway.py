@@ -1,0 +1,341 @@
+"""`batchgate gateway`: an HTTP front for one queue, for apps in any language.
+
+FastAPI app with an OpenAPI spec at `/openapi.json` (docs at `/docs`). One AsyncProducer
+per process, opened and closed with the app's lifespan. Endpoints:
+
+    POST   /v1/requests                 submit (optionally wait for the result)
+    GET    /v1/requests/{request_id}    where a request is, and its result
+    DELETE /v1/requests/{request_id}    cancel a request that has not started
+    GET    /v1/stats                    queue statistics (as `batchgate stats --json`)
+    GET    /healthz                     Redis reachable? (never needs a token)
+    GET    /metrics                     Prometheus metrics (never needs a token)
+
+Needs the `gateway` extra (fastapi, uvicorn, prometheus_client).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import math
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Annotated, Any
+
+import orjson
+import redis
+import redis.asyncio
+from fastapi import APIRouter, Depends, FastAPI, Path, Request, Response
+from fastapi.exception_handlers import http_exception_handler
+from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from producer.aio import AsyncProducer
+from producer.gateway_metrics import GatewayMetrics, MetricsMiddleware
+from producer.gateway_schemas import (
+    HTTP_STATUS,
+    REQUEST_ID_PATTERN,
+    Health,
+    Problem,
+    QueueFullProblem,
+    QueueStatsOut,
+    RequestState,
+    SubmitRequest,
+)
+from producer.requests import cancel_envelope
+from scheduler_core.admin import queue_stats
+from scheduler_core.connection import DEFAULT_REDIS_URL, connect, connect_async
+from scheduler_core.errors import InvalidRequest, QueueFull, RequestFailed
+from scheduler_core.keys import QueueKeys
+from scheduler_core.scripts import Scripts, cancel_keys
+from scheduler_core.wire import decode_result
+
+HEALTH_TIMEOUT_S = 2.0
+DEFAULT_RETRY_AFTER_S = 1.0
+RequestId = Annotated[str, Path(pattern=REQUEST_ID_PATTERN,
+                                description="The id returned by POST /v1/requests.")]
+
+
+class ApiError(Exception):
+    """An error answer: HTTP status, Problem body, headers."""
+
+    def __init__(self, status: int, error: str, message: str, *, field: str | None = None,
+                 headers: dict[str, str] | None = None, **extra: Any):
+        super().__init__(message)
+        self.status = status
+        self.body = {"error": error, "message": message, **extra}
+        if field is not None:
+            self.body["field"] = field
+        self.headers = headers or {}
+
+
+def json_response(status: int, body: Any, headers: dict[str, str] | None = None) -> Response:
+    return Response(orjson.dumps(body), status_code=status, headers=headers,
+                    media_type="application/json")
+
+
+def state_response(state: RequestState) -> Response:
+    headers = {"Location": f"/v1/requests/{state.id}"} if HTTP_STATUS[state.status] == 202 \
+        else None
+    return json_response(HTTP_STATUS[state.status], state.body(), headers)
+
+
+class Gateway:
+    """What the endpoints share: one AsyncProducer, one async and one sync Redis client."""
+
+    def __init__(self, redis_url: str, queue: str):
+        self.keys = QueueKeys(queue)
+        self.redis_url = redis_url
+        self.redis = connect_async(redis_url)
+        self.producer = AsyncProducer(redis_url, queue, client=self.redis)
+        self.sync_redis = connect(redis_url)  # for admin.queue_stats, run in a thread
+        self.scripts = Scripts(self.redis)
+
+    async def close(self) -> None:
+        await self.producer.close()
+        await self.redis.aclose()
+        self.sync_redis.close()
+
+    async def lookup(self, request_id: str) -> RequestState | None:
+        """The request's state from Redis (any producer's request of this queue)."""
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.get(self.keys.result(request_id))
+        pipe.hexists(self.keys.owner, request_id)
+        for key in self.keys.pending_all:
+            pipe.zscore(key, request_id)
+        pipe.hget(self.keys.dead_reason, request_id)
+        raw, running, *pending, dead = await pipe.execute()
+        if raw is None and dead is not None:
+            raw = dead  # dead-lettered, and its stored result has expired
+        if raw is not None:
+            return RequestState.from_result(decode_result(raw))
+        if running:
+            return RequestState(id=request_id, status="running")
+        if any(score is not None for score in pending):
+            return RequestState(id=request_id, status="queued")
+        return None
+
+    async def cancel(self, request_id: str) -> int:
+        """1 cancelled, 2 running (it will complete), 0 not waiting."""
+        meta = await self.redis.hget(self.keys.meta, request_id)
+        owner = self.producer.id
+        fields = meta.decode().split(":") if meta is not None else []
+        if len(fields) == 5 and fields[4]:  # the inbox of the producer that submitted it
+            owner = fields[4]
+        envelope, counter = cancel_envelope(request_id, deadline=False)
+        reply = await self.scripts.cancel(
+            keys=cancel_keys(self.keys, request_id, owner),
+            args=[request_id, self.producer.config.result_ttl_s, envelope, counter])
+        return int(reply)
+
+
+def _gateway(request: Request) -> Gateway:
+    return request.app.state.gateway
+
+
+BEARER = HTTPBearer(auto_error=False, description="`Authorization: Bearer <token>`, the "
+                                                  "token given to `batchgate gateway`.")
+
+
+def bearer_auth(token: str) -> Any:
+    expected = token.encode()
+
+    async def check(credentials: Annotated[HTTPAuthorizationCredentials | None,
+                                           Depends(BEARER)]) -> None:
+        if credentials is None or not hmac.compare_digest(
+                credentials.credentials.encode(), expected):
+            raise ApiError(401, "unauthorized", "missing or wrong bearer token",
+                           headers={"WWW-Authenticate": "Bearer"})
+    return check
+
+
+def _problem(description: str, model: type = Problem) -> dict[str, Any]:
+    return {"model": model, "description": description}
+
+
+COMMON = {422: _problem("Bad input; `field` names it."),
+          503: _problem("Redis is unreachable.")}
+STATE_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"model": RequestState, "description": "Done: `result` holds the model's result."},
+    202: {"model": RequestState, "description": "Queued or running; poll the Location."},
+    404: _problem("Unknown id (or its result expired after result_ttl_s)."),
+    410: {"model": RequestState, "description": "Cancelled before it ran."},
+    502: {"model": RequestState, "description": "The model failed on it, or it was "
+                                                "dead-lettered; see `error`."},
+    504: {"model": RequestState, "description": "Its deadline_ms passed before it ran."},
+    **COMMON,
+}
+
+
+def build_router(auth: Any | None) -> APIRouter:
+    router = APIRouter(prefix="/v1", dependencies=[Depends(auth)] if auth else [],
+                       responses={401: _problem("Missing or wrong bearer token.")}
+                       if auth else {})
+
+    @router.post("/requests", status_code=202, responses={
+        **STATE_RESPONSES,
+        202: {"model": RequestState, "description": "Accepted (wait=false), or still queued "
+                                                    "or running after timeout_s."},
+        404: _problem("Not used by this endpoint."),
+        429: {"model": QueueFullProblem, "description": "QueueFull: retry after Retry-After "
+                                                        "seconds.",
+              "headers": {"Retry-After": {"schema": {"type": "integer"}}}},
+    }, summary="Submit a request", response_model=RequestState)
+    async def submit(body: SubmitRequest, request: Request) -> Response:
+        gateway = _gateway(request)
+        request.scope["batchgate.wait"] = body.wait
+        try:
+            handle = await gateway.producer.submit(
+                body.payload, priority=body.priority, deadline_ms=body.deadline_ms,
+                idempotency_key=body.idempotency_key)
+        except QueueFull as exc:
+            retry = exc.retry_after_s or DEFAULT_RETRY_AFTER_S
+            raise ApiError(429, "queue_full", str(exc), depth=exc.depth, limit=exc.limit,
+                           retry_after_s=retry,
+                           headers={"Retry-After": str(max(1, math.ceil(retry)))}) from None
+        if not body.wait:
+            return state_response(RequestState(id=handle.id, status="queued"))
+        metrics: GatewayMetrics = request.app.state.metrics
+        metrics.waiting.inc()
+        try:
+            value = await handle.result(timeout=body.timeout_s)
+            return state_response(RequestState(id=handle.id, status="done", result=value))
+        except (TimeoutError, RequestFailed):
+            pass  # still waiting, or failed/expired/cancelled: its stored state says which
+        finally:
+            metrics.waiting.dec()
+        state = await gateway.lookup(handle.id)
+        return state_response(state or RequestState(id=handle.id, status="queued"))
+
+    @router.get("/requests/{request_id}", responses=STATE_RESPONSES,
+                summary="A request's state and result", response_model=RequestState)
+    async def get_request(request_id: RequestId, request: Request) -> Response:
+        state = await _gateway(request).lookup(request_id)
+        if state is None:
+            raise ApiError(404, "not_found", f"no request {request_id} (unknown, or its "
+                                             "result expired)")
+        return state_response(state)
+
+    @router.delete("/requests/{request_id}", responses={
+        200: {"model": RequestState, "description": "Cancelled: it will never run."},
+        404: _problem("Unknown id."),
+        409: {"model": RequestState, "description": "Too late: running or finished."},
+        **COMMON,
+    }, summary="Cancel a request that has not started", response_model=RequestState)
+    async def cancel(request_id: RequestId, request: Request) -> Response:
+        gateway = _gateway(request)
+        outcome = await gateway.cancel(request_id)
+        state = await gateway.lookup(request_id)
+        if outcome == 1 or (state is not None and state.status == "cancelled"):
+            state = state or RequestState(id=request_id, status="cancelled")
+            return json_response(200, state.body())
+        if state is None:
+            raise ApiError(404, "not_found", f"no request {request_id}")
+        return json_response(409, state.body())
+
+    @router.get("/stats", response_model=QueueStatsOut, responses=COMMON,
+                summary="Queue statistics")
+    async def stats(request: Request) -> Response:
+        gateway = _gateway(request)
+        result = await run_in_threadpool(queue_stats, gateway.sync_redis, gateway.keys.queue)
+        return json_response(200, result.to_dict())
+
+    return router
+
+
+async def _invalid(request: Request, exc: Exception) -> Response:
+    if isinstance(exc, InvalidRequest):
+        return json_response(422, {"error": "invalid_request", "message": str(exc),
+                                   "field": exc.field})
+    assert isinstance(exc, RequestValidationError)
+    errors = [{"loc": list(e.get("loc", ())), "msg": str(e.get("msg", "")),
+               "type": str(e.get("type", ""))} for e in exc.errors()]
+    loc = errors[0]["loc"] if errors else []
+    field = str(loc[1]) if len(loc) > 1 and loc[0] in ("body", "path", "query") else "body"
+    if errors and errors[0]["type"] == "json_invalid":
+        field = "body"
+    message = f"{field}: {errors[0]['msg']}" if errors else "invalid request"
+    if field == "body" and "json" not in request.headers.get("content-type", ""):
+        message = "body: send a JSON object with Content-Type: application/json"
+    return json_response(422, {"error": "invalid_request", "message": message, "field": field,
+                               "detail": errors})
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own errors; an unparsable body (e.g. not UTF-8) is bad input like any."""
+    assert isinstance(exc, StarletteHTTPException)
+    if exc.status_code == 400:
+        return json_response(422, {"error": "invalid_request", "field": "body",
+                                   "message": f"body: {exc.detail}"})
+    if exc.status_code == 405:  # Allow: every method of the path, not only the first route's
+        methods = {method for route in request.app.routes
+                   if isinstance(route, APIRoute) and route.path_regex.match(request.url.path)
+                   for method in route.methods}
+        return json_response(405, {"error": "method_not_allowed", "message": str(exc.detail)},
+                             {"Allow": ", ".join(sorted(methods))})
+    return await http_exception_handler(request, exc)
+
+
+async def _api_error(_request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    return json_response(exc.status, exc.body, exc.headers)
+
+
+async def _redis_down(_request: Request, exc: Exception) -> Response:
+    return json_response(503, {"error": "redis_unavailable", "message": str(exc)},
+                         {"Retry-After": "1"})
+
+
+async def _redis_full(_request: Request, exc: Exception) -> Response:
+    return json_response(503, {"error": "redis_full", "message": f"Redis is at maxmemory "
+                                                                 f"(noeviction): {exc}"},
+                         {"Retry-After": "5"})
+
+
+def create_app(redis_url: str = DEFAULT_REDIS_URL, queue: str = "default",
+               token: str | None = None) -> FastAPI:
+    """The gateway for `queue`; with `token`, /v1/* needs `Authorization: Bearer <token>`."""
+    QueueKeys(queue)  # validate the name now, not on the first request
+    metrics = GatewayMetrics()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.gateway = Gateway(redis_url, queue)
+        try:
+            yield
+        finally:
+            await app.state.gateway.close()
+
+    app = FastAPI(title="batchgate gateway", version="1", lifespan=lifespan,
+                  description=f"Submit inference requests to batchgate queue `{queue}`.")
+    app.state.metrics = metrics
+    app.include_router(build_router(bearer_auth(token) if token else None))
+    app.add_exception_handler(RequestValidationError, _invalid)
+    app.add_exception_handler(InvalidRequest, _invalid)
+    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(redis.ConnectionError, _redis_down)
+    app.add_exception_handler(redis.TimeoutError, _redis_down)
+    app.add_exception_handler(redis.exceptions.OutOfMemoryError, _redis_full)  # noeviction
+    app.add_exception_handler(redis.exceptions.ReadOnlyError, _redis_down)  # failover
+    app.add_middleware(MetricsMiddleware, metrics=metrics)
+
+    @app.get("/healthz", response_model=Health, summary="Redis reachable?",
+             responses={503: {"model": Health, "description": "Redis is unreachable."}})
+    async def healthz(request: Request) -> Response:
+        try:
+            await asyncio.wait_for(_gateway(request).redis.ping(), HEALTH_TIMEOUT_S)
+        except (redis.RedisError, OSError, asyncio.TimeoutError) as exc:
+            return json_response(503, {"status": "unavailable", "redis": str(exc) or
+                                       type(exc).__name__})
+        return json_response(200, {"status": "ok", "redis": "ok"})
+
+    @app.get("/metrics", include_in_schema=False)
+    async def prometheus_metrics() -> Response:
+        data, content_type = metrics.exposition()
+        return Response(data, media_type=content_type)
+
+    return app

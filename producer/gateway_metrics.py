@@ -1,0 +1,87 @@
+"""Prometheus metrics of the HTTP gateway, served at `/metrics`.
+
+- `batchgate_gateway_requests_total{endpoint,method,status}`: HTTP requests answered;
+  `endpoint` is the route template (e.g. `/v1/requests/{request_id}`), `unmatched` otherwise.
+- `batchgate_gateway_request_seconds{endpoint,method}`: time to answer, all endpoints.
+- `batchgate_gateway_submit_seconds{wait,status}`: `POST /v1/requests`, from receipt to
+  answer (with wait=true this includes queueing and the model).
+- `batchgate_gateway_waiting_requests`: submits now waiting for their result.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                   10.0, 30.0, 60.0, 120.0, 300.0)
+SUBMIT_PATH = "/v1/requests"
+
+
+class GatewayMetrics:
+    """One registry per app, so that several apps in one process do not collide."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)
+        self.requests = Counter(
+            "batchgate_gateway_requests", "HTTP requests answered by the gateway.",
+            ["endpoint", "method", "status"], registry=self.registry)
+        self.request_seconds = Histogram(
+            "batchgate_gateway_request_seconds", "Time to answer an HTTP request.",
+            ["endpoint", "method"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.submit_seconds = Histogram(
+            "batchgate_gateway_submit_seconds",
+            "POST /v1/requests: time from receipt to answer (wait=true includes the model).",
+            ["wait", "status"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.waiting = Gauge(
+            "batchgate_gateway_waiting_requests", "Submits now waiting for their result.",
+            registry=self.registry)
+
+    def exposition(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class MetricsMiddleware:
+    """Pure ASGI middleware: counts and times every HTTP request by route template."""
+
+    def __init__(self, app: Any, metrics: GatewayMetrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+        start = time.perf_counter()
+
+        async def send_status(message: dict[str, Any]) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            elapsed = time.perf_counter() - start
+            route = scope.get("route")
+            endpoint = getattr(route, "path", None) or "unmatched"
+            method = scope["method"]
+            self.metrics.requests.labels(endpoint, method, str(status)).inc()
+            self.metrics.request_seconds.labels(endpoint, method).observe(elapsed)
+            if endpoint == SUBMIT_PATH and method == "POST":
+                wait = scope.get("batchgate.wait", False)
+                self.metrics.submit_seconds.labels(
+                    "true" if wait else "false", str(status)).observe(elapsed)

@@ -1,0 +1,178 @@
+"""The dead-letter set: requests given up on, kept for inspection, retry or purge.
+
+A request is dead-lettered when it was delivered `max_attempts` times without completing
+(each time its consumer crashed or hung), or when its stored entry is unreadable. Its
+producer receives a `RequestFailed` (error type `DeadLettered` or `MalformedRequest`);
+the request itself stays in `{bg:q}:jobs` / `{bg:q}:meta`, listed in `{bg:q}:dead`
+(id -> time) with the reason in `{bg:q}:dead:reason`, until it is retried or purged.
+
+    batchgate dead-letter list  --queue q [--limit 50] [--json]
+    batchgate dead-letter retry --queue q (ID ... | --all)
+    batchgate dead-letter purge --queue q (ID ... | --all)
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import click
+import orjson
+import redis
+
+from scheduler_core.cli import queue_option, redis_url_option
+from scheduler_core.connection import connect
+from scheduler_core.errors import InvalidRequest
+from scheduler_core.keys import QueueKeys
+from scheduler_core.scripts import source
+
+MAX_IDS_PER_CALL = 1000  # the script's bound on work per call
+PREVIEW_CHARS = 200
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    id: str
+    dead_at_s: float  # Redis time, seconds since the epoch
+    error_type: str
+    message: str
+    attempts: int | None  # deliveries made (None: no readable meta)
+    priority: int | None
+    payload_preview: str | None  # the stored request envelope, truncated (None: missing)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _text(value: Any) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+def _reason(raw: bytes | None) -> tuple[str, str]:
+    if raw is None:
+        return "unknown", ""
+    try:
+        error = orjson.loads(raw).get("error") or {}
+        return str(error.get("type", "unknown")), str(error.get("message", ""))
+    except (orjson.JSONDecodeError, AttributeError):
+        return "unknown", _text(raw)[:PREVIEW_CHARS]
+
+
+def list_dead(client: redis.Redis, queue: str, limit: int = 50,
+              offset: int = 0) -> tuple[int, list[DeadLetter]]:
+    """(total dead-lettered, the `limit` oldest from `offset`)."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 10_000:
+        raise InvalidRequest("limit", f"{limit!r} is outside [1, 10000]")
+    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+        raise InvalidRequest("offset", f"{offset!r} must be an integer >= 0")
+    keys = QueueKeys(queue)
+    total = client.zcard(keys.dead)
+    entries = client.zrange(keys.dead, offset, offset + limit - 1, withscores=True)
+    if not entries:
+        return total, []
+    ids = [member for member, _ in entries]
+    pipe = client.pipeline(transaction=False)
+    pipe.hmget(keys.dead_reason, ids)
+    pipe.hmget(keys.meta, ids)
+    pipe.hmget(keys.jobs, ids)
+    reasons, metas, jobs = pipe.execute()
+    out = []
+    for (member, score), reason, meta, job in zip(entries, reasons, metas, jobs, strict=True):
+        attempts = priority = None
+        parts = _text(meta).split(":", 4) if meta is not None else []
+        if len(parts) == 5 and parts[0].isdigit() and parts[3].isdigit():
+            priority, attempts = int(parts[0]), int(parts[3])
+        error_type, message = _reason(reason)
+        preview = None if job is None else _text(job)[:PREVIEW_CHARS]
+        out.append(DeadLetter(_text(member), score / 1e6, error_type, message, attempts,
+                              priority, preview))
+    return total, out
+
+
+def _act(client: redis.Redis, queue: str, action: str, ids: list[str] | None) -> tuple[int, int]:
+    """Retry or purge `ids`, or with ids=None every request dead-lettered now; returns
+    (done, skipped). Each call of the script handles at most MAX_IDS_PER_CALL ids."""
+    keys = QueueKeys(queue)
+    if ids is None:
+        ids = []
+        while True:  # a snapshot, read in pages
+            page = client.zrange(keys.dead, len(ids), len(ids) + MAX_IDS_PER_CALL - 1)
+            ids += [_text(x) for x in page]
+            if len(page) < MAX_IDS_PER_CALL:
+                break
+    script = client.register_script(source("dead_letter"))
+    done = skipped = 0
+    for start in range(0, len(ids), MAX_IDS_PER_CALL):
+        chunk = ids[start:start + MAX_IDS_PER_CALL]
+        script_keys = [keys.dead, keys.dead_reason, keys.jobs, keys.meta, *keys.pending_all,
+                       keys.clock, keys.marker, keys.stats,
+                       *(keys.result(rid) for rid in chunk)]
+        reply = script(keys=script_keys, args=[action, len(chunk), *chunk])
+        if int(reply[0]) < 0:
+            raise InvalidRequest(_text(reply[1]), "rejected by the dead_letter script")
+        done, skipped = done + int(reply[0]), skipped + int(reply[1])
+    return done, skipped
+
+
+def retry(client: redis.Redis, queue: str, ids: list[str] | None = None) -> tuple[int, int]:
+    """Enqueue dead letters again (all if ids is None); returns (retried, skipped)."""
+    return _act(client, queue, "retry", ids)
+
+
+def purge(client: redis.Redis, queue: str, ids: list[str] | None = None) -> tuple[int, int]:
+    """Delete dead letters for good (all if ids is None); returns (purged, skipped)."""
+    return _act(client, queue, "purge", ids)
+
+
+# -- `batchgate dead-letter` -----------------------------------------------------------
+def _options(func: Any) -> Any:
+    return redis_url_option(queue_option(func))
+
+
+def _targets(ids: tuple[str, ...], all_: bool) -> list[str] | None:
+    if bool(ids) == all_:
+        raise click.UsageError("give request IDs or --all (not both)")
+    return None if all_ else list(ids)
+
+
+@click.group("dead-letter")
+def dead_letter_group() -> None:
+    """Inspect, retry or purge requests that were given up on (dead-lettered)."""
+
+
+@dead_letter_group.command("list")
+@_options
+@click.option("--limit", type=click.IntRange(1, 10_000), default=50, show_default=True)
+@click.option("--offset", type=click.IntRange(0), default=0, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def list_command(redis_url: str, queue: str, limit: int, offset: int, as_json: bool) -> None:
+    """The oldest dead-lettered requests, with why they were given up on."""
+    total, entries = list_dead(connect(redis_url), queue, limit, offset)
+    if as_json:
+        click.echo(orjson.dumps({"total": total, "entries": [e.to_dict() for e in entries]},
+                                option=orjson.OPT_INDENT_2).decode())
+        return
+    click.echo(f"{total} dead-lettered request(s) in queue {queue!r}")
+    for e in entries:
+        click.echo(f"{e.id}  attempts={e.attempts}  {e.error_type}: {e.message}")
+
+
+@dead_letter_group.command("retry")
+@_options
+@click.option("--all", "all_", is_flag=True, help="Retry every dead-lettered request.")
+@click.argument("ids", nargs=-1)
+def retry_command(redis_url: str, queue: str, all_: bool, ids: tuple[str, ...]) -> None:
+    """Enqueue dead-lettered requests again (new arrival, attempts reset, no deadline);
+    their results are then fetched by id."""
+    done, skipped = retry(connect(redis_url), queue, _targets(ids, all_))
+    click.echo(f"retried {done}, skipped {skipped}")
+
+
+@dead_letter_group.command("purge")
+@_options
+@click.option("--all", "all_", is_flag=True, help="Purge every dead-lettered request.")
+@click.argument("ids", nargs=-1)
+def purge_command(redis_url: str, queue: str, all_: bool, ids: tuple[str, ...]) -> None:
+    """Delete dead-lettered requests for good."""
+    done, skipped = purge(connect(redis_url), queue, _targets(ids, all_))
+    click.echo(f"purged {done}, skipped {skipped}")

@@ -1,0 +1,196 @@
+"""The `batchgate` command as operators use it: consumer lifecycle (SIGTERM), policy
+conflicts, `submit`, `stats --json`."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+
+from support import BATCHGATE, RecordingModel, configure, queue_pattern, snapshot, wait_for
+
+from producer import Producer
+from scheduler_core.admin import queue_stats, read_policy
+from scheduler_core.keys import QueueKeys
+
+
+def batchgate(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([BATCHGATE, *args], capture_output=True, text=True, timeout=timeout)
+
+
+# -- consumer lifecycle ----------------------------------------------------------------
+
+
+def test_sigterm_finishes_the_batch_in_hand_then_exits_0(shared_redis, queue,
+                                                         start_consumer, tmp_path):
+    model = RecordingModel(tmp_path)
+    proc = model.start(start_consumer, shared_redis.url, queue, "--strategy", "fifo",
+                       "--max-batch-size", "4")
+    client = shared_redis.client()
+    with Producer(shared_redis.url, queue) as p:
+        handles = p.submit_many([{"i": 0, "sleep_ms": 800}, {"i": 1}])
+        wait_for(lambda: model.batches(), what="the batch to start")
+        proc.signal(signal.SIGTERM)
+        assert proc.proc.wait(15) == 0, proc.output()
+        # The batch in hand was completed before the exit, not left to the lease sweep.
+        assert [h.result(timeout=1) for h in handles] == [{"i": 0, "sleep_ms": 800}, {"i": 1}]
+        left = p.submit({"after": "exit"})  # nobody takes work after the stop
+    stats = queue_stats(client, queue)
+    assert stats.processed == 2 and stats.requeued == 0 and stats.in_flight_requests == 0
+    assert stats.depth["normal"] == 1 and client.hexists(QueueKeys(queue).jobs, left.id)
+    assert stats.consumers_alive == 0  # it deregistered itself
+
+
+def test_sigterm_under_load_strands_no_batch(shared_redis, queue, start_consumer):
+    """Stopped while it churns through a backlog (the next batch rides with each
+    completion), the consumer leaves nothing in flight: every request is answered or
+    still waiting for the next consumer, none held by a dead lease."""
+    total = 3000
+    configure(shared_redis.url, queue, strategy="fifo")
+    client = shared_redis.client()
+    with Producer(shared_redis.url, queue) as p:
+        p.submit_many([{"i": i} for i in range(total)])
+    proc = start_consumer(shared_redis.url, queue, "--model", "consumer.models:noop")
+    wait_for(lambda: queue_stats(client, queue).processed >= 100, what="some progress")
+    proc.signal(signal.SIGTERM)
+    assert proc.proc.wait(15) == 0, proc.output()
+    stats = queue_stats(client, queue)
+    assert stats.in_flight_requests == 0 and stats.in_flight_batches == 0
+    assert stats.processed + stats.depth["normal"] == total and stats.requeued == 0
+
+
+def test_idle_consumer_stops_on_sigterm_and_sigint(shared_redis, queue, start_consumer):
+    procs = {sig: start_consumer(shared_redis.url, queue, "--model", "consumer.models:noop",
+                                 ready=False) for sig in (signal.SIGTERM, signal.SIGINT)}
+    for sig, proc in procs.items():
+        proc.wait_ready()
+        proc.signal(sig)
+    for proc in procs.values():
+        assert proc.proc.wait(15) == 0, proc.output()
+    assert queue_stats(shared_redis.client(), queue).consumers_alive == 0
+
+
+def test_user_model_is_imported_from_the_working_directory(shared_redis, queue,
+                                                           start_consumer, tmp_path):
+    model = RecordingModel(tmp_path)  # tmp_path/bg_recorder.py, not on sys.path otherwise
+    model.start(start_consumer, shared_redis.url, queue)
+    with Producer(shared_redis.url, queue) as p:
+        assert p.submit({"mine": 1}).result(timeout=10) == {"mine": 1}
+    assert model.payloads() == [{"mine": 1}]
+
+
+def test_unknown_model_fails_with_a_clear_message(shared_redis, queue, start_consumer):
+    proc = start_consumer(shared_redis.url, queue, "--model", "no_such_module_xyz:model",
+                          ready=False)
+    assert proc.proc.wait(30) != 0
+    assert "no_such_module_xyz" in proc.output()
+
+
+def test_conflicting_policy_flags_are_refused(shared_redis, queue, start_consumer):
+    start_consumer(shared_redis.url, queue, "--model", "consumer.models:noop", "--strategy",
+                   "dynamic", "--max-batch-size", "16")
+    conflicts = [(["--strategy", "fifo"], ["strategy", "dynamic", "fifo"]),
+                 (["--max-batch-size", "8"], ["max_batch_size", "16", "8"])]
+    procs = [start_consumer(shared_redis.url, queue, "--model", "consumer.models:noop",
+                            *flags, ready=False) for flags, _ in conflicts]
+    for proc, (_, words) in zip(procs, conflicts, strict=True):
+        assert proc.proc.wait(30) != 0
+        out = proc.output()
+        assert "ready on queue" not in out
+        for word in words:
+            assert word in out, out
+        assert queue in out
+    # The stored policy is untouched, and a consumer that asks nothing adopts it.
+    policy = read_policy(shared_redis.client(), queue)
+    assert policy.strategy.value == "dynamic" and policy.max_batch_size == 16
+    adopters = [start_consumer(shared_redis.url, queue, "--model", "consumer.models:noop",
+                               *flags, ready=False) for flags in ([], ["--strategy", "dynamic"])]
+    for proc in adopters:
+        proc.wait_ready()
+    assert queue_stats(shared_redis.client(), queue).consumers_alive == 3
+
+
+# -- submit ----------------------------------------------------------------------------
+
+
+def test_submit_wait_prints_the_result(shared_redis, queue, start_consumer):
+    start_consumer(shared_redis.url, queue, "--model", "consumer.models:noop")
+    done = batchgate("submit", "--redis-url", shared_redis.url, "--queue", queue,
+                     "--priority", "high", "--wait", '{"a": [1, 2, {"b": null}]}')
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"a": [1, 2, {"b": None}]}
+
+
+def test_submit_prints_the_id_to_fetch_later(shared_redis, queue, start_consumer):
+    done = batchgate("submit", "--redis-url", shared_redis.url, "--queue", queue,
+                     "--priority", "low", '"hello"')
+    assert done.returncode == 0, done.stderr
+    request_id = done.stdout.strip()
+    start_consumer(shared_redis.url, queue, "--model", "consumer.models:noop")
+    with Producer(shared_redis.url, queue) as p:
+        stored = wait_for(lambda: p.fetch(request_id), what="the result")
+    assert stored.ok and stored.value == "hello"
+
+
+def test_submit_rejects_bad_input_and_writes_nothing(shared_redis, queue):
+    client = shared_redis.client()
+    for args in (["not json"], ["--priority", "urgent", "{}"], ["--deadline-ms", "-1", "{}"]):
+        done = batchgate("submit", "--redis-url", shared_redis.url, "--queue", queue, *args)
+        assert done.returncode == 2, (args, done.stdout, done.stderr)
+        assert done.stderr.strip()
+    done = batchgate("submit", "--redis-url", shared_redis.url, "--queue", "bad name", "{}")
+    assert done.returncode == 2 and "queue" in done.stderr
+    assert snapshot(client, queue_pattern(queue)) == {}
+
+
+def test_submit_wait_reports_a_deadline_or_a_timeout(shared_redis, queue):
+    done = batchgate("submit", "--redis-url", shared_redis.url, "--queue", queue,
+                     "--deadline-ms", "100", "--wait", "{}")
+    assert done.returncode == 1
+    assert "DeadlineExceeded" in done.stderr
+    done = batchgate("submit", "--redis-url", shared_redis.url, "--queue", queue,
+                     "--wait", "--timeout", "0.3", "{}")
+    assert done.returncode == 1 and "stays queued" in done.stderr
+    assert queue_stats(shared_redis.client(), queue).depth["normal"] == 1
+
+
+# -- stats -----------------------------------------------------------------------------
+
+
+def stats_json(url: str, queue: str) -> dict:
+    done = batchgate("stats", "--redis-url", url, "--queue", queue, "--json")
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_stats_json(shared_redis, queue, start_consumer):
+    with Producer(shared_redis.url, queue) as p:
+        p.submit_many([{"h": i} for i in range(2)], priority="high")
+        p.submit_many([{"l": i} for i in range(3)], priority="low")
+        waiting = stats_json(shared_redis.url, queue)
+        assert waiting["queue"] == queue
+        assert waiting["depth"] == {"high": 2, "normal": 0, "low": 3}
+        assert waiting["oldest_wait_ms"] >= 0
+        assert waiting["consumers_alive"] == 0 and waiting["processed"] == 0
+        assert waiting["policy"] is None  # no consumer has configured the queue yet
+
+        start_consumer(shared_redis.url, queue, "--model", "consumer.models:noop",
+                       "--strategy", "priority", "--max-batch-size", "8")
+        handles = p.submit_many([{"n": i} for i in range(8)])
+        for h in handles:
+            h.result(timeout=10)
+        wait_for(lambda: queue_stats(shared_redis.client(), queue).processed == 13,
+                 what="all 13 processed")
+    stats = stats_json(shared_redis.url, queue)
+    assert stats["depth"] == {"high": 0, "normal": 0, "low": 0}
+    assert stats["oldest_wait_ms"] is None
+    assert stats["in_flight_requests"] == 0 and stats["in_flight_batches"] == 0
+    assert stats["consumers_alive"] == 1
+    assert stats["policy"]["strategy"] == "priority"
+    assert stats["policy"]["max_batch_size"] == 8  # numbers as JSON numbers
+    assert stats["failed"] == 0 and stats["batches"] >= 3
+    assert stats["mean_batch_size"] == 13 / stats["batches"]
+    for name in ("queue_wait_ms", "end_to_end_ms"):
+        latency = stats[name]
+        assert latency["samples"] == 13
+        assert 0 <= latency["p50"] <= latency["p99"]

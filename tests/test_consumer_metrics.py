@@ -1,0 +1,66 @@
+"""`batchgate consumer --metrics-port`: Prometheus metrics scraped from a running consumer."""
+
+from __future__ import annotations
+
+import urllib.request
+
+import pytest
+from conftest import free_port
+from support import wait_for
+
+from producer import Priority, Producer
+from scheduler_core.errors import RequestFailed
+
+parser = pytest.importorskip("prometheus_client.parser")
+
+
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    samples = {}
+    for family in parser.text_string_to_metric_families(text):
+        for s in family.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return samples
+
+
+def value(samples: dict, name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def test_metrics_scraped_from_a_running_consumer(shared_redis, queue, start_consumer):
+    port = free_port()
+    start_consumer(shared_redis.url, queue, "--model", "consumer.models:synthetic",
+                   "--model-arg", "base_ms=1", "--model-arg", "per_item_ms=0",
+                   "--metrics-port", str(port))
+    before = scrape(port)
+    assert value(before, "batchgate_consumer_redis_up", queue=queue) == 1
+    assert value(before, "batchgate_queue_depth", queue=queue, priority="low") == 0
+    assert value(before, "batchgate_consumer_requests_total", queue=queue, outcome="ok") == 0
+
+    with Producer(shared_redis.url, queue) as producer:
+        handles = producer.submit_many([{"i": i} for i in range(30)], priority=Priority.LOW)
+        handles += [producer.submit({"x": 1}, priority=Priority.HIGH)]
+        assert all(h.result(timeout=15) for h in handles)
+        with pytest.raises(RequestFailed):
+            producer.submit({"fail": True}, priority=Priority.NORMAL).result(timeout=15)
+
+    def settled() -> dict:
+        s = scrape(port)
+        return s if value(s, "batchgate_consumer_requests_total", queue=queue,
+                          outcome="failed") == 1 else {}
+
+    after = wait_for(settled, timeout=10, what="the failure to be counted")
+    assert value(after, "batchgate_consumer_requests_total", queue=queue, outcome="ok") == 31
+    assert value(after, "batchgate_consumer_batch_size_sum", queue=queue) == 32
+    batches = value(after, "batchgate_consumer_batch_size_count", queue=queue)
+    assert 3 <= batches <= 32  # LOW went in batches, HIGH and the failure alone or not
+    assert value(after, "batchgate_consumer_model_seconds_count", queue=queue) == batches
+    assert value(after, "batchgate_consumer_model_seconds_sum", queue=queue) > 0
+    assert value(after, "batchgate_consumer_queue_wait_seconds_count", queue=queue,
+                 priority="low") == 30
+    assert value(after, "batchgate_consumer_queue_wait_seconds_count", queue=queue,
+                 priority="high") >= 1
+    for level in ("high", "normal", "low"):
+        assert value(after, "batchgate_queue_depth", queue=queue, priority=level) == 0
+    assert value(after, "batchgate_queue_in_flight_requests", queue=queue) == 0

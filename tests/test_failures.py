@@ -1,0 +1,382 @@
+"""Failure guarantees (docs/guarantees.md), each injected for real: poison input, hung and
+CPU-bound models, graceful shutdown, cancellation, dead producers, overload. Real
+redis-server processes, real `batchgate consumer` processes; a crash is os._exit or
+SIGKILL, a hang is SIGSTOP or a model that sleeps past --max-batch-ms."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from click.testing import CliRunner
+from failure_support import CountingProducer, executions, start, wait_for
+
+from producer import Producer, QueueFull, RequestCancelled, RequestFailed
+from scheduler_core.admin import queue_stats
+from scheduler_core.cli import main as cli
+from scheduler_core.deadletter import list_dead
+from scheduler_core.keys import QueueKeys
+
+
+def stats(server, queue):
+    return queue_stats(server.client(), queue)
+
+
+# -- poison input -----------------------------------------------------------------------
+def test_model_raising_for_one_payload_fails_only_that_request(shared_redis, queue,
+                                                                start_consumer, tmp_path):
+    start(start_consumer, shared_redis.url, queue, "Poison", "--strategy", "dynamic",
+          "--max-batch-size", "16", "--max-queue-delay-ms", "200", log=tmp_path)
+    with CountingProducer(shared_redis.url, queue) as p:
+        handles = p.submit_many([{"i": i, "raise": i == 5} for i in range(16)])
+        for i, h in enumerate(handles):
+            if i == 5:
+                with pytest.raises(RequestFailed, match="poison payload 5") as info:
+                    h.result(timeout=15)
+                assert info.value.error_type == "ValueError"
+            else:
+                assert h.result(timeout=15)["echo"] == {"i": i, "raise": False}
+        assert all(p.deliveries[h.id] == 1 for h in handles)
+    s = stats(shared_redis, queue)
+    assert (s.processed, s.failed, s.requeued, s.batches) == (15, 1, 0, 1)
+    # One batch of 16, bisected: the poison ran 1 + log2(16) times, each other at most 5.
+    runs = executions(tmp_path)
+    assert runs["5"] == 5
+    assert all(1 <= runs[str(i)] <= 5 for i in range(16))
+
+
+def test_payload_crashing_the_process_is_dead_lettered(redis_server, queue, start_consumer,
+                                                       tmp_path):
+    """os._exit in the model on one payload: after max_attempts deliveries it is
+    dead-lettered and its producer gets RequestFailed(DeadLettered); its batch-mates run
+    alone on their retry and are answered. Then `dead-letter list/retry` once cured."""
+    url, cured = redis_server.url, tmp_path / "cured"
+    policy = ["--strategy", "dynamic", "--max-batch-size", "8", "--max-queue-delay-ms", "100",
+              "--max-attempts", "3", "--lease-ms", "500"]
+    procs = [start(start_consumer, url, queue, "Poison", *policy, log=tmp_path, cured=cured)]
+    stop = threading.Event()
+
+    def supervise() -> None:  # what systemd / Kubernetes would do: restart what dies
+        while not stop.is_set():
+            alive = [c for c in procs if c.proc.poll() is None]
+            if len(alive) < 2:
+                procs.append(start(start_consumer, url, queue, "Poison", "--lease-ms", "500",
+                                   ready=False, log=tmp_path, cured=cured))
+            time.sleep(0.1)
+
+    supervisor = threading.Thread(target=supervise, daemon=True)
+    supervisor.start()
+    try:
+        with CountingProducer(url, queue) as p:
+            handles = p.submit_many([{"i": i, "crash": i == 3} for i in range(8)])
+            with pytest.raises(RequestFailed, match="max_attempts") as info:
+                handles[3].result(timeout=60)
+            assert info.value.error_type == "DeadLettered"
+            for i, h in enumerate(handles):
+                if i != 3:
+                    assert h.result(timeout=30)["echo"]["i"] == i
+            assert all(p.deliveries[h.id] == 1 for h in handles)
+            poison = handles[3].id
+        runs = executions(tmp_path)
+        assert runs["3"] == 3  # delivered and run max_attempts times, then given up
+        assert all(1 <= runs[str(i)] <= 2 for i in range(8) if i != 3)
+        s = stats(redis_server, queue)
+        assert s.dead_letters == 1 and s.processed == 7 and s.failed == 1
+        assert s.requeued >= 8 + 2  # the whole first batch, then the poison twice alone
+
+        runner = CliRunner()
+        listed = runner.invoke(cli, ["dead-letter", "list", "--redis-url", url, "--queue",
+                                     queue, "--json"])
+        assert listed.exit_code == 0, listed.output
+        body = json.loads(listed.output)
+        assert body["total"] == 1
+        [entry] = body["entries"]
+        assert entry["id"] == poison and entry["error_type"] == "DeadLettered"
+        assert '"crash":true' in entry["payload_preview"]
+
+        cured.touch()
+        retried = runner.invoke(cli, ["dead-letter", "retry", "--redis-url", url, "--queue",
+                                      queue, "--all"])
+        assert retried.exit_code == 0 and "retried 1, skipped 0" in retried.output
+        with Producer(url, queue) as p:
+            result = wait_for(lambda: p.fetch(poison), 30, "the retried request's result")
+        assert result.ok and result.value["echo"]["i"] == 3
+        s = stats(redis_server, queue)
+        assert s.dead_letters == 0 and s.processed == 8
+    finally:
+        stop.set()
+        supervisor.join()
+
+
+def test_malformed_entries_written_by_hand_are_dead_lettered(redis_server, queue,
+                                                             start_consumer, tmp_path):
+    consumer = start(start_consumer, redis_server.url, queue, "Echo", "--strategy", "fifo",
+                     log=tmp_path)
+    r, keys = redis_server.client(), QueueKeys(queue)
+    meta_ok = "1:1:0:0:"  # priority 1, arrival 1 us, no deadline, 0 attempts, no producer
+    r.hset(keys.jobs, mapping={"garbage": b"\xff\xfenot json", "wrongver": b'{"v":9}',
+                               "nometa": b'{"v":1,"payload":1}'})
+    r.hset(keys.meta, mapping={"garbage": meta_ok, "wrongver": meta_ok,
+                               "nojob": meta_ok, "badmeta": "x:y"})
+    r.zadd(keys.pending(1), {"garbage": 1, "wrongver": 2, "nojob": 3, "badmeta": 4,
+                             "nometa": 5})
+    r.zadd(keys.marker, {"w": 0})
+    bad = {"garbage", "wrongver", "nojob", "badmeta", "nometa"}
+    wait_for(lambda: r.zcard(keys.dead) == len(bad), 15, "the malformed entries to die")
+    with Producer(redis_server.url, queue) as p:  # the consumer is still serving
+        assert p.submit({"i": "ok"}).result(timeout=15)["echo"] == {"i": "ok"}
+    assert consumer.proc.poll() is None
+    assert not executions(tmp_path).keys() - {"ok"}  # none of them reached the model
+    total, listed = list_dead(r, queue)
+    assert total == len(bad) and {e.id for e in listed} == bad
+    reasons = {e.id: e.error_type for e in listed}
+    assert reasons["garbage"] == reasons["wrongver"] == "MalformedRequest"
+
+    runner = CliRunner()
+    out = runner.invoke(cli, ["dead-letter", "retry", "--redis-url", redis_server.url,
+                              "--queue", queue, "nojob", "unknown-id"])
+    assert out.exit_code == 0 and "retried 0, skipped 2" in out.output
+    out = runner.invoke(cli, ["dead-letter", "purge", "--redis-url", redis_server.url,
+                              "--queue", queue])
+    assert out.exit_code == 2 and "--all" in out.output
+    out = runner.invoke(cli, ["dead-letter", "purge", "--redis-url", redis_server.url,
+                              "--queue", queue, "--all"])
+    assert out.exit_code == 0 and f"purged {len(bad)}, skipped 0" in out.output
+    assert r.zcard(keys.dead) == r.hlen(keys.dead_reason) == 0
+    assert not bad & {k.decode() for k in [*r.hkeys(keys.jobs), *r.hkeys(keys.meta)]}
+
+
+# -- hung and CPU-bound consumers ---------------------------------------------------------
+def _hold_batch(server, queue, n):
+    wait_for(lambda: stats(server, queue).in_flight_requests == n, 15, "a batch in flight")
+
+
+def test_frozen_consumer_loses_its_lease_and_its_late_results_are_refused(
+        redis_server, queue, start_consumer, tmp_path):
+    """SIGSTOP (a frozen VM, a swap storm): the lease lapses, another consumer re-runs the
+    batch; on SIGCONT the stale consumer's completion is refused by the fencing token."""
+    url = redis_server.url
+    stale = start(start_consumer, url, queue, "Echo", "--strategy", "dynamic",
+                  "--max-batch-size", "4", "--lease-ms", "600", log=tmp_path, sleep_ms=1500)
+    with CountingProducer(url, queue) as p:
+        handles = p.submit_many([{"i": i} for i in range(4)])
+        wait_for(lambda: len(executions(tmp_path)) == 4, 15, "the stale consumer to start")
+        stale.signal(signal.SIGSTOP)
+        rescuer = start(start_consumer, url, queue, "Echo", log=tmp_path)
+        results = [h.result(timeout=20) for h in handles]
+        assert {r["pid"] for r in results} == {rescuer.proc.pid}
+        stale.signal(signal.SIGCONT)
+        wait_for(lambda: "were refused" in stale.output(), 15, "the late completion")
+        time.sleep(0.5)  # anything the stale consumer might still deliver
+        assert all(p.deliveries[h.id] == 1 for h in handles)
+    s = stats(redis_server, queue)
+    assert (s.processed, s.requeued) == (4, 4)
+    assert all(n == 2 for n in executions(tmp_path).values())  # at-least-once, here twice
+
+
+def test_model_hung_past_max_batch_ms_is_re_run_elsewhere(redis_server, queue,
+                                                          start_consumer, tmp_path):
+    url = redis_server.url
+    hung = start(start_consumer, url, queue, "Echo", "--strategy", "fifo", "--lease-ms",
+                 "1000", "--max-batch-ms", "1500", log=tmp_path, sleep_ms=6000)
+    with CountingProducer(url, queue) as p:
+        handle = p.submit({"i": 0})
+        _hold_batch(redis_server, queue, 1)
+        rescuer = start(start_consumer, url, queue, "Echo", log=tmp_path)
+        assert handle.result(timeout=20)["pid"] == rescuer.proc.pid
+        assert "treating it as hung" in hung.output()
+        wait_for(lambda: "were refused" in hung.output(), 15, "the late completion")
+        assert p.deliveries[handle.id] == 1
+    s = stats(redis_server, queue)
+    assert (s.processed, s.requeued) == (1, 1)
+
+
+def test_cpu_bound_model_keeps_its_lease(redis_server, queue, start_consumer, tmp_path):
+    """A pure-Python busy loop 3x longer than the lease: the lease thread still renews it,
+    so an idle second consumer never re-queues it."""
+    url = redis_server.url
+    busy = start(start_consumer, url, queue, "Busy", "--strategy", "fifo", "--lease-ms",
+                 "1000", log=tmp_path, busy_ms=3000)
+    with CountingProducer(url, queue) as p:
+        handle = p.submit({"i": 0})
+        _hold_batch(redis_server, queue, 1)
+        start(start_consumer, url, queue, "Echo", log=tmp_path)  # would steal a lapsed lease
+        assert handle.result(timeout=20)["pid"] == busy.proc.pid
+    s = stats(redis_server, queue)
+    assert (s.processed, s.requeued) == (1, 0)
+    assert executions(tmp_path) == {"0": 1}
+
+
+# -- graceful shutdown ------------------------------------------------------------------
+def test_sigterm_finishes_the_batch_in_hand(redis_server, queue, start_consumer, tmp_path):
+    consumer = start(start_consumer, redis_server.url, queue, "Echo", "--strategy",
+                     "dynamic", "--max-batch-size", "4", log=tmp_path, sleep_ms=1500)
+    with CountingProducer(redis_server.url, queue) as p:
+        handles = p.submit_many([{"i": i} for i in range(4)])
+        wait_for(lambda: len(executions(tmp_path)) == 4, 15, "the batch to start")
+        consumer.signal(signal.SIGTERM)
+        assert consumer.proc.wait(timeout=15) == 0
+        assert [h.result(timeout=5)["pid"] for h in handles] == [consumer.proc.pid] * 4
+        assert all(p.deliveries[h.id] == 1 for h in handles)
+    s = stats(redis_server, queue)
+    assert (s.processed, s.requeued, s.in_flight_batches) == (4, 0, 0)
+    assert all(n == 1 for n in executions(tmp_path).values())
+    assert "finishing the batch in hand" in consumer.output()
+
+
+def test_second_sigterm_exits_promptly_and_the_sweep_recovers(redis_server, queue,
+                                                              start_consumer, tmp_path):
+    url = redis_server.url
+    consumer = start(start_consumer, url, queue, "Echo", "--strategy", "dynamic",
+                     "--max-batch-size", "2", "--lease-ms", "500", log=tmp_path,
+                     sleep_ms=60_000)
+    with CountingProducer(url, queue) as p:
+        handles = p.submit_many([{"i": i} for i in range(2)])
+        wait_for(lambda: len(executions(tmp_path)) == 2, 15, "the batch to start")
+        consumer.signal(signal.SIGTERM)
+        time.sleep(0.2)
+        started = time.monotonic()
+        consumer.signal(signal.SIGTERM)
+        assert consumer.proc.wait(timeout=10) == 128 + signal.SIGTERM
+        assert time.monotonic() - started < 5  # not the 60 s the model would take
+        rescuer = start(start_consumer, url, queue, "Echo", log=tmp_path)
+        assert {h.result(timeout=20)["pid"] for h in handles} == {rescuer.proc.pid}
+        assert all(p.deliveries[h.id] == 1 for h in handles)
+    assert stats(redis_server, queue).requeued == 2
+
+
+# -- cancellation -----------------------------------------------------------------------
+def test_cancel_waiting_running_and_finished(redis_server, queue, start_consumer, tmp_path):
+    start(start_consumer, redis_server.url, queue, "Echo", "--strategy", "fifo", log=tmp_path,
+          sleep_ms=1000)
+    with CountingProducer(redis_server.url, queue) as p:
+        running = p.submit({"i": "running"})
+        wait_for(lambda: executions(tmp_path), 15, "the first request to start")
+        waiting = p.submit({"i": "waiting"})
+        assert waiting.cancel() == "cancelled"
+        with pytest.raises(RequestCancelled):
+            waiting.result(timeout=1)
+        assert running.cancel() == "running"
+        assert running.result(timeout=15)["echo"] == {"i": "running"}
+        assert running.cancel() == "finished"
+        assert waiting.cancel() == "finished"
+        after = p.submit({"i": "after"})  # the consumer went on; the cancelled never ran
+        assert after.result(timeout=15)["echo"] == {"i": "after"}
+    assert executions(tmp_path) == {"running": 1, "after": 1}
+    s = stats(redis_server, queue)
+    assert (s.processed, s.cancelled) == (2, 1)
+
+
+# -- producer gone ----------------------------------------------------------------------
+DEAD_PRODUCER = """
+import os, sys
+from producer import Producer
+p = Producer(sys.argv[1], sys.argv[2])
+for start in range(0, int(sys.argv[3]), 500):
+    p.submit_many([{"i": i} for i in range(start, min(start + 500, int(sys.argv[3])))])
+os._exit(0)  # gone: never reads a result, never closes
+"""
+
+
+def test_results_of_dead_producers_expire(redis_server, queue, start_consumer):
+    """Producers that submit and die: their inboxes and results expire after result_ttl_s
+    and Redis returns to its key count and (about) its memory of before."""
+    full = os.environ.get("BATCHGATE_FULL") == "1"
+    producers, per_producer = (10, 10_000) if full else (4, 500)
+    url, r, ttl = redis_server.url, redis_server.client(), 2
+    start(start_consumer, url, queue, "Echo", "--strategy", "dynamic", "--max-batch-size",
+          "64", "--max-queue-delay-ms", "5", "--result-ttl-s", str(ttl))
+    with Producer(url, queue) as p:  # warm-up: creates the queue's standing keys
+        assert p.submit({"i": -1}).result(timeout=15)
+    time.sleep(ttl + 1)
+    keys = QueueKeys(queue)
+    transient = (keys.marker.encode(), keys.tag.encode() + b":wake:")
+
+    def standing() -> set[bytes]:
+        return {k for k in r.keys("*") if not k.startswith(transient)}
+
+    baseline_keys, baseline_mem = standing(), r.info("memory")["used_memory"]
+    started = time.monotonic()
+    for _ in range(producers):
+        subprocess.run([sys.executable, "-c", DEAD_PRODUCER, url, queue, str(per_producer)],
+                       check=True, timeout=120)
+    total = producers * per_producer
+    wait_for(lambda: stats(redis_server, queue).processed == total + 1, 60 + total / 500,
+             "every request to be processed")
+    peak_keys = r.dbsize()
+    assert peak_keys > len(baseline_keys) + 100  # results waiting for nobody (some expired)
+    wait_for(lambda: standing() == baseline_keys, ttl + 15, "the results to expire")
+    elapsed = time.monotonic() - started
+    mem = r.info("memory")["used_memory"]
+    print(f"\nsoak: {total} requests from {producers} dead producers; peak {peak_keys} keys; "
+          f"back to {len(baseline_keys)} keys after {elapsed:.1f}s; used_memory "
+          f"{baseline_mem} -> {mem} bytes")
+    assert r.hlen(keys.jobs) == r.hlen(keys.meta) == r.hlen(keys.owner) == 0
+    # What stays: the capped latency samples (<= 10,000 entries each) and counters.
+    assert mem - baseline_mem < 2 << 20
+
+
+# -- overload ---------------------------------------------------------------------------
+def test_overload_fails_fast_with_a_retry_hint_and_answers_all_accepted(
+        redis_server, queue, start_consumer):
+    url, r, limit = redis_server.url, redis_server.client(), 100
+    start(start_consumer, url, queue, "Echo", "--strategy", "dynamic", "--max-batch-size",
+          "10", "--max-queue-delay-ms", "5", "--max-queue-size", str(limit), sleep_ms=20)
+    keys = QueueKeys(queue)
+    accepted, rejections, depths, errors = [], [], [], []
+    stop = threading.Event()
+    baseline_mem = r.info("memory")["used_memory"]
+
+    def produce(p: Producer) -> None:
+        n = 0
+        while not stop.is_set():
+            began = time.monotonic()
+            try:
+                accepted.append(p.submit({"i": n}))
+            except QueueFull as exc:
+                rejections.append((time.monotonic() - began, exc.retry_after_s, exc))
+                time.sleep(min(exc.retry_after_s or 0.05, 0.2))
+            except Exception as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+            n += 1
+
+    def watch() -> None:
+        while not stop.is_set():
+            depths.append(sum(r.zcard(k) for k in keys.pending_all))
+            time.sleep(0.02)
+
+    with Producer(url, queue) as p1, Producer(url, queue) as p2:
+        threads = [threading.Thread(target=produce, args=(p,)) for p in (p1, p2, p1)]
+        threads.append(threading.Thread(target=watch))
+        for t in threads:
+            t.start()
+        time.sleep(4)
+        stop.set()
+        for t in threads:
+            t.join()
+        peak_mem = r.info("memory")["used_memory"]
+        for h in accepted:
+            h.result(timeout=30)
+    assert not errors
+    assert rejections and accepted
+    assert max(depths) <= limit
+    slowest = max(latency for latency, _, _ in rejections)
+    assert slowest < 1.0  # one round trip, not a wait for room
+    hints = [hint for _, hint, _ in rejections[len(rejections) // 2:]]
+    assert all(h is not None and 0 < h < 5 for h in hints)
+    rate = stats(redis_server, queue).processed / 4
+    exc = rejections[-1][2]
+    expected = max(1, exc.depth + 1 - limit) / rate
+    print(f"\noverload: {len(accepted)} accepted, {len(rejections)} QueueFull (slowest "
+          f"{slowest * 1000:.1f} ms), last hint {exc.retry_after_s * 1000:.1f} ms vs "
+          f"{expected * 1000:.1f} ms from the mean rate {rate:.0f}/s; peak depth "
+          f"{max(depths)}; used_memory +{(peak_mem - baseline_mem) / 1024:.0f} KiB")
+    assert expected / 4 < exc.retry_after_s < expected * 4
+    assert "retry after" in str(exc)
+    assert peak_mem - baseline_mem < 16 << 20

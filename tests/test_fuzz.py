@@ -1,0 +1,562 @@
+"""Fuzzing with hypothesis: the Python API, the CLI, every Lua script's arguments and
+entries written into Redis by hand. Bad input gets a clear error naming the field and
+writes nothing; no script fails half-way; no consumer crashes.
+
+Examples per run (derandomized, so CI is reproducible): see EXAMPLES; BATCHGATE_FULL=1
+runs 5x as many, randomly seeded.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+import redis
+from click.testing import CliRunner
+from conftest import RedisServer
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from consumer.worker import Batch, Consumer, ConsumerConfig
+from producer import InvalidRequest, Priority, Producer
+from producer.requests import check_deadline, check_idempotency_key, check_timeout
+from scheduler_core.cli import main as cli
+from scheduler_core.errors import InvalidPolicy
+from scheduler_core.keys import QueueKeys, validate_queue_name
+from scheduler_core.policy import LIMITS, Policy
+from scheduler_core.scripts import (
+    NewRequest,
+    cancel_keys,
+    complete_keys,
+    enqueue_call,
+    pop_keys,
+    requeue_keys,
+    source,
+)
+from scheduler_core.wire import decode_request, encode_error, encode_request
+
+FULL = os.environ.get("BATCHGATE_FULL") == "1"
+LUA = Path(__file__).resolve().parent.parent / "scheduler_core" / "lua"
+# (hypothesis examples, cases checked per example). Hypothesis costs a few ms per example,
+# so each example carries a batch of cases: 11,240 cases per run in all.
+PLAN = {
+    "payload": (200, 10), "priority": (100, 10), "scalars": (100, 10), "policy": (100, 10),
+    "queue": (100, 10), "consumer_config": (50, 10), "producer_config": (50, 10),
+    "submit": (200, 5), "cli_submit": (100, 4), "cli_admin": (50, 4),
+    "lua": (60, 5),  # per script: 8 scripts
+    "hand_written": (60, 4),
+}
+MIN_TOTAL_CASES = 10_000
+CASES: dict[str, int] = {}
+
+
+def fuzz(name: str) -> settings:
+    return settings(max_examples=PLAN[name][0] * (5 if FULL else 1), deadline=None,
+                    database=None, derandomize=not FULL,
+                    suppress_health_check=list(HealthCheck))
+
+
+def cases(name: str, strategy: st.SearchStrategy) -> st.SearchStrategy:
+    """A batch of PLAN[name][1] cases for one hypothesis example."""
+    size = PLAN[name][1]
+    return st.lists(strategy, min_size=size, max_size=size)
+
+
+def count(name: str, n: int) -> None:
+    CASES[name] = CASES.get(name, 0) + n
+
+
+# -- strategies -------------------------------------------------------------------------
+ODD = [float("nan"), float("inf"), -float("inf"), 2**64, 2**64 - 1, -(2**63) - 1, 1j,
+       b"bytes", bytearray(b"ba"), object(), {1, 2}, frozenset(), Priority.HIGH, ..., "\udcff",
+       "\x00", "é", "{bg:x}", "a b", " ", "", -0.0, 1e308, 5e-324]
+scalars = (st.none() | st.booleans() | st.integers() | st.floats()
+           | st.text(st.characters(blacklist_categories=()), max_size=8)
+           | st.binary(max_size=8) | st.sampled_from(ODD))
+values = st.recursive(
+    scalars,
+    lambda inner: (st.lists(inner, max_size=4) | st.tuples(inner, inner)
+                   | st.dictionaries(st.text(max_size=4) | st.integers() | st.none()
+                                     | st.binary(max_size=2), inner, max_size=4)),
+    max_leaves=12)
+
+
+def nest(depth: int) -> Any:
+    value: Any = 0
+    for i in range(depth):
+        value = [value] if i % 2 else {"k": value}
+    return value
+
+
+LIMIT = 1024  # max_payload_bytes in these tests: payloads of about that size
+payloads = values | st.integers(0, 90).map(nest) | st.integers(LIMIT - 6, LIMIT + 2).map(
+    lambda n: "x" * n)
+TOKENS = ["", " ", "0", "1", "-1", "2", "3", "1.5", "-0", "nan", "NaN", "inf", "-inf",
+          "Infinity", "1e3", "1e400", "0x10", " 1", "1 ", "+1", "99999999999999999999",
+          "4097", "10001", "100", "99", "86400001", "abc", "|", ",", ":", "{", "}", "\x00",
+          "é", "ok", "err", "dead", "expired", "retry", "purge", "ensure", "replace",
+          "strategy", "fifo", "max_batch_size", "cancelled"]
+tokens = (st.sampled_from(TOKENS) | st.binary(max_size=6) | st.integers(-2**70, 2**70)
+          | st.floats() | st.text(max_size=6))
+
+
+def normalise(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return [normalise(v) for v in value]
+    if isinstance(value, dict):
+        return {k: normalise(v) for k, v in value.items()}
+    return value
+
+
+def as_json_text(value: Any) -> str:
+    """A value as a user might type it on the command line (not always valid JSON)."""
+    try:
+        return orjson.dumps(value, default=str).decode()
+    except TypeError:
+        return repr(value)
+
+
+def field_of(exc: InvalidRequest) -> str:
+    return re.split(r"[.\[]", exc.field, maxsplit=1)[0]
+
+
+# -- pure validation (no Redis) -------------------------------------------------------------
+@fuzz("payload")
+@given(batch=cases("payload", st.tuples(payloads, st.sampled_from([16, LIMIT]))))
+def test_fuzz_payload_encoding(batch):
+    count("payload", len(batch))
+    for payload, limit in batch:
+        try:
+            data = encode_request(payload, limit)
+        except InvalidRequest as exc:
+            assert field_of(exc) == "payload"
+            continue
+        assert len(data) <= limit + 32  # the envelope's own bytes
+        assert decode_request(data) == normalise(payload)
+
+
+@fuzz("priority")
+@given(batch=cases("priority", scalars | st.sampled_from(
+    ["high", " Low ", "NORMAL", 0, 1, 2, 3, -1, True])))
+def test_fuzz_priority(batch):
+    count("priority", len(batch))
+    for value in batch:
+        try:
+            parsed = Priority.parse(value)
+        except InvalidRequest as exc:
+            assert exc.field == "priority" and "unknown priority" in str(exc)
+            continue
+        assert parsed in (Priority.HIGH, Priority.NORMAL, Priority.LOW)
+
+
+@fuzz("scalars")
+@given(batch=cases("scalars", st.tuples(
+    st.sampled_from(["deadline_ms", "timeout", "idempotency_key"]),
+    scalars | st.integers(-5, 90_000_000) | st.floats(-5, 1e9)
+    | st.from_regex(r"[A-Za-z0-9_.:-]{0,210}", fullmatch=True))))
+def test_fuzz_scalar_arguments(batch):
+    count("scalars", len(batch))
+    checks = {"deadline_ms": check_deadline, "timeout": check_timeout,
+              "idempotency_key": check_idempotency_key}
+    for which, value in batch:
+        try:
+            checks[which](value)
+        except InvalidRequest as exc:
+            assert exc.field == which
+
+
+@fuzz("policy")
+@given(batch=cases("policy", st.dictionaries(
+    st.sampled_from(["strategy", *LIMITS]),
+    scalars | st.integers(-10, 2_000_000_000)
+    | st.sampled_from(["fifo", "dynamic", "priority", "FIFO"]), max_size=4)))
+def test_fuzz_policy(batch):
+    count("policy", len(batch))
+    for kwargs in batch:
+        try:
+            policy = Policy(**kwargs)
+        except InvalidPolicy as exc:
+            assert exc.field in kwargs
+            continue
+        assert Policy.from_redis(policy.to_redis()) == policy
+
+
+@fuzz("queue")
+@given(batch=cases("queue", scalars | st.from_regex(r"[A-Za-z0-9_.:{} -]{0,140}",
+                                                    fullmatch=True)))
+def test_fuzz_queue_names(batch):
+    count("queue", len(batch))
+    for name in batch:
+        try:
+            validate_queue_name(name)
+        except InvalidRequest as exc:
+            assert exc.field == "queue"
+            continue
+        assert QueueKeys(name).jobs == f"{{bg:{name}}}:jobs"
+        assert not set("{} ") & set(name)
+
+
+@fuzz("consumer_config")
+@given(batch=cases("consumer_config", st.tuples(
+    scalars | st.integers(-1, 90_000_000), scalars | st.integers(-1, 10**8),
+    st.text(max_size=6) | st.just("a|b"))))
+def test_fuzz_consumer_config(batch):
+    count("consumer_config", len(batch))
+    for lease_ms, max_batch_ms, name in batch:
+        try:
+            ConsumerConfig(lease_ms=lease_ms, max_batch_ms=max_batch_ms, name=name)
+        except InvalidRequest as exc:
+            assert exc.field in ("lease_ms", "max_batch_ms", "name")
+
+
+class FakeScript:
+    def __init__(self, calls: list):
+        self.calls = calls
+        self.sha = "0" * 40
+
+    def __call__(self, keys=None, args=None, client=None):
+        self.calls.append((keys, args))
+        ids = args[3::5]
+        return [1, len(ids), len(ids), *(i.encode() for i in ids)]
+
+
+class FakePipeline:
+    def __getattr__(self, name):
+        return lambda *a, **k: []
+
+
+class NoRedis:
+    """Stands in for Redis: records script calls, answers enqueue as if accepted."""
+
+    def __init__(self):
+        self.calls: list = []
+
+    def register_script(self, _source):
+        return FakeScript(self.calls)
+
+    def blmpop(self, *args, **kwargs):
+        time.sleep(0.05)
+
+    def pipeline(self, *args, **kwargs):
+        return FakePipeline()
+
+    def get(self, key):
+        return None
+
+    def close(self):
+        pass
+
+
+@fuzz("producer_config")
+@given(batch=cases("producer_config", st.tuples(
+    scalars | st.just("ok-queue"), scalars | st.integers(-1, 10**9),
+    scalars | st.integers(-1, 10**8))))
+def test_fuzz_producer_constructor(batch):
+    count("producer_config", len(batch))
+    for queue, max_payload_bytes, idempotency_ttl_s in batch:
+        try:
+            Producer(queue=queue, max_payload_bytes=max_payload_bytes,
+                     idempotency_ttl_s=idempotency_ttl_s, client=NoRedis()).close()
+        except InvalidRequest as exc:
+            assert exc.field in ("queue", "max_payload_bytes", "idempotency_ttl_s")
+
+
+def test_fuzz_producer_submit():
+    fake = NoRedis()
+    producer = Producer(queue="fuzz", client=fake, max_payload_bytes=LIMIT)
+    fields = {"payload", "payloads", "priority", "deadline_ms", "idempotency_key"}
+    case = st.tuples(
+        st.booleans(), payloads, st.lists(scalars, max_size=3),
+        st.sampled_from(["high", "low", 0, 2, "urgent", 5, None, 1.0]) | scalars,
+        st.none() | st.integers(-1, 90_000_000) | scalars,
+        st.none() | st.from_regex(r"[a-z{} :-]{0,12}", fullmatch=True) | scalars)
+
+    def check_one(many, payload, more, priority, deadline_ms, key):
+        fake.calls.clear()
+        try:
+            if many:
+                batch = [payload, *more]
+                handles = producer.submit_many(batch, priority=priority,
+                                               deadline_ms=deadline_ms,
+                                               idempotency_keys=[key] * len(batch))
+            else:
+                batch = [payload]
+                handles = [producer.submit(payload, priority=priority,
+                                           deadline_ms=deadline_ms, idempotency_key=key)]
+        except InvalidRequest as exc:
+            assert field_of(exc) in fields, exc
+            assert not fake.calls, "bad input reached Redis"
+            return
+        [(keys, args)] = fake.calls
+        assert args[1] == len(batch) == len(handles) and isinstance(args[2], int)
+        for i, value in enumerate(batch):
+            rid, prio, deadline, envelope, flag = args[3 + 5 * i: 8 + 5 * i]
+            assert re.fullmatch(r"[0-9a-f]{32}", rid) and prio in (0, 1, 2)
+            assert isinstance(deadline, int) and 0 <= deadline <= 86_400_000
+            assert decode_request(envelope) == normalise(value) and flag in (0, 1)
+        assert len(keys) == 9 + sum(args[7::5])
+
+    @fuzz("submit")
+    @given(batch=cases("submit", case))
+    def check(batch):
+        count("submit", len(batch))
+        for one in batch:
+            check_one(*one)
+
+    try:
+        check()
+    finally:
+        producer.close()
+
+
+# -- the CLI ----------------------------------------------------------------------------
+def test_fuzz_cli_submit(shared_redis):
+    runner, r = CliRunner(), shared_redis.client()
+    prefix = f"fz{uuid.uuid4().hex[:6]}-"
+    case = st.tuples(
+        st.text(max_size=20) | values.map(as_json_text),
+        st.from_regex(r"[a-z0-9{} .:|-]{0,10}", fullmatch=True),
+        st.sampled_from(["high", "normal", "low", "HIGH", "urgent", "", "0"]),
+        st.none() | st.integers(-10, 10**9).map(str) | st.sampled_from(["abc", "1.5", "nan", ""]),
+        st.none() | st.from_regex(r"[a-z {}:]{0,8}", fullmatch=True))
+
+    def check_one(payload, queue, priority, deadline, key):
+        args = ["submit", "--redis-url", shared_redis.url, "--queue", prefix + queue,
+                "--priority", priority]
+        args += ["--deadline-ms", deadline] if deadline is not None else []
+        args += ["--idempotency-key", key] if key is not None else []
+        before = r.dbsize()
+        result = runner.invoke(cli, [*args, "--", payload])
+        assert result.exception is None or isinstance(result.exception, SystemExit), (
+            args, payload, result.output, result.exception)
+        if result.exit_code == 0:
+            assert re.fullmatch(r"[0-9a-f]{32}\n", result.output)
+        else:
+            assert result.exit_code == 2 and "Error" in result.output, result.output
+            assert r.dbsize() == before
+
+    @fuzz("cli_submit")
+    @given(batch=cases("cli_submit", case))
+    def check(batch):
+        count("cli_submit", len(batch))
+        for one in batch:
+            check_one(*one)
+
+    check()
+
+
+def test_fuzz_cli_admin(shared_redis):
+    runner, r = CliRunner(), shared_redis.client()
+    queue = f"fz-admin-{uuid.uuid4().hex[:6]}"
+    base = ["--redis-url", shared_redis.url, "--queue", queue]
+    assert runner.invoke(cli, ["policy", "set", *base, "--strategy", "fifo"]).exit_code == 0
+    numbers = st.integers(-5, 2_000_000_000).map(str) | st.sampled_from(
+        ["", "x", "1.5", "nan", "1e3", "-0", "99999999999999999999"])
+    case = st.tuples(st.sampled_from([f"--{name.replace('_', '-')}" for name in LIMITS]),
+                     numbers, st.sampled_from([None, "fifo", "dynamic", "bogus"]), numbers)
+
+    def check_one(option, value, strategy, limit):
+        stored = r.hgetall(QueueKeys(queue).policy)
+        args = ["policy", "set", *base, option, value]
+        args += ["--strategy", strategy] if strategy else []
+        result = runner.invoke(cli, args)
+        assert result.exception is None or isinstance(result.exception, SystemExit)
+        assert result.exit_code in (0, 2), result.output
+        if result.exit_code:
+            assert r.hgetall(QueueKeys(queue).policy) == stored
+        listed = runner.invoke(cli, ["dead-letter", "list", *base, "--limit", limit])
+        assert listed.exit_code in (0, 2) and (listed.exception is None
+                                               or isinstance(listed.exception, SystemExit))
+
+    @fuzz("cli_admin")
+    @given(batch=cases("cli_admin", case))
+    def check(batch):
+        count("cli_admin", len(batch))
+        for one in batch:
+            check_one(*one)
+
+    check()
+
+
+# -- every Lua script, called directly with garbage -----------------------------------------
+@pytest.fixture(scope="module")
+def debug_redis():
+    server = RedisServer("--enable-debug-command", "yes")
+    yield server
+    server.close()
+
+
+Q = QueueKeys("fz")
+ENV = encode_request(1)
+RESULT = b'{"v":1,"id":"f1","ok":true,"value":1}'
+
+
+def setup_state(r: redis.Redis) -> None:
+    """A small queue in every state: waiting, in flight (batch 7), dead-lettered."""
+    pipe = r.pipeline(transaction=False)
+    pipe.flushdb()
+    pipe.hset(Q.policy, mapping=Policy.build("dynamic", max_batch_size=4, max_queue_size=10,
+                                             result_ttl_s=60).to_redis())
+    pipe.zadd(Q.pending(1), {"r1": 1000, "r2": 2000})
+    pipe.zadd(Q.pending(0), {"r3": 3000})
+    pipe.hset(Q.jobs, mapping={k: ENV for k in ("r1", "r2", "r3", "f1", "d1")})
+    pipe.hset(Q.meta, mapping={"r1": "1:1000:0:0:prod", "r2": "1:2000:0:0:prod",
+                               "r3": "0:3000:0:0:prod", "f1": "1:500:0:1:prod",
+                               "d1": "1:100:0:4:prod"})
+    pipe.hset(Q.owner, "f1", "7")
+    pipe.zadd(Q.inflight, {"7": 9e15})
+    pipe.hset(Q.batches, "7", "c1|f1")
+    pipe.set(Q.seq, 7)
+    pipe.set(Q.clock, 3000)
+    pipe.zadd(Q.dead, {"d1": 1})
+    pipe.hset(Q.dead_reason, "d1", encode_error("d1", "DeadLettered", "x"))
+    pipe.execute()
+
+
+def dead_letter_keys(ids: list[str]) -> list[str]:
+    return [Q.dead, Q.dead_reason, Q.jobs, Q.meta, *Q.pending_all, Q.clock, Q.marker,
+            Q.stats, *(Q.result(i) for i in ids)]
+
+
+TEMPLATES = {  # a valid call of each script against setup_state: (KEYS, ARGV)
+    "enqueue": (enqueue_call(Q, "prod", [NewRequest("n1", 1, 0, ENV, "k1")], 60)[0],
+                ["prod", 1, 60, "n1", 1, 0, ENV, 1]),
+    "pop_batch": (pop_keys(Q), ["c1", 1000]),
+    "complete": (complete_keys(Q, [("f1", "prod")]), ["7", 60, 1, "f1", "ok", RESULT]),
+    "extend_lease": ([Q.inflight, Q.consumers], ["c1", "7", 1000]),
+    "requeue_expired": (requeue_keys(Q), [10]),
+    "configure": ([Q.policy], ["replace", *(x for kv in Policy().to_redis().items()
+                                            for x in kv)]),
+    "cancel": (cancel_keys(Q, "r1", "prod"), ["r1", 60, encode_error("r1", "Cancelled", "x"),
+                                              "cancelled"]),
+    "dead_letter": (dead_letter_keys(["d1"]), ["retry", 1, "d1"]),
+}
+ERROR_FIELDS = {m for path in LUA.glob("*.lua")
+                for m in re.findall(r"\{-3, '(\w+)'\}", path.read_text())} | {"strategy",
+                                                                             *LIMITS}
+META = re.compile(rb"[0-2]:\d{1,17}:\d{1,17}:\d{1,9}:[A-Za-z0-9_.-]{0,128}")
+
+
+def check_invariants(r: redis.Redis) -> None:
+    for rid, meta in r.hgetall(Q.meta).items():
+        assert META.fullmatch(meta), (rid, meta)
+    for key in [*Q.pending_all, Q.inflight, Q.dead, Q.consumers]:
+        assert all(math.isfinite(score) for _, score in r.zrange(key, 0, -1, withscores=True))
+    for rid, batch in r.hgetall(Q.owner).items():
+        assert r.zscore(Q.inflight, batch) is not None, (rid, batch)
+    Policy.from_redis(r.hgetall(Q.policy))
+
+
+@pytest.mark.parametrize("name", sorted(TEMPLATES))
+def test_fuzz_lua_script_arguments(debug_redis, name):
+    r = debug_redis.client()
+    script = r.register_script(source(name))
+    keys, template = TEMPLATES[name]
+    setup_state(r)
+    assert script(keys=keys, args=template) is not None  # the template itself is valid
+    case = st.tuples(st.lists(st.tuples(st.integers(0, len(template) - 1), tokens),
+                              max_size=3), st.integers(0, 3), st.lists(tokens, max_size=2))
+
+    def check_one(edits, cut, extra):
+        args = list(template)
+        for position, token in edits:
+            args[position] = token
+        args = args[:len(args) - cut] if cut < 3 else args
+        args += extra
+        setup_state(r)
+        before = r.execute_command("DEBUG", "DIGEST")
+        try:
+            reply = script(keys=keys, args=args)
+        except redis.ResponseError as exc:
+            raise AssertionError(f"{name}.lua failed on ARGV {args!r}: {exc}") from None
+        if isinstance(reply, list) and reply and isinstance(reply[0], int) and reply[0] < 0:
+            if reply[0] == -3:
+                assert reply[1].decode() in ERROR_FIELDS, reply
+            assert r.execute_command("DEBUG", "DIGEST") == before, (args, reply)
+        check_invariants(r)
+
+    @fuzz("lua")
+    @given(batch=cases("lua", case))
+    def check(batch):
+        count(f"lua:{name}", len(batch))
+        for one in batch:
+            check_one(*one)
+
+    check()
+
+
+def test_configure_limits_match_policy_limits():
+    text = (LUA / "configure.lua").read_text()
+    lua = {name: (int(lo), int(hi)) for name, lo, hi in
+           re.findall(r"(\w+) = \{(\d+), (\d+)\}", text)}
+    assert lua == LIMITS
+
+
+# -- entries written into Redis by hand ---------------------------------------------------
+def test_fuzz_hand_written_entries_are_dead_lettered_not_fatal(debug_redis):
+    """Garbage members, meta and envelopes written straight into a queue, a few at a time
+    beside one real request: the consumer dead-letters (or, if by chance valid, runs) each,
+    never crashes, and keeps serving."""
+    r = debug_redis.client()
+    consumer = Consumer(lambda payloads: payloads, ConsumerConfig(
+        redis_url=debug_redis.url, queue="fz", policy={"strategy": "fifo",
+                                                       "max_batch_size": 4}))
+    junk = st.none() | st.binary(max_size=12) | st.sampled_from(
+        [b"1:1:0:0:", b"9:1:0:0:p", b"1:" + b"9" * 400 + b":0:0:p", b"2:5:5:99999:\xff",
+         b"0:1:0:1:p", b'{"v":1,"payload":1}', b'{"v":1}', b"\x00",
+         b'{"v":1,"payload":' + b"[" * 2000 + b"]" * 2000 + b"}"])
+    entry = st.tuples(
+        st.binary(min_size=0, max_size=10) | st.from_regex(r"[a-z0-9]{1,8}", fullmatch=True),
+        st.integers(0, 2), st.floats(allow_nan=False) | st.integers(-2**60, 2**60), junk, junk)
+
+    @fuzz("hand_written")
+    @given(batch=cases("hand_written", entry))
+    def check(batch):
+        count("hand_written", len(batch))
+        r.flushdb()
+        consumer.start()
+        pipe = r.pipeline(transaction=False)
+        ids = {}
+        for rid, level, score, meta, envelope in batch:
+            ids[rid] = True
+            pipe.zadd(Q.pending(level), {rid: score})
+            if meta is not None:
+                pipe.hset(Q.meta, rid, meta)
+            if envelope is not None:
+                pipe.hset(Q.jobs, rid, envelope)
+        pipe.execute()
+        with Producer(debug_redis.url, "fz", client=r) as p:
+            handle = p.submit({"ok": 1})
+            outcome: Any = consumer._pop()
+            for _ in range(20):
+                if isinstance(outcome, Batch):
+                    outcome = consumer._process(outcome)
+                elif sum(r.zcard(k) for k in Q.pending_all) == 0:
+                    break
+                else:
+                    outcome = consumer._pop()
+            assert sum(r.zcard(k) for k in Q.pending_all) == 0
+            assert r.zcard(Q.inflight) == 0
+            assert p.fetch(handle.id).value == {"ok": 1}  # the queue kept serving
+        for rid in ids:  # each ran (it happened to be valid) or is dead-lettered
+            name = rid.decode() if isinstance(rid, bytes) and rid.isascii() else str(rid)
+            assert r.exists(Q.result(name)) or r.zscore(Q.dead, rid) is not None, rid
+
+    check()
+
+
+def test_zz_fuzz_case_count():
+    """Runs last in this module: with every fuzz test above run, >= 10,000 cases."""
+    expected = {*PLAN} - {"lua"} | {f"lua:{name}" for name in TEMPLATES}
+    if set(CASES) != expected:
+        pytest.skip("only part of the fuzz tests ran")
+    total = sum(CASES.values())
+    print(f"\nfuzz: {total} cases: {CASES}")
+    assert total >= MIN_TOTAL_CASES

@@ -1,0 +1,285 @@
+"""Security: no pickle on the data path, a least-privilege ACL user, TLS, size limits on
+both sides, and the eviction-policy warning. Against real redis-server processes."""
+
+from __future__ import annotations
+
+import ast
+import re
+import shutil
+import ssl
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import redis
+from conftest import RedisServer, free_port
+from failure_support import start, wait_for
+from redis.exceptions import NoPermissionError
+
+from producer import InvalidRequest, Producer, RequestFailed
+from scheduler_core.admin import queue_stats
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("scheduler_core", "producer", "consumer")
+UNSAFE_MODULES = {"pickle", "_pickle", "cPickle", "marshal", "shelve", "dill", "cloudpickle",
+                  "jsonpickle", "joblib"}
+
+
+# -- no pickle --------------------------------------------------------------------------
+def test_no_package_module_imports_a_deserialiser_of_code():
+    """Static: no module of batchgate imports pickle, marshal, shelve or their kin."""
+    offenders = []
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                names = []
+                if isinstance(node, ast.Import):
+                    names = [alias.name for alias in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.module:
+                    names = [node.module]
+                offenders += [f"{path.relative_to(ROOT)}:{node.lineno} imports {name}"
+                              for name in names if name.split(".")[0] in UNSAFE_MODULES]
+    assert not offenders
+
+
+ROUND_TRIP = r"""
+import importlib.abc, marshal, sys, threading
+
+BLOCKED = {"pickle", "_pickle", "cPickle", "shelve", "dill", "cloudpickle", "jsonpickle"}
+
+class Blocker(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ImportError(f"{name} imported on the data path")
+
+sys.meta_path.insert(0, Blocker())
+callers = []
+for fn in ("loads", "dumps", "load", "dump"):
+    real = getattr(marshal, fn)
+    def spy(*a, _real=real, **k):
+        callers.append(sys._getframe(1).f_code.co_filename)
+        return _real(*a, **k)
+    setattr(marshal, fn, spy)
+
+from consumer.worker import Consumer, ConsumerConfig
+from producer import Producer
+from scheduler_core.admin import queue_stats
+
+url, queue = sys.argv[1], sys.argv[2]
+consumer = Consumer(lambda payloads: [{"echo": p} for p in payloads],
+                    ConsumerConfig(redis_url=url, queue=queue, policy={"strategy": "fifo"}))
+consumer.start()
+worker = threading.Thread(target=consumer.run)
+worker.start()
+with Producer(url, queue) as p:
+    payload = {"nested": [1, 2.5, "three", None, True, {"k": "v"}]}
+    assert p.submit(payload).result(timeout=15) == {"echo": payload}
+    queue_stats(p._redis, queue)
+consumer.stop()
+worker.join()
+mine = [c for c in callers if any(f"/{pkg}/" in c for pkg in ("scheduler_core", "producer",
+                                                                 "consumer"))]
+assert not mine, mine
+assert not BLOCKED & set(sys.modules), BLOCKED & set(sys.modules)
+print("clean")
+"""
+
+
+def test_round_trip_never_imports_pickle_nor_calls_marshal(shared_redis, queue):
+    """Dynamic: a full submit -> consumer -> result round trip in one process, with pickle
+    and its kin made unimportable and marshal's functions watched."""
+    done = subprocess.run([sys.executable, "-c", ROUND_TRIP, shared_redis.url, queue],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert done.returncode == 0 and "clean" in done.stdout, done.stdout + done.stderr
+
+
+# -- least-privilege ACL user -------------------------------------------------------------
+# The exact rule documented in docs/guarantees.md: only these commands, only keys of the
+# queue hash tags, no pub/sub channels.
+ACL_COMMANDS = " ".join([
+    "ping time multi exec evalsha eval script|load script|exists",
+    "get set del exists incr expire",
+    "hget hset hdel hexists hmget hgetall hincrby hlen",
+    "zadd zrem zrange zrangebyscore zremrangebyscore zcard zscore bzpopmin",
+    "rpush lpush ltrim lrange blmpop",
+]).split(" ")
+# redis-py announces itself with CLIENT SETINFO (Redis >= 7.2); refused, it is skipped.
+OPTIONAL_COMMANDS = ["client|setinfo"]
+
+
+def acl_rule(keys: str = "~{bg:*", optional: bool = False) -> list[str]:
+    commands = ACL_COMMANDS + (OPTIONAL_COMMANDS if optional else [])
+    return ["on", ">s3cret-pw", "resetkeys", keys, "resetchannels", "-@all",
+            *(f"+{c}" for c in commands)]
+
+
+def test_acl_rule_covers_every_command_the_scripts_call():
+    used = set()
+    for path in (ROOT / "scheduler_core" / "lua").glob("*.lua"):
+        used |= {m.lower() for m in re.findall(r"redis\.call\('([A-Z]+)'", path.read_text())}
+    missing = used - set(ACL_COMMANDS)
+    assert not missing, f"add {sorted(missing)} to the ACL rule (and docs/guarantees.md)"
+
+
+# The producer on the forbidden queue: its listener thread dies of NOPERM as well.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_least_privilege_acl_user(redis_server, queue, start_consumer, tmp_path):
+    admin = redis_server.client()
+    version = tuple(int(x) for x in admin.info("server")["redis_version"].split(".")[:2])
+    optional = version >= (7, 2)
+    admin.execute_command("ACL", "SETUSER", "batchgate", "reset", *acl_rule("~{bg:*",
+                                                                           optional))
+    admin.execute_command("ACL", "SETUSER", "one-queue", "reset",
+                          *acl_rule(f"~{{bg:{queue}}}:*", optional))
+    url = f"redis://batchgate:s3cret-pw@127.0.0.1:{redis_server.port}/0"
+    consumer = start(start_consumer, url, queue, "Echo", "--strategy", "dynamic")
+    with Producer(url, queue) as p:
+        handles = p.submit_many([{"i": i} for i in range(20)], priority="high")
+        assert [h.result(timeout=15)["echo"]["i"] for h in handles] == list(range(20))
+        assert p.fetch(handles[0].id).ok
+        waiting = p.submit({"i": "x"}, deadline_ms=1)  # deadline + cancel paths
+        with pytest.raises(RequestFailed):
+            waiting.result(timeout=15)
+    limited = f"redis://one-queue:s3cret-pw@127.0.0.1:{redis_server.port}/0"
+    with Producer(limited, queue) as p:
+        assert p.submit({"i": "own queue"}).result(timeout=15)["echo"]["i"] == "own queue"
+    with Producer(limited, queue + "-other") as p, pytest.raises(NoPermissionError):
+        p.submit({"i": "someone else's queue"})
+    user = redis.Redis.from_url(url)
+    stats = queue_stats(user, queue)
+    assert stats.processed == 21 and stats.consumers_alive == 1  # + 1 expired
+    for forbidden in (("GET", "not-batchgate"), ("FLUSHALL",), ("CONFIG", "SET", "save", ""),
+                      ("KEYS", "*"), ("SUBSCRIBE", "x")):
+        with pytest.raises(NoPermissionError):
+            user.execute_command(*forbidden)
+    # Without CONFIG GET the consumer cannot check maxmemory-policy: it says so, once.
+    assert consumer.output().count("cannot read maxmemory-policy") == 1
+    assert consumer.proc.poll() is None
+
+
+# -- TLS --------------------------------------------------------------------------------
+class TLSRedisServer(RedisServer):
+    """redis-server listening on TLS only, with a certificate made for this test."""
+
+    def __init__(self, cert: Path, key: Path):
+        self.cert, self.key = cert, key
+        self.tls_port = free_port()
+        super().__init__("--port", "0", "--tls-port", str(self.tls_port), "--tls-cert-file",
+                         str(cert), "--tls-key-file", str(key), "--tls-ca-cert-file",
+                         str(cert), "--tls-auth-clients", "no")
+
+    @property
+    def url(self) -> str:
+        return f"rediss://127.0.0.1:{self.tls_port}/0?ssl_ca_certs={self.cert}"
+
+    def start(self) -> None:
+        args = ["redis-server", "--bind", "127.0.0.1", "--dir", self.dir, "--save", "",
+                "--appendonly", "no", *self.extra]
+        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                redis.Redis.from_url(self.url).ping()
+                return
+            except redis.ConnectionError:
+                if self.proc.poll() is not None:
+                    out = self.proc.stdout.read().decode(errors="replace")
+                    pytest.skip(f"this redis-server cannot serve TLS: {out[-300:]}")
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    def client(self) -> redis.Redis:
+        return redis.Redis.from_url(self.url)
+
+
+def make_certificate(directory: Path) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 / localhost, valid one day."""
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    if shutil.which("openssl"):
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days",
+                        "1", "-subj", "/CN=localhost", "-addext",
+                        "subjectAltName=IP:127.0.0.1,DNS:localhost", "-keyout", str(key),
+                        "-out", str(cert)], check=True, capture_output=True, timeout=60)
+        return cert, key
+    crypto = pytest.importorskip("cryptography", reason="neither openssl nor cryptography")
+    del crypto
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    private = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    certificate = (
+        x509.CertificateBuilder().subject_name(name).issuer_name(name)
+        .public_key(private.public_key()).serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([
+            x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]),
+            critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(private, hashes.SHA256()))
+    cert.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+    key.write_bytes(private.private_bytes(serialization.Encoding.PEM,
+                                          serialization.PrivateFormat.PKCS8,
+                                          serialization.NoEncryption()))
+    return cert, key
+
+
+@pytest.fixture
+def tls_server(tmp_path):
+    if not shutil.which("redis-server"):
+        pytest.skip("redis-server is not on PATH")
+    server = TLSRedisServer(*make_certificate(tmp_path))
+    yield server
+    server.close()
+
+
+def test_tls_end_to_end(tls_server, queue, start_consumer):
+    start(start_consumer, tls_server.url, queue, "Echo", "--strategy", "fifo")
+    with Producer(tls_server.url, queue) as p:
+        handles = p.submit_many([{"i": i} for i in range(10)])
+        assert [h.result(timeout=15)["echo"]["i"] for h in handles] == list(range(10))
+    # Plain text is refused, and so is a server whose certificate the client does not trust.
+    with pytest.raises(redis.ConnectionError):
+        redis.Redis(port=tls_server.tls_port, socket_timeout=2).ping()
+    untrusting = f"rediss://127.0.0.1:{tls_server.tls_port}/0"
+    with pytest.raises(redis.ConnectionError, match="CERTIFICATE_VERIFY_FAILED|certificate"):
+        redis.Redis.from_url(untrusting, socket_timeout=2).ping()
+    assert ssl.OPENSSL_VERSION  # the client side of the handshake
+
+
+# -- size limits --------------------------------------------------------------------------
+def test_payload_and_result_size_limits(shared_redis, queue, start_consumer):
+    r = shared_redis.client()
+    with Producer(shared_redis.url, queue, max_payload_bytes=1024) as p:
+        before = r.dbsize()
+        with pytest.raises(InvalidRequest, match="over the limit of 1024") as info:
+            p.submit({"blob": "x" * 2000})
+        assert info.value.field == "payload" and r.dbsize() == before  # nothing written
+        start(start_consumer, shared_redis.url, queue, "Big", "--strategy", "fifo")
+        small, huge = p.submit({"size": 10}), p.submit({"size": 9 << 20})  # 8 MiB limit
+        assert small.result(timeout=15) == "x" * 10
+        with pytest.raises(RequestFailed, match="over the limit") as info:
+            huge.result(timeout=30)
+        assert info.value.error_type == "InvalidResult"
+
+
+# -- eviction policy ----------------------------------------------------------------------
+@pytest.mark.parametrize("policy,warned", [("allkeys-lru", True), ("noeviction", False)])
+def test_eviction_policy_is_checked_at_consumer_start(queue, start_consumer, policy, warned):
+    server = RedisServer("--maxmemory", "512mb", "--maxmemory-policy", policy)
+    try:
+        consumer = start(start_consumer, server.url, queue, "Echo")
+        wait_for(lambda: "serving queue" in consumer.output(), 15, "the consumer to run")
+        assert ("may EVICT queued requests" in consumer.output()) is warned
+    finally:
+        server.close()

@@ -3,9 +3,10 @@
 It runs `consumer.worker.Consumer` exactly as `batchgate consumer` does (same loop, same
 scripts, the queue's stored policy), with one addition: the model is wrapped so that each
 result carries the timestamps of its batch, which the benchmark reads back at the
-producer. Per request it returns {"r": <model result>, "s": [enqueue_us (Redis TIME),
-pop_us (Redis TIME), model_start_us, model_end_us, batch_size, pid]}; the first two come
-from the batch in hand (`Consumer._current`), the others from time.time(). All clocks are
+producer. Per request it returns {"r": <model result>, "s": "enqueue_us,pop_us,model_start_us,
+model_end_us,batch_size,pid"} (one string, so that the stamps add little to result
+encoding); enqueue and pop are Redis TIME from the batch in hand (`Consumer._current`),
+the model times come from time.time(). All clocks are
 the same host clock, so the stamps compare across processes.
 
 Prints "ready" on stdout once the model is loaded, waits for the start signal (bench/
@@ -43,9 +44,8 @@ class Stamped:
             enq, popped = [0] * n, 0
         else:
             enq, popped = [it.arrival_us for it in items], batch.popped_us
-        t0_us, t1_us = int(t0 * 1e6), int(t1 * 1e6)
-        return [{"r": r, "s": [e, popped, t0_us, t1_us, n, self.pid]}
-                for r, e in zip(out, enq, strict=True)]
+        tail = f",{popped},{int(t0 * 1e6)},{int(t1 * 1e6)},{n},{self.pid}"
+        return [{"r": r, "s": f"{e}{tail}"} for r, e in zip(out, enq, strict=True)]
 
 
 def main() -> None:

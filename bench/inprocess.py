@@ -11,7 +11,7 @@ What this costs compared with batchgate is what distribution costs: no Redis rou
 trips, no serialisation, no second process, but also no sharing across hosts and no
 surviving a crash.
 
-    python bench/inprocess.py --spec '<RunSpec as JSON>' --out records.json
+    python bench/inprocess.py --specs '[<RunSpec as JSON>, ...]' --out runs.json
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ class Rules:
         return self._take((2,), self.size), None
 
 
-async def run(spec: RunSpec) -> tuple[dict[str, list[Any]], float]:
+async def run(spec: RunSpec) -> tuple[dict[str, list[Any]], float, bool]:
     loop = asyncio.get_running_loop()
     model_spec, kwargs = MODELS[spec.model]
     model = load_model(model_spec, kwargs)
@@ -186,25 +186,28 @@ async def run(spec: RunSpec) -> tuple[dict[str, list[Any]], float]:
             rules.add(Req(k, prios[k], mono, payloads[k]))
         changed.set()
         i = j
-    grace = max(spec.grace_s, 30.0) if spec.workload.kind == "backlog" else spec.grace_s
+    grace = max(spec.grace_s, 60.0) if spec.workload.kind == "backlog" else spec.grace_s
     with contextlib.suppress(asyncio.TimeoutError):
         await asyncio.wait_for(all_seen.wait(), grace)
     for task in workers:
         task.cancel()
     pool.shutdown(wait=False, cancel_futures=True)
-    return rec, time.process_time() - cpu0
+    return rec, time.process_time() - cpu0, seen >= n
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--spec", required=True)
+    parser.add_argument("--specs", required=True, help="JSON list of RunSpec")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    raw = orjson.loads(args.spec)
-    spec = RunSpec(**{**raw, "workload": Workload(**raw["workload"])})
-    rec, cpu = asyncio.run(run(spec))
+    results = []
+    for raw in orjson.loads(args.specs):
+        spec = RunSpec(**{**raw, "workload": Workload(**raw["workload"])})
+        rec, cpu, complete = asyncio.run(run(spec))
+        del rec["prio"]
+        results.append({"records": rec, "cpu": {"process": cpu}, "complete": complete})
     with open(args.out, "wb") as f:
-        f.write(orjson.dumps({"records": rec, "cpu": {"process": cpu}}))
+        f.write(orjson.dumps(results))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ that bookkeeping still counts in RQ's throughput.
 
 from __future__ import annotations
 
+import datetime
 import os
 import time
 from typing import Any
@@ -33,6 +34,9 @@ def infer(index: int, payload: Any, inbox: str) -> Any:
     result = MODEL([payload])[0]
     t1 = time.time()
     job = get_current_job()
-    enqueued = job.enqueued_at.timestamp() if job.enqueued_at is not None else 0.0
+    at = job.enqueued_at
+    if at is not None and at.tzinfo is None:  # RQ < 2 stores naive UTC datetimes
+        at = at.replace(tzinfo=datetime.timezone.utc)
+    enqueued = at.timestamp() if at is not None else 0.0
     job.connection.rpush(inbox, orjson.dumps([index, enqueued, t0, t1, os.getpid()]))
     return result

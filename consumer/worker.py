@@ -379,7 +379,10 @@ class Consumer:
             except redis.RedisError as exc:
                 log.debug("lease renewal failed: %s", exc)
                 continue
-            if batch is not None and int(ok) == 0 and not self._lease_lost:
+            # Only a batch still in hand has lost its lease: one completed while the
+            # renewal was in flight is simply no longer in the in-flight set.
+            if batch is not None and int(ok) == 0 and self._current is batch \
+                    and not self._lease_lost:
                 self._lease_lost = True
                 log.warning("batch %s: lease lost; its results will be refused", batch.id)
 

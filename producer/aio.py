@@ -16,28 +16,21 @@ from typing import Any
 import redis
 import redis.asyncio
 
-from producer.requests import (
-    ProducerConfig,
-    build_requests,
-    cancel_envelope,
-    check_timeout,
-    new_id,
-)
-from producer.sync import _CANCEL_OUTCOMES, DEADLINE_GRACE_S, POLL_S, CancelOutcome
+from producer.base import POLL_S, CancelOutcome, ProducerBase
+from producer.requests import check_timeout
 from scheduler_core.connection import DEFAULT_REDIS_URL, Backoff, connect_async
-from scheduler_core.keys import QueueKeys
 from scheduler_core.policy import Priority
-from scheduler_core.scripts import Scripts, cancel_keys, enqueue_call, enqueue_reply
+from scheduler_core.scripts import Scripts, enqueue_reply
 from scheduler_core.wire import Result, decode_result
 
 log = logging.getLogger("batchgate.producer")
 
 
 class AsyncHandle:
-    def __init__(self, producer: AsyncProducer, request_id: str, deadline_at: float | None):
+    def __init__(self, producer: AsyncProducer, request_id: str):
         self.id = request_id
         self._producer = producer
-        self._deadline_at = deadline_at
+        self._deadline_at: float | None = None
         self._event = asyncio.Event()
         self._result: Result | None = None
 
@@ -75,21 +68,16 @@ class AsyncHandle:
         return await self._producer._cancel(self, deadline=False)
 
 
-class AsyncProducer:
+class AsyncProducer(ProducerBase[AsyncHandle]):
     """Use as `async with AsyncProducer(url, queue) as p:` or call `await p.close()`."""
 
     def __init__(self, redis_url: str = DEFAULT_REDIS_URL, queue: str = "default", *,
                  max_payload_bytes: int | None = None, idempotency_ttl_s: int | None = None,
                  client: redis.asyncio.Redis | None = None):
-        overrides = {k: v for k, v in (("max_payload_bytes", max_payload_bytes),
-                                       ("idempotency_ttl_s", idempotency_ttl_s)) if v is not None}
-        self.config = ProducerConfig(queue=queue, **overrides)
-        self.keys = QueueKeys(queue)
-        self.id = new_id()
+        super().__init__(queue, max_payload_bytes, idempotency_ttl_s)
         self._redis = client or connect_async(redis_url)
         self._owns_client = client is None
         self._scripts = Scripts(self._redis)
-        self._handles: dict[str, AsyncHandle] = {}
         self._closed = False
         self._listener: asyncio.Task[None] | None = None
 
@@ -127,27 +115,17 @@ class AsyncProducer:
                       idempotency_keys: list[str | None] | None) -> list[AsyncHandle]:
         if self._closed:
             raise RuntimeError("producer is closed")
-        requests = build_requests(self.config, payloads, priority, deadline_ms,
-                                  idempotency_keys)
+        requests, handles, keys, args = self._prepare(
+            payloads, priority, deadline_ms, idempotency_keys,
+            lambda rid: AsyncHandle(self, rid))
         if self._listener is None:
             self._listener = asyncio.get_running_loop().create_task(self._listen())
-        now = time.monotonic()
-        handles = [AsyncHandle(self, r.id, now + r.deadline_ms / 1000 + DEADLINE_GRACE_S
-                               if r.deadline_ms else None) for r in requests]
-        for h in handles:
-            self._handles[h.id] = h
-        keys, args = enqueue_call(self.keys, self.id, requests, self.config.idempotency_ttl_s)
         try:
             ids = enqueue_reply(self.keys, await self._scripts.enqueue(keys=keys, args=args))
         except BaseException:
-            for h in handles:
-                self._handles.pop(h.id, None)
+            self._forget(requests)
             raise
-        for h, effective in zip(handles, ids, strict=True):
-            if effective != h.id:
-                self._handles.pop(h.id, None)
-                h.id = effective
-                self._handles[effective] = h
+        self._accepted(requests, handles, ids)
         return handles
 
     async def _listen(self) -> None:
@@ -157,40 +135,23 @@ class AsyncProducer:
             try:
                 popped = await self._redis.blmpop(1, 1, inbox, direction="LEFT", count=512)
                 backoff.succeeded()
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
+            except redis.RedisError as exc:  # also NOPERM, READONLY after a failover, ...
                 await asyncio.sleep(backoff.failed(exc))
                 continue
             for raw in popped[1] if popped else ():
-                try:
-                    result = decode_result(raw)
-                except (ValueError, KeyError) as exc:
-                    log.error("dropping malformed result envelope: %s", exc)
-                    continue
-                handle = self._handles.pop(result.id, None)
-                if handle is not None:
-                    handle._resolve(result)
+                if raw:  # b"" is close()'s wake-up
+                    self._deliver(raw)
 
     async def _poll(self, handle: AsyncHandle) -> bool:
         try:
-            result = await self.fetch(handle.id)
+            return self._resolve_stored(handle, await self.fetch(handle.id))
         except (redis.ConnectionError, redis.TimeoutError):
             return False
-        if result is None:
-            return False
-        self._handles.pop(handle.id, None)
-        handle._resolve(result)
-        return True
 
     async def _cancel(self, handle: AsyncHandle, deadline: bool) -> CancelOutcome:
-        envelope, counter = cancel_envelope(handle.id, deadline)
-        reply = await self._scripts.cancel(
-            keys=cancel_keys(self.keys, handle.id, self.id),
-            args=[handle.id, self.config.result_ttl_s, envelope, counter])
-        outcome = _CANCEL_OUTCOMES[int(reply)]
-        if outcome == "cancelled":
-            self._handles.pop(handle.id, None)
-            handle._resolve(decode_result(envelope))
-        return outcome
+        keys, args, envelope = self._cancel_call(handle.id, deadline)
+        return self._cancelled(handle, await self._scripts.cancel(keys=keys, args=args),
+                               envelope)
 
     async def _expire(self, handle: AsyncHandle) -> None:
         handle._deadline_at = None

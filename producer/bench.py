@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import importlib.util
 import os
 import platform
 import random
@@ -94,7 +95,7 @@ class Workload:
                 times.append(at)
                 at += rng.expovariate(self.rate)
             if self.kind == "bursty":
-                start = self.burst_every_s / 2
+                start = min(self.burst_every_s / 2, self.duration_s / 3)
                 while start < self.duration_s:
                     times += [start + rng.random() * self.burst_window_s
                               for _ in range(self.burst_size)]
@@ -211,6 +212,7 @@ class Context:
     redis_url: str
     out: Path
     run_id: str
+    consumer_script: str = "bg_consumer.py"
     client: redis.Redis = field(init=False)
     counter: int = 0
 
@@ -248,16 +250,17 @@ class InboxListener(threading.Thread):
         self.stopping = threading.Event()
 
     def run(self) -> None:
-        while not self.stopping.is_set():
-            popped = self.client.blmpop(0.2, 1, self.key, direction="LEFT", count=512)
-            if popped:
-                now = time.time()
-                self.seen.extend((now, raw) for raw in popped[1])
+        try:
+            while not self.stopping.is_set():
+                popped = self.client.blmpop(0.2, 1, self.key, direction="LEFT", count=512)
+                if popped:
+                    now = time.time()
+                    self.seen.extend((now, raw) for raw in popped[1])
+        finally:
+            self.client.close()
 
     def stop(self) -> None:
-        self.stopping.set()
-        self.join(timeout=2)
-        self.client.close()
+        self.stopping.set()  # the thread ends after its current read (<= 0.2 s)
 
 
 # -- systems --------------------------------------------------------------------------
@@ -274,27 +277,44 @@ class StampingProducer(Producer):
 
 
 class Driver:
-    """The producer side of one system under test, plus its worker processes."""
+    """The producer side of one system under test, plus its worker processes.
+
+    Workers start once and serve consecutive runs of the same configuration (each run
+    with a fresh producer/inbox listener); a run that leaves work behind (overloaded)
+    retires its driver, so the next run starts from an empty queue and fresh workers.
+    A backlog run always gets its own driver: its workers are released only once the
+    whole backlog is enqueued.
+    """
 
     def __init__(self, ctx: Context, spec: RunSpec):
         self.ctx, self.spec = ctx, spec
         self.children: list[Child] = []
-        self.cpu_children = 0.0
-        self.go_key = f"bench-{ctx.run_id}:go:{ctx.counter}"
+        self.released = False
+        self.go_key = ctx.name("go")
 
-    def go(self) -> None:
-        """Release the workers (they wait at bench/_gate.py once ready)."""
-        self.ctx.client.rpush(self.go_key, *["go"] * len(self.children))
+    def reuse_key(self) -> tuple[Any, ...] | None:
+        s = self.spec
+        if s.workload.kind == "backlog":
+            return None
+        return (s.system, s.model, s.consumers, s.strategy, s.max_batch_size,
+                s.max_queue_delay_ms, s.aging_ms)
 
-    def seen_count(self) -> int:
-        raise NotImplementedError
+    def release(self) -> None:
+        """Let the workers start (they wait at bench/_gate.py once ready)."""
+        if not self.released:
+            self.ctx.client.rpush(self.go_key, *["go"] * len(self.children))
+            self.released = True
 
-    def stop_children(self) -> None:
-        self.cpu_children = sum(c.cpu_s() for c in self.children)
+    def children_cpu_s(self) -> float:
+        return sum(c.cpu_s() for c in self.children)
+
+    def stop(self) -> None:
         for child in self.children:
             child.kill()
         self.children = []
         self.ctx.client.delete(self.go_key)
+
+    # per system: start(), begin(), submit(), seen_count(), end(), results()
 
 
 class BatchgateDriver(Driver):
@@ -305,8 +325,10 @@ class BatchgateDriver(Driver):
         args = ["--redis-url", self.ctx.redis_url, "--queue", self.queue, "--model", model,
                 "--model-args", orjson.dumps(kwargs).decode(), "--go", self.go_key]
         self.children = start_children(
-            [("bg_consumer.py", [*args, "--name", f"{self.queue}-c{i}"])
+            [(self.ctx.consumer_script, [*args, "--name", f"{self.queue}-c{i}"])
              for i in range(self.spec.consumers)], self.ctx.out / "logs", self.queue)
+
+    def begin(self) -> None:
         self.producer = StampingProducer(self.ctx.redis_url, self.queue)
         self.index: dict[str, int] = {}
 
@@ -325,9 +347,13 @@ class BatchgateDriver(Driver):
     def seen_count(self) -> int:
         return len(self.producer.seen)
 
+    def end(self) -> None:
+        # Producer.close() waits for its listener's blocking read (up to 1 s) to return;
+        # nothing depends on that here, so let it finish in the background.
+        threading.Thread(target=self.producer.close, daemon=True).start()
+
     def stop(self) -> None:
-        self.stop_children()
-        self.producer.close()
+        super().stop()
         self.ctx.delete_matching(f"{QueueKeys(self.queue).tag}*")
 
     def results(self) -> Iterator[tuple[int, float, list[Any]]]:
@@ -336,18 +362,17 @@ class BatchgateDriver(Driver):
             i = self.index.get(env["id"])
             if i is None or not env.get("ok"):
                 continue
-            enq, popped, t0, t1, b, pid = env["value"]["s"]
-            yield i, seen, [enq / 1e6, popped / 1e6, t0 / 1e6, t1 / 1e6, b, pid]
+            enq, popped, t0, t1, b, pid = (int(x) for x in env["value"]["s"].split(","))
+            yield i, seen, [enq / 1e6 if enq else None, popped / 1e6 if popped else None,
+                            t0 / 1e6, t1 / 1e6, b, pid]
 
 
 class RQDriver(Driver):
     def start(self) -> None:
         from rq import Queue
 
-        base = self.ctx.name("rq")
-        self.prefix = base
-        self.inbox = f"{base}:inbox"
-        names = [f"{base}-{p}" for p in PRIORITIES]
+        self.prefix = self.ctx.name("rq")
+        names = [f"{self.prefix}-{p}" for p in PRIORITIES]
         self.conn = redis.Redis.from_url(self.ctx.redis_url)
         self.queues = [Queue(n, connection=self.conn) for n in names]
         model, kwargs = MODELS[self.spec.model]
@@ -355,8 +380,13 @@ class RQDriver(Driver):
                 "--model", model, "--model-args", orjson.dumps(kwargs).decode(),
                 "--go", self.go_key]
         self.children = start_children(
-            [("rq_worker.py", [*args, "--name", f"{base}-w{i}"])
-             for i in range(self.spec.consumers)], self.ctx.out / "logs", base)
+            [("rq_worker.py", [*args, "--name", f"{self.prefix}-w{i}"])
+             for i in range(self.spec.consumers)], self.ctx.out / "logs", self.prefix)
+        self.runs = 0
+
+    def begin(self) -> None:
+        self.runs += 1
+        self.inbox = f"{self.prefix}:inbox:{self.runs}"
         self.listener = InboxListener(self.ctx.redis_url, self.inbox)
         self.listener.start()
 
@@ -369,7 +399,7 @@ class RQDriver(Driver):
             for i in idx[s:s + 1000]:
                 groups.setdefault(prios[i], []).append(Queue.prepare_data(
                     "rq_jobs.infer", args=(i, payloads[i], self.inbox),
-                    job_id=f"{self.prefix}-{i}", result_ttl=600))
+                    job_id=f"{self.prefix}-{self.runs}-{i}", result_ttl=600))
             for prio, jobs in groups.items():
                 self.queues[prio].enqueue_many(jobs, pipeline=pipe)
             pipe.execute()
@@ -377,9 +407,11 @@ class RQDriver(Driver):
     def seen_count(self) -> int:
         return len(self.listener.seen)
 
-    def stop(self) -> None:
-        self.stop_children()
+    def end(self) -> None:
         self.listener.stop()
+
+    def stop(self) -> None:
+        super().stop()
         self.conn.close()
         self.ctx.delete_matching(f"*{self.prefix}*")
 
@@ -391,13 +423,15 @@ class RQDriver(Driver):
 
 class RawDriver(Driver):
     def start(self) -> None:
-        base = self.ctx.name("raw")
-        self.key, self.inbox = f"{base}:q", f"{base}:inbox"
+        self.base = self.ctx.name("raw")
+        self.key, self.inbox = f"{self.base}:q", f"{self.base}:inbox"
         self.conn = redis.Redis.from_url(self.ctx.redis_url)
         args = ["--redis-url", self.ctx.redis_url, "--queue", self.key, "--inbox", self.inbox,
                 "--batch", str(self.spec.max_batch_size), "--go", self.go_key]
         self.children = start_children([("raw_consumer.py", args)] * self.spec.consumers,
-                                       self.ctx.out / "logs", base)
+                                       self.ctx.out / "logs", self.base)
+
+    def begin(self) -> None:
         self.listener = InboxListener(self.ctx.redis_url, self.inbox)
         self.listener.start()
 
@@ -411,11 +445,13 @@ class RawDriver(Driver):
     def seen_count(self) -> int:
         return len(self.listener.seen)
 
-    def stop(self) -> None:
-        self.stop_children()
+    def end(self) -> None:
         self.listener.stop()
+
+    def stop(self) -> None:
+        super().stop()
         self.conn.close()
-        self.ctx.delete_matching(f"{self.key.rsplit(':', 1)[0]}*")
+        self.ctx.delete_matching(f"{self.base}*")
 
     def results(self) -> Iterator[tuple[int, float, list[Any]]]:
         for seen, raw in self.listener.seen:
@@ -425,6 +461,33 @@ class RawDriver(Driver):
 
 
 DRIVERS = {"batchgate": BatchgateDriver, "rq": RQDriver, "raw": RawDriver}
+
+
+class DriverPool:
+    """At most one live driver: kept while consecutive runs share its configuration."""
+
+    def __init__(self, ctx: Context):
+        self.ctx = ctx
+        self.live: Driver | None = None
+
+    def get(self, spec: RunSpec) -> Driver:
+        fresh = DRIVERS[spec.system](self.ctx, spec)
+        key = fresh.reuse_key()
+        if self.live is not None and key is not None and self.live.reuse_key() == key:
+            fresh.ctx.client.delete(fresh.go_key)
+            return self.live
+        self.close()
+        fresh.start()
+        self.live = fresh
+        return fresh
+
+    def retire(self) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.live is not None:
+            self.live.stop()
+            self.live = None
 
 
 # -- one run --------------------------------------------------------------------------
@@ -445,7 +508,7 @@ def drive(driver: Any, spec: RunSpec, times: list[float], prios: list[int],
     rec["t_sched"] = [base_wall + t for t in times]
     backlog = spec.workload.kind == "backlog"
     if not backlog:
-        driver.go()
+        driver.release()
     i = 0
     while i < n:
         now = time.perf_counter() - base_perf
@@ -462,36 +525,38 @@ def drive(driver: Any, spec: RunSpec, times: list[float], prios: list[int],
         i = j
     grace = spec.grace_s
     if backlog:  # all enqueued: now release the workers together
-        driver.go()
-        grace = max(grace, 30.0)
+        driver.release()
+        grace = max(grace, 60.0)
     deadline = time.monotonic() + grace
     while driver.seen_count() < n and time.monotonic() < deadline:
         time.sleep(0.005)
     return rec, driver.seen_count() >= n
 
 
-def execute(ctx: Context, spec: RunSpec) -> dict[str, Any]:
+def execute(ctx: Context, pool: DriverPool, spec: RunSpec) -> dict[str, Any]:
+    times, prios, payloads = spec.workload.arrivals()
+    driver = pool.get(spec)
+    driver.begin()
+    redis0, own0, workers0 = ctx.redis_cpu_s(), time.process_time(), driver.children_cpu_s()
+    try:
+        rec, complete = drive(driver, spec, times, prios, payloads)
+        cpu = {"redis": ctx.redis_cpu_s() - redis0, "producer": time.process_time() - own0,
+               "workers": driver.children_cpu_s() - workers0}
+    finally:
+        driver.end()
+    if not complete:
+        pool.retire()
+    for i, seen, (enq, popped, t0, t1, b, pid) in driver.results():
+        rec["t_seen"][i], rec["t_enq"][i], rec["t_pop"][i] = seen, enq, popped
+        rec["t0"][i], rec["t1"][i], rec["batch"][i], rec["worker"][i] = t0, t1, b, pid
+    rec["prio"] = prios
+    return finish(spec, rec, cpu, complete)
+
+
+def finish(spec: RunSpec, rec: dict[str, list[Any]], cpu: dict[str, float],
+           complete: bool) -> dict[str, Any]:
     from producer.bench_stats import summarize
 
-    times, prios, payloads = spec.workload.arrivals()
-    if spec.system == "inprocess":
-        rec, cpu = run_inprocess(ctx, spec)
-        complete = all(t is not None for t in rec["t_seen"])
-    else:
-        driver = DRIVERS[spec.system](ctx, spec)
-        driver.start()
-        redis_cpu0, own_cpu0 = ctx.redis_cpu_s(), time.process_time()
-        try:
-            rec, complete = drive(driver, spec, times, prios, payloads)
-            cpu = {"redis": ctx.redis_cpu_s() - redis_cpu0,
-                   "producer": time.process_time() - own_cpu0}
-        finally:
-            driver.stop()
-        cpu["workers"] = driver.cpu_children
-        for i, seen, (enq, popped, t0, t1, b, pid) in driver.results():
-            rec["t_seen"][i], rec["t_enq"][i], rec["t_pop"][i] = seen, enq, popped
-            rec["t0"][i], rec["t1"][i], rec["batch"][i], rec["worker"][i] = t0, t1, b, pid
-    rec["prio"] = prios
     summary = summarize(rec, spec, cpu)
     summary["all_answered"] = complete
     return {"spec": spec_dict(spec), "label": spec.label(), "summary": summary}
@@ -505,23 +570,77 @@ def spec_dict(spec: RunSpec) -> dict[str, Any]:
     return data
 
 
-def run_inprocess(ctx: Context, spec: RunSpec) -> tuple[dict[str, list[Any]], dict[str, float]]:
-    out = ctx.out / "logs" / f"{ctx.name('inproc')}.json"
-    log = out.with_suffix(".log")
-    cmd = [sys.executable, str(BENCH_DIR / "inprocess.py"), "--spec",
-           orjson.dumps(asdict(spec)).decode(), "--out", str(out)]
+def run_inprocess(ctx: Context, specs: list[RunSpec]) -> list[dict[str, Any]]:
+    """Every in-process run of a section, in one child process (bench/inprocess.py)."""
+    name = ctx.name("inproc")
+    out = ctx.out / "logs" / f"{name}.json"
+    log = ctx.out / "logs" / f"{name}.log"
+    cmd = [sys.executable, str(BENCH_DIR / "inprocess.py"), "--specs",
+           orjson.dumps([asdict(s) for s in specs]).decode(), "--out", str(out)]
+    budget = sum(s.workload.duration_s + s.grace_s + 60 for s in specs)
     with log.open("wb") as err:
         proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=err, env=_child_env(),
-                              cwd=str(BENCH_DIR), timeout=spec.workload.duration_s + 600)
+                              cwd=str(BENCH_DIR), timeout=budget)
     if proc.returncode != 0:
         raise click.ClickException(f"in-process batcher failed:\n{log.read_text()[-3000:]}")
     data = orjson.loads(out.read_bytes())
     out.unlink()
-    return data["records"], data["cpu"]
+    results = []
+    for spec, run in zip(specs, data, strict=True):
+        run["records"]["prio"] = spec.workload.arrivals()[1]
+        results.append(finish(spec, run["records"], run["cpu"], run["complete"]))
+    return results
 
 
-# -- measurements outside the runs ----------------------------------------------------
-def measure_ping(ctx: Context, count: int) -> dict[str, float]:
+def _failure(spec: RunSpec, exc: BaseException) -> dict[str, Any]:
+    click.echo(f"run failed: {spec.label()}: {exc}", err=True)
+    return {"spec": spec_dict(spec), "label": spec.label(),
+            "error": f"{type(exc).__name__}: {exc}"[:4000]}
+
+
+def run_plan(ctx: Context, plan: list[RunSpec], report: Any,
+             failed: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Run the plan section by section; in-process runs of a section go last, together.
+    A run that fails is recorded in `failed` and the plan goes on."""
+    results: list[dict[str, Any] | None] = [None] * len(plan)
+    pool = DriverPool(ctx)
+    done = 0
+    try:
+        for section in dict.fromkeys(s.section for s in plan):
+            members = [i for i, s in enumerate(plan) if s.section == section]
+            for i in members:
+                if plan[i].system != "inprocess":
+                    t0 = time.monotonic()
+                    try:
+                        results[i] = execute(ctx, pool, plan[i])
+                    except Exception as exc:  # one broken run must not cost the others
+                        pool.retire()
+                        failed.append(_failure(plan[i], exc))
+                        continue
+                    done += 1
+                    report(done, len(plan), results[i], time.monotonic() - t0)
+            pool.close()
+            inproc = [i for i in members if plan[i].system == "inprocess"]
+            if inproc:
+                t0 = time.monotonic()
+                try:
+                    outcome = run_inprocess(ctx, [plan[i] for i in inproc])
+                except Exception as exc:
+                    failed.extend(_failure(plan[i], exc) for i in inproc)
+                    continue
+                for i, result in zip(inproc, outcome, strict=True):
+                    results[i] = result
+                    done += 1
+                    report(done, len(plan), result, (time.monotonic() - t0) / len(inproc))
+    finally:
+        pool.close()
+    return [r for r in results if r is not None]
+
+
+def measure_ping(ctx: Context, count: int, gap_s: float = 0.0) -> dict[str, float]:
+    """PING round trips from this process (redis-py, as the producer), back to back or
+    one every `gap_s` (so that client and server are idle in between, as at light load).
+    """
     from producer.bench_stats import hdr_summary, new_hist
 
     client = redis.Redis.from_url(ctx.redis_url)
@@ -529,6 +648,8 @@ def measure_ping(ctx: Context, count: int) -> dict[str, float]:
     for _ in range(50):
         client.ping()
     for _ in range(count):
+        if gap_s:
+            time.sleep(gap_s)
         t0 = time.perf_counter()
         client.ping()
         hist.record_value(max(1, int((time.perf_counter() - t0) * 1e6)))
@@ -576,9 +697,11 @@ def busy_processes(limit: int = 6) -> list[str]:
 
 
 # -- the plan -------------------------------------------------------------------------
+LIGHT_RATE = 50.0  # req/s of the light-load runs
 SECTIONS = ("light", "throughput", "saturation", "grid", "bursty", "torch")
 QUICK_GRID = (50, 600, 2500)
-FULL_GRID = (20, 100, 250, 400, 550, 700, 900, 1300, 2000, 2600, 3200)
+FULL_GRID = (20, 100, 250, 400, 550, 700, 900, 1300, 1800, 2200, 2600)
+QUICK_SECTIONS = ("light", "throughput", "saturation", "grid", "bursty")
 
 
 def build_plan(quick: bool, scale: float, consumers: int, sections: tuple[str, ...],
@@ -593,10 +716,11 @@ def build_plan(quick: bool, scale: float, consumers: int, sections: tuple[str, .
     ns = [consumers] if quick or consumers == 1 else [1, consumers]
     plan: list[RunSpec] = []
     add = plan.append
-    grace = max(1.0, 3.0 * min(1.0, scale * 2))
+    grace = max(1.0, (1.5 if quick else 3.0) * min(1.0, scale * 2))
 
     if "light" in sections:  # fifo, no-op, light load: the latency floor
-        w = Workload("poisson", rate=50, duration_s=dur(20, 4), seed=seed, model="noop")
+        w = Workload("poisson", rate=LIGHT_RATE, duration_s=dur(20, 2.5), seed=seed,
+                     model="noop")
         for system in ("batchgate", "raw", "rq", "inprocess"):
             add(RunSpec("light", system, "noop", w, consumers, strategy="fifo",
                         max_batch_size=1, grace_s=grace))
@@ -609,7 +733,7 @@ def build_plan(quick: bool, scale: float, consumers: int, sections: tuple[str, .
                         n, strategy="fifo", max_batch_size=1))
             add(RunSpec("throughput", "raw", "noop", replace(big, count=cnt(60_000, 20_000)),
                         n))
-            add(RunSpec("throughput", "rq", "noop", replace(big, count=cnt(3000, 1000)), n))
+            add(RunSpec("throughput", "rq", "noop", replace(big, count=cnt(2000, 400)), n))
             add(RunSpec("throughput", "inprocess", "noop", big, n, strategy="dynamic"))
     if "saturation" in sections:  # t(b) = 5 + 0.5 b ms, batches of 32: per-consumer rate
         for n in sorted({1, consumers}):
@@ -618,7 +742,7 @@ def build_plan(quick: bool, scale: float, consumers: int, sections: tuple[str, .
     if "grid" in sections:  # the latency-throughput curves, sleep model
         for strategy in ("fifo", "dynamic", "priority"):
             for rate in grid:
-                w = Workload("poisson", rate=rate, duration_s=dur(6, 2.5), seed=seed,
+                w = Workload("poisson", rate=rate, duration_s=dur(6, 2), seed=seed,
                              model="synthetic")
                 b = 1 if strategy == "fifo" else 32
                 add(RunSpec("grid", "batchgate", "synthetic", w, consumers,
@@ -630,18 +754,19 @@ def build_plan(quick: bool, scale: float, consumers: int, sections: tuple[str, .
         if not quick:
             rq_rates = [20, 100, 250, 400]
         for rate in rq_rates[: (1 if quick else None)]:
-            w = Workload("poisson", rate=rate, duration_s=dur(6, 2.5), seed=seed,
+            w = Workload("poisson", rate=rate, duration_s=dur(6, 2), seed=seed,
                          model="synthetic")
             add(RunSpec("grid", "rq", "synthetic", w, consumers, grace_s=grace))
     if "bursty" in sections:  # the seed's 50 requests within 100 ms at λ=10
-        w = Workload("bursty", rate=10, duration_s=dur(10, 4), seed=seed, model="synthetic",
-                     burst_every_s=2.0)
+        w = Workload("bursty", rate=10, duration_s=dur(10, 2.5), seed=seed,
+                     model="synthetic", burst_every_s=2.0)
         for strategy in ("fifo", "dynamic", "priority"):
             add(RunSpec("bursty", "batchgate", "synthetic", w, consumers, strategy=strategy,
                         max_batch_size=1 if strategy == "fifo" else 32, grace_s=grace))
-        add(RunSpec("bursty", "inprocess", "synthetic", w, consumers, strategy="dynamic",
-                    grace_s=grace))
-        add(RunSpec("bursty", "rq", "synthetic", w, consumers, grace_s=grace))
+        if not quick:
+            add(RunSpec("bursty", "inprocess", "synthetic", w, consumers, strategy="dynamic",
+                        grace_s=grace))
+            add(RunSpec("bursty", "rq", "synthetic", w, consumers, grace_s=grace))
     if "torch" in sections:  # the small torch model (CPU here)
         for rate in (50,) if quick else (50, 400):
             w = Workload("poisson", rate=rate, duration_s=dur(6, 3), seed=seed,
@@ -677,8 +802,9 @@ def redis_for_bench(url: str | None) -> Iterator[tuple[str, bool]]:
                    "and deleted) [default: a private redis-server on a free port].")
 @click.option("--consumers", type=click.IntRange(1, 64), default=2, show_default=True,
               help="Consumer processes (and RQ workers, and in-process model workers).")
-@click.option("--sections", default=",".join(SECTIONS), show_default=True,
-              help="Comma-separated subset of: " + ", ".join(SECTIONS) + ".")
+@click.option("--sections", default=None,
+              help="Comma-separated subset of: " + ", ".join(SECTIONS) + " [default: all; "
+                   "with --quick all but torch].")
 @click.option("--grid", default=None,
               help="Comma-separated arrival rates (req/s) for the strategy grid "
                    f"[default: {','.join(map(str, QUICK_GRID))} with --quick, else "
@@ -687,13 +813,21 @@ def redis_for_bench(url: str | None) -> Iterator[tuple[str, bool]]:
               help="Multiply every duration and request count (0.1 for a smoke run).")
 @click.option("--seed", type=int, default=1, show_default=True)
 @click.option("--plots/--no-plots", default=True, show_default=True)
+@click.option("--consumer-script", default="bg_consumer.py", hidden=True,
+              help="bench/ script run as the batchgate consumer (to measure a prototype).")
 def bench_command(quick: bool, out_dir: Path | None, redis_url: str | None, consumers: int,
-                  sections: str, grid: str | None, scale: float, seed: int,
-                  plots: bool) -> None:
+                  sections: str | None, grid: str | None, scale: float, seed: int,
+                  plots: bool, consumer_script: str) -> None:
     """Benchmark fifo, dynamic and priority against RQ, an in-process batcher and the
     raw-Redis ceiling; write results.json, results.md and PNG plots."""
-    from producer.bench_stats import analyse, render_markdown
+    try:
+        from producer.bench_stats import analyse, render_markdown
+    except ImportError as exc:
+        raise click.ClickException(f"{exc}: install the benchmark's dependencies with "
+                                   "pip install -e '.[bench]'") from None
 
+    if sections is None:
+        sections = ",".join(QUICK_SECTIONS if quick else SECTIONS)
     chosen = tuple(s.strip() for s in sections.split(",") if s.strip())
     unknown = set(chosen) - set(SECTIONS)
     if unknown:
@@ -703,41 +837,53 @@ def bench_command(quick: bool, out_dir: Path | None, redis_url: str | None, cons
         raise click.ClickException(f"{BENCH_DIR} not found: `batchgate bench` runs from a "
                                    "checkout of batchgate (pip install -e '.[bench]').")
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = out_dir or BENCH_DIR / "results" / (stamp + ("-quick" if quick else ""))
+    out = (out_dir or BENCH_DIR / "results" / (stamp + ("-quick" if quick else ""))).resolve()
     out.mkdir(parents=True, exist_ok=True)
     plan = build_plan(quick, scale, consumers, chosen, rates, seed)
+    skipped = []
+    if importlib.util.find_spec("rq") is None:
+        plan = [s for s in plan if s.system != "rq"]
+        skipped.append("RQ baseline (rq is not installed)")
+    if plots and importlib.util.find_spec("matplotlib") is None:
+        plots = False
+        skipped.append("plots (matplotlib is not installed)")
+    for what in skipped:
+        click.echo(f"batchgate bench: skipping the {what}", err=True)
     command = "batchgate bench " + shlex.join(sys.argv[2:] if len(sys.argv) > 1 else [])
     started = time.monotonic()
     with redis_for_bench(redis_url) as (url, private):
-        ctx = Context(url, out, uuid.uuid4().hex[:6])
+        ctx = Context(url, out, uuid.uuid4().hex[:6], consumer_script=consumer_script)
         meta = {"command": command.strip(), "started": dt.datetime.now().isoformat(
             timespec="seconds"), "quick": quick, "scale": scale, "seed": seed,
             "consumers": consumers, "sections": list(chosen), "private_redis": private,
+            "consumer_script": consumer_script, "skipped": skipped,
             "machine": machine_info(ctx), "load_before": list(os.getloadavg()),
             "busy_before": busy_processes()}
         click.echo(f"batchgate bench: {len(plan)} runs, results in {out}", err=True)
-        meta["ping_us"] = measure_ping(ctx, 500 if quick else 2000)
-        runs = []
-        loads = []
-        for k, spec in enumerate(plan, 1):
-            t0 = time.monotonic()
-            result = execute(ctx, spec)
+        pings = 500 if quick else 2000
+        meta["ping_us"] = measure_ping(ctx, pings)
+        meta["ping_paced_us"] = measure_ping(ctx, max(50, int(pings * min(1.0, scale)) // 10),
+                                             gap_s=1 / LIGHT_RATE)
+        loads: list[float] = []
+
+        def report(k: int, total: int, result: dict[str, Any], took: float) -> None:
             result["loadavg"] = os.getloadavg()[0]
             loads.append(result["loadavg"])
-            runs.append(result)
             s = result["summary"]
-            click.echo(f"[{k:>2}/{len(plan)}] {result['label']:<58} "
-                       f"{s['throughput_rps']:>9.1f} req/s  p50 {s['latency_ms']['all']['p50']}"
-                       f"  p99 {s['latency_ms']['all']['p99']} ms  ({time.monotonic() - t0:.1f}s)",
-                       err=True)
-        meta["ping_us_after"] = measure_ping(ctx, 500 if quick else 2000)
+            lat = s["latency_ms"]["all"]
+            click.echo(f"[{k:>2}/{total}] {result['label']:<58} {s['throughput_rps']:>9.1f} "
+                       f"req/s  p50 {lat['p50']}  p99 {lat['p99']} ms  ({took:.1f}s)", err=True)
+
+        failed: list[dict[str, Any]] = []
+        runs = run_plan(ctx, plan, report, failed)
+        meta["ping_us_after"] = measure_ping(ctx, pings)
         meta["load_after"] = list(os.getloadavg())
         meta["busy_after"] = busy_processes()
         meta["loadavg_1m_during"] = {"min": min(loads, default=None),
                                      "max": max(loads, default=None)}
         ctx.client.close()
     meta["elapsed_s"] = round(time.monotonic() - started, 1)
-    results = {"meta": meta, "runs": runs}
+    results = {"meta": meta, "runs": runs, "failed": failed}
     results["analysis"] = analyse(results)
     (out / "results.json").write_bytes(orjson.dumps(results, option=orjson.OPT_INDENT_2
                                                     | orjson.OPT_SERIALIZE_NUMPY))
@@ -748,12 +894,13 @@ def bench_command(quick: bool, out_dir: Path | None, redis_url: str | None, cons
     click.echo((out / "results.md").read_text())
     click.echo(f"wrote {out / 'results.json'}, {out / 'results.md'}"
                + (f" and {len(images)} plots" if images else ""), err=True)
+    if failed:
+        raise click.ClickException(f"{len(failed)} of {len(plan)} runs failed (see "
+                                   f"{out / 'results.md'} and {out / 'logs'})")
 
 
 def make_plots(results: dict[str, Any], out: Path) -> list[str]:
     """bench/plots.py, loaded from the checkout (it is also a script of its own)."""
-    import importlib.util
-
     spec = importlib.util.spec_from_file_location("batchgate_bench_plots",
                                                   BENCH_DIR / "plots.py")
     assert spec is not None and spec.loader is not None

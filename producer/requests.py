@@ -6,6 +6,7 @@ Everything here runs before any Redis call, so bad input never writes anything.
 from __future__ import annotations
 
 import re
+import time
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -21,6 +22,16 @@ MAX_DEADLINE_MS = 86_400_000  # 24 h
 MAX_BATCH_SUBMIT = 10_000  # requests per submit_many call (one atomic script call)
 IDEMPOTENCY_KEY = re.compile(r"^[A-Za-z0-9_.:-]{1,200}$")
 DEFAULT_IDEMPOTENCY_TTL_S = 86_400
+
+
+DEADLINE_GRACE_S = 0.01
+
+
+def local_deadline(deadline_ms: int) -> float | None:
+    """When (time.monotonic()) a producer may expire a request whose enqueue Redis has
+    just acknowledged. Redis counts deadline_ms from its own enqueue, which happened
+    before the acknowledgement arrived, so this is never earlier than Redis' deadline."""
+    return time.monotonic() + deadline_ms / 1000 + DEADLINE_GRACE_S if deadline_ms else None
 
 
 def new_id() -> str:

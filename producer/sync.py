@@ -6,44 +6,28 @@ import logging
 import threading
 import time
 from collections.abc import Iterable
-from typing import Any, Literal
+from typing import Any
 
 import redis
 
-from producer.requests import (
-    ProducerConfig,
-    build_requests,
-    cancel_envelope,
-    check_timeout,
-    new_id,
-)
+from producer.base import POLL_S, CancelOutcome, ProducerBase
+from producer.requests import check_timeout
 from scheduler_core.connection import DEFAULT_REDIS_URL, Backoff, connect
-from scheduler_core.keys import QueueKeys
 from scheduler_core.policy import Priority
-from scheduler_core.scripts import (
-    NewRequest,
-    Scripts,
-    cancel_keys,
-    enqueue_call,
-    enqueue_reply,
-)
+from scheduler_core.scripts import Scripts, enqueue_reply
 from scheduler_core.wire import Result, decode_result
 
 log = logging.getLogger("batchgate.producer")
 
-CancelOutcome = Literal["cancelled", "running", "finished"]
-POLL_S = 1.0  # a waiting handle re-checks `result:<id>` this often (lost-inbox fallback)
-DEADLINE_GRACE_S = 0.01
-_CANCEL_OUTCOMES: dict[int, CancelOutcome] = {1: "cancelled", 2: "running", 0: "finished"}
 
 
 class Handle:
     """A submitted request. `result()` blocks until its result arrives."""
 
-    def __init__(self, producer: Producer, request_id: str, deadline_at: float | None):
+    def __init__(self, producer: Producer, request_id: str):
         self.id = request_id
         self._producer = producer
-        self._deadline_at = deadline_at  # time.monotonic() after which it may be expired
+        self._deadline_at: float | None = None  # monotonic time after which it may expire
         self._event = threading.Event()
         self._result: Result | None = None
 
@@ -91,7 +75,7 @@ class Handle:
         return self._producer._cancel(self, deadline=False)
 
 
-class Producer:
+class Producer(ProducerBase[Handle]):
     """Submits requests to one queue; one listener thread receives all their results.
 
     Results come back through this instance's inbox (one Redis list), drained by a single
@@ -102,16 +86,10 @@ class Producer:
     def __init__(self, redis_url: str = DEFAULT_REDIS_URL, queue: str = "default", *,
                  max_payload_bytes: int | None = None, idempotency_ttl_s: int | None = None,
                  client: redis.Redis | None = None):
-        overrides = {k: v for k, v in (("max_payload_bytes", max_payload_bytes),
-                                       ("idempotency_ttl_s", idempotency_ttl_s)) if v is not None}
-        self.config = ProducerConfig(queue=queue, **overrides)
-        self.keys = QueueKeys(queue)
-        self.id = new_id()
+        super().__init__(queue, max_payload_bytes, idempotency_ttl_s)
         self._redis = client or connect(redis_url)
         self._owns_client = client is None
         self._scripts = Scripts(self._redis)
-        self._handles: dict[str, Handle] = {}
-        self._lock = threading.Lock()
         self._closed = threading.Event()
         self._listener: threading.Thread | None = None
 
@@ -157,52 +135,16 @@ class Producer:
                 idempotency_keys: list[str | None] | None) -> list[Handle]:
         if self._closed.is_set():
             raise RuntimeError("producer is closed")
-        requests = build_requests(self.config, payloads, priority, deadline_ms,
-                                  idempotency_keys)
+        requests, handles, keys, args = self._prepare(
+            payloads, priority, deadline_ms, idempotency_keys, lambda rid: Handle(self, rid))
         self._ensure_listener()
-        handles = self._register(requests)
-        keys, args = enqueue_call(self.keys, self.id, requests, self.config.idempotency_ttl_s)
         try:
             ids = enqueue_reply(self.keys, self._scripts.enqueue(keys=keys, args=args))
         except BaseException:
-            self._unregister(requests)
+            self._forget(requests)
             raise
-        return self._rebind(handles, ids)
-
-    def _register(self, requests: list[NewRequest]) -> list[Handle]:
-        now = time.monotonic()
-        handles = [Handle(self, r.id, now + r.deadline_ms / 1000 + DEADLINE_GRACE_S
-                          if r.deadline_ms else None) for r in requests]
-        with self._lock:
-            for h in handles:
-                self._handles[h.id] = h
+        self._accepted(requests, handles, ids)
         return handles
-
-    def _unregister(self, requests: list[NewRequest]) -> None:
-        with self._lock:
-            for r in requests:
-                self._handles.pop(r.id, None)
-
-    def _rebind(self, handles: list[Handle], ids: list[str]) -> list[Handle]:
-        """An idempotent duplicate is answered under the first request's id."""
-        with self._lock:
-            for h, effective in zip(handles, ids, strict=True):
-                if effective != h.id:
-                    self._handles.pop(h.id, None)
-                    h.id = effective
-                    self._handles[effective] = h
-        return handles
-
-    def _deliver(self, raw: bytes) -> None:
-        try:
-            result = decode_result(raw)
-        except (ValueError, KeyError) as exc:
-            log.error("dropping malformed result envelope: %s", exc)
-            return
-        with self._lock:
-            handle = self._handles.pop(result.id, None)
-        if handle is not None:
-            handle._resolve(result)
 
     def _ensure_listener(self) -> None:
         if self._listener is None:
@@ -220,15 +162,14 @@ class Producer:
             try:
                 popped = self._redis.blmpop(1, 1, inbox, direction="LEFT", count=512)
                 backoff.succeeded()
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
+            except redis.RedisError as exc:  # also NOPERM, READONLY after a failover, ...
                 if self._closed.is_set():
                     return
                 backoff.sleep_after(exc)
                 continue
-            if popped:
-                for raw in popped[1]:
-                    if raw:  # b"" is close()'s wake-up
-                        self._deliver(raw)
+            for raw in popped[1] if popped else ():
+                if raw:  # b"" is close()'s wake-up
+                    self._deliver(raw)
 
     def _wake_listener(self) -> None:
         """End the listener's blocking pop now instead of at its 1 s timeout: an empty
@@ -245,27 +186,13 @@ class Producer:
     def _poll(self, handle: Handle) -> bool:
         """Resolve `handle` from its stored result, if there is one."""
         try:
-            result = self.fetch(handle.id)
+            return self._resolve_stored(handle, self.fetch(handle.id))
         except (redis.ConnectionError, redis.TimeoutError):
             return False
-        if result is None:
-            return False
-        with self._lock:
-            self._handles.pop(handle.id, None)
-        handle._resolve(result)
-        return True
 
     def _cancel(self, handle: Handle, deadline: bool) -> CancelOutcome:
-        envelope, counter = cancel_envelope(handle.id, deadline)
-        reply = self._scripts.cancel(
-            keys=cancel_keys(self.keys, handle.id, self.id),
-            args=[handle.id, self.config.result_ttl_s, envelope, counter])
-        outcome = _CANCEL_OUTCOMES[int(reply)]
-        if outcome == "cancelled":
-            with self._lock:
-                self._handles.pop(handle.id, None)
-            handle._resolve(decode_result(envelope))
-        return outcome
+        keys, args, envelope = self._cancel_call(handle.id, deadline)
+        return self._cancelled(handle, self._scripts.cancel(keys=keys, args=args), envelope)
 
     def _expire(self, handle: Handle) -> None:
         """Past its deadline and still waiting: remove it so it is never run."""

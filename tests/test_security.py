@@ -123,8 +123,6 @@ def test_acl_rule_covers_every_command_the_scripts_call():
     assert not missing, f"add {sorted(missing)} to the ACL rule (and docs/guarantees.md)"
 
 
-# The producer on the forbidden queue: its listener thread dies of NOPERM as well.
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_least_privilege_acl_user(redis_server, queue, start_consumer, tmp_path):
     admin = redis_server.client()
     version = tuple(int(x) for x in admin.info("server")["redis_version"].split(".")[:2])

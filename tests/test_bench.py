@@ -1,0 +1,142 @@
+"""`batchgate bench`: the harness works end to end (not the numbers), plus the pieces that
+can be checked without timing: the workload generator and the in-process batcher's rules.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from producer.bench import BENCH_DIR, Workload
+
+pytest.importorskip("hdrh")
+
+
+
+def _load_inprocess():
+    spec = importlib.util.spec_from_file_location("bench_inprocess", BENCH_DIR / "inprocess.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+inprocess = _load_inprocess()
+
+
+# -- workload -------------------------------------------------------------------------
+def test_workload_is_reproducible_and_mixed():
+    w = Workload("poisson", rate=500, duration_s=4, seed=7)
+    times, prios, payloads = w.arrivals()
+    assert (times, prios, payloads) == w.arrivals()
+    assert times == sorted(times) and times[0] >= 0 and times[-1] < 4
+    assert 1700 < len(times) < 2300  # Poisson, λ=500 for 4 s
+    shares = [prios.count(p) / len(prios) for p in range(3)]
+    assert shares[0] == pytest.approx(0.1, abs=0.03)
+    assert shares[1] == pytest.approx(0.6, abs=0.04)
+    assert shares[2] == pytest.approx(0.3, abs=0.04)
+    assert Workload("poisson", rate=500, duration_s=4, seed=8).arrivals()[0] != times
+
+
+def test_bursty_adds_50_requests_within_100_ms():
+    base = Workload("poisson", rate=10, duration_s=5, seed=1)
+    bursty = Workload("bursty", rate=10, duration_s=5, seed=1, burst_every_s=2.0)
+    times = bursty.arrivals()[0]
+    assert len(times) >= len(base.arrivals()[0]) + 100  # bursts at 1 s and 3 s
+    in_burst = [t for t in times if 1.0 <= t <= 1.1]
+    assert len(in_burst) >= 50
+
+
+def test_backlog_arrives_at_once():
+    times, _, payloads = Workload("backlog", count=300, model="tiny_text").arrivals()
+    assert times == [0.0] * 300
+    assert all(1 <= len(p["tokens"]) <= 64 for p in payloads)
+
+
+# -- the in-process batcher applies pop_batch.lua's rules -----------------------------
+def _rules(strategy, size=4, delay_ms=50, aging_ms=0):
+    return inprocess.Rules(strategy, size, delay_ms, aging_ms)
+
+
+def _add(rules, idx, prio, at):
+    rules.add(inprocess.Req(idx, prio, at, None))
+
+
+def test_fifo_takes_oldest_across_priorities_without_waiting():
+    rules = _rules("fifo", size=2)
+    for i, prio in enumerate((2, 0, 1)):
+        _add(rules, i, prio, at=float(i))
+    batch, wait = rules.collect(now=3.0)
+    assert [r.idx for r in batch] == [0, 1] and wait is None
+
+
+def test_dynamic_waits_for_the_delay_or_a_full_batch():
+    rules = _rules("dynamic", size=3, delay_ms=50)
+    _add(rules, 0, 1, at=10.0)
+    batch, wait = rules.collect(now=10.02)
+    assert batch == [] and wait == pytest.approx(0.03)
+    batch, _ = rules.collect(now=10.051)
+    assert [r.idx for r in batch] == [0]
+    for i in range(3):
+        _add(rules, i, 1, at=11.0)
+    batch, _ = rules.collect(now=11.0)
+    assert len(batch) == 3
+
+
+def test_priority_serves_high_at_once_normal_by_window_low_when_idle():
+    rules = _rules("priority", size=4, delay_ms=50)
+    _add(rules, 0, 2, at=0.0)
+    _add(rules, 1, 1, at=0.0)
+    batch, wait = rules.collect(now=0.01)  # NORMAL waits its window; LOW waits behind it
+    assert batch == [] and wait == pytest.approx(0.04)
+    _add(rules, 2, 0, at=0.02)
+    assert [r.idx for r in rules.collect(now=0.02)[0]] == [2]  # HIGH at once
+    assert [r.idx for r in rules.collect(now=0.06)[0]] == [1]  # NORMAL when due
+    assert [r.idx for r in rules.collect(now=0.06)[0]] == [0]  # then LOW
+
+
+def test_priority_aging_promotes_waiting_requests():
+    rules = _rules("priority", size=4, delay_ms=50, aging_ms=1000)
+    _add(rules, 0, 2, at=0.0)  # LOW
+    for i in range(1, 4):
+        _add(rules, i, 1, at=2.5)  # a NORMAL window that is not due yet
+    batch, _ = rules.collect(now=2.51)
+    assert [r.idx for r in batch] == [0]  # waited 2 x aging: served at HIGH level
+
+
+# -- the command, end to end, tiny ----------------------------------------------------
+@pytest.mark.skipif(not shutil.which("redis-server"), reason="redis-server is not on PATH")
+@pytest.mark.skipif(importlib.util.find_spec("rq") is None, reason="rq is not installed")
+def test_bench_quick_smoke(tmp_path: Path):
+    out = tmp_path / "bench"
+    proc = subprocess.run(
+        [sys.executable, "-m", "scheduler_core.cli", "bench", "--quick", "--scale", "0.1",
+         "--consumers", "1", "--grid", "100", "--sections", "light,throughput,grid",
+         "--out", str(out)],
+        capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    systems = {(r["spec"]["section"], r["spec"]["system"]) for r in results["runs"]}
+    for section in ("light", "throughput"):
+        for system in ("batchgate", "raw", "rq", "inprocess"):
+            assert (section, system) in systems
+    strategies = {r["spec"]["strategy"] for r in results["runs"]
+                  if r["spec"]["section"] == "grid" and r["spec"]["system"] == "batchgate"}
+    assert strategies == {"fifo", "dynamic", "priority"}
+    for run in results["runs"]:
+        s = run["summary"]
+        assert s["completed"] > 0, run["label"]
+        assert s["latency_ms"]["all"]["p99"] is not None
+        assert s["throughput_rps"] > 0
+    assert results["analysis"]["targets"]
+    assert results["meta"]["ping_us"]["p50"] > 0
+    md = (out / "results.md").read_text()
+    assert "## Targets" in md and "raw" in md
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (out / "latency_vs_throughput.png").stat().st_size > 1000
+        assert (out / "systems.png").exists()

@@ -36,6 +36,14 @@ def _save(fig: Any, out: Path, name: str) -> str:
     fig.tight_layout()
     fig.savefig(out / name, dpi=DPI)
     plt.close(fig)
+    try:  # a 64-colour palette keeps the PNGs small enough to commit
+        from PIL import Image
+
+        with Image.open(out / name) as img:
+            small = img.convert("RGB").quantize(colors=64)
+        small.save(out / name, optimize=True)
+    except (ImportError, OSError):
+        pass
     return name
 
 

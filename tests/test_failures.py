@@ -14,6 +14,7 @@ import threading
 import time
 
 import pytest
+import redis
 from click.testing import CliRunner
 from failure_support import CountingProducer, executions, start, wait_for
 
@@ -380,3 +381,20 @@ def test_overload_fails_fast_with_a_retry_hint_and_answers_all_accepted(
     assert expected / 4 < exc.retry_after_s < expected * 4
     assert "retry after" in str(exc)
     assert peak_mem - baseline_mem < 16 << 20
+
+
+def test_consumer_survives_redis_out_of_memory(redis_server, queue, start_consumer):
+    """maxmemory reached under noeviction: Redis refuses writes with OOM. The consumer
+    waits it out with backoff instead of exiting, and serves again once there is room."""
+    consumer = start_consumer(redis_server.url, queue, "--model", "consumer.models:noop")
+    client = redis_server.client()
+    client.config_set("maxmemory", "1mb")  # below what is used: every write gets OOM
+    with pytest.raises(redis.exceptions.OutOfMemoryError):
+        client.set("probe", "x")
+    time.sleep(2.5)  # the idle consumer's pops (each heartbeats: a write) now fail
+    assert consumer.proc.poll() is None, consumer.output()
+    assert "maxmemory" in consumer.output()
+    client.config_set("maxmemory", "0")
+    with Producer(redis_server.url, queue) as p:
+        assert p.submit({"after": "oom"}).result(timeout=20) == {"after": "oom"}
+    assert consumer.output().count("Redis unavailable") == 1  # logged once, not per attempt

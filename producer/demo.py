@@ -51,7 +51,11 @@ from scheduler_core.keys import QueueKeys
 STRATEGIES = ("fifo", "dynamic", "priority")
 PRIORITIES = ("high", "normal", "low")
 MIX = (0.1, 0.6, 0.3)  # share of HIGH, NORMAL, LOW requests
-MODELS = {"synthetic": "consumer.models:synthetic", "tiny_text": "consumer.models:tiny_text"}
+MODELS = {"synthetic": "consumer.models:synthetic", "tiny_text": "consumer.models:tiny_text",
+          "minilm": "consumer.models:minilm"}
+WORDS = ("the", "queue", "batches", "requests", "for", "a", "model", "on", "gpu", "while",
+         "users", "wait", "and", "offline", "jobs", "fill", "idle", "time", "with", "low",
+         "priority", "work", "so", "latency", "stays")
 READY_TIMEOUT_S = 60.0  # torch consumers import slowly on small machines
 STOP_TIMEOUT_S = 15.0
 
@@ -74,6 +78,8 @@ class Workload:
             if self.model == "tiny_text":
                 payload: Any = {"tokens": [rng.randrange(1, 1000)
                                            for _ in range(rng.randint(4, 64))]}
+            elif self.model == "minilm":
+                payload = {"text": " ".join(rng.choices(WORDS, k=rng.randint(4, 24)))}
             else:
                 payload = {"n": len(out), "priority": priority}
             out.append((at, priority, payload))
@@ -371,7 +377,8 @@ def delete_queues(client: redis.Redis, prefix: str) -> int:
               help="Use this Redis instead of a private embedded one (only demo-* queues are "
                    "created there, and removed afterwards).")
 @click.option("--model", type=click.Choice(sorted(MODELS)), default="synthetic",
-              show_default=True, help="synthetic cost model, or the small torch model.")
+              show_default=True, help="synthetic cost model, the small torch model, or the "
+              "real MiniLM embedding model (extra `minilm`; try --rate 40).")
 @click.option("--duration", type=click.FloatRange(0.5, 600), default=8.0, show_default=True,
               help="Seconds of arrivals per strategy.")
 @click.option("--rate", type=click.FloatRange(1, 5000), default=110.0, show_default=True,
@@ -382,7 +389,8 @@ def delete_queues(client: redis.Redis, prefix: str) -> int:
               help="synthetic: fixed cost of one model call, ms.")
 @click.option("--per-item-ms", type=click.FloatRange(0), default=2.0, show_default=True,
               help="synthetic: extra cost per request in the batch, ms.")
-@click.option("--device", default=None, help="tiny_text: torch device (cpu, cuda:0, ...).")
+@click.option("--device", default=None,
+              help="tiny_text/minilm: torch device (cpu, cuda:0, ...).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Workload seed.")
 @click.option("--keep-queues", is_flag=True,
               help="With --redis-url: leave the demo's queues for `batchgate stats`.")

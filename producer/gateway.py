@@ -41,12 +41,11 @@ from producer.gateway_schemas import (
     Health,
     Problem,
     QueueFullProblem,
-    QueueStatsOut,
     RequestState,
     SubmitRequest,
 )
 from producer.requests import cancel_envelope
-from scheduler_core.admin import queue_stats
+from scheduler_core.admin import QueueStats, queue_stats
 from scheduler_core.connection import DEFAULT_REDIS_URL, connect, connect_async
 from scheduler_core.errors import InvalidRequest, QueueFull, RequestFailed
 from scheduler_core.keys import QueueKeys
@@ -236,7 +235,7 @@ def build_router(auth: Any | None) -> APIRouter:
             raise ApiError(404, "not_found", f"no request {request_id}")
         return json_response(409, state.body())
 
-    @router.get("/stats", response_model=QueueStatsOut, responses=COMMON,
+    @router.get("/stats", response_model=QueueStats, responses=COMMON,
                 summary="Queue statistics")
     async def stats(request: Request) -> Response:
         gateway = _gateway(request)

@@ -117,27 +117,3 @@ class QueueFullProblem(Problem):
 class Health(BaseModel):
     status: Literal["ok", "unavailable"]
     redis: str
-
-
-class QueueStatsOut(BaseModel):
-    """`scheduler_core.admin.QueueStats`, as `batchgate stats --json` prints it."""
-
-    model_config = ConfigDict(extra="allow")
-
-    queue: str
-    policy: dict[str, Any] | None
-    depth: dict[str, int]
-    in_flight_requests: int
-    in_flight_batches: int
-    oldest_wait_ms: float | None
-    consumers_alive: int
-    processed: int
-    failed: int
-    requeued: int
-    cancelled: int
-    expired: int
-    dead_letters: int
-    batches: int
-    mean_batch_size: float | None
-    queue_wait_ms: dict[str, float | None]
-    end_to_end_ms: dict[str, float | None]

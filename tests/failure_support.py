@@ -5,13 +5,13 @@ execution logs."""
 from __future__ import annotations
 
 import threading
-import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import orjson
+from support import wait_for  # noqa: F401 - re-exported for the failure tests
 
 from producer import Producer
 
@@ -61,15 +61,3 @@ def executions(log_dir: Path) -> Counter[str]:
             if line:
                 runs[line] += 1
     return runs
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float, what: str,
-             interval: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)

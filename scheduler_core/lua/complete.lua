@@ -44,26 +44,36 @@ if not redis.call('ZSCORE', KEYS[1], batch_id) then return {-1} end
 
 local now = now_us()
 local accepted, refused, failed, expired = 0, 0, 0, 0
-local e2e = {}
+local ids = {}
+for i = 0, n - 1 do ids[i + 1] = ARGV[4 + 3 * i] end
+-- One variadic call per key rather than one per request: the script's cost is mostly
+-- the number of redis.call()s.
+local owners = redis.call('HMGET', KEYS[3], unpack(ids))
+local metas = redis.call('HMGET', KEYS[5], unpack(ids))
+local done, gone, e2e, inboxes, inbox_order, seen = {}, {}, {}, {}, {}, {}
 for i = 0, n - 1 do
-  local id, outcome, envelope = ARGV[4 + 3 * i], ARGV[5 + 3 * i], ARGV[6 + 3 * i]
-  if redis.call('HGET', KEYS[3], id) ~= batch_id then
+  local id, outcome, envelope = ids[i + 1], ARGV[5 + 3 * i], ARGV[6 + 3 * i]
+  if owners[i + 1] ~= batch_id or seen[id] then  -- a repeated id is delivered once
     refused = refused + 1
   else
-    local m = parse_meta(redis.call('HGET', KEYS[5], id))
+    seen[id] = true
+    local m = parse_meta(metas[i + 1])
     redis.call('SET', KEYS[10 + 2 * i], envelope, 'EX', ttl)
     if m and m.producer ~= '' then
-      redis.call('RPUSH', KEYS[11 + 2 * i], envelope)
-      redis.call('EXPIRE', KEYS[11 + 2 * i], ttl)
+      local inbox = KEYS[11 + 2 * i]
+      if not inboxes[inbox] then
+        inboxes[inbox] = {}
+        inbox_order[#inbox_order + 1] = inbox
+      end
+      table.insert(inboxes[inbox], envelope)
     end
     if m then e2e[#e2e + 1] = int(now - m.arrival) end
-    redis.call('HDEL', KEYS[3], id)
+    done[#done + 1] = id
     if outcome == 'dead' then
       redis.call('ZADD', KEYS[8], int(now), id)
       redis.call('HSET', KEYS[9], id, envelope)
     else
-      redis.call('HDEL', KEYS[4], id)
-      redis.call('HDEL', KEYS[5], id)
+      gone[#gone + 1] = id
     end
     if outcome == 'expired' then
       expired = expired + 1
@@ -73,10 +83,22 @@ for i = 0, n - 1 do
     accepted = accepted + 1
   end
 end
+for _, inbox in ipairs(inbox_order) do  -- results keep their order within each inbox
+  redis.call('RPUSH', inbox, unpack(inboxes[inbox]))
+  redis.call('EXPIRE', inbox, ttl)
+end
+if #done > 0 then redis.call('HDEL', KEYS[3], unpack(done)) end
+if #gone > 0 then
+  redis.call('HDEL', KEYS[4], unpack(gone))
+  redis.call('HDEL', KEYS[5], unpack(gone))
+end
 
 local remaining = 0
-for _, id in ipairs(batch_ids(redis.call('HGET', KEYS[2], batch_id))) do
-  if redis.call('HGET', KEYS[3], id) == batch_id then remaining = remaining + 1 end
+local members = batch_ids(redis.call('HGET', KEYS[2], batch_id))
+if #members > 0 then
+  for _, owner in ipairs(redis.call('HMGET', KEYS[3], unpack(members))) do
+    if owner == batch_id then remaining = remaining + 1 end
+  end
 end
 if remaining == 0 then
   redis.call('ZREM', KEYS[1], batch_id)

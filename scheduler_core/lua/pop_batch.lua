@@ -170,8 +170,13 @@ for _, c in ipairs(chosen) do
 end
 chosen = kept
 if #chosen == 0 then return {0, 0} end
+-- One variadic call per key rather than one per request: the script's cost is mostly
+-- the number of redis.call()s.
+local chosen_ids = {}
+for i, c in ipairs(chosen) do chosen_ids[i] = c.id end
+local raw_metas = redis.call('HMGET', KEYS[6], unpack(chosen_ids))
 for i, c in ipairs(chosen) do
-  local m = parse_meta(redis.call('HGET', KEYS[6], c.id))
+  local m = parse_meta(raw_metas[i])
   local retried = m and m.attempts > 0
   if retried and i > 1 then
     for j = #chosen, i, -1 do chosen[j] = nil end
@@ -187,10 +192,12 @@ end
 local batch_id = redis.call('INCR', KEYS[10])
 local lease_deadline = now + lease_ms * 1000
 local reply = {batch_id, int(now), int(lease_deadline)}
-local ids, waits = {}, {}
+local ids, waits, by_level, meta_fields, owner_fields = {}, {}, {{}, {}, {}}, {}, {}
+for i, c in ipairs(chosen) do ids[i] = c.id end
+local envelopes = redis.call('HMGET', KEYS[5], unpack(ids))
 for i, c in ipairs(chosen) do
   local id = c.id
-  redis.call('ZREM', KEYS[2 + c.level], id)
+  table.insert(by_level[c.level + 1], id)
   -- A member without (valid) meta was written by hand: deliver it once, marked so the
   -- consumer dead-letters it instead of crashing.
   local arrival = c.score
@@ -206,15 +213,21 @@ for i, c in ipairs(chosen) do
     waits[#waits + 1] = int(now - m.arrival)
   end
   m.attempts = m.attempts + 1
-  redis.call('HSET', KEYS[6], id, format_meta(m))
-  redis.call('HSET', KEYS[7], id, batch_id)
-  ids[#ids + 1] = id
-  local envelope = redis.call('HGET', KEYS[5], id)
-  for _, v in ipairs({id, envelope, int(m.arrival), m.attempts, m.producer, state,
+  meta_fields[#meta_fields + 1] = id
+  meta_fields[#meta_fields + 1] = format_meta(m)
+  owner_fields[#owner_fields + 1] = id
+  owner_fields[#owner_fields + 1] = batch_id
+  for _, v in ipairs({id, envelopes[i], int(m.arrival), m.attempts, m.producer, state,
                       c.level}) do
     reply[#reply + 1] = v
   end
 end
+for level = 0, 2 do
+  local members = by_level[level + 1]
+  if #members > 0 then redis.call('ZREM', KEYS[2 + level], unpack(members)) end
+end
+redis.call('HSET', KEYS[6], unpack(meta_fields))
+redis.call('HSET', KEYS[7], unpack(owner_fields))
 redis.call('ZADD', KEYS[8], int(lease_deadline), batch_id)
 redis.call('HSET', KEYS[9], batch_id, consumer .. '|' .. table.concat(ids, ','))
 redis.call('HINCRBY', KEYS[13], 'batches', 1)

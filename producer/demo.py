@@ -203,7 +203,8 @@ def percentiles(values: list[float]) -> dict[str, float | int | None]:
 def run_strategy(client: redis.Redis, redis_url: str, queue: str,
                  arrivals: list[tuple[float, str, Any]], consumers: list[ConsumerProcess],
                  drain_timeout_s: float) -> dict[str, Any]:
-    """Replay `arrivals` on `queue`, wait for every answer, stop the consumers, measure."""
+    """Replay `arrivals` on `queue`, wait for every answer (until none has come for
+    `drain_timeout_s`), stop the consumers, measure."""
     sent: list[Sent] = []
     errors: list[BaseException] = []
     with TimedProducer(redis_url, queue) as producer:
@@ -225,6 +226,9 @@ def run_strategy(client: redis.Redis, redis_url: str, queue: str,
                 continue
             except RequestFailed:
                 failed += 1
+            # An overloaded strategy (fifo) drains its backlog after the arrivals end:
+            # wait as long as answers keep coming, give up after drain_timeout_s without one.
+            deadline = time.perf_counter() + drain_timeout_s
             done = producer.arrived.get(s.handle.id, time.perf_counter())
             latencies[s.priority].append((done - s.submitted) * 1000)
             last = max(last, done)

@@ -374,7 +374,30 @@ class BatchgateDriver(Driver):
                             t0 / 1e6, t1 / 1e6, b, pid]
 
 
-class RQDriver(Driver):
+class InboxDriver(Driver):
+    """A baseline whose workers push a notice per request to an inbox list that one
+    listener thread drains (RQ, raw Redis)."""
+
+    inbox: str
+    conn: redis.Redis
+
+    def listen(self) -> None:
+        self.listener = InboxListener(self.ctx.redis_url, self.inbox)
+        self.listener.start()
+
+    def seen_count(self) -> int:
+        return len(self.listener.seen)
+
+    def end(self) -> None:
+        self.listener.stop()
+
+    def close_and_delete(self, pattern: str) -> None:
+        super().stop()
+        self.conn.close()
+        self.ctx.delete_matching(pattern)
+
+
+class RQDriver(InboxDriver):
     def start(self) -> None:
         from rq import Queue
 
@@ -394,8 +417,7 @@ class RQDriver(Driver):
     def begin(self) -> None:
         self.runs += 1
         self.inbox = f"{self.prefix}:inbox:{self.runs}"
-        self.listener = InboxListener(self.ctx.redis_url, self.inbox)
-        self.listener.start()
+        self.listen()
 
     def submit(self, idx: list[int], prios: list[int], payloads: list[Any]) -> None:
         from rq import Queue
@@ -411,16 +433,8 @@ class RQDriver(Driver):
                 self.queues[prio].enqueue_many(jobs, pipeline=pipe)
             pipe.execute()
 
-    def seen_count(self) -> int:
-        return len(self.listener.seen)
-
-    def end(self) -> None:
-        self.listener.stop()
-
     def stop(self) -> None:
-        super().stop()
-        self.conn.close()
-        self.ctx.delete_matching(f"*{self.prefix}*")
+        self.close_and_delete(f"*{self.prefix}*")
 
     def results(self) -> Iterator[tuple[int, float, list[Any]]]:
         for seen, raw in self.listener.seen:
@@ -428,7 +442,7 @@ class RQDriver(Driver):
             yield i, seen, [enq or None, None, t0, t1, 1, pid]
 
 
-class RawDriver(Driver):
+class RawDriver(InboxDriver):
     def start(self) -> None:
         self.base = self.ctx.name("raw")
         self.key, self.inbox = f"{self.base}:q", f"{self.base}:inbox"
@@ -439,8 +453,7 @@ class RawDriver(Driver):
                                        self.ctx.out / "logs", self.base)
 
     def begin(self) -> None:
-        self.listener = InboxListener(self.ctx.redis_url, self.inbox)
-        self.listener.start()
+        self.listen()
 
     def submit(self, idx: list[int], prios: list[int], payloads: list[Any]) -> None:
         for s in range(0, len(idx), SUBMIT_CHUNK):
@@ -449,16 +462,8 @@ class RawDriver(Driver):
                 pipe.rpush(self.key, b"%d" % i)
             pipe.execute()
 
-    def seen_count(self) -> int:
-        return len(self.listener.seen)
-
-    def end(self) -> None:
-        self.listener.stop()
-
     def stop(self) -> None:
-        super().stop()
-        self.conn.close()
-        self.ctx.delete_matching(f"{self.base}*")
+        self.close_and_delete(f"{self.base}*")
 
     def results(self) -> Iterator[tuple[int, float, list[Any]]]:
         for seen, raw in self.listener.seen:

@@ -101,28 +101,17 @@ def queue() -> str:
     return f"t-{uuid.uuid4().hex[:10]}"
 
 
-class ConsumerProcess:
-    """`batchgate consumer ...` as a real child process."""
+class LoggedProcess:
+    """A child process in its own session, its output captured in a temporary log."""
 
-    def __init__(self, redis_url: str, queue: str, *args: str, cwd: str | None = None,
+    def __init__(self, args: list[str], prefix: str, cwd: str | Path | None = None,
                  env: dict[str, str] | None = None):
-        assert BATCHGATE, "the batchgate command is not installed (pip install -e .)"
-        self.log = Path(tempfile.mkstemp(prefix="bg-consumer-", suffix=".log")[1])
-        self.args = [BATCHGATE, "consumer", "--redis-url", redis_url, "--queue", queue, *args]
+        self.args = args
+        self.log = Path(tempfile.mkstemp(prefix=prefix, suffix=".log")[1])
         self._log_file = self.log.open("wb")
-        self.proc = subprocess.Popen(self.args, stdout=self._log_file, stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen(args, stdout=self._log_file, stderr=subprocess.STDOUT,
                                      cwd=cwd, env={**os.environ, **(env or {})},
                                      start_new_session=True)
-
-    def wait_ready(self, timeout: float = 30.0) -> ConsumerProcess:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if b"ready on queue" in self.log.read_bytes():
-                return self
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"consumer exited {self.proc.returncode}:\n{self.output()}")
-            time.sleep(0.02)
-        raise RuntimeError(f"consumer not ready after {timeout}s:\n{self.output()}")
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")
@@ -146,6 +135,26 @@ class ConsumerProcess:
                 self.proc.wait()
         self._log_file.close()
         self.log.unlink(missing_ok=True)
+
+
+class ConsumerProcess(LoggedProcess):
+    """`batchgate consumer ...` as a real child process."""
+
+    def __init__(self, redis_url: str, queue: str, *args: str, cwd: str | None = None,
+                 env: dict[str, str] | None = None):
+        assert BATCHGATE, "the batchgate command is not installed (pip install -e .)"
+        super().__init__([BATCHGATE, "consumer", "--redis-url", redis_url, "--queue", queue,
+                          *args], "bg-consumer-", cwd, env)
+
+    def wait_ready(self, timeout: float = 30.0) -> ConsumerProcess:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if b"ready on queue" in self.log.read_bytes():
+                return self
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"consumer exited {self.proc.returncode}:\n{self.output()}")
+            time.sleep(0.02)
+        raise RuntimeError(f"consumer not ready after {timeout}s:\n{self.output()}")
 
 
 @pytest.fixture

@@ -4,32 +4,24 @@ as a user starts them, on a free port, and stopped with SIGTERM."""
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
-import subprocess
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
-from conftest import BATCHGATE, free_port
+from conftest import BATCHGATE, LoggedProcess, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-class ServerProcess:
+class ServerProcess(LoggedProcess):
     """A child process serving HTTP on 127.0.0.1:`port`; `url` is its base URL."""
 
     def __init__(self, args: list[str], port: int, env: dict[str, str] | None = None,
                  ready_path: str = "/", cwd: Path = ROOT):
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
-        self.log = Path(tempfile.mkstemp(prefix="bg-http-", suffix=".log")[1])
-        self._log_file = self.log.open("wb")
-        self.proc = subprocess.Popen(args, stdout=self._log_file, stderr=subprocess.STDOUT,
-                                     cwd=cwd, env={**os.environ, **(env or {})},
-                                     start_new_session=True)
+        super().__init__(args, "bg-http-", cwd, env)
         self._wait_ready(ready_path)
 
     def _wait_ready(self, path: str, timeout: float = 30.0) -> None:
@@ -42,22 +34,6 @@ class ServerProcess:
                 return
             time.sleep(0.05)
         raise RuntimeError(f"server not answering after {timeout}s:\n{self.output()}")
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def stop(self, timeout: float = 15.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout)
-
-    def close(self) -> None:
-        with contextlib.suppress(Exception):
-            if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait()
-        self._log_file.close()
-        self.log.unlink(missing_ok=True)
 
 
 def gateway_args(redis_url: str, queue: str, port: int, *extra: str) -> list[str]:

@@ -2,6 +2,8 @@
 
 One process runs one loop (one model, one device). A lease thread renews the batch's lease
 and heartbeats while the model runs; any consumer re-queues batches whose lease expired.
+While a backlog waits, the next pop and the last completion run beside the model
+(consumer/overlap.py); otherwise a completion and the next pop share one round trip.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 import redis
 
 from consumer.loader import BatchModel
+from consumer.overlap import Completer, Prefetcher
 from scheduler_core.admin import ensure_policy
 from scheduler_core.connection import DEFAULT_REDIS_URL, Backoff, connect
 from scheduler_core.errors import InvalidRequest
@@ -90,6 +93,22 @@ class Batch:
     id: str
     popped_us: int
     items: list[Item]
+    remaining: int = 0  # requests still pending after this pop
+    # (answers known before the model runs, [(item, decoded payload)]), once decoded
+    prepared: tuple[dict[str, tuple[str, bytes]], list[tuple[Item, Any]]] | None = \
+        field(default=None, repr=False)
+
+
+@dataclass
+class Finished:
+    """(Part of) a batch's answers on their way to complete.lua."""
+    batch: Batch
+    outcomes: dict[str, tuple[str, bytes]]  # already encoded (expired, dead, malformed)
+    runnable: list[Item] = field(default_factory=list)
+    results: list[tuple[bool, Any]] = field(default_factory=list)  # per runnable item
+    model_us: int = 0
+    answered_early: dict[str, tuple[str, bytes]] = field(default_factory=dict)
+    last: bool = True  # the batch's final completion: observed, its model time recorded
 
 
 def parse_pop(reply: list[Any]) -> Batch | int:
@@ -102,12 +121,12 @@ def parse_pop(reply: list[Any]) -> Batch | int:
     if head < 0:
         raise InvalidRequest(reply[1].decode(), "rejected by pop_batch")
     items = []
-    for i in range(3, len(reply), 7):
+    for i in range(4, len(reply), 7):
         rid, env, arrival, attempts, producer, state, level = reply[i:i + 7]
         items.append(Item(rid.decode(), env, int(arrival), int(attempts),
                           producer.decode(errors="replace"),  # hand-written meta
                           state.decode(), int(level)))
-    return Batch(str(head), int(reply[1]), items)
+    return Batch(str(head), int(reply[1]), items, remaining=int(reply[3]))
 
 
 class Consumer:
@@ -124,6 +143,9 @@ class Consumer:
         self._current: Batch | None = None
         self._lease_lost = False
         self._last_sweep = 0.0
+        self._prefetcher: Prefetcher | None = None  # both run only inside run()
+        self._completer: Completer | None = None
+        self._model_s: dict[int, float] = {}  # last model time per batch size
         self.batches_done = 0
         self.requests_done = 0
         # Optional: called once per batch as on_batch(batch, ran, model_us, outcomes), e.g.
@@ -146,13 +168,16 @@ class Consumer:
             self.start()
         lease = threading.Thread(target=self._lease_loop, name="batchgate-lease", daemon=True)
         lease.start()
+        self._prefetcher = Prefetcher(self._fetch)
+        self._completer = Completer(self._finish, lambda job: job.batch)
         backoff = Backoff(f"consumer {self.config.name}")
         log.info("consumer %s serving queue %r with %s", self.config.name, self.config.queue,
                  self.policy)
         pending_pop: Any = None
         try:
-            # A batch that rode in with the last completion is in hand: run it even if a
-            # stop arrived meanwhile, rather than strand it until its lease expires.
+            # A batch already popped (it rode in with the last completion, or was
+            # prefetched) is run even if a stop arrived meanwhile, rather than stranded
+            # until its lease expires.
             while not self.stopping.is_set() or isinstance(pending_pop, Batch):
                 try:
                     self._sweep_if_due()
@@ -167,11 +192,14 @@ class Consumer:
                     # Connection loss, but also OOM (maxmemory reached), MISCONF (disk),
                     # READONLY (failover), LOADING (restart): wait it out, don't exit. An
                     # abandoned batch keeps no lease, so the sweep re-queues it.
-                    pending_pop = None
                     self._current = None
+                    if not isinstance(pending_pop, Batch):
+                        pending_pop = self._take_prefetched(fetch_now=False, salvage=True)
                     backoff.sleep_after(exc)
         finally:
             self.stopping.set()
+            self._completer.close()  # computed results are written before we leave
+            self._prefetcher.close()
             self._lease_stop.set()
             lease.join(timeout=5)
             with contextlib.suppress(redis.RedisError):
@@ -188,6 +216,13 @@ class Consumer:
         script, keys, args = self._pop_call()
         return self._parse(script(keys=keys, args=args))
 
+    def _fetch(self) -> Batch | int:
+        """The prefetcher's job: pop, and decode the payloads while the model runs."""
+        outcome = self._pop()
+        if isinstance(outcome, Batch):
+            outcome.prepared = self._prepare(outcome)
+        return outcome
+
     def _parse(self, reply: list[Any]) -> Batch | int:
         try:
             return parse_pop(reply)
@@ -196,59 +231,110 @@ class Consumer:
             self.start()
             return 0
 
-    def _process(self, batch: Batch) -> Batch | int | None:
-        """Run one batch; returns the next pop's outcome when it rode with the completion."""
-        self._current, self._lease_lost = batch, False
-        outcomes: dict[str, tuple[str, bytes]] = {}
+    def _prepare(self, batch: Batch,
+                 ) -> tuple[dict[str, tuple[str, bytes]], list[tuple[Item, Any]]]:
+        """Answers known without the model (expired, exhausted, unreadable), and the
+        runnable items with their decoded payloads."""
+        early: dict[str, tuple[str, bytes]] = {}
         runnable: list[tuple[Item, Any]] = []
         for item in batch.items:
             if item.state == "expired":
-                outcomes[item.id] = ("expired", encode_error(
+                early[item.id] = ("expired", encode_error(
                     item.id, DEADLINE, "deadline passed before a consumer ran it"))
             elif item.state == "exhausted":
-                outcomes[item.id] = ("dead", encode_error(
+                early[item.id] = ("dead", encode_error(
                     item.id, "DeadLettered", f"gave up after {item.attempts - 1} deliveries "
                     "(max_attempts): the consumer running it crashed or hung each time"))
             else:
                 try:
                     runnable.append((item, decode_request(item.envelope or b"")))
                 except ValueError as exc:
-                    outcomes[item.id] = ("dead", encode_error(
+                    early[item.id] = ("dead", encode_error(
                         item.id, "MalformedRequest", f"stored request is unreadable: {exc}"))
-        early = outcomes
-        if outcomes:  # answer these now rather than after the model
-            self._complete(batch, outcomes)
-            outcomes = {}
-        model_us = 0
-        if runnable:
-            started = time.perf_counter()
-            results = self._run_isolated([payload for _, payload in runnable])
-            model_us = int((time.perf_counter() - started) * 1e6)
-            for (item, _), (ok, value) in zip(runnable, results, strict=True):
-                outcomes[item.id] = self._encode(item.id, ok, value)
+        return early, runnable
+
+    def _process(self, batch: Batch) -> Batch | int | None:
+        """Run one batch; returns the next pop's outcome when it rode with the completion
+        or was prefetched."""
+        self._current, self._lease_lost = batch, False
+        early, runnable = batch.prepared or self._prepare(batch)
+        batch.prepared = None
+        # A backlog waits: fetch the next batch and write this one's results beside the
+        # model (consumer/overlap.py). Only inside run(), which owns the helper threads,
+        # and not for a re-delivered request: it may crash the process, which would take
+        # a batch fetched ahead (and charge its requests an attempt) with it.
+        overlap = self._completer is not None and batch.remaining > 0 \
+            and not self.stopping.is_set() and all(it.attempts == 1 for it in batch.items)
         self.batches_done += 1
         self.requests_done += len(batch.items)
-        if self.observer is not None:
-            self.observer.on_batch(batch, len(runnable), model_us, {**early, **outcomes})
-        if not outcomes:
+        if early:  # answer these now rather than after the model
+            self._hand_over(Finished(batch, early, last=not runnable), overlap)
+        if not runnable:
             self._current = None
             return None
+        if overlap:
+            assert self._prefetcher is not None
+            expected = self._model_s.get(len(runnable), 0.0)
+            self._prefetcher.arm(time.monotonic() + max(0.0, expected - self._prefetcher.lead_s))
+        started = time.perf_counter()
+        results = self._run_isolated([payload for _, payload in runnable])
+        model_s = time.perf_counter() - started
+        self._model_s[len(runnable)] = model_s
+        done = Finished(batch, {}, [item for item, _ in runnable], results, int(model_s * 1e6),
+                        answered_early=early)
+        if overlap:
+            self._hand_over(done, overlap)
+            self._current = None
+            return self._take_prefetched(fetch_now=not self.stopping.is_set())
         # Complete this batch and pop the next one in a single round trip.
-        stop = self.stopping.is_set()
+        reply = self._finish(done, pop_next=not self.stopping.is_set())
+        self._current = None
+        return None if reply is None else self._parse(reply)
+
+    def _hand_over(self, job: Finished, overlap: bool) -> None:
+        if overlap:
+            assert self._completer is not None
+            self._completer.submit(job)
+        else:
+            self._finish(job)
+
+    def _take_prefetched(self, fetch_now: bool, salvage: bool = False) -> Batch | int | None:
+        """The prefetched outcome (fetched now if its time has not come yet). salvage: after
+        an error, keep a batch already popped, drop anything else."""
+        got = self._prefetcher.take(fetch_now) if self._prefetcher is not None else None
+        if got is None:
+            return None
+        ok, value = got
+        if salvage:
+            return value if ok and isinstance(value, Batch) else None
+        if not ok:
+            raise value
+        return value
+
+    def _finish(self, job: Finished, pop_next: bool = False) -> list[Any] | None:
+        """Encode and write a batch's answers; with pop_next, pop the next batch in the
+        same round trip and return its raw reply."""
+        outcomes = dict(job.outcomes)
+        for item, (ok, value) in zip(job.runnable, job.results, strict=True):
+            outcomes[item.id] = self._encode(item.id, ok, value)
+        if job.last and self.observer is not None:
+            self.observer.on_batch(job.batch, len(job.runnable), job.model_us,
+                                   {**job.answered_early, **outcomes})
         pipe = ScriptPipeline(self.redis)
-        pipe.script(*self._complete_call(batch, outcomes))
-        pipe.command("lpush", self.keys.model_samples, f"{len(runnable)}:{model_us}")
-        pipe.command("ltrim", self.keys.model_samples, 0, SAMPLES_KEPT - 1)
-        if not stop:
+        pipe.script(*self._complete_call(job.batch, outcomes))
+        if job.runnable:
+            pipe.command("lpush", self.keys.model_samples,
+                         f"{len(job.runnable)}:{job.model_us}")
+            pipe.command("ltrim", self.keys.model_samples, 0, SAMPLES_KEPT - 1)
+        if pop_next:
             pipe.script(*self._pop_call())
         try:
             replies = pipe.execute()
         except (redis.ConnectionError, redis.TimeoutError) as exc:
-            self._complete_until_done(batch, outcomes, exc)
+            self._complete_until_done(job.batch, outcomes, exc)
             return None
-        self._current = None
-        self._check_completion(batch, replies[0])
-        return None if stop else self._parse(replies[-1])
+        self._check_completion(job.batch, replies[0])
+        return replies[-1] if pop_next else None
 
     def _complete_until_done(self, batch: Batch, outcomes: dict[str, tuple[str, bytes]],
                              exc: BaseException) -> None:
@@ -259,12 +345,12 @@ class Consumer:
         while True:
             backoff.sleep_after(exc)
             try:
-                self._complete(batch, outcomes)
+                script, keys, args = self._complete_call(batch, outcomes)
+                self._check_completion(batch, script(keys=keys, args=args))
                 break
             except (redis.ConnectionError, redis.TimeoutError) as again:
                 exc = again
         backoff.succeeded()
-        self._current = None
 
     def _encode(self, request_id: str, ok: bool, value: Any) -> tuple[str, bytes]:
         if not ok:
@@ -305,10 +391,6 @@ class Consumer:
             args += [rid, outcomes[rid][0], outcomes[rid][1]]
         keys = complete_keys(self.keys, [(rid, producers[rid]) for rid in ids])
         return self.scripts.complete, keys, args
-
-    def _complete(self, batch: Batch, outcomes: dict[str, tuple[str, bytes]]) -> None:
-        script, keys, args = self._complete_call(batch, outcomes)
-        self._check_completion(batch, script(keys=keys, args=args))
 
     def _check_completion(self, batch: Batch, reply: list[Any]) -> None:
         if int(reply[0]) == -1:
@@ -375,10 +457,15 @@ class Consumer:
                               "it as hung: lease not renewed, the batch will be re-queued",
                               batch.id, self.config.max_batch_ms)
                 batch = None  # heartbeat only: the lease lapses, the sweep re-queues it
+            # Also the batches popped ahead or still completing (consumer/overlap.py).
+            others = [b for b in self._batches_aside() if b is not batch]
+            pipe = ScriptPipeline(self.redis)
+            for held_batch in [batch, *others]:
+                pipe.script(self.scripts.extend_lease, [self.keys.inflight, self.keys.consumers],
+                            [self.config.name, held_batch.id if held_batch else "",
+                             self.config.lease_ms])
             try:
-                ok = self.scripts.extend_lease(
-                    keys=[self.keys.inflight, self.keys.consumers],
-                    args=[self.config.name, batch.id if batch else "", self.config.lease_ms])
+                ok = pipe.execute()[0]
             except redis.RedisError as exc:
                 log.debug("lease renewal failed: %s", exc)
                 continue
@@ -388,6 +475,12 @@ class Consumer:
                     and not self._lease_lost:
                 self._lease_lost = True
                 log.warning("batch %s: lease lost; its results will be refused", batch.id)
+
+
+    def _batches_aside(self) -> list[Batch]:
+        aside = self._completer.batches() if self._completer is not None else []
+        ready = self._prefetcher.ready() if self._prefetcher is not None else None
+        return [*aside, ready] if isinstance(ready, Batch) else aside
 
 
 def check_eviction_policy(client: redis.Redis) -> None:

@@ -30,9 +30,11 @@ KEYS[16] {bg:q}:dead:reason hash  dead-lettered id -> error envelope
 ARGV[1]  consumer name (no '|')
 ARGV[2]  lease in ms (100..86400000)
 
-Returns  {batch_id, now_us, lease_deadline_us, then per request 7 values:
+Returns  {batch_id, now_us, lease_deadline_us, remaining, then per request 7 values:
           id, envelope (false if missing), arrival_us, attempts (this delivery, 1-based),
           producer, state, level}
+         remaining: requests still pending after this batch (all priorities); a
+         consumer fetches its next batch while the model runs only when it is > 0
          state: 'run' | 'expired' (deadline passed: do not run) |
                 'exhausted' (max_attempts deliveries used: dead-letter it)
          {0, wait_ms}  nothing due; wait_ms until the next request falls due, -1 if none
@@ -191,7 +193,7 @@ end
 
 local batch_id = redis.call('INCR', KEYS[10])
 local lease_deadline = now + lease_ms * 1000
-local reply = {batch_id, int(now), int(lease_deadline)}
+local reply = {batch_id, int(now), int(lease_deadline), total - #chosen}
 local ids, waits, by_level, meta_fields, owner_fields = {}, {}, {{}, {}, {}}, {}, {}
 for i, c in ipairs(chosen) do ids[i] = c.id end
 local envelopes = redis.call('HMGET', KEYS[5], unpack(ids))

@@ -252,6 +252,44 @@ def test_second_sigterm_exits_promptly_and_the_sweep_recovers(redis_server, queu
     assert stats(redis_server, queue).requeued == 2
 
 
+def test_sigterm_during_a_backlog_leaves_nothing_in_flight(redis_server, queue,
+                                                          start_consumer, tmp_path):
+    """With a backlog the consumer fetches its next batch while the model runs and writes
+    results beside the next batch (consumer/overlap.py). A stop must still run what was
+    fetched, write every computed result and leave no batch in flight for the sweep."""
+    url = redis_server.url
+    consumer = start(start_consumer, url, queue, "Echo", "--strategy", "fifo",
+                     "--max-batch-size", "2", log=tmp_path, sleep_ms=400)
+    with CountingProducer(url, queue) as p:
+        handles = p.submit_many([{"i": i} for i in range(20)])
+        wait_for(lambda: len(executions(tmp_path)) >= 4, 15, "the second batch to start")
+        consumer.signal(signal.SIGTERM)
+        assert consumer.proc.wait(timeout=15) == 0
+        s = stats(redis_server, queue)
+        ran = executions(tmp_path)
+        assert (s.in_flight_batches, s.requeued) == (0, 0)
+        assert s.processed == len(ran) and sum(s.depth.values()) == 20 - len(ran)
+        start(start_consumer, url, queue, "Echo", log=tmp_path)  # serves the rest
+        assert [h.result(timeout=20)["echo"]["i"] for h in handles] == list(range(20))
+        assert all(p.deliveries[h.id] == 1 for h in handles)
+    assert all(n == 1 for n in executions(tmp_path).values())
+
+
+def test_a_batch_fetched_ahead_keeps_its_lease(shared_redis, queue, start_consumer, tmp_path):
+    """A batch fetched while the model runs waits for it; with a model 4x longer than
+    the lease, its lease must be renewed too, or a second consumer would re-queue it."""
+    url = shared_redis.url
+    for _ in range(2):
+        start(start_consumer, url, queue, "Echo", "--strategy", "fifo", "--lease-ms", "300",
+              "--max-batch-size", "2", log=tmp_path, sleep_ms=1200)
+    with CountingProducer(url, queue) as p:
+        handles = p.submit_many([{"i": i} for i in range(8)])
+        assert [h.result(timeout=30)["echo"]["i"] for h in handles] == list(range(8))
+    s = stats(shared_redis, queue)
+    assert (s.processed, s.requeued) == (8, 0)
+    assert all(n == 1 for n in executions(tmp_path).values())
+
+
 # -- cancellation -----------------------------------------------------------------------
 def test_cancel_waiting_running_and_finished(redis_server, queue, start_consumer, tmp_path):
     start(start_consumer, redis_server.url, queue, "Echo", "--strategy", "fifo", log=tmp_path,

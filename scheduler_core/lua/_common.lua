@@ -33,13 +33,14 @@ local function parse_meta(raw)
   if not raw then return nil end
   local p, a, d, n, producer = string.match(raw, '^([0-2]):(%d+):(%d+):(%d+):(.*)$')
   if not p or #a > 17 or #d > 17 or #n > 9 then return nil end  -- absurd: by hand
+  -- The digits are kept as read, so that writing the meta back formats no number.
   return {prio = tonumber(p), arrival = tonumber(a), deadline = tonumber(d),
-          attempts = tonumber(n), producer = producer}
+          attempts = tonumber(n), producer = producer, arrival_s = a, deadline_s = d}
 end
 
 local function format_meta(m)
-  return m.prio .. ':' .. int(m.arrival) .. ':' .. int(m.deadline) .. ':' ..
-         int(m.attempts) .. ':' .. m.producer
+  return m.prio .. ':' .. (m.arrival_s or int(m.arrival)) .. ':' ..
+         (m.deadline_s or int(m.deadline)) .. ':' .. int(m.attempts) .. ':' .. m.producer
 end
 
 -- batches value: "consumer|id,id,..."

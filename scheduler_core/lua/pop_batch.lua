@@ -108,19 +108,29 @@ local function oldest(level)
   return nil
 end
 
--- The n oldest requests of the given levels, merged by arrival.
+-- The n oldest requests of the given levels, merged by arrival: each level's zset is
+-- already in arrival order, so a merge of its first n (no sort, empty levels not read).
 local function take(levels, n)
-  local candidates = {}
+  local lists, pos, heads = {}, {}, {}
   for _, level in ipairs(levels) do
-    local items = redis.call('ZRANGE', KEYS[2 + level], 0, n - 1, 'WITHSCORES')
-    for i = 1, #items, 2 do
-      candidates[#candidates + 1] = {id = items[i], score = tonumber(items[i + 1]),
-                                     level = level}
+    if count[level + 1] > 0 then
+      local items = redis.call('ZRANGE', KEYS[2 + level], 0, n - 1, 'WITHSCORES')
+      lists[#lists + 1] = {level = level, items = items}
+      pos[#lists], heads[#lists] = 1, tonumber(items[2])
     end
   end
-  table.sort(candidates, function(a, b) return a.score < b.score end)
   local chosen = {}
-  for i = 1, math.min(n, #candidates) do chosen[i] = candidates[i] end
+  while #chosen < n do
+    local best
+    for j = 1, #lists do
+      if heads[j] and (not best or heads[j] < heads[best]) then best = j end
+    end
+    if not best then break end
+    local items, i = lists[best].items, pos[best]
+    chosen[#chosen + 1] = {id = items[i], score = heads[best], level = lists[best].level}
+    pos[best] = i + 2
+    heads[best] = items[i + 2] and tonumber(items[i + 3]) or nil
+  end
   return chosen
 end
 
@@ -219,10 +229,11 @@ for i, c in ipairs(chosen) do
   meta_fields[#meta_fields + 1] = format_meta(m)
   owner_fields[#owner_fields + 1] = id
   owner_fields[#owner_fields + 1] = batch_id
-  for _, v in ipairs({id, envelopes[i], int(m.arrival), m.attempts, m.producer, state,
-                      c.level}) do
-    reply[#reply + 1] = v
-  end
+  local r = #reply
+  reply[r + 1], reply[r + 2], reply[r + 3], reply[r + 4] = id, envelopes[i],
+                                                          m.arrival_s or int(m.arrival),
+                                                          m.attempts
+  reply[r + 5], reply[r + 6], reply[r + 7] = m.producer, state, c.level
 end
 for level = 0, 2 do
   local members = by_level[level + 1]

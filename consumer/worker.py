@@ -111,11 +111,12 @@ class Finished:
     last: bool = True  # the batch's final completion: observed, its model time recorded
 
 
-def parse_pop(reply: list[Any]) -> Batch | int:
+def parse_pop(reply: list[Any]) -> Batch | float:
     """A Batch, or the wait in ms until the next request falls due (-1: queue empty)."""
     head = int(reply[0])
     if head == 0:
-        return int(reply[1])
+        wait_us = int(reply[1])
+        return wait_us / 1000 if wait_us >= 0 else -1
     if head == -1:
         raise LookupError("queue has no policy")
     if head < 0:
@@ -187,7 +188,7 @@ class Consumer:
                     if isinstance(outcome, Batch):
                         pending_pop = self._process(outcome)
                     else:
-                        self._idle(outcome)
+                        pending_pop = self._idle(outcome)
                 except redis.RedisError as exc:
                     # Connection loss, but also OOM (maxmemory reached), MISCONF (disk),
                     # READONLY (failover), LOADING (restart): wait it out, don't exit. An
@@ -212,18 +213,18 @@ class Consumer:
         return self.scripts.pop_batch, pop_keys(self.keys), [self.config.name,
                                                             self.config.lease_ms]
 
-    def _pop(self) -> Batch | int:
+    def _pop(self) -> Batch | float:
         script, keys, args = self._pop_call()
         return self._parse(script(keys=keys, args=args))
 
-    def _fetch(self) -> Batch | int:
+    def _fetch(self) -> Batch | float:
         """The prefetcher's job: pop, and decode the payloads while the model runs."""
         outcome = self._pop()
         if isinstance(outcome, Batch):
             outcome.prepared = self._prepare(outcome)
         return outcome
 
-    def _parse(self, reply: list[Any]) -> Batch | int:
+    def _parse(self, reply: list[Any]) -> Batch | float:
         try:
             return parse_pop(reply)
         except LookupError:
@@ -253,7 +254,7 @@ class Consumer:
                         item.id, "MalformedRequest", f"stored request is unreadable: {exc}"))
         return early, runnable
 
-    def _process(self, batch: Batch) -> Batch | int | None:
+    def _process(self, batch: Batch) -> Batch | float | None:
         """Run one batch; returns the next pop's outcome when it rode with the completion
         or was prefetched."""
         self._current, self._lease_lost = batch, False
@@ -298,7 +299,8 @@ class Consumer:
         else:
             self._finish(job)
 
-    def _take_prefetched(self, fetch_now: bool, salvage: bool = False) -> Batch | int | None:
+    def _take_prefetched(self, fetch_now: bool, salvage: bool = False,
+                         ) -> Batch | float | None:
         """The prefetched outcome (fetched now if its time has not come yet). salvage: after
         an error, keep a batch already popped, drop anything else."""
         got = self._prefetcher.take(fetch_now) if self._prefetcher is not None else None
@@ -401,8 +403,10 @@ class Consumer:
                         int(reply[1]))
 
     # -- waiting --------------------------------------------------------------------
-    def _idle(self, wait_ms: int) -> None:
-        """Block until a marker wakes us, our due timer fires, or IDLE_BLOCK_S passes.
+    def _idle(self, wait_ms: float) -> Batch | float:
+        """Block until a marker wakes us, our due timer fires, or IDLE_BLOCK_S passes;
+        then pop. The pop is sent behind the block in one write, so Redis runs it the
+        moment the block ends: no round trip between the wake-up and the batch.
 
         Redis fires blocking timeouts up to 1/hz late (100 ms at the default hz 10), so the
         due time is kept by a local timer that pushes to this consumer's private wake key.
@@ -414,11 +418,15 @@ class Consumer:
             timer = threading.Timer(wait_ms / 1000, self._self_wake, args=(wake_key,))
             timer.daemon = True
             timer.start()
+        pipe = ScriptPipeline(self.redis)
+        pipe.command("bzpopmin", [self.keys.marker, wake_key], IDLE_BLOCK_S)
+        pipe.script(*self._pop_call())
         try:
-            self.redis.bzpopmin([self.keys.marker, wake_key], timeout=IDLE_BLOCK_S)
+            replies = pipe.execute()
         finally:
             if timer is not None:
                 timer.cancel()
+        return self._parse(replies[-1])
 
     def _self_wake(self, wake_key: str) -> None:
         try:

@@ -37,7 +37,7 @@ Returns  {batch_id, now_us, lease_deadline_us, remaining, then per request 7 val
          consumer fetches its next batch while the model runs only when it is > 0
          state: 'run' | 'expired' (deadline passed: do not run) |
                 'exhausted' (max_attempts deliveries used: dead-letter it)
-         {0, wait_ms}  nothing due; wait_ms until the next request falls due, -1 if none
+         {0, wait_us}  nothing due; µs until the next request falls due, -1 if none
 Errors   {-1}  queue has no policy (no consumer configured it yet)
          {-3, field} malformed argument, or {-3, 'policy'}: the stored policy is unreadable;
                nothing written
@@ -135,7 +135,7 @@ local function take(levels, n)
 end
 
 local function wait_until(due)
-  return {0, math.max(0, math.ceil((due - now) / 1000))}
+  return {0, math.max(0, due - now)}
 end
 
 local chosen

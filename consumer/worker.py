@@ -20,6 +20,7 @@ from typing import Any
 
 import redis
 
+from consumer.due_timer import DueTimer
 from consumer.loader import BatchModel
 from consumer.overlap import Completer, Prefetcher
 from scheduler_core.admin import ensure_policy
@@ -147,6 +148,7 @@ class Consumer:
         self._prefetcher: Prefetcher | None = None  # both run only inside run()
         self._completer: Completer | None = None
         self._model_s: dict[int, float] = {}  # last model time per batch size
+        self._due_timer: DueTimer | None = None  # made by the first idle wait
         self.batches_done = 0
         self.requests_done = 0
         # Optional: called once per batch as on_batch(batch, ran, model_us, outcomes), e.g.
@@ -201,6 +203,8 @@ class Consumer:
             self.stopping.set()
             self._completer.close()  # computed results are written before we leave
             self._prefetcher.close()
+            if self._due_timer is not None:
+                self._due_timer.close()
             self._lease_stop.set()
             lease.join(timeout=5)
             with contextlib.suppress(redis.RedisError):
@@ -413,19 +417,17 @@ class Consumer:
         The wait comes from Redis' clock; only its length is timed locally.
         """
         wake_key = self.keys.wake(self.config.name)
-        timer = None
+        if self._due_timer is None:
+            self._due_timer = DueTimer(lambda: self._self_wake(wake_key))
         if 0 <= wait_ms < IDLE_BLOCK_S * 1000:
-            timer = threading.Timer(wait_ms / 1000, self._self_wake, args=(wake_key,))
-            timer.daemon = True
-            timer.start()
+            self._due_timer.set(time.monotonic() + wait_ms / 1000)
         pipe = ScriptPipeline(self.redis)
         pipe.command("bzpopmin", [self.keys.marker, wake_key], IDLE_BLOCK_S)
         pipe.script(*self._pop_call())
         try:
             replies = pipe.execute()
         finally:
-            if timer is not None:
-                timer.cancel()
+            self._due_timer.clear()
         return self._parse(replies[-1])
 
     def _self_wake(self, wake_key: str) -> None:

@@ -850,7 +850,7 @@ def redis_for_bench(url: str | None) -> Iterator[tuple[str, bool]]:
 @click.option("--report-only", type=click.Path(exists=True, file_okay=False, path_type=Path),
               hidden=True, help="Re-analyse DIR/results.json and rewrite its report and plots.")
 @click.option("--consumer-script", default="bg_consumer.py", hidden=True,
-              help="bench/ script run as the batchgate consumer (to measure a prototype).")
+              help="bench/ script run as the batchgate consumer (to measure a variant).")
 def bench_command(quick: bool, out_dir: Path | None, redis_url: str | None, consumers: int,
                   sections: str | None, grid: str | None, scale: float, seed: int,
                   plots: bool, report_only: Path | None, consumer_script: str) -> None:

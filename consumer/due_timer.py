@@ -1,4 +1,5 @@
-"""The idle consumer's due timer: one long-lived thread instead of a thread per wait."""
+"""A call at a set time, from one long-lived thread: the idle consumer's due timer and
+the prefetcher's clock (consumer/overlap.py)."""
 
 from __future__ import annotations
 
@@ -15,13 +16,12 @@ class DueTimer:
     time of every dynamic batch.
     """
 
-    def __init__(self, fire: Callable[[], None]):
+    def __init__(self, fire: Callable[[], None], name: str = "batchgate-due-timer"):
         self._fire = fire
         self._cond = threading.Condition()
         self._due: float | None = None
         self._closed = False
-        self._thread = threading.Thread(target=self._loop, name="batchgate-due-timer",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
     def set(self, at: float) -> None:
@@ -29,9 +29,19 @@ class DueTimer:
             self._due = at
             self._cond.notify_all()
 
-    def clear(self) -> None:
+    def fire_now(self) -> None:
+        """Fire at once if a call is pending; nothing if it has fired already."""
         with self._cond:
-            self._due = None
+            if self._due is not None:
+                self._due = 0.0
+                self._cond.notify_all()
+
+    def cancel(self) -> bool:
+        """Call off the pending call: True if it will not happen, False if it has already
+        started (or nothing was set)."""
+        with self._cond:
+            pending, self._due = self._due is not None, None
+            return pending
 
     def close(self) -> None:
         with self._cond:
@@ -53,4 +63,4 @@ class DueTimer:
                 if self._closed:
                     return
                 self._due = None
-            self._fire()  # a late clear() may let one spurious wake-up through: harmless
+            self._fire()

@@ -33,6 +33,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from consumer.due_timer import DueTimer
+
 log = logging.getLogger("batchgate.consumer")
 
 FETCH_MARGIN_S = 0.0005  # added to twice the recent fetch time when timing a prefetch
@@ -45,13 +47,9 @@ class Prefetcher:
         self._fetch = fetch
         self._cond = threading.Condition()
         self._state = "idle"  # idle -> armed -> fetching -> done -> (taken) idle
-        self._due = 0.0
         self._result: tuple[bool, Any] | None = None
-        self._closed = False
         self._fetch_s = 0.0  # recent fetch time (EWMA)
-        self._thread = threading.Thread(target=self._loop, name="batchgate-prefetch",
-                                        daemon=True)
-        self._thread.start()
+        self._timer = DueTimer(self._run, name="batchgate-prefetch")
 
     @property
     def lead_s(self) -> float:
@@ -61,9 +59,10 @@ class Prefetcher:
     def arm(self, at: float) -> None:
         """Fetch at time.monotonic() `at`."""
         with self._cond:
-            if self._state == "idle" and not self._closed:
-                self._state, self._due = "armed", at
-                self._cond.notify_all()
+            if self._state != "idle":
+                return
+            self._state = "armed"
+        self._timer.set(at)
 
     def take(self, fetch_now: bool = True) -> tuple[bool, Any] | None:
         """The fetched outcome as (ok, value or exception); None if nothing was armed, or
@@ -71,12 +70,12 @@ class Prefetcher:
         with self._cond:
             if self._state == "idle":
                 return None
-            if self._state == "armed":
-                if not fetch_now:
-                    self._state = "idle"
-                    return None
-                self._due = 0.0
-                self._cond.notify_all()
+        if not fetch_now and self._timer.cancel():
+            with self._cond:
+                self._state = "idle"
+            return None
+        self._timer.fire_now()
+        with self._cond:
             while self._state != "done":
                 self._cond.wait()
             result, self._result, self._state = self._result, None, "idle"
@@ -88,35 +87,21 @@ class Prefetcher:
         return result[1] if result is not None and result[0] else None
 
     def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-        self._thread.join(timeout=5)
+        self._timer.close()
 
-    def _loop(self) -> None:
-        while True:
-            with self._cond:
-                while not self._closed:
-                    if self._state == "armed":
-                        delay = self._due - time.monotonic()
-                        if delay <= 0:
-                            break
-                        self._cond.wait(delay)
-                    else:
-                        self._cond.wait()
-                if self._closed:
-                    return
-                self._state = "fetching"
-            started = time.perf_counter()
-            try:
-                result: tuple[bool, Any] = (True, self._fetch())
-            except BaseException as exc:  # handed to the consumer loop, which handles it
-                result = (False, exc)
-            took = time.perf_counter() - started
-            with self._cond:
-                self._fetch_s = took if not self._fetch_s else 0.8 * self._fetch_s + 0.2 * took
-                self._result, self._state = result, "done"
-                self._cond.notify_all()
+    def _run(self) -> None:
+        with self._cond:
+            self._state = "fetching"
+        started = time.perf_counter()
+        try:
+            result: tuple[bool, Any] = (True, self._fetch())
+        except BaseException as exc:  # handed to the consumer loop, which handles it
+            result = (False, exc)
+        took = time.perf_counter() - started
+        with self._cond:
+            self._fetch_s = took if not self._fetch_s else 0.8 * self._fetch_s + 0.2 * took
+            self._result, self._state = result, "done"
+            self._cond.notify_all()
 
 
 class Completer:

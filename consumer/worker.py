@@ -427,7 +427,7 @@ class Consumer:
         try:
             replies = pipe.execute()
         finally:
-            self._due_timer.clear()
+            self._due_timer.cancel()
         return self._parse(replies[-1])
 
     def _self_wake(self, wake_key: str) -> None:

@@ -64,12 +64,16 @@ def install_signal_handlers(consumer: Consumer) -> None:
 @click.option("--max-result-bytes", type=click.IntRange(16, 512 << 20),
               default=DEFAULT_MAX_RESULT_BYTES, show_default=True,
               help="A result larger than this (encoded) fails its request with InvalidResult.")
+@click.option("--overlap/--no-overlap", default=True, show_default=True,
+              help="While a backlog waits, fetch the next batch and write the last one's "
+                   "results while the model runs. --no-overlap: one batch at a time (a "
+                   "crash then re-runs only the batch in hand).")
 @click.option("--name", default="", help="Consumer name [default: host:pid:random].")
 @policy_options
 @supervisor_options
 def consumer_command(redis_url: str, queue: str, model_spec: str, model_arg: tuple[str, ...],
                      device: str | None, lease_ms: int, max_batch_ms: int,
-                     max_result_bytes: int, name: str, **kwargs: Any) -> None:
+                     max_result_bytes: int, overlap: bool, name: str, **kwargs: Any) -> None:
     """Pop batches from QUEUE and run MODEL on them until SIGTERM/SIGINT.
 
     The first consumer of a queue stores its policy; later ones adopt it, and one started
@@ -81,7 +85,7 @@ def consumer_command(redis_url: str, queue: str, model_spec: str, model_arg: tup
     policy = policy_values(kwargs)
     config = ConsumerConfig(redis_url=redis_url, queue=queue, lease_ms=lease_ms,
                             max_batch_ms=max_batch_ms, max_result_bytes=max_result_bytes,
-                            policy=policy, name=name)
+                            overlap=overlap, policy=policy, name=name)
     model_kwargs = parse_model_args(model_arg)
     if device is not None:
         model_kwargs["device"] = device

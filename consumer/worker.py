@@ -58,6 +58,9 @@ class ConsumerConfig:
     # another consumer re-runs it (and this one's late results are refused). 0 = never.
     max_batch_ms: int = 0
     max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES
+    # While a backlog waits, fetch the next batch and write the last one's results beside
+    # the model (consumer/overlap.py). Off: one batch at a time, nothing held ahead.
+    overlap: bool = True
     # Policy values given explicitly (None = adopt the queue's stored policy or default).
     policy: dict[str, Any] = field(default_factory=dict)
     name: str = ""
@@ -71,6 +74,8 @@ class ConsumerConfig:
                 or not (self.max_batch_ms == 0 or 100 <= self.max_batch_ms <= 86_400_000):
             raise InvalidRequest("max_batch_ms",
                                  f"{self.max_batch_ms!r}: use 0 (off) or [100, 86400000]")
+        if not isinstance(self.overlap, bool):
+            raise InvalidRequest("overlap", f"{self.overlap!r} is not true or false")
         if not self.name:
             object.__setattr__(self, "name", f"{socket.gethostname()}:{os.getpid()}:"
                                              f"{uuid.uuid4().hex[:6]}")
@@ -268,7 +273,7 @@ class Consumer:
         # model (consumer/overlap.py). Only inside run(), which owns the helper threads,
         # and not for a re-delivered request: it may crash the process, which would take
         # a batch fetched ahead (and charge its requests an attempt) with it.
-        overlap = self._completer is not None and batch.remaining > 0 \
+        overlap = self.config.overlap and self._completer is not None and batch.remaining > 0 \
             and not self.stopping.is_set() and all(it.attempts == 1 for it in batch.items)
         self.batches_done += 1
         self.requests_done += len(batch.items)

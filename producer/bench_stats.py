@@ -209,8 +209,9 @@ def analyse(results: dict[str, Any]) -> dict[str, Any]:
 
     # 1. no-op capacity: batchgate vs RQ and vs the raw ceiling, per N
     for k in sorted({r["spec"]["consumers"] for r in _find(runs, section="throughput")}):
-        rq = _one(runs, section="throughput", system="rq", consumers=k)
-        raw = _one(runs, section="throughput", system="raw", consumers=k)
+        baselines = [(_one(runs, section="throughput", system=system, consumers=k), label,
+                      goal) for system, label, goal in (("rq", "RQ SimpleWorker", 50),
+                                                        ("raw", "raw-Redis ceiling", 0.5))]
         for strategy in ("dynamic", "priority", "fifo"):
             bg = _one(runs, section="throughput", system="batchgate", consumers=k,
                       strategy=strategy)
@@ -219,20 +220,15 @@ def analyse(results: dict[str, Any]) -> dict[str, Any]:
             tput = bg["summary"]["throughput_rps"]
             b = bg["spec"]["max_batch_size"]
             head = strategy == "dynamic"
-            if rq:
-                rq_t = rq["summary"]["throughput_rps"]
+            for base, label, goal in baselines:
+                if not base:
+                    continue
+                base_t = base["summary"]["throughput_rps"]
                 targets.append(_target(
-                    f"no-op throughput, {strategy}(b≤{b}), N={k} vs RQ SimpleWorker N={k}",
-                    "≥ 50×" if head else "(for reference)",
-                    f"{tput:,.0f} vs {rq_t:,.0f} req/s", tput / rq_t if rq_t else None,
-                    50 if head else 0))
-            if raw:
-                raw_t = raw["summary"]["throughput_rps"]
-                targets.append(_target(
-                    f"no-op throughput, {strategy}(b≤{b}), N={k} vs raw-Redis ceiling N={k}",
-                    "≥ 0.5×" if head else "(for reference)",
-                    f"{tput:,.0f} vs {raw_t:,.0f} req/s", tput / raw_t if raw_t else None,
-                    0.5 if head else 0))
+                    f"no-op throughput, {strategy}(b≤{b}), N={k} vs {label} N={k}",
+                    f"≥ {goal:g}×" if head else "(for reference)",
+                    f"{tput:,.0f} vs {base_t:,.0f} req/s", tput / base_t if base_t else None,
+                    goal if head else 0))
 
     # 2. light load, fifo, no-op
     light = _one(runs, section="light", system="batchgate")

@@ -95,8 +95,8 @@ end
 
 local remaining = 0
 local members = batch_ids(redis.call('HGET', KEYS[2], batch_id))
--- The usual case, every request of the batch answered in this call, needs no lookup:
--- the accepted ids are distinct members of the batch.
+-- The usual case, every request of the batch answered in this call, needs no owner
+-- lookup: the accepted ids are distinct members of the batch.
 if #members > accepted then
   for _, owner in ipairs(redis.call('HMGET', KEYS[3], unpack(members))) do
     if owner == batch_id then remaining = remaining + 1 end

@@ -111,25 +111,23 @@ end
 -- The n oldest requests of the given levels, merged by arrival: each level's zset is
 -- already in arrival order, so a merge of its first n (no sort, empty levels not read).
 local function take(levels, n)
-  local lists, pos, heads = {}, {}, {}
+  local lists = {}  -- per level: its items {id, score, ...} and the next one's index
   for _, level in ipairs(levels) do
     if count[level + 1] > 0 then
-      local items = redis.call('ZRANGE', KEYS[2 + level], 0, n - 1, 'WITHSCORES')
-      lists[#lists + 1] = {level = level, items = items}
-      pos[#lists], heads[#lists] = 1, tonumber(items[2])
+      lists[#lists + 1] = {level = level, at = 1,
+        items = redis.call('ZRANGE', KEYS[2 + level], 0, n - 1, 'WITHSCORES')}
     end
   end
   local chosen = {}
   while #chosen < n do
-    local best
-    for j = 1, #lists do
-      if heads[j] and (not best or heads[j] < heads[best]) then best = j end
+    local best, best_score
+    for _, l in ipairs(lists) do
+      local score = l.items[l.at] and tonumber(l.items[l.at + 1])
+      if score and (not best or score < best_score) then best, best_score = l, score end
     end
     if not best then break end
-    local items, i = lists[best].items, pos[best]
-    chosen[#chosen + 1] = {id = items[i], score = heads[best], level = lists[best].level}
-    pos[best] = i + 2
-    heads[best] = items[i + 2] and tonumber(items[i + 3]) or nil
+    chosen[#chosen + 1] = {id = best.items[best.at], score = best_score, level = best.level}
+    best.at = best.at + 2
   end
   return chosen
 end

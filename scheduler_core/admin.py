@@ -77,6 +77,7 @@ class QueueStats:
     mean_batch_size: float | None
     queue_wait_ms: dict[str, float | None]
     end_to_end_ms: dict[str, float | None]
+    model_ms: dict[str, float | None]  # per batch
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -98,6 +99,9 @@ def _policy_values(policy: Policy) -> dict[str, Any]:
     return {**asdict(policy), "strategy": policy.strategy.value}
 
 
+SAMPLES_READ = 10_000  # the lists hold this many, plus up to 500 between trims
+
+
 def queue_stats(client: redis.Redis, queue: str) -> QueueStats:
     keys = QueueKeys(queue)
     pipe = client.pipeline(transaction=True)
@@ -112,10 +116,11 @@ def queue_stats(client: redis.Redis, queue: str) -> QueueStats:
     pipe.zrange(keys.consumers, 0, -1, withscores=True)
     pipe.hgetall(keys.stats)
     pipe.zcard(keys.dead)
-    pipe.lrange(keys.wait_samples, 0, -1)
-    pipe.lrange(keys.e2e_samples, 0, -1)
+    pipe.lrange(keys.wait_samples, 0, SAMPLES_READ - 1)
+    pipe.lrange(keys.e2e_samples, 0, SAMPLES_READ - 1)
+    pipe.lrange(keys.model_samples, 0, SAMPLES_READ - 1)
     (now_s, now_frac), policy, d0, d1, d2, o0, o1, o2, owned, batches_in_flight, consumers, \
-        counters, dead, waits, e2e = pipe.execute()
+        counters, dead, waits, e2e, model = pipe.execute()
     now_us = now_s * 1_000_000 + now_frac
     oldest = [score for first in (o0, o1, o2) for _, score in first]
     counters = {k.decode(): int(v) for k, v in counters.items()}
@@ -139,4 +144,5 @@ def queue_stats(client: redis.Redis, queue: str) -> QueueStats:
         mean_batch_size=counters.get("batched_requests", 0) / batches if batches else None,
         queue_wait_ms=_percentiles(waits),
         end_to_end_ms=_percentiles(e2e),
+        model_ms=_percentiles([sample.partition(b":")[2] for sample in model]),  # size:us
     )

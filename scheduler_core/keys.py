@@ -18,9 +18,10 @@ and one Lua script may touch them all. Every key a script touches is passed in K
 | `{bg:q}:wake:<consumer>`    | zset   | a consumer's private wake-up key (its own due timer)      |
 | `{bg:q}:consumers`          | zset   | consumer name -> last heartbeat (µs)                      |
 | `{bg:q}:stats`              | hash   | counters: processed, failed, batches, ...                 |
-| `{bg:q}:samples:wait`       | list   | recent queue waits (µs), capped                           |
-| `{bg:q}:samples:e2e`        | list   | recent enqueue-to-result times (µs), capped               |
-| `{bg:q}:samples:model`      | list   | recent batches as "size:model_us", capped                 |
+| `{bg:q}:samples:wait`       | list   | newest 10,000 queue waits (µs)                            |
+| `{bg:q}:samples:e2e`        | list   | newest 10,000 enqueue-to-result times (µs)                |
+| `{bg:q}:samples:model`      | list   | newest 10,000 batches as "size:model_us"                  |
+|                             |        | (each list is trimmed back to 10,000 at 10,500 entries)   |
 | `{bg:q}:dead`               | zset   | dead-lettered ids -> time (µs); envelope kept in jobs     |
 | `{bg:q}:dead:reason`        | hash   | dead-lettered id -> reason                                |
 | `{bg:q}:result:<id>`        | string | result envelope, expires after result_ttl_s               |

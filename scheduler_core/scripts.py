@@ -123,7 +123,7 @@ def pop_keys(keys: QueueKeys) -> list[str]:
 def complete_keys(keys: QueueKeys, items: list[tuple[str, str]]) -> list[str]:
     """`items` are (request id, producer) pairs, in the order their results are passed."""
     script_keys = [keys.inflight, keys.batches, keys.owner, keys.jobs, keys.meta, keys.stats,
-                   keys.e2e_samples, keys.dead, keys.dead_reason]
+                   keys.e2e_samples, keys.dead, keys.dead_reason, keys.model_samples]
     for request_id, producer in items:
         script_keys += [keys.result(request_id), keys.inbox(producer)]
     return script_keys
@@ -131,7 +131,7 @@ def complete_keys(keys: QueueKeys, items: list[tuple[str, str]]) -> list[str]:
 
 def requeue_keys(keys: QueueKeys) -> list[str]:
     return [keys.inflight, keys.batches, keys.owner, keys.meta, *keys.pending_all,
-            keys.marker, keys.stats]
+            keys.marker, keys.stats, keys.consumers]
 
 
 def cancel_keys(keys: QueueKeys, request_id: str, producer: str) -> list[str]:

@@ -194,3 +194,5 @@ def test_stats_json(shared_redis, queue, start_consumer):
         latency = stats[name]
         assert latency["samples"] == 13
         assert 0 <= latency["p50"] <= latency["p99"]
+    assert stats["model_ms"]["samples"] == stats["batches"]  # one per batch
+    assert 0 <= stats["model_ms"]["p50"] <= stats["model_ms"]["p99"]

@@ -429,7 +429,8 @@ TEMPLATES = {  # a valid call of each script against setup_state: (KEYS, ARGV)
     "enqueue": (enqueue_call(Q, "prod", [NewRequest("n1", 1, 0, ENV, "k1")], 60)[0],
                 ["prod", 1, 60, "n1", 1, 0, ENV, 1]),
     "pop_batch": (pop_keys(Q), ["c1", 1000]),
-    "complete": (complete_keys(Q, [("f1", "prod")]), ["7", 60, 1, "f1", "ok", RESULT]),
+    "complete": (complete_keys(Q, [("f1", "prod")]), ["7", 60, 1, "f1", "ok", RESULT,
+                                                       "1:1500"]),
     "extend_lease": ([Q.inflight, Q.consumers], ["c1", "7", 1000]),
     "requeue_expired": (requeue_keys(Q), [10]),
     "configure": ([Q.policy], ["replace", *(x for kv in Policy().to_redis().items()

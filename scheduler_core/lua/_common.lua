@@ -51,3 +51,12 @@ local function batch_ids(raw)
   for id in string.gmatch(list, '[^,]+') do ids[#ids + 1] = id end
   return ids
 end
+
+-- Push recent samples to a capped list: the newest SAMPLES_KEPT stay. Trimmed only once
+-- the list is SAMPLES_SLACK over, so that most calls cost one command, not two.
+local SAMPLES_KEPT, SAMPLES_SLACK = 10000, 500
+local function push_samples(key, ...)
+  if redis.call('LPUSH', key, ...) > SAMPLES_KEPT + SAMPLES_SLACK then
+    redis.call('LTRIM', key, 0, SAMPLES_KEPT - 1)
+  end
+end

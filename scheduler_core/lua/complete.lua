@@ -9,14 +9,16 @@ KEYS[6]  {bg:q}:stats         hash   counters
 KEYS[7]  {bg:q}:samples:e2e   list   recent enqueue-to-result times (µs)
 KEYS[8]  {bg:q}:dead          zset   dead-lettered id -> time
 KEYS[9]  {bg:q}:dead:reason   hash   dead-lettered id -> error envelope
-KEYS[10+2i] {bg:q}:result:<id_i>         result of request i
-KEYS[11+2i] {bg:q}:inbox:<producer_i>    its producer's inbox (any key if it has none)
+KEYS[10] {bg:q}:samples:model list   recent batches as "size:model_us"
+KEYS[11+2i] {bg:q}:result:<id_i>         result of request i
+KEYS[12+2i] {bg:q}:inbox:<producer_i>    its producer's inbox (any key if it has none)
 
 ARGV[1]  batch id (the fencing token returned by pop_batch)
 ARGV[2]  result TTL, seconds
 ARGV[3]  n, number of results (1..4096)
 ARGV[4+3i..6+3i] for result i: id, outcome ('ok' | 'err' | 'dead' | 'expired'), result
          envelope; 'expired' (deadline passed, not run) counts as expired, not failed
+ARGV[4+3n] optional: the batch's model run as "size:model_us", pushed to KEYS[10]
 
 Returns  {accepted, refused, remaining}: results written; results refused because the
          request is not (or no longer) in this batch; requests of the batch still open.
@@ -33,8 +35,12 @@ Work is bounded by n plus the batch's size.
 local batch_id = ARGV[1]
 local ttl, n = int_arg(ARGV[2], 1, 315360000), int_arg(ARGV[3], 1, 4096)
 if not ttl then return {-3, 'result_ttl_s'} end
-if not n or #ARGV ~= 3 + 3 * n or #KEYS ~= 9 + 2 * n then
+if not n or (#ARGV ~= 3 + 3 * n and #ARGV ~= 4 + 3 * n) or #KEYS ~= 10 + 2 * n then
   return {-3, 'n'}
+end
+local model_sample = ARGV[4 + 3 * n]
+if model_sample and not string.match(model_sample, '^%d+:%d+$') then
+  return {-3, 'model_sample'}
 end
 local outcomes = {ok = true, err = true, dead = true, expired = true}
 for i = 0, n - 1 do
@@ -58,9 +64,9 @@ for i = 0, n - 1 do
   else
     seen[id] = true
     local m = parse_meta(metas[i + 1])
-    redis.call('SET', KEYS[10 + 2 * i], envelope, 'EX', ttl)
+    redis.call('SET', KEYS[11 + 2 * i], envelope, 'EX', ttl)
     if m and m.producer ~= '' then
-      local inbox = KEYS[11 + 2 * i]
+      local inbox = KEYS[12 + 2 * i]
       if not inboxes[inbox] then
         inboxes[inbox] = {}
         inbox_order[#inbox_order + 1] = inbox
@@ -124,8 +130,6 @@ if accepted > 0 then
     redis.call('HSET', KEYS[6], 'rate_count', count)
   end
 end
-if #e2e > 0 then
-  redis.call('LPUSH', KEYS[7], unpack(e2e))
-  redis.call('LTRIM', KEYS[7], 0, 9999)
-end
+if #e2e > 0 then push_samples(KEYS[7], unpack(e2e)) end
+if model_sample then push_samples(KEYS[10], model_sample) end
 return {accepted, refused, remaining}

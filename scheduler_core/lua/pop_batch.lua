@@ -21,9 +21,9 @@ KEYS[8]  {bg:q}:inflight    zset  batch id -> lease deadline (µs)
 KEYS[9]  {bg:q}:batches     hash  batch id -> "consumer|ids"
 KEYS[10] {bg:q}:seq         string batch id counter
 KEYS[11] {bg:q}:marker      zset  wake-up marker
-KEYS[12] {bg:q}:consumers   zset  consumer -> last heartbeat (µs); pruned after 1 h
+KEYS[12] {bg:q}:consumers   zset  consumer -> last heartbeat (µs)
 KEYS[13] {bg:q}:stats       hash  counters
-KEYS[14] {bg:q}:samples:wait list recent queue waits (µs)
+KEYS[14] {bg:q}:samples:wait list recent queue waits (µs), capped
 KEYS[15] {bg:q}:dead        zset  dead-lettered id -> time (µs)
 KEYS[16] {bg:q}:dead:reason hash  dead-lettered id -> error envelope
 
@@ -72,8 +72,6 @@ delay, aging = delay * 1000, aging * 1000
 
 local now = now_us()
 redis.call('ZADD', KEYS[12], int(now), consumer)
--- Forget consumers silent for an hour, so the set does not grow with every restart.
-redis.call('ZREMRANGEBYSCORE', KEYS[12], '-inf', int(now - 3600000000))
 
 local function move(from, to, id, score)
   redis.call('ZREM', KEYS[2 + from], id)
@@ -243,10 +241,7 @@ redis.call('ZADD', KEYS[8], int(lease_deadline), batch_id)
 redis.call('HSET', KEYS[9], batch_id, consumer .. '|' .. table.concat(ids, ','))
 redis.call('HINCRBY', KEYS[13], 'batches', 1)
 redis.call('HINCRBY', KEYS[13], 'batched_requests', #ids)
-if #waits > 0 then
-  redis.call('LPUSH', KEYS[14], unpack(waits))
-  redis.call('LTRIM', KEYS[14], 0, 9999)
-end
+if #waits > 0 then push_samples(KEYS[14], unpack(waits)) end
 -- More work remains: wake one more idle consumer so it can take it or time its due date.
 if total > #chosen then redis.call('ZADD', KEYS[11], 0, 'w') end
 return reply

@@ -12,6 +12,7 @@ KEYS[6]  {bg:q}:pending:1   zset
 KEYS[7]  {bg:q}:pending:2   zset
 KEYS[8]  {bg:q}:marker      zset  wake-up marker
 KEYS[9]  {bg:q}:stats       hash  counters (requeued)
+KEYS[10] {bg:q}:consumers   zset  consumer -> last heartbeat (µs); pruned here after 1 h
 
 ARGV[1]  most batches to reap in this call (1..1000)
 
@@ -23,6 +24,8 @@ Errors   {-3, field} malformed argument
 local limit = int_arg(ARGV[1], 1, 1000)
 if not limit then return {-3, 'limit'} end
 local now = now_us()
+-- Forget consumers silent for an hour, so the set does not grow with every restart.
+redis.call('ZREMRANGEBYSCORE', KEYS[10], '-inf', int(now - 3600000000))
 local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', int(now), 'LIMIT', 0, limit)
 local requeued = 0
 for _, batch_id in ipairs(expired) do

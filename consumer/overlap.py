@@ -2,7 +2,8 @@
 
 Between two batches a consumer encodes the results, completes the batch, pops the next
 one and decodes its payloads: 1-2 ms for a batch of 32, during which the model idles (5-10%
-of a 20 ms batch). While more requests wait (pop_batch's `remaining` > 0) two helper
+of a 20 ms batch). While more requests wait (pop_batch's `remaining` > 0), and the
+model's last run for the batch size outlasted a fetch (`Prefetcher.lead_s`), two helper
 threads take that work off the model's path:
 
 - Prefetcher: shortly before the running batch is expected to end (its last run time for

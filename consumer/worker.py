@@ -46,7 +46,7 @@ from scheduler_core.wire import (
 log = logging.getLogger("batchgate.consumer")
 
 IDLE_BLOCK_S = 1.0  # longest idle block: bounds heartbeat, sweep and shutdown latency
-SAMPLES_KEPT = 10_000
+IDLE_UNTIL_WOKEN = -1.0  # a pop outcome: nothing due, block until a marker wakes us
 
 
 @dataclass(frozen=True)
@@ -270,11 +270,16 @@ class Consumer:
         early, runnable = batch.prepared or self._prepare(batch)
         batch.prepared = None
         # A backlog waits: fetch the next batch and write this one's results beside the
-        # model (consumer/overlap.py). Only inside run(), which owns the helper threads,
-        # and not for a re-delivered request: it may crash the process, which would take
-        # a batch fetched ahead (and charge its requests an attempt) with it.
-        overlap = self.config.overlap and self._completer is not None and batch.remaining > 0 \
-            and not self.stopping.is_set() and all(it.attempts == 1 for it in batch.items)
+        # model (consumer/overlap.py). Only inside run(), which owns the helper threads;
+        # not for a re-delivered request: it may crash the process, which would take a
+        # batch fetched ahead (and charge its requests an attempt) with it; and not when
+        # this batch size last ran faster than a fetch: there is nothing to hide the
+        # fetch behind, and handing work between threads would cost more than it saves.
+        expected = self._model_s.get(len(runnable))
+        overlap = self.config.overlap and self._prefetcher is not None \
+            and batch.remaining > 0 and not self.stopping.is_set() \
+            and all(it.attempts == 1 for it in batch.items) \
+            and (expected is None or expected >= self._prefetcher.lead_s)
         self.batches_done += 1
         self.requests_done += len(batch.items)
         if early:  # answer these now rather than after the model
@@ -284,8 +289,8 @@ class Consumer:
             return None
         if overlap:
             assert self._prefetcher is not None
-            expected = self._model_s.get(len(runnable), 0.0)
-            self._prefetcher.arm(time.monotonic() + max(0.0, expected - self._prefetcher.lead_s))
+            self._prefetcher.arm(time.monotonic() + max(0.0, (expected or 0.0)
+                                                        - self._prefetcher.lead_s))
         started = time.perf_counter()
         results = self._run_isolated([payload for _, payload in runnable])
         model_s = time.perf_counter() - started
@@ -296,6 +301,14 @@ class Consumer:
             self._hand_over(done, overlap)
             self._current = None
             return self._take_prefetched(fetch_now=not self.stopping.is_set())
+        if batch.remaining == 0:
+            # The queue was empty at this pop: a pop sent with the completion would most
+            # likely find nothing, and would delay the results (Redis answers a pipeline
+            # as a whole). Complete alone, then block; an arrival meanwhile left the
+            # wake-up marker, so the block returns at once.
+            self._finish(done)
+            self._current = None
+            return IDLE_UNTIL_WOKEN
         # Complete this batch and pop the next one in a single round trip.
         reply = self._finish(done, pop_next=not self.stopping.is_set())
         self._current = None
@@ -331,24 +344,21 @@ class Consumer:
         if job.last and self.observer is not None:
             self.observer.on_batch(job.batch, len(job.runnable), job.model_us,
                                    {**job.answered_early, **outcomes})
+        sample = f"{len(job.runnable)}:{job.model_us}" if job.runnable else None
         pipe = ScriptPipeline(self.redis)
-        pipe.script(*self._complete_call(job.batch, outcomes))
-        if job.runnable:
-            pipe.command("lpush", self.keys.model_samples,
-                         f"{len(job.runnable)}:{job.model_us}")
-            pipe.command("ltrim", self.keys.model_samples, 0, SAMPLES_KEPT - 1)
+        pipe.script(*self._complete_call(job.batch, outcomes, sample))
         if pop_next:
             pipe.script(*self._pop_call())
         try:
             replies = pipe.execute()
         except (redis.ConnectionError, redis.TimeoutError) as exc:
-            self._complete_until_done(job.batch, outcomes, exc)
+            self._complete_until_done(job.batch, outcomes, sample, exc)
             return None
         self._check_completion(job.batch, replies[0])
         return replies[-1] if pop_next else None
 
     def _complete_until_done(self, batch: Batch, outcomes: dict[str, tuple[str, bytes]],
-                             exc: BaseException) -> None:
+                             sample: str | None, exc: BaseException) -> None:
         """Redis went away while the results were on their way: they are computed, so
         offer them again until Redis answers rather than re-run the batch. complete.lua is
         fenced, so a resend whose first copy did land is refused, never applied twice."""
@@ -356,7 +366,7 @@ class Consumer:
         while True:
             backoff.sleep_after(exc)
             try:
-                script, keys, args = self._complete_call(batch, outcomes)
+                script, keys, args = self._complete_call(batch, outcomes, sample)
                 self._check_completion(batch, script(keys=keys, args=args))
                 break
             except (redis.ConnectionError, redis.TimeoutError) as again:
@@ -394,12 +404,14 @@ class Consumer:
         return [(True, r) for r in results]
 
     def _complete_call(self, batch: Batch, outcomes: dict[str, tuple[str, bytes]],
-                       ) -> tuple[Any, list[str], list[Any]]:
+                       model_sample: str | None = None) -> tuple[Any, list[str], list[Any]]:
         producers = {item.id: item.producer for item in batch.items}
         ids = list(outcomes)
         args: list[Any] = [batch.id, self.policy.result_ttl_s if self.policy else 600, len(ids)]
         for rid in ids:
             args += [rid, outcomes[rid][0], outcomes[rid][1]]
+        if model_sample is not None:
+            args.append(model_sample)
         keys = complete_keys(self.keys, [(rid, producers[rid]) for rid in ids])
         return self.scripts.complete, keys, args
 

@@ -18,7 +18,7 @@ from scheduler_core.scripts import Scripts, enqueue_reply
 from scheduler_core.wire import Result, decode_result
 
 log = logging.getLogger("batchgate.producer")
-
+_RESOLVING = threading.Lock()
 
 
 class Handle:
@@ -28,19 +28,29 @@ class Handle:
         self.id = request_id
         self._producer = producer
         self._deadline_at: float | None = None  # monotonic time after which it may expire
-        self._event = threading.Event()
         self._result: Result | None = None
+        # Held until the result is in: a bare lock is one C call to make, where an Event
+        # builds a Condition per request.
+        self._pending = threading.Lock()
+        self._pending.acquire()
 
     def __repr__(self) -> str:
         return f"<Handle {self.id} {'done' if self.done() else 'pending'}>"
 
     def _resolve(self, result: Result) -> None:
-        if self._result is None:
+        with _RESOLVING:  # the listener and a poll may race to resolve one handle
+            if self._result is not None:
+                return
             self._result = result
-            self._event.set()
+        self._pending.release()
+
+    def _wait(self, timeout: float) -> bool:
+        if self._pending.acquire(timeout=timeout):
+            self._pending.release()  # let any other waiter through as well
+        return self._result is not None
 
     def done(self) -> bool:
-        return self._event.is_set()
+        return self._result is not None
 
     def result(self, timeout: float | None = None) -> Any:
         """The model's result for this request.
@@ -51,7 +61,7 @@ class Handle:
         """
         timeout = check_timeout(timeout)
         end = None if timeout is None else time.monotonic() + timeout
-        while not self._event.is_set():
+        while self._result is None:
             now = time.monotonic()
             if end is not None and now >= end:
                 if not self._producer._poll(self):
@@ -60,7 +70,7 @@ class Handle:
             step = POLL_S if end is None else min(POLL_S, end - now)
             if self._deadline_at is not None:
                 step = min(step, max(0.0, self._deadline_at - now))
-            if self._event.wait(step):
+            if self._wait(step):
                 break
             if self._deadline_at is not None and time.monotonic() >= self._deadline_at:
                 self._producer._expire(self)

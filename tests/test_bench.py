@@ -140,3 +140,16 @@ def test_bench_quick_smoke(tmp_path: Path):
     if importlib.util.find_spec("matplotlib") is not None:
         assert (out / "latency_vs_throughput.png").stat().st_size > 1000
         assert (out / "systems.png").exists()
+
+
+def test_profile_stages_smoke():
+    """bench/profile_stages.py (the per-stage CPU figures in docs/benchmarks.md) runs and
+    reports every stage; a small backlog, a few paced requests."""
+    proc = subprocess.run(
+        [sys.executable, str(BENCH_DIR / "profile_stages.py"), "--requests", "300",
+         "--paced", "3"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    for stage in ("enqueue", "pop", "complete", "deliver", "paced"):
+        assert any(line.startswith(stage) and "Redis CPU" in line for line in lines), stage
+    assert "10 batches, mean size 30.0" in proc.stdout  # 9 full, the last one of 12

@@ -23,6 +23,7 @@ from typing import Any
 import orjson
 from _gate import guard_parent, ready_then_wait
 
+from consumer.cli import freeze_startup_heap
 from consumer.loader import load_model
 from consumer.worker import Consumer, ConsumerConfig
 
@@ -63,6 +64,7 @@ def main() -> None:
                                               name=args.name))
     consumer.start()  # adopts the policy the benchmark stored for this queue
     consumer.model = Stamped(load_model(args.model, orjson.loads(args.model_args)), consumer)
+    freeze_startup_heap()  # as `batchgate consumer` does
     ready_then_wait(args.redis_url, args.go)
     consumer.run()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -100,8 +101,20 @@ def consumer_command(redis_url: str, queue: str, model_spec: str, model_arg: tup
     consumer.model = load_model(model_spec, model_kwargs)
     if consumer.stopping.is_set():
         return
+    freeze_startup_heap()
     click.echo(f"batchgate consumer {config.name} ready on queue {queue!r}", err=True)
     consumer.run()
+
+
+def freeze_startup_heap() -> None:
+    """Keep the garbage collector off what start-up built (the model, torch's modules).
+
+    A full collection walks every tracked object: ~180,000 once torch is loaded, ~110 ms
+    on a 2-core VM, a pause that lands in the middle of some batch. Frozen objects are
+    never scanned again; what the loop allocates is collected as usual.
+    """
+    gc.collect()
+    gc.freeze()
 
 
 def _unloaded(payloads: list[Any]) -> list[Any]:

@@ -1,5 +1,6 @@
-"""Models that misbehave on purpose, for the failure tests. `batchgate consumer` imports
-them as a user's own module (`--model failure_models:NAME`, cwd = this directory).
+"""Models that misbehave on purpose, for the failure tests, and one that reports on its
+process. `batchgate consumer` imports them as a user's own module
+(`--model failure_models:NAME`, cwd = this directory).
 
 Every model appends one line per executed request to `<log>/<pid>.log` (when `log` is
 given) *before* running it, so a test can count how often each request actually ran.
@@ -7,6 +8,7 @@ given) *before* running it, so a test can count how often each request actually 
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 from typing import Any
@@ -86,3 +88,10 @@ class Big(_Base):
 
     def answer(self, payload: Any) -> Any:
         return "x" * int(payload.get("size", 0))
+
+
+class GcReport(_Base):
+    """Answers with the garbage collector's view of the consumer process."""
+
+    def answer(self, payload: Any) -> Any:
+        return {"frozen": gc.get_freeze_count(), "tracked": len(gc.get_objects())}

@@ -214,6 +214,18 @@ def test_cpu_bound_model_keeps_its_lease(redis_server, queue, start_consumer, tm
     assert executions(tmp_path) == {"0": 1}
 
 
+def test_the_consumer_freezes_its_start_up_heap(shared_redis, queue, start_consumer):
+    """A full garbage collection must not walk the model and the libraries loaded at
+    start-up (~110 ms once torch is imported, a stall in the middle of a batch): the
+    consumer freezes that heap once the model is loaded; only what the loop allocates is
+    left for the collector."""
+    start(start_consumer, shared_redis.url, queue, "GcReport")
+    with Producer(shared_redis.url, queue) as p:
+        state = p.submit({"i": 0}).result(timeout=15)
+    assert state["frozen"] >= 20_000, state  # click, redis, orjson, the consumer, ...
+    assert state["frozen"] > state["tracked"], state
+
+
 # -- graceful shutdown ------------------------------------------------------------------
 def test_sigterm_finishes_the_batch_in_hand(redis_server, queue, start_consumer, tmp_path):
     consumer = start(start_consumer, redis_server.url, queue, "Echo", "--strategy",

@@ -118,11 +118,12 @@ class Finished:
 
 
 def parse_pop(reply: list[Any]) -> Batch | float:
-    """A Batch, or the wait in ms until the next request falls due (-1: queue empty)."""
+    """A Batch, or the wait in ms until the next request falls due (IDLE_UNTIL_WOKEN:
+    nothing waits)."""
     head = int(reply[0])
     if head == 0:
         wait_us = int(reply[1])
-        return wait_us / 1000 if wait_us >= 0 else -1
+        return wait_us / 1000 if wait_us >= 0 else IDLE_UNTIL_WOKEN
     if head == -1:
         raise LookupError("queue has no policy")
     if head < 0:
@@ -345,28 +346,29 @@ class Consumer:
             self.observer.on_batch(job.batch, len(job.runnable), job.model_us,
                                    {**job.answered_early, **outcomes})
         sample = f"{len(job.runnable)}:{job.model_us}" if job.runnable else None
+        complete = self._complete_call(job.batch, outcomes, sample)
         pipe = ScriptPipeline(self.redis)
-        pipe.script(*self._complete_call(job.batch, outcomes, sample))
+        pipe.script(*complete)
         if pop_next:
             pipe.script(*self._pop_call())
         try:
             replies = pipe.execute()
         except (redis.ConnectionError, redis.TimeoutError) as exc:
-            self._complete_until_done(job.batch, outcomes, sample, exc)
+            self._complete_until_done(job.batch, complete, exc)
             return None
         self._check_completion(job.batch, replies[0])
         return replies[-1] if pop_next else None
 
-    def _complete_until_done(self, batch: Batch, outcomes: dict[str, tuple[str, bytes]],
-                             sample: str | None, exc: BaseException) -> None:
+    def _complete_until_done(self, batch: Batch, complete: tuple[Any, list[str], list[Any]],
+                             exc: BaseException) -> None:
         """Redis went away while the results were on their way: they are computed, so
         offer them again until Redis answers rather than re-run the batch. complete.lua is
         fenced, so a resend whose first copy did land is refused, never applied twice."""
         backoff = Backoff(f"consumer {self.config.name} (completing batch {batch.id})")
+        script, keys, args = complete
         while True:
             backoff.sleep_after(exc)
             try:
-                script, keys, args = self._complete_call(batch, outcomes, sample)
                 self._check_completion(batch, script(keys=keys, args=args))
                 break
             except (redis.ConnectionError, redis.TimeoutError) as again:
@@ -502,7 +504,6 @@ class Consumer:
                     and not self._lease_lost:
                 self._lease_lost = True
                 log.warning("batch %s: lease lost; its results will be refused", batch.id)
-
 
     def _batches_aside(self) -> list[Batch]:
         aside = self._completer.batches() if self._completer is not None else []

@@ -200,8 +200,8 @@ end
 local batch_id = redis.call('INCR', KEYS[10])
 local lease_deadline = now + lease_ms * 1000
 local reply = {batch_id, int(now), int(lease_deadline), total - #chosen}
-local ids, waits, by_level, meta_fields, owner_fields = {}, {}, {{}, {}, {}}, {}, {}
-for i, c in ipairs(chosen) do ids[i] = c.id end
+local ids = {unpack(chosen_ids, 1, #chosen)}  -- what is left of chosen_ids
+local waits, by_level, meta_fields, owner_fields = {}, {{}, {}, {}}, {}, {}
 local envelopes = redis.call('HMGET', KEYS[5], unpack(ids))
 for i, c in ipairs(chosen) do
   local id = c.id

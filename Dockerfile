@@ -17,6 +17,7 @@ COPY pyproject.toml README.md ./
 COPY scheduler_core ./scheduler_core
 COPY producer ./producer
 COPY consumer ./consumer
+COPY batchgate ./batchgate
 
 FROM base AS app
 ARG APP_EXTRAS=gateway,rq

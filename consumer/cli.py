@@ -14,7 +14,7 @@ import orjson
 from consumer.loader import load_model
 from consumer.supervisor import supervise, supervisor_options, wants_supervisor
 from consumer.worker import Consumer, ConsumerConfig
-from scheduler_core.cli import policy_options, policy_values, queue_option, redis_url_option
+from scheduler_core.options import policy_options, policy_values, queue_option, redis_url_option
 from scheduler_core.wire import DEFAULT_MAX_RESULT_BYTES
 
 log = logging.getLogger("batchgate.consumer")

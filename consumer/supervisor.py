@@ -109,7 +109,7 @@ def child_commands(ctx: click.Context) -> list[tuple[str, list[str]]]:
     params = ctx.params
     if params.get("devices") is not None and params.get("device") is not None:
         raise click.UsageError("give --devices or --device, not both")
-    base = [sys.executable, "-m", "scheduler_core.cli"]
+    base = [sys.executable, "-m", "batchgate.cli"]
     if ctx.parent is not None and ctx.parent.params.get("log_level"):
         base += ["--log-level", str(ctx.parent.params["log_level"])]
     base += [ctx.info_name or "consumer",
@@ -234,8 +234,8 @@ class Supervisor:
 def supervise(ctx: click.Context) -> int:
     """Run the children of `batchgate consumer --replicas/--devices`; the exit status."""
     from scheduler_core.admin import ensure_policy
-    from scheduler_core.cli import policy_values
     from scheduler_core.connection import connect
+    from scheduler_core.options import policy_values
 
     commands = child_commands(ctx)
     # A policy conflict would make every child exit at once: report it here, once.

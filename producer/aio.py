@@ -16,8 +16,8 @@ from typing import Any
 import redis
 import redis.asyncio
 
-from producer.base import POLL_S, CancelOutcome, ProducerBase
-from producer.requests import check_timeout
+from producer.base import POLL_S, CancelOutcome, OnResult, ProducerBase
+from producer.validation import check_timeout
 from scheduler_core.connection import DEFAULT_REDIS_URL, Backoff, connect_async
 from scheduler_core.policy import Priority
 from scheduler_core.scripts import Scripts, enqueue_reply
@@ -73,8 +73,8 @@ class AsyncProducer(ProducerBase[AsyncHandle]):
 
     def __init__(self, redis_url: str = DEFAULT_REDIS_URL, queue: str = "default", *,
                  max_payload_bytes: int | None = None, idempotency_ttl_s: int | None = None,
-                 client: redis.asyncio.Redis | None = None):
-        super().__init__(queue, max_payload_bytes, idempotency_ttl_s)
+                 client: redis.asyncio.Redis | None = None, on_result: OnResult | None = None):
+        super().__init__(queue, max_payload_bytes, idempotency_ttl_s, on_result)
         self._redis = client or connect_async(redis_url)
         self._owns_client = client is None
         self._scripts = Scripts(self._redis)

@@ -8,7 +8,7 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any, Generic, Literal, TypeVar
 
-from producer.requests import (
+from producer.validation import (
     ProducerConfig,
     build_requests,
     cancel_envelope,
@@ -26,11 +26,14 @@ CANCEL_OUTCOMES: dict[int, CancelOutcome] = {1: "cancelled", 2: "running", 0: "f
 POLL_S = 1.0  # a waiting handle re-checks `result:<id>` this often (lost-inbox fallback)
 
 H = TypeVar("H")
+# Called by the listener for every result this producer's inbox delivers, before the
+# handle is resolved (the demo and the benchmark stamp arrival times with it).
+OnResult = Callable[[Result], None]
 
 
 class ProducerBase(Generic[H]):
     def __init__(self, queue: str, max_payload_bytes: int | None,
-                 idempotency_ttl_s: int | None):
+                 idempotency_ttl_s: int | None, on_result: OnResult | None = None):
         overrides = {k: v for k, v in (("max_payload_bytes", max_payload_bytes),
                                        ("idempotency_ttl_s", idempotency_ttl_s)) if v is not None}
         self.config = ProducerConfig(queue=queue, **overrides)
@@ -38,6 +41,7 @@ class ProducerBase(Generic[H]):
         self.id = new_id()
         self._handles: dict[str, H] = {}
         self._lock = threading.Lock()  # the sync listener thread resolves handles too
+        self._on_result = on_result
 
     def _prepare(self, payloads: Iterable[Any], priority: Any, deadline_ms: Any,
                  idempotency_keys: list[str | None] | None,
@@ -75,12 +79,17 @@ class ProducerBase(Generic[H]):
 
     def _deliver(self, raw: bytes) -> None:
         """Resolve the handle an inbox item belongs to. Called once per result envelope
-        the inbox delivers (the demo and benchmarks extend it to timestamp arrivals)."""
+        the inbox delivers, after the `on_result` hook."""
         try:
             result = decode_result(raw)
         except (ValueError, KeyError) as exc:
             log.error("dropping malformed result envelope: %s", exc)
             return
+        if self._on_result is not None:
+            try:
+                self._on_result(result)
+            except Exception:  # a broken hook must not stop the listener
+                log.exception("on_result hook failed for %s", result.id)
         handle = self._take(result.id)
         if handle is not None:
             handle._resolve(result)  # type: ignore[attr-defined]

@@ -6,8 +6,8 @@ import click
 import orjson
 
 from producer.sync import Producer
-from scheduler_core.cli import queue_option, redis_url_option
 from scheduler_core.errors import InvalidRequest, RequestFailed
+from scheduler_core.options import queue_option, redis_url_option
 
 
 @click.command("submit")

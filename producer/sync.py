@@ -10,8 +10,8 @@ from typing import Any
 
 import redis
 
-from producer.base import POLL_S, CancelOutcome, ProducerBase
-from producer.requests import check_timeout
+from producer.base import POLL_S, CancelOutcome, OnResult, ProducerBase
+from producer.validation import check_timeout
 from scheduler_core.connection import DEFAULT_REDIS_URL, Backoff, connect
 from scheduler_core.policy import Priority
 from scheduler_core.scripts import Scripts, enqueue_reply
@@ -95,8 +95,8 @@ class Producer(ProducerBase[Handle]):
 
     def __init__(self, redis_url: str = DEFAULT_REDIS_URL, queue: str = "default", *,
                  max_payload_bytes: int | None = None, idempotency_ttl_s: int | None = None,
-                 client: redis.Redis | None = None):
-        super().__init__(queue, max_payload_bytes, idempotency_ttl_s)
+                 client: redis.Redis | None = None, on_result: OnResult | None = None):
+        super().__init__(queue, max_payload_bytes, idempotency_ttl_s, on_result)
         self._redis = client or connect(redis_url)
         self._owns_client = client is None
         self._scripts = Scripts(self._redis)

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 import redis
-from support import RecordingModel, configure, queue_pattern, snapshot, wait_for
+from helpers.support import RecordingModel, configure, queue_pattern, snapshot, wait_for
 
 from producer import (
     AsyncProducer,

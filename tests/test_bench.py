@@ -13,20 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from producer.bench import BENCH_DIR, Workload
-
 pytest.importorskip("hdrh")
 
-
-
-def _load_inprocess():
-    spec = importlib.util.spec_from_file_location("bench_inprocess", BENCH_DIR / "inprocess.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-inprocess = _load_inprocess()
+from batchgate.bench import inprocess  # noqa: E402
+from batchgate.workload import Workload  # noqa: E402
 
 
 # -- workload -------------------------------------------------------------------------
@@ -115,7 +105,7 @@ def test_priority_aging_promotes_waiting_requests():
 def test_bench_quick_smoke(tmp_path: Path):
     out = tmp_path / "bench"
     proc = subprocess.run(
-        [sys.executable, "-m", "scheduler_core.cli", "bench", "--quick", "--scale", "0.1",
+        [sys.executable, "-m", "batchgate.cli", "bench", "--quick", "--scale", "0.1",
          "--consumers", "1", "--grid", "100", "--sections", "light,throughput,grid",
          "--out", str(out)],
         capture_output=True, text=True, timeout=110)
@@ -146,7 +136,7 @@ def test_profile_stages_smoke():
     """bench/profile_stages.py (the per-stage CPU figures in docs/benchmarks.md) runs and
     reports every stage; a small backlog, a few paced requests."""
     proc = subprocess.run(
-        [sys.executable, str(BENCH_DIR / "profile_stages.py"), "--requests", "300",
+        [sys.executable, "-m", "batchgate.bench.profile_stages", "--requests", "300",
          "--paced", "3"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()

@@ -18,12 +18,12 @@ from typing import Any
 import orjson
 import pytest
 import redis
-from conftest import BATCHGATE
-from support import RecordingModel, wait_for
+from helpers.processes import BATCHGATE
+from helpers.support import RecordingModel, wait_for
 
 from producer import Priority, Producer
-from producer.bulk import BulkSpec, create_state, run_bulk
-from producer.bulk_state import BulkState, StateStore
+from producer.bulk.engine import BulkSpec, create_state, run_bulk
+from producer.bulk.state import BulkState, StateStore
 from scheduler_core.keys import QueueKeys
 
 pytest.importorskip("rq")

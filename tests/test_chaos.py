@@ -16,8 +16,8 @@ import time
 
 import pytest
 import redis
-from conftest import RedisServer
-from failure_support import CountingProducer, executions, start, wait_for
+from helpers.failure_support import CountingProducer, executions, start, wait_for
+from helpers.processes import RedisServer
 
 from scheduler_core.admin import queue_stats
 from scheduler_core.keys import QueueKeys

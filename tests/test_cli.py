@@ -7,7 +7,8 @@ import json
 import signal
 import subprocess
 
-from support import BATCHGATE, RecordingModel, configure, queue_pattern, snapshot, wait_for
+from helpers.processes import BATCHGATE
+from helpers.support import RecordingModel, configure, queue_pattern, snapshot, wait_for
 
 from producer import Producer
 from scheduler_core.admin import queue_stats, read_policy

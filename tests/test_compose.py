@@ -22,9 +22,9 @@ import click
 import pytest
 import redis
 import yaml
-from conftest import BATCHGATE, free_port
+from helpers.processes import BATCHGATE, free_port
 
-from scheduler_core.cli import main as batchgate_main
+from batchgate.cli import main as batchgate_main
 from scheduler_core.policy import LIMITS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -152,7 +152,7 @@ def test_gateway_ports_match(parse):
     assert params["host"] == "0.0.0.0"
     assert container_ports(gateway) == {params["port"]}
     assert f"127.0.0.1:{params['port']}/healthz" in " ".join(gateway["healthcheck"]["test"])
-    from producer.gateway import create_app
+    from producer.gateway.app import create_app
     paths = {getattr(route, "path", None) for route in create_app().routes}
     assert {"/healthz", "/metrics"} <= paths
     # an empty token (the default) means no auth, not a token of ""

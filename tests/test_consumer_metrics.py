@@ -5,8 +5,8 @@ from __future__ import annotations
 import urllib.request
 
 import pytest
-from conftest import free_port
-from support import wait_for
+from helpers.processes import free_port
+from helpers.support import wait_for
 
 from producer import Priority, Producer
 from scheduler_core.errors import RequestFailed

@@ -17,8 +17,8 @@ import orjson
 import pytest
 import redis
 
-from producer.demo import STRATEGIES, percentiles
-from scheduler_core.embedded import RedisServerNotFound, embedded_redis
+from batchgate.demo import STRATEGIES, percentiles
+from batchgate.embedded import RedisServerNotFound, embedded_redis
 
 BATCHGATE = shutil.which("batchgate", path=os.path.dirname(sys.executable)) or shutil.which(
     "batchgate")

@@ -9,7 +9,7 @@ import threading
 import time
 
 import pytest
-from support import RecordingModel, configure, snapshot, wait_for
+from helpers.support import RecordingModel, configure, snapshot, wait_for
 
 from consumer.worker import Batch, parse_pop
 from producer import Producer, RequestFailed

@@ -10,8 +10,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-from conftest import free_port
-from servers import ServerProcess
+from helpers.processes import free_port
+from helpers.servers import ServerProcess
 
 
 def app_env(redis_url: str, queue: str) -> dict[str, str]:

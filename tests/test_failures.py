@@ -16,11 +16,11 @@ import time
 import pytest
 import redis
 from click.testing import CliRunner
-from failure_support import CountingProducer, executions, start, wait_for
+from helpers.failure_support import CountingProducer, executions, start, wait_for
 
+from batchgate.cli import main as cli
 from producer import Producer, QueueFull, RequestCancelled, RequestFailed
 from scheduler_core.admin import queue_stats
-from scheduler_core.cli import main as cli
 from scheduler_core.deadletter import list_dead
 from scheduler_core.keys import QueueKeys
 

@@ -20,14 +20,14 @@ import orjson
 import pytest
 import redis
 from click.testing import CliRunner
-from conftest import RedisServer
+from helpers.processes import RedisServer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from batchgate.cli import main as cli
 from consumer.worker import Batch, Consumer, ConsumerConfig
 from producer import InvalidRequest, Priority, Producer
-from producer.requests import check_deadline, check_idempotency_key, check_timeout
-from scheduler_core.cli import main as cli
+from producer.validation import check_deadline, check_idempotency_key, check_timeout
 from scheduler_core.errors import InvalidPolicy
 from scheduler_core.keys import QueueKeys, validate_queue_name
 from scheduler_core.policy import LIMITS, Policy

@@ -8,9 +8,9 @@ from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
-from conftest import BATCHGATE, RedisServer
+from helpers.processes import BATCHGATE, RedisServer
+from helpers.servers import ServerProcess, gateway_factory
 from prometheus_client.parser import text_string_to_metric_families
-from servers import ServerProcess, gateway_factory
 
 from producer import Producer
 from scheduler_core.admin import store_policy

@@ -12,10 +12,10 @@ from collections.abc import Iterator
 
 import pytest
 import schemathesis
-from conftest import ConsumerProcess, free_port
+from helpers.processes import ConsumerProcess, free_port
+from helpers.servers import ServerProcess, gateway_args
 from hypothesis import HealthCheck, Phase, settings
 from schemathesis.checks import not_a_server_error, positive_data_acceptance
-from servers import ServerProcess, gateway_args
 
 TOKEN = "fuzz-token"
 EXAMPLES = int(os.environ.get("BATCHGATE_FUZZ_EXAMPLES", "15"))

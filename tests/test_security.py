@@ -14,15 +14,15 @@ from pathlib import Path
 
 import pytest
 import redis
-from conftest import RedisServer, free_port
-from failure_support import start, wait_for
+from helpers.failure_support import start, wait_for
+from helpers.processes import RedisServer, free_port
 from redis.exceptions import NoPermissionError
 
 from producer import InvalidRequest, Producer, RequestFailed
 from scheduler_core.admin import queue_stats
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("scheduler_core", "producer", "consumer")
+PACKAGES = ("scheduler_core", "producer", "consumer", "batchgate")
 UNSAFE_MODULES = {"pickle", "_pickle", "cPickle", "marshal", "shelve", "dill", "cloudpickle",
                   "jsonpickle", "joblib"}
 
@@ -172,15 +172,14 @@ class TLSRedisServer(RedisServer):
     def url(self) -> str:
         return f"rediss://127.0.0.1:{self.tls_port}/0?ssl_ca_certs={self.cert}"
 
-    def start(self) -> None:
+    def _launch(self) -> bool:
         args = ["redis-server", "--bind", "127.0.0.1", "--dir", self.dir, "--save", "",
                 "--appendonly", "no", *self.extra]
         self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 10
         while True:
             try:
-                redis.Redis.from_url(self.url).ping()
-                return
+                return bool(redis.Redis.from_url(self.url).ping())
             except redis.ConnectionError:
                 if self.proc.poll() is not None:
                     out = self.proc.stdout.read().decode(errors="replace")

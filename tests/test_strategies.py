@@ -8,7 +8,7 @@ import time
 
 import pytest
 import redis
-from support import RecordingModel, configure, wait_for, wait_samples_ms
+from helpers.support import RecordingModel, configure, wait_for, wait_samples_ms
 
 from producer import Priority, Producer
 from scheduler_core.admin import queue_stats

@@ -10,13 +10,13 @@ import sys
 import types
 
 from click.testing import CliRunner
-from support import wait_for
+from helpers.support import wait_for
 
+from batchgate.cli import main
 from consumer.cli import consumer_command
 from consumer.supervisor import Supervisor, child_commands, parse_devices
 from producer import Priority, Producer
 from scheduler_core.admin import queue_stats
-from scheduler_core.cli import main
 
 STARTED = re.compile(r"consumer (\d+)(?: \([^)]*\))? started \(pid (\d+)\)")
 

@@ -1,4 +1,4 @@
-"""`batchgate gateway`: serve the HTTP gateway (producer.gateway) with uvicorn.
+"""`batchgate gateway`: serve the HTTP gateway (producer.gateway.app) with uvicorn.
 
 Imports FastAPI and uvicorn only when run, so `batchgate --help` works without them.
 """
@@ -9,7 +9,7 @@ import logging
 
 import click
 
-from scheduler_core.cli import queue_option, redis_url_option
+from scheduler_core.options import queue_option, redis_url_option
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -36,7 +36,7 @@ def gateway_command(redis_url: str, queue: str, host: str, port: int, token: str
     try:
         import uvicorn
 
-        from producer.gateway import create_app
+        from producer.gateway.app import create_app
     except ImportError as exc:
         raise click.ClickException(
             f"{exc}: the gateway needs its extra: pip install 'batchgate[gateway]'") from None

@@ -1,11 +1,11 @@
-"""Bulk jobs on RQ (needs the `rq` extra). The job function is `producer.bulk_rq.run_job`;
+"""Bulk jobs on RQ (needs the `rq` extra). The job function is `producer.bulk.rq_jobs.run_job`;
 an RQ worker runs it:
 
     rq worker -w rq.worker.SimpleWorker --url redis://127.0.0.1:6379/0 batchgate-bulk
 
 SimpleWorker runs jobs in the worker process itself (no fork per job); that suits long
 jobs that hold a Producer. The job records its progress in the RQ job's meta (state,
-done, total, errors, rate, eta_s) and in its checkpoint (`producer.bulk_state`).
+done, total, errors, rate, eta_s) and in its checkpoint (`producer.bulk.state`).
 
 A job whose worker died is resumed from its checkpoint by `resume` (`batchgate bulk
 resume JOB_ID`) at once, or by RQ itself when it notices the abandoned job (after the
@@ -21,12 +21,12 @@ from rq import Queue, Retry, get_current_job
 from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
 
-from producer.bulk import BulkSpec, run_bulk
-from producer.bulk_state import BulkError, BulkState, StateStore
+from producer.bulk.engine import BulkSpec, run_bulk
+from producer.bulk.state import BulkError, BulkState, StateStore
 
 RQ_QUEUE = "batchgate-bulk"
 RESULT_TTL_S = 7 * 86_400
-JOB_FUNC = "producer.bulk_rq.run_job"
+JOB_FUNC = "producer.bulk.rq_jobs.run_job"
 
 
 def run_job(spec: dict[str, Any]) -> dict[str, Any]:

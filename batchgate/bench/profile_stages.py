@@ -26,10 +26,10 @@ from typing import Any
 
 import redis
 
+from batchgate.embedded import embedded_redis
 from consumer.worker import Batch, Consumer, ConsumerConfig, Finished
 from producer.sync import Producer
 from scheduler_core.admin import ensure_policy
-from scheduler_core.embedded import embedded_redis
 
 
 def redis_usage(client: redis.Redis) -> tuple[float, float]:
@@ -104,7 +104,7 @@ def drain_profile(url: str, n: int, batch: int) -> None:
 
 def paced_profile(url: str, n: int) -> None:
     queue = "paced"
-    consumer = subprocess.Popen([sys.executable, "-m", "scheduler_core.cli", "consumer",
+    consumer = subprocess.Popen([sys.executable, "-m", "batchgate.cli", "consumer",
                                  "--redis-url", url, "--queue", queue, "--strategy", "fifo",
                                  "--model", "consumer.models:noop"],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -9,9 +9,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
-from conftest import BATCHGATE, LoggedProcess, free_port
 
-ROOT = Path(__file__).resolve().parent.parent
+from helpers.processes import BATCHGATE, LoggedProcess, free_port
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class ServerProcess(LoggedProcess):

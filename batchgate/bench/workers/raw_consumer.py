@@ -16,7 +16,8 @@ import os
 import time
 
 import redis
-from _gate import guard_parent, ready_then_wait
+
+from batchgate.bench.workers.gate import guard_parent, ready_then_wait
 
 
 def main() -> None:

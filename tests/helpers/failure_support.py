@@ -10,10 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import orjson
-from support import wait_for  # noqa: F401 - re-exported for the failure tests
-
-from producer import Producer
+from helpers.support import wait_for  # noqa: F401 - re-exported for the failure tests
+from producer import Producer, Result
 
 HERE = Path(__file__).resolve().parent
 
@@ -39,18 +37,13 @@ class CountingProducer(Producer):
     exactly-once delivery means each count is exactly 1."""
 
     def __init__(self, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
         self.deliveries: Counter[str] = Counter()
         self._count_lock = threading.Lock()
+        super().__init__(*args, on_result=self._count, **kwargs)
 
-    def _deliver(self, raw: bytes) -> None:
-        try:
-            rid = orjson.loads(raw)["id"]
-        except Exception:  # noqa: BLE001 - counted as malformed, delivered as usual
-            rid = "<malformed>"
+    def _count(self, result: Result) -> None:
         with self._count_lock:
-            self.deliveries[rid] += 1
-        super()._deliver(raw)
+            self.deliveries[result.id] += 1
 
 
 def executions(log_dir: Path) -> Counter[str]:

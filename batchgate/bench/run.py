@@ -7,18 +7,18 @@ What it runs (docs/benchmarks.md has the results and how to read them):
   bursty mode (the seed's "50 requests within 100 ms" on top of λ=10) and a backlog mode
   (every request at t=0, to measure capacity); priorities mixed 10% HIGH / 60% NORMAL /
   30% LOW; arrivals, priorities and payloads come from a fixed seed;
-- systems: batchgate (`bench/bg_consumer.py`: the real Consumer loop, model wrapped to
-  stamp its batches), RQ (`bench/rq_worker.py`: one job per request, `SimpleWorker`, model
-  loaded once per worker), an asyncio batcher with the same rules and no Redis
-  (`bench/inprocess.py`), and the raw-Redis ceiling (`bench/raw_consumer.py`: enqueue,
-  pop, complete, deliver as plain pipelined commands);
+- systems: batchgate (`workers/bg_consumer.py`: the real Consumer loop, model wrapped to
+  stamp its batches), RQ (`workers/rq_worker.py`: one job per request, `SimpleWorker`,
+  model loaded once per worker), an asyncio batcher with the same rules and no Redis
+  (`inprocess.py`), and the raw-Redis ceiling (`workers/raw_consumer.py`: enqueue, pop,
+  complete, deliver as plain pipelined commands);
 - per request: intended arrival, submit, enqueue (Redis time), pop (Redis time), batch
-  start, batch end, result seen; summarised with HdrHistogram (producer/bench_stats.py);
-- output: results.json, results.md and PNG plots (bench/plots.py) in --out.
+  start, batch end, result seen; summarised with HdrHistogram (`stats.py`);
+- output: results.json, results.md and PNG plots (`plots.py`) in --out.
 
 The producer side of every system runs in this process; consumers and workers are child
-processes started from the checkout's `bench/` folder, so the command needs a checkout
-(an editable install: `pip install -e .[bench]`). Without --redis-url it starts a private
+processes (`python -m batchgate.bench.workers.NAME`): an installed package is enough.
+Without --redis-url it starts a private
 redis-server and kills it at the end; with one it only creates keys containing its run id
 and deletes them when done.
 """
@@ -31,10 +31,7 @@ import gc
 import importlib.util
 import os
 import platform
-import random
-import select
 import shlex
-import signal
 import subprocess
 import sys
 import threading
@@ -49,168 +46,38 @@ import click
 import orjson
 import redis
 
+from batchgate.bench.spec import RunSpec, empty_record
+from batchgate.bench.workers.gate import READY_LINE
+from batchgate.processes import ChildProcess, wait_all_ready
+from batchgate.workload import MODELS, PRIORITIES, Workload
 from producer.sync import Producer
 from scheduler_core.admin import store_policy
+from scheduler_core.errors import BatchgateError
 from scheduler_core.keys import QueueKeys
-from scheduler_core.policy import Policy
+from scheduler_core.wire import Result
 
-REPO = Path(__file__).resolve().parent.parent
-BENCH_DIR = REPO / "bench"
-PRIORITIES = ("high", "normal", "low")
-WORDS = ("the", "a", "model", "request", "queue", "batch", "latency", "user", "server", "token",
-         "time", "fast", "slow", "cat", "dog", "market", "price", "report", "answer",
-         "question", "night", "city", "river", "small", "large", "new", "old", "good", "open")
-MIX = (0.1, 0.6, 0.3)  # HIGH, NORMAL, LOW
-MODELS: dict[str, tuple[str, dict[str, Any]]] = {
-    "noop": ("consumer.models:noop", {}),
-    "synthetic": ("consumer.models:synthetic", {"base_ms": 5.0, "per_item_ms": 0.5}),
-    "tiny_text": ("consumer.models:tiny_text", {}),
-    "minilm": ("consumer.models:minilm", {}),  # needs the `minilm` extra
-}
 SUBMIT_CHUNK = 10_000  # Producer.submit_many's limit per call
 READY_TIMEOUT_S = 90.0
 
 
-# -- workload -------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Workload:
-    """Arrival process. `kind`: poisson (rate λ for duration_s), bursty (poisson plus
-    `burst_size` requests spread over `burst_window_s` every `burst_every_s`), backlog
-    (`count` requests, all at t=0)."""
-
-    kind: str
-    rate: float = 0.0
-    duration_s: float = 0.0
-    count: int = 0
-    seed: int = 1
-    model: str = "noop"
-    burst_size: int = 50
-    burst_window_s: float = 0.1
-    burst_every_s: float = 2.0
-
-    def arrivals(self) -> tuple[list[float], list[int], list[Any]]:
-        """(offsets in s, priorities 0-2, payloads), sorted by offset."""
-        rng = random.Random(self.seed)
-        times: list[float] = []
-        if self.kind == "backlog":
-            times = [0.0] * self.count
-        else:
-            at = rng.expovariate(self.rate)
-            while at < self.duration_s:
-                times.append(at)
-                at += rng.expovariate(self.rate)
-            if self.kind == "bursty":
-                start = min(self.burst_every_s / 2, self.duration_s / 3)
-                while start < self.duration_s:
-                    times += [start + rng.random() * self.burst_window_s
-                              for _ in range(self.burst_size)]
-                    start += self.burst_every_s
-                times.sort()
-            elif self.kind != "poisson":
-                raise ValueError(f"unknown workload kind {self.kind!r}")
-        prios = rng.choices((0, 1, 2), weights=MIX, k=len(times))
-        if self.model == "tiny_text":
-            payloads: list[Any] = [{"tokens": [rng.randrange(1, 1000)
-                                               for _ in range(rng.randint(4, 64))]}
-                                   for _ in times]
-        elif self.model == "minilm":
-            payloads = [{"text": " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 40)))}
-                        for _ in times]
-        else:
-            payloads = [{"i": i} for i in range(len(times))]
-        return times, prios, payloads
-
-
-@dataclass(frozen=True)
-class RunSpec:
-    section: str
-    system: str  # batchgate | rq | raw | inprocess
-    model: str  # key of MODELS
-    workload: Workload
-    consumers: int
-    strategy: str = "dynamic"
-    max_batch_size: int = 32
-    max_queue_delay_ms: int = 50
-    aging_ms: int = 1000
-    grace_s: float = 3.0  # after the last arrival, how long to wait for stragglers
-
-    def policy(self) -> Policy:
-        return Policy.build(self.strategy, max_batch_size=self.max_batch_size,
-                            max_queue_delay_ms=self.max_queue_delay_ms,
-                            aging_ms=self.aging_ms)
-
-    def label(self) -> str:
-        w = self.workload
-        load = f"backlog {w.count}" if w.kind == "backlog" else f"{w.kind} λ={w.rate:g}"
-        strat = "" if self.system in ("rq", "raw") else \
-            f" {self.strategy}(b≤{self.max_batch_size})"
-        return f"{self.system}{strat} {self.model} {load} N={self.consumers}"
-
-
 # -- child processes ------------------------------------------------------------------
-def _child_env() -> dict[str, str]:
+def worker_env() -> dict[str, str]:
     env = dict(os.environ)
-    paths = [str(REPO), str(BENCH_DIR)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH")
-                                           else [])
-    env["PYTHONPATH"] = os.pathsep.join(paths)
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         env[var] = "1"  # one thread per worker: the host's cores are shared by everything
     return env
 
 
-class Child:
-    """A bench/ script as a child process that prints "ready" once it can work."""
-
-    def __init__(self, script: str, args: list[str], log_path: Path):
-        self.argv = [sys.executable, str(BENCH_DIR / script), *args]
-        self.log_path = log_path
-        self._log = log_path.open("ab")
-        self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=self._log,
-                                     env=_child_env(), cwd=str(BENCH_DIR),
-                                     start_new_session=True)
-
-    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout
-        assert self.proc.stdout is not None
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([self.proc.stdout], [], [], 0.05)
-            if ready and b"ready" in self.proc.stdout.readline():
-                return
-            if self.proc.poll() is not None:
-                break
-        self.kill()
-        raise click.ClickException(
-            f"{shlex.join(self.argv)} did not start:\n{self.log_path.read_text()[-3000:]}")
-
-    def cpu_s(self) -> float:
-        """User + system CPU seconds used so far (Linux /proc; 0 elsewhere)."""
-        try:
-            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        except (OSError, IndexError, ValueError):
-            return 0.0
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
-        self._log.close()
-
-
-def start_children(specs: list[tuple[str, list[str]]], log_dir: Path, tag: str) -> list[Child]:
-    children: list[Child] = []
+def start_workers(specs: list[tuple[str, list[str]]], log_dir: Path,
+                  tag: str) -> list[ChildProcess]:
+    """`python -m batchgate.bench.workers.NAME ARGS` per spec; returns once all are ready."""
+    children = [ChildProcess([sys.executable, "-m", f"batchgate.bench.workers.{name}", *args],
+                             log_dir / f"{tag}-{i}.log", READY_LINE, env=worker_env())
+                for i, (name, args) in enumerate(specs)]
     try:
-        for i, (script, args) in enumerate(specs):
-            children.append(Child(script, args, log_dir / f"{tag}-{i}.log"))
-        for child in children:
-            child.wait_ready()
-    except BaseException:
-        for child in children:
-            child.kill()
-        raise
+        wait_all_ready(children, READY_TIMEOUT_S)
+    except BatchgateError as exc:
+        raise click.ClickException(str(exc)) from None
     return children
 
 
@@ -220,7 +87,6 @@ class Context:
     redis_url: str
     out: Path
     run_id: str
-    consumer_script: str = "bg_consumer.py"
     client: redis.Redis = field(init=False)
     counter: int = 0
 
@@ -272,18 +138,6 @@ class InboxListener(threading.Thread):
 
 
 # -- systems --------------------------------------------------------------------------
-class StampingProducer(Producer):
-    """The real Producer; its listener thread also notes when each result arrived."""
-
-    def __init__(self, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self.seen: list[tuple[float, bytes]] = []
-
-    def _deliver(self, raw: bytes) -> None:
-        self.seen.append((time.time(), raw))
-        super()._deliver(raw)
-
-
 class Driver:
     """The producer side of one system under test, plus its worker processes.
 
@@ -296,7 +150,7 @@ class Driver:
 
     def __init__(self, ctx: Context, spec: RunSpec):
         self.ctx, self.spec = ctx, spec
-        self.children: list[Child] = []
+        self.children: list[ChildProcess] = []
         self.released = False
         self.go_key = ctx.name("go")
 
@@ -308,7 +162,7 @@ class Driver:
                 s.max_queue_delay_ms, s.aging_ms)
 
     def release(self) -> None:
-        """Let the workers start (they wait at bench/_gate.py once ready)."""
+        """Let the workers start (they wait at workers/gate.py once ready)."""
         if not self.released:
             self.ctx.client.rpush(self.go_key, *["go"] * len(self.children))
             self.released = True
@@ -332,13 +186,17 @@ class BatchgateDriver(Driver):
         model, kwargs = MODELS[self.spec.model]
         args = ["--redis-url", self.ctx.redis_url, "--queue", self.queue, "--model", model,
                 "--model-args", orjson.dumps(kwargs).decode(), "--go", self.go_key]
-        self.children = start_children(
-            [(self.ctx.consumer_script, [*args, "--name", f"{self.queue}-c{i}"])
+        self.children = start_workers(
+            [("bg_consumer", [*args, "--name", f"{self.queue}-c{i}"])
              for i in range(self.spec.consumers)], self.ctx.out / "logs", self.queue)
 
     def begin(self) -> None:
-        self.producer = StampingProducer(self.ctx.redis_url, self.queue)
+        self.seen: list[tuple[float, Result]] = []
+        self.producer = Producer(self.ctx.redis_url, self.queue, on_result=self._stamp)
         self.index: dict[str, int] = {}
+
+    def _stamp(self, result: Result) -> None:
+        self.seen.append((time.time(), result))
 
     def submit(self, idx: list[int], prios: list[int], payloads: list[Any]) -> None:
         groups: dict[int, list[int]] = {}
@@ -353,7 +211,7 @@ class BatchgateDriver(Driver):
                     self.index[handle.id] = i
 
     def seen_count(self) -> int:
-        return len(self.producer.seen)
+        return len(self.seen)
 
     def end(self) -> None:
         # Producer.close() waits for its listener's blocking read (up to 1 s) to return;
@@ -365,12 +223,11 @@ class BatchgateDriver(Driver):
         self.ctx.delete_matching(f"{QueueKeys(self.queue).tag}*")
 
     def results(self) -> Iterator[tuple[int, float, list[Any]]]:
-        for seen, raw in self.producer.seen:
-            env = orjson.loads(raw)
-            i = self.index.get(env["id"])
-            if i is None or not env.get("ok"):
+        for seen, result in self.seen:
+            i = self.index.get(result.id)
+            if i is None or not result.ok:
                 continue
-            enq, popped, t0, t1, b, pid = (int(x) for x in env["value"]["s"].split(","))
+            enq, popped, t0, t1, b, pid = (int(x) for x in result.value["s"].split(","))
             yield i, seen, [enq / 1e6 if enq else None, popped / 1e6 if popped else None,
                             t0 / 1e6, t1 / 1e6, b, pid]
 
@@ -410,8 +267,8 @@ class RQDriver(InboxDriver):
         args = ["--redis-url", self.ctx.redis_url, "--queues", ",".join(names),
                 "--model", model, "--model-args", orjson.dumps(kwargs).decode(),
                 "--go", self.go_key]
-        self.children = start_children(
-            [("rq_worker.py", [*args, "--name", f"{self.prefix}-w{i}"])
+        self.children = start_workers(
+            [("rq_worker", [*args, "--name", f"{self.prefix}-w{i}"])
              for i in range(self.spec.consumers)], self.ctx.out / "logs", self.prefix)
         self.runs = 0
 
@@ -428,7 +285,7 @@ class RQDriver(InboxDriver):
             groups: dict[int, list[Any]] = {}
             for i in idx[s:s + 1000]:
                 groups.setdefault(prios[i], []).append(Queue.prepare_data(
-                    "rq_jobs.infer", args=(i, payloads[i], self.inbox),
+                    "batchgate.bench.workers.rq_jobs.infer", args=(i, payloads[i], self.inbox),
                     job_id=f"{self.prefix}-{self.runs}-{i}", result_ttl=600))
             for prio, jobs in groups.items():
                 self.queues[prio].enqueue_many(jobs, pipeline=pipe)
@@ -450,7 +307,7 @@ class RawDriver(InboxDriver):
         self.conn = redis.Redis.from_url(self.ctx.redis_url)
         args = ["--redis-url", self.ctx.redis_url, "--queue", self.key, "--inbox", self.inbox,
                 "--batch", str(self.spec.max_batch_size), "--go", self.go_key]
-        self.children = start_children([("raw_consumer.py", args)] * self.spec.consumers,
+        self.children = start_workers([("raw_consumer", args)] * self.spec.consumers,
                                        self.ctx.out / "logs", self.base)
 
     def begin(self) -> None:
@@ -504,11 +361,6 @@ class DriverPool:
 
 
 # -- one run --------------------------------------------------------------------------
-def empty_record(n: int) -> dict[str, list[Any]]:
-    return {k: [None] * n for k in ("t_sched", "t_submit", "t_enq", "t_pop", "t0", "t1",
-                                    "batch", "worker", "t_seen")}
-
-
 def drive(driver: Any, spec: RunSpec, times: list[float], prios: list[int],
           payloads: list[Any]) -> tuple[dict[str, list[Any]], bool]:
     """Replay the arrivals open-loop; wait for the answers (up to grace_s after the last
@@ -568,7 +420,7 @@ def execute(ctx: Context, pool: DriverPool, spec: RunSpec) -> dict[str, Any]:
 
 def finish(spec: RunSpec, rec: dict[str, list[Any]], cpu: dict[str, float],
            complete: bool) -> dict[str, Any]:
-    from producer.bench_stats import summarize
+    from batchgate.bench.stats import summarize
 
     summary = summarize(rec, spec, cpu)
     summary["all_answered"] = complete
@@ -584,16 +436,16 @@ def spec_dict(spec: RunSpec) -> dict[str, Any]:
 
 
 def run_inprocess(ctx: Context, specs: list[RunSpec]) -> list[dict[str, Any]]:
-    """Every in-process run of a section, in one child process (bench/inprocess.py)."""
+    """Every in-process run of a section, in one child process (batchgate.bench.inprocess)."""
     name = ctx.name("inproc")
     out = ctx.out / "logs" / f"{name}.json"
     log = ctx.out / "logs" / f"{name}.log"
-    cmd = [sys.executable, str(BENCH_DIR / "inprocess.py"), "--specs",
+    cmd = [sys.executable, "-m", "batchgate.bench.inprocess", "--specs",
            orjson.dumps([asdict(s) for s in specs]).decode(), "--out", str(out)]
     budget = sum(s.workload.duration_s + s.grace_s + 60 for s in specs)
     with log.open("wb") as err:
-        proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=err, env=_child_env(),
-                              cwd=str(BENCH_DIR), timeout=budget)
+        proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=err, env=worker_env(),
+                              timeout=budget)
     if proc.returncode != 0:
         raise click.ClickException(f"in-process batcher failed:\n{log.read_text()[-3000:]}")
     data = orjson.loads(out.read_bytes())
@@ -666,7 +518,7 @@ def measure_ping(ctx: Context, count: int, gap_s: float = 0.0) -> dict[str, floa
     """PING round trips from this process (redis-py, as the producer), back to back or
     one every `gap_s` (so that client and server are idle in between, as at light load).
     """
-    from producer.bench_stats import hdr_summary, new_hist
+    from batchgate.bench.stats import hdr_summary, new_hist
 
     client = redis.Redis.from_url(ctx.redis_url)
     hist = new_hist()
@@ -820,7 +672,7 @@ def redis_for_bench(url: str | None) -> Iterator[tuple[str, bool]]:
     if url:
         yield url, False
         return
-    from scheduler_core.embedded import embedded_redis
+    from batchgate.embedded import embedded_redis
 
     with embedded_redis() as private_url:
         yield private_url, True
@@ -849,15 +701,13 @@ def redis_for_bench(url: str | None) -> Iterator[tuple[str, bool]]:
 @click.option("--plots/--no-plots", default=True, show_default=True)
 @click.option("--report-only", type=click.Path(exists=True, file_okay=False, path_type=Path),
               hidden=True, help="Re-analyse DIR/results.json and rewrite its report and plots.")
-@click.option("--consumer-script", default="bg_consumer.py", hidden=True,
-              help="bench/ script run as the batchgate consumer (to measure a variant).")
 def bench_command(quick: bool, out_dir: Path | None, redis_url: str | None, consumers: int,
                   sections: str | None, grid: str | None, scale: float, seed: int,
-                  plots: bool, report_only: Path | None, consumer_script: str) -> None:
+                  plots: bool, report_only: Path | None) -> None:
     """Benchmark fifo, dynamic and priority against RQ, an in-process batcher and the
     raw-Redis ceiling; write results.json, results.md and PNG plots."""
     try:
-        import producer.bench_stats  # noqa: F401  (hdrhistogram)
+        import batchgate.bench.stats  # noqa: F401  (hdrhistogram)
     except ImportError as exc:
         raise click.ClickException(f"{exc}: install the benchmark's dependencies with "
                                    "pip install -e '.[bench]'") from None
@@ -873,11 +723,8 @@ def bench_command(quick: bool, out_dir: Path | None, redis_url: str | None, cons
     if unknown:
         raise click.BadParameter(f"unknown sections {sorted(unknown)}", param_hint="--sections")
     rates = tuple(float(x) for x in grid.split(",")) if grid else None
-    if not (BENCH_DIR / "bg_consumer.py").exists():
-        raise click.ClickException(f"{BENCH_DIR} not found: `batchgate bench` runs from a "
-                                   "checkout of batchgate (pip install -e '.[bench]').")
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = (out_dir or BENCH_DIR / "results" / (stamp + ("-quick" if quick else ""))).resolve()
+    out = (out_dir or Path("bench", "results", stamp + ("-quick" if quick else ""))).resolve()
     out.mkdir(parents=True, exist_ok=True)
     plan = build_plan(quick, scale, consumers, chosen, rates, seed)
     skipped = []
@@ -897,11 +744,11 @@ def bench_command(quick: bool, out_dir: Path | None, redis_url: str | None, cons
     command = "batchgate bench " + shlex.join(sys.argv[2:] if len(sys.argv) > 1 else [])
     started = time.monotonic()
     with redis_for_bench(redis_url) as (url, private):
-        ctx = Context(url, out, uuid.uuid4().hex[:6], consumer_script=consumer_script)
+        ctx = Context(url, out, uuid.uuid4().hex[:6])
         meta = {"command": command.strip(), "started": dt.datetime.now().isoformat(
             timespec="seconds"), "quick": quick, "scale": scale, "seed": seed,
             "consumers": consumers, "sections": list(chosen), "private_redis": private,
-            "consumer_script": consumer_script, "skipped": skipped,
+            "skipped": skipped,
             "machine": machine_info(ctx), "load_before": list(os.getloadavg()),
             "busy_before": busy_processes()}
         click.echo(f"batchgate bench: {len(plan)} runs, results in {out}", err=True)
@@ -936,7 +783,7 @@ def bench_command(quick: bool, out_dir: Path | None, redis_url: str | None, cons
 
 
 def write_report(results: dict[str, Any], out: Path, plots: bool) -> None:
-    from producer.bench_stats import analyse, render_markdown
+    from batchgate.bench.stats import analyse, render_markdown
 
     results["analysis"] = analyse(results)
     (out / "results.json").write_bytes(orjson.dumps(results, option=orjson.OPT_INDENT_2))
@@ -948,10 +795,6 @@ def write_report(results: dict[str, Any], out: Path, plots: bool) -> None:
 
 
 def make_plots(results: dict[str, Any], out: Path) -> list[str]:
-    """bench/plots.py, loaded from the checkout (it is also a script of its own)."""
-    spec = importlib.util.spec_from_file_location("batchgate_bench_plots",
-                                                  BENCH_DIR / "plots.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.make_all(results, out)
+    from batchgate.bench.plots import make_all
+
+    return make_all(results, out)

@@ -22,17 +22,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -41,50 +39,28 @@ import click
 import orjson
 import redis
 
+from batchgate.embedded import embedded_redis
+from batchgate.processes import ChildProcess, wait_all_ready
+from batchgate.workload import MIX, MODELS, PRIORITIES, Workload
 from producer.sync import Handle, Producer
 from scheduler_core.admin import queue_stats
 from scheduler_core.connection import connect
-from scheduler_core.embedded import embedded_redis
-from scheduler_core.errors import BatchgateError, RequestFailed
+from scheduler_core.errors import RequestFailed
 from scheduler_core.keys import QueueKeys
+from scheduler_core.wire import Result
 
 STRATEGIES = ("fifo", "dynamic", "priority")
-PRIORITIES = ("high", "normal", "low")
-MIX = (0.1, 0.6, 0.3)  # share of HIGH, NORMAL, LOW requests
-MODELS = {"synthetic": "consumer.models:synthetic", "tiny_text": "consumer.models:tiny_text",
-          "minilm": "consumer.models:minilm"}
-WORDS = ("the", "queue", "batches", "requests", "for", "a", "model", "on", "gpu", "while",
-         "users", "wait", "and", "offline", "jobs", "fill", "idle", "time", "with", "low",
-         "priority", "work", "so", "latency", "stays")
+DEMO_MODELS = ("synthetic", "tiny_text", "minilm")
 READY_TIMEOUT_S = 60.0  # torch consumers import slowly on small machines
-STOP_TIMEOUT_S = 15.0
+Arrival = tuple[float, str, Any]  # (offset in s, priority, payload)
 
 
-# -- workload ------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Workload:
-    model: str
-    rate: float  # requests/s, Poisson
-    duration_s: float
-    seed: int
-
-    def arrivals(self) -> list[tuple[float, str, Any]]:
-        """(offset in s, priority, payload): identical for every strategy."""
-        rng = random.Random(self.seed)
-        out: list[tuple[float, str, Any]] = []
-        at = rng.expovariate(self.rate)
-        while at < self.duration_s:
-            priority = rng.choices(PRIORITIES, weights=MIX)[0]
-            if self.model == "tiny_text":
-                payload: Any = {"tokens": [rng.randrange(1, 1000)
-                                           for _ in range(rng.randint(4, 64))]}
-            elif self.model == "minilm":
-                payload = {"text": " ".join(rng.choices(WORDS, k=rng.randint(4, 24)))}
-            else:
-                payload = {"n": len(out), "priority": priority}
-            out.append((at, priority, payload))
-            at += rng.expovariate(self.rate)
-        return out
+def demo_arrivals(model: str, rate: float, duration_s: float, seed: int) -> list[Arrival]:
+    """The seeded Poisson workload, identical for every strategy."""
+    times, prios, payloads = Workload("poisson", rate, duration_s, seed=seed,
+                                      model=model).arrivals()
+    return [(t, PRIORITIES[p], payload) for t, p, payload in zip(times, prios, payloads,
+                                                                   strict=True)]
 
 
 @dataclass
@@ -94,21 +70,7 @@ class Sent:
     submitted: float  # time.perf_counter() just before submit
 
 
-class TimedProducer(Producer):
-    """A Producer that notes when each result reaches its listener thread."""
-
-    def __init__(self, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self.arrived: dict[str, float] = {}
-
-    def _deliver(self, raw: bytes) -> None:
-        now = time.perf_counter()
-        with contextlib.suppress(ValueError, KeyError, TypeError):
-            self.arrived[orjson.loads(raw)["id"]] = now
-        super()._deliver(raw)
-
-
-def pace(producer: Producer, arrivals: list[tuple[float, str, Any]], sent: list[Sent],
+def pace(producer: Producer, arrivals: list[Arrival], sent: list[Sent],
          errors: list[BaseException]) -> None:
     """Open loop: submit each request at its time, whether or not earlier ones are done."""
     try:
@@ -127,64 +89,16 @@ def pace(producer: Producer, arrivals: list[tuple[float, str, Any]], sent: list[
 def batchgate_argv() -> list[str]:
     """The `batchgate` installed next to this Python, else the same CLI via `-m`."""
     script = shutil.which("batchgate", path=os.path.dirname(sys.executable))
-    return [script] if script else [sys.executable, "-m", "scheduler_core.cli"]
-
-
-@dataclass
-class ConsumerProcess:
-    """`batchgate consumer ...`, started exactly as a user would start it."""
-
-    argv: list[str]
-    log: Path = field(init=False)
-    proc: subprocess.Popen[bytes] = field(init=False)
-
-    def __post_init__(self) -> None:
-        fd, path = tempfile.mkstemp(prefix="batchgate-demo-consumer-", suffix=".log")
-        self.log = Path(path)
-        with os.fdopen(fd, "wb") as out:  # the child keeps its own copy of the descriptor
-            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT,
-                                         start_new_session=True)  # Ctrl-C reaches us only
-
-    def ready(self) -> bool:
-        if self.proc.poll() is not None:
-            raise BatchgateError(f"consumer exited with {self.proc.returncode}: "
-                                 f"{' '.join(self.argv)}\n{self.output()}")
-        return b"ready on queue" in self.log.read_bytes()
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")[-4000:]
-
-    def terminate(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-
-    def reap(self) -> None:
-        try:
-            self.proc.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.log.unlink(missing_ok=True)
+    return [script] if script else [sys.executable, "-m", "batchgate.cli"]
 
 
 def start_consumers(count: int, redis_url: str, queue: str, strategy: str, model: str,
-                    model_args: list[str]) -> list[ConsumerProcess]:
+                    model_args: list[str], log_dir: Path) -> list[ChildProcess]:
     argv = [*batchgate_argv(), "--log-level", "WARNING", "consumer", "--redis-url", redis_url,
-            "--queue", queue, "--strategy", strategy, "--model", MODELS[model], *model_args]
-    procs = [ConsumerProcess(argv) for _ in range(count)]
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    try:
-        while not all(p.ready() for p in procs):
-            if time.monotonic() > deadline:
-                raise BatchgateError(f"consumers not ready after {READY_TIMEOUT_S:.0f}s:\n"
-                                     + procs[0].output())
-            time.sleep(0.05)
-    except BaseException:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            p.reap()
-        raise
+            "--queue", queue, "--strategy", strategy, "--model", MODELS[model][0], *model_args]
+    procs = [ChildProcess(argv, log_dir / f"{queue}-{i}.log", b"ready on queue")
+             for i in range(count)]
+    wait_all_ready(procs, READY_TIMEOUT_S)
     return procs
 
 
@@ -201,13 +115,18 @@ def percentiles(values: list[float]) -> dict[str, float | int | None]:
 
 
 def run_strategy(client: redis.Redis, redis_url: str, queue: str,
-                 arrivals: list[tuple[float, str, Any]], consumers: list[ConsumerProcess],
+                 arrivals: list[Arrival], consumers: list[ChildProcess],
                  drain_timeout_s: float) -> dict[str, Any]:
     """Replay `arrivals` on `queue`, wait for every answer (until none has come for
     `drain_timeout_s`), stop the consumers, measure."""
     sent: list[Sent] = []
     errors: list[BaseException] = []
-    with TimedProducer(redis_url, queue) as producer:
+    arrived: dict[str, float] = {}  # request id -> when its result reached the listener
+
+    def stamp(result: Result) -> None:
+        arrived[result.id] = time.perf_counter()
+
+    with Producer(redis_url, queue, on_result=stamp) as producer:
         pacer = threading.Thread(target=pace, args=(producer, arrivals, sent, errors),
                                  name="batchgate-demo-pacer", daemon=True)
         pacer.start()
@@ -229,7 +148,7 @@ def run_strategy(client: redis.Redis, redis_url: str, queue: str,
             # An overloaded strategy (fifo) drains its backlog after the arrivals end:
             # wait as long as answers keep coming, give up after drain_timeout_s without one.
             deadline = time.perf_counter() + drain_timeout_s
-            done = producer.arrived.get(s.handle.id, time.perf_counter())
+            done = arrived.get(s.handle.id, time.perf_counter())
             latencies[s.priority].append((done - s.submitted) * 1000)
             last = max(last, done)
     for c in consumers:
@@ -380,7 +299,7 @@ def delete_queues(client: redis.Redis, prefix: str) -> int:
 @click.option("--redis-url", default=None,
               help="Use this Redis instead of a private embedded one (only demo-* queues are "
                    "created there, and removed afterwards).")
-@click.option("--model", type=click.Choice(sorted(MODELS)), default="synthetic",
+@click.option("--model", type=click.Choice(DEMO_MODELS), default="synthetic",
               show_default=True, help="synthetic cost model, the small torch model, or the "
               "real MiniLM embedding model (extra `minilm`; try --rate 40).")
 @click.option("--duration", type=click.FloatRange(0.5, 600), default=8.0, show_default=True,
@@ -408,7 +327,7 @@ def demo_command(redis_url: str | None, model: str, duration: float, rate: float
     if threading.current_thread() is threading.main_thread():
         # Stopped from outside: unwind like Ctrl-C, so consumers and redis-server go too.
         signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
-    arrivals = Workload(model, rate, duration, seed).arrivals()
+    arrivals = demo_arrivals(model, rate, duration, seed)
     if not arrivals:
         raise click.UsageError("the workload is empty: raise --rate or --duration")
     if model == "synthetic":
@@ -418,7 +337,8 @@ def demo_command(redis_url: str | None, model: str, duration: float, rate: float
         model_args = ["--device", device] if device else []
     prefix = f"demo-{uuid.uuid4().hex[:8]}"
     results: dict[str, dict[str, Any]] = {}
-    started_procs: list[ConsumerProcess] = []
+    started_procs: list[ChildProcess] = []
+    log_dir = Path(tempfile.mkdtemp(prefix="batchgate-demo-"))
     with redis_for_demo(redis_url) as (url, where):
         client = connect(url)
         try:
@@ -426,7 +346,8 @@ def demo_command(redis_url: str | None, model: str, duration: float, rate: float
                 queue = f"{prefix}-{strategy}"
                 click.echo(f"{strategy}: starting {consumers} consumer(s) on {queue!r} ...",
                            err=True)
-                procs = start_consumers(consumers, url, queue, strategy, model, model_args)
+                procs = start_consumers(consumers, url, queue, strategy, model, model_args,
+                                        log_dir)
                 started_procs += procs
                 click.echo(f"{strategy}: {len(arrivals)} requests over {duration:g} s ...",
                            err=True)
@@ -437,6 +358,7 @@ def demo_command(redis_url: str | None, model: str, duration: float, rate: float
                 p.terminate()
             for p in started_procs:
                 p.reap()
+            shutil.rmtree(log_dir, ignore_errors=True)
             if redis_url and not keep_queues:
                 delete_queues(client, prefix)
             client.close()

@@ -34,8 +34,8 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from producer.aio import AsyncProducer
-from producer.gateway_metrics import GatewayMetrics, MetricsMiddleware
-from producer.gateway_schemas import (
+from producer.gateway.metrics import GatewayMetrics, MetricsMiddleware
+from producer.gateway.schemas import (
     HTTP_STATUS,
     REQUEST_ID_PATTERN,
     Health,
@@ -44,7 +44,7 @@ from producer.gateway_schemas import (
     RequestState,
     SubmitRequest,
 )
-from producer.requests import cancel_envelope
+from producer.validation import cancel_envelope
 from scheduler_core.admin import QueueStats, queue_stats
 from scheduler_core.connection import DEFAULT_REDIS_URL, connect, connect_async
 from scheduler_core.errors import InvalidRequest, QueueFull, RequestFailed

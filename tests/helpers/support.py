@@ -4,9 +4,6 @@ Redis-side evidence (snapshots, stats, queue-wait samples) and polling."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -14,11 +11,9 @@ from typing import Any
 
 import redis
 
+from helpers.processes import BATCHGATE  # noqa: F401 - re-exported
 from scheduler_core.admin import ensure_policy
 from scheduler_core.keys import QueueKeys
-
-BATCHGATE = shutil.which("batchgate", path=os.path.dirname(sys.executable)) or shutil.which(
-    "batchgate")
 
 # A model module as a user would write one: imported by `batchgate consumer` from its
 # working directory. It logs each batch to <out>/<pid>.jsonl *before* running it, then

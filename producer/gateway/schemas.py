@@ -6,7 +6,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, JsonValue
 
-from producer.requests import IDEMPOTENCY_KEY, MAX_DEADLINE_MS
+from producer.validation import IDEMPOTENCY_KEY, MAX_DEADLINE_MS
 from scheduler_core.wire import CANCELLED, DEADLINE, Result
 
 MAX_WAIT_S = 300.0

@@ -12,14 +12,14 @@ Blank lines get no record. A line that is not JSON, or that the model fails on, 
 error record: it never stops the job.
 
 Checkpoints and resume: every `checkpoint_s` the job flushes and fsyncs the output, then
-stores {next line, output size} in Redis (`producer.bulk_state`). A job that starts again
+stores {next line, output size} in Redis (`producer.bulk.state`). A job that starts again
 (its RQ worker was killed and the job requeued, or `bulk run` run again) truncates the
 output to the checkpoint and goes on from the next line. Every line is submitted with the
 idempotency key `bulk:<job>:<epoch>:<line>`: a line that was in flight when the job died
 resolves to the request already queued (or to its stored result), so the model runs once
 per line and no record is written twice.
 
-Run it with RQ (`producer.bulk_rq`, `batchgate bulk submit`) or in the foreground
+Run it with RQ (`producer.bulk.rq_jobs`, `batchgate bulk submit`) or in the foreground
 (`batchgate bulk run`).
 """
 
@@ -38,7 +38,7 @@ from typing import Any, BinaryIO
 
 import orjson
 
-from producer.bulk_state import (
+from producer.bulk.state import (
     BulkError,
     BulkState,
     Lease,

@@ -21,8 +21,8 @@ import time
 from typing import Any
 
 import orjson
-from _gate import guard_parent, ready_then_wait
 
+from batchgate.bench.workers.gate import guard_parent, ready_then_wait
 from consumer.cli import freeze_startup_heap
 from consumer.loader import load_model
 from consumer.worker import Consumer, ConsumerConfig

@@ -1,6 +1,6 @@
 """The in-process baseline: batchgate's rules in one asyncio process, without Redis.
 
-The same workload (producer.bench.Workload, same seed) is replayed open-loop by a task of
+The same workload (batchgate.workload.Workload, same seed) is replayed open-loop by a task of
 the event loop; requests wait in three in-memory queues (one per priority level, ordered
 by arrival); N worker tasks apply exactly the rules of scheduler_core/lua/pop_batch.lua
 (fifo, dynamic, priority with aging) and run the model in a thread pool of N threads, so
@@ -11,7 +11,7 @@ What this costs compared with batchgate is what distribution costs: no Redis rou
 trips, no serialisation, no second process, but also no sharing across hosts and no
 surviving a crash.
 
-    python bench/inprocess.py --specs '[<RunSpec as JSON>, ...]' --out runs.json
+    python -m batchgate.bench.inprocess --specs '[<RunSpec as JSON>, ...]' --out runs.json
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ from typing import Any
 
 import orjson
 
+from batchgate.bench.spec import RunSpec, empty_record
+from batchgate.workload import MODELS, Workload
 from consumer.loader import load_model
-from producer.bench import MODELS, RunSpec, Workload, empty_record
 
 
 class Req:

@@ -1,0 +1,1 @@
+"""The `batchgate` command and the tools over both sides: demo, benchmark, embedded Redis."""

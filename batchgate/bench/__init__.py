@@ -1,0 +1,1 @@
+"""`batchgate bench`: the benchmark harness, its statistics, plots and worker processes."""

@@ -1,0 +1,1 @@
+"""Worker processes the benchmark starts with `python -m batchgate.bench.workers.NAME`."""

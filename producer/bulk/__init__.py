@@ -1,0 +1,1 @@
+"""Bulk jobs: a JSONL file through the queue, checkpointed in Redis, optionally on RQ."""

@@ -1,0 +1,1 @@
+"""The HTTP gateway: `batchgate gateway` (FastAPI), its schemas and /metrics."""

@@ -1,0 +1,1 @@
+"""Helpers shared by the tests (fixtures stay in conftest.py)."""

@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -184,7 +185,7 @@ def test_rq_worker_command_is_real(parse, tmp_path):
     worker = SERVICES["rq-worker"]
     args = worker["command"]
     assert args[:2] == ["rq", "worker"]
-    rq = shutil.which("rq")
+    rq = shutil.which("rq", path=os.path.dirname(sys.executable)) or shutil.which("rq")
     assert rq, "rq is not installed"
     assert subprocess.run([rq, "worker", "--help"], capture_output=True,
                           timeout=60).returncode == 0

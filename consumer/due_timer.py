@@ -12,8 +12,8 @@ class DueTimer:
     """Calls `fire()` once at a set time.monotonic(), from one long-lived thread.
 
     The consumer arms it each time it idles until a batch falls due; a thread started per
-    wait (threading.Timer) adds its start-up, 0.1 ms or more on a busy host, to the due
-    time of every dynamic batch.
+    wait (threading.Timer) would add its start-up to the due time of every dynamic batch
+    (docs/benchmarks.md, "Why the consumer works the way it does").
     """
 
     def __init__(self, fire: Callable[[], None], name: str = "batchgate-due-timer"):

@@ -23,16 +23,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 
-import orjson
 import redis
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from consumer.worker import Batch, Consumer
+from consumer.batch import Answers, Batch
+from consumer.worker import Consumer
 from scheduler_core.keys import QueueKeys
 from scheduler_core.policy import Priority
-from scheduler_core.wire import DEADLINE
+from scheduler_core.wire import Outcome
 
 log = logging.getLogger("batchgate.metrics")
 
@@ -41,7 +41,6 @@ WAIT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.
 MODEL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
                  30.0, 60.0)
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
-OUTCOMES = ("ok", "failed", "expired", "dead_letter")
 
 
 class DepthCollector(Collector):
@@ -95,11 +94,11 @@ class ConsumerMetrics:
                                ["queue"], buckets=MODEL_BUCKETS, registry=self.registry)
         self.outcomes = Counter("batchgate_consumer_requests", "Requests answered, by outcome.",
                                 ["queue", "outcome"], registry=self.registry)
-        for outcome in OUTCOMES:
-            self.outcomes.labels(queue, outcome)  # exported at 0 from the start
+        # Labelled by the outcome's name, each exported at 0 from the start.
+        self._answered = {outcome: self.outcomes.labels(queue, outcome.name.lower())
+                          for outcome in Outcome if outcome is not Outcome.RUN}
 
-    def on_batch(self, batch: Batch, ran: int, model_us: int,
-                 outcomes: dict[str, tuple[str, bytes]]) -> None:
+    def on_batch(self, batch: Batch, ran: int, model_us: int, outcomes: Answers) -> None:
         try:
             for item in batch.items:
                 level = Priority(item.level).name.lower() if 0 <= item.level <= 2 else "other"
@@ -108,22 +107,10 @@ class ConsumerMetrics:
             if ran:
                 self.size.labels(self.queue).observe(ran)
                 self.model.labels(self.queue).observe(model_us / 1e6)
-            for kind, envelope in outcomes.values():
-                self.outcomes.labels(self.queue, outcome_of(kind, envelope)).inc()
+            for outcome, _ in outcomes.values():
+                self._answered[outcome].inc()
         except Exception:  # metrics must never stop the consumer
             log.exception("metrics observer failed")
-
-
-def outcome_of(kind: str, envelope: bytes) -> str:
-    if kind == "ok":
-        return "ok"
-    if kind == "dead":
-        return "dead_letter"
-    try:
-        error_type = orjson.loads(envelope)["error"]["type"]
-    except (orjson.JSONDecodeError, KeyError, TypeError):
-        return "failed"
-    return "expired" if error_type == DEADLINE else "failed"
 
 
 def serve_metrics(consumer: Consumer, port: int, host: str = "0.0.0.0") -> ConsumerMetrics:

@@ -1,10 +1,10 @@
 """Overlap the scheduler's own work with the model while a queue has a backlog.
 
 Between two batches a consumer encodes the results, completes the batch, pops the next
-one and decodes its payloads: 1-2 ms for a batch of 32, during which the model idles (5-10%
-of a 20 ms batch). While more requests wait (pop_batch's `remaining` > 0), and the
-model's last run for the batch size outlasted a fetch (`Prefetcher.lead_s`), two helper
-threads take that work off the model's path:
+one and decodes its payloads, while the model idles. While more requests wait
+(pop_batch's `remaining` > 0), and the model's last run for the batch size outlasted a
+fetch (`Prefetcher.lead_s`), two helper threads take that work off the model's path
+(measured in docs/benchmarks.md, "Why the consumer works the way it does"):
 
 - Prefetcher: shortly before the running batch is expected to end (its last run time for
   that size, less the recent time a fetch takes), pops the next batch and decodes it, so
@@ -16,6 +16,9 @@ threads take that work off the model's path:
   runs the next batch. At most two batches queue for it, so a slow Redis holds the model
   back rather than letting results pile up in memory; it is flushed before the consumer
   exits, so a stop never drops computed results.
+
+`Overlap` owns both: the consumer loop asks it whether a batch overlaps, and hands it the
+fetch timing, the completions and the take of the batch fetched ahead.
 
 A consumer killed (SIGKILL, OOM, a crashing payload) loses what it holds as before, now up
 to three batches: the running one, one fetched ahead (its requests were charged the
@@ -32,8 +35,8 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
+from consumer.batch import POP_NOW, Batch, Finished, Next
 from consumer.due_timer import DueTimer
 
 log = logging.getLogger("batchgate.consumer")
@@ -41,14 +44,81 @@ log = logging.getLogger("batchgate.consumer")
 FETCH_MARGIN_S = 0.0005  # added to twice the recent fetch time when timing a prefetch
 
 
+class Overlap:
+    """Decides, batch by batch, whether the next fetch and this batch's completion run
+    beside the model, and runs them there (one Prefetcher, one Completer)."""
+
+    def __init__(self, fetch: Callable[[], Next], finish: Callable[[Finished], object],
+                 stopping: threading.Event):
+        self._prefetcher = Prefetcher(fetch)
+        self._completer = Completer(finish)
+        self._stopping = stopping
+        self._model_s: dict[int, float] = {}  # last model time per batch size
+
+    def wanted(self, batch: Batch, size: int) -> bool:
+        """Whether `batch`, `size` of whose requests the model runs, overlaps.
+
+        Only while a backlog waits and no stop was asked; not for a re-delivered request:
+        it may crash the process, which would take a batch fetched ahead (and charge its
+        requests an attempt) with it; and not when this size last ran faster than a
+        fetch: there is nothing to hide the fetch behind, and handing work between
+        threads would cost more than it saves.
+        """
+        expected = self._model_s.get(size)
+        return batch.remaining > 0 and not self._stopping.is_set() \
+            and (expected is None or expected >= self._prefetcher.lead_s) \
+            and all(item.attempts == 1 for item in batch.items)
+
+    def prefetch(self, size: int) -> None:
+        """Arm the next fetch to land as the model is expected to finish `size` requests."""
+        expected = self._model_s.get(size, 0.0)
+        self._prefetcher.arm(time.monotonic() + max(0.0, expected - self._prefetcher.lead_s))
+
+    def ran(self, size: int, model_s: float) -> None:
+        self._model_s[size] = model_s
+
+    def complete(self, job: Finished) -> None:
+        self._completer.submit(job)
+
+    def take(self) -> Next:
+        """The next step fetched ahead, fetched now if its time has not come (called off
+        if a stop was asked); POP_NOW if no fetch was armed."""
+        got = self._prefetcher.take(fetch_now=not self._stopping.is_set())
+        if got is None:
+            return POP_NOW
+        ok, value = got
+        if not ok:
+            raise value
+        return value
+
+    def salvage(self) -> Next:
+        """After an error: a batch already fetched ahead (it holds our requests), else
+        POP_NOW; a fetch not started yet is called off."""
+        got = self._prefetcher.take(fetch_now=False)
+        if got is not None and got[0] and isinstance(got[1], Batch):
+            return got[1]
+        return POP_NOW
+
+    def held(self) -> list[Batch]:
+        """Batches fetched ahead or still completing: the lease thread renews them."""
+        ready = self._prefetcher.ready()
+        aside = self._completer.batches()
+        return [*aside, ready] if ready is not None else aside
+
+    def close(self) -> None:
+        """Write every computed result, then stop both threads."""
+        self._completer.close()
+        self._prefetcher.close()
+
+
 class Prefetcher:
     """One fetch at a time, run on a helper thread at a set time (or at once on take())."""
 
-    def __init__(self, fetch: Callable[[], Any]):
+    def __init__(self, fetch: Callable[[], Next]):
         self._fetch = fetch
         self._cond = threading.Condition()
         self._state = "idle"  # idle -> armed -> fetching -> done -> (taken) idle
-        self._result: tuple[bool, Any] | None = None
+        self._result: tuple[bool, Next | BaseException] | None = None
         self._fetch_s = 0.0  # recent fetch time (EWMA)
         self._timer = DueTimer(self._run, name="batchgate-prefetch")
 
@@ -65,7 +135,7 @@ class Prefetcher:
             self._state = "armed"
         self._timer.set(at)
 
-    def take(self, fetch_now: bool = True) -> tuple[bool, Any] | None:
+    def take(self, fetch_now: bool = True) -> tuple[bool, Next | BaseException] | None:
         """The fetched outcome as (ok, value or exception); None if nothing was armed, or
         (fetch_now=False) if the fetch had not started yet: then it is called off."""
         with self._cond:
@@ -82,10 +152,10 @@ class Prefetcher:
             result, self._result, self._state = self._result, None, "idle"
             return result
 
-    def ready(self) -> Any:
-        """The fetched value waiting to be taken, if any (the lease thread renews it)."""
+    def ready(self) -> Batch | None:
+        """The fetched batch waiting to be taken, if any."""
         result = self._result
-        return result[1] if result is not None and result[0] else None
+        return result[1] if result is not None and isinstance(result[1], Batch) else None
 
     def close(self) -> None:
         self._timer.close()
@@ -94,8 +164,9 @@ class Prefetcher:
         with self._cond:
             self._state = "fetching"
         started = time.perf_counter()
+        result: tuple[bool, Next | BaseException]
         try:
-            result: tuple[bool, Any] = (True, self._fetch())
+            result = (True, self._fetch())
         except BaseException as exc:  # handed to the consumer loop, which handles it
             result = (False, exc)
         took = time.perf_counter() - started
@@ -108,25 +179,24 @@ class Prefetcher:
 class Completer:
     """Runs `finish(job)` for each submitted job, in order, on a helper thread."""
 
-    def __init__(self, finish: Callable[[Any], None], batch_of: Callable[[Any], Any]):
+    def __init__(self, finish: Callable[[Finished], object]):
         self._finish = finish
-        self._batch_of = batch_of
-        self._jobs: queue.Queue[Any] = queue.Queue(maxsize=2)
-        self._open: list[Any] = []  # jobs submitted and not finished
+        self._jobs: queue.Queue[Finished | None] = queue.Queue(maxsize=2)
+        self._open: list[Finished] = []  # jobs submitted and not finished
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="batchgate-complete",
                                         daemon=True)
         self._thread.start()
 
-    def submit(self, job: Any) -> None:
+    def submit(self, job: Finished) -> None:
         with self._lock:
             self._open.append(job)
         self._jobs.put(job)
 
-    def batches(self) -> list[Any]:
-        """Batches whose results are not written yet (the lease thread renews them)."""
+    def batches(self) -> list[Batch]:
+        """Batches whose results are not written yet."""
         with self._lock:
-            return [self._batch_of(job) for job in self._open]
+            return [job.batch for job in self._open]
 
     def close(self) -> None:
         """Finish every submitted job, then stop."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 import orjson
@@ -33,6 +34,26 @@ INT_MIN, INT_MAX = -(2**63), 2**64 - 1  # what orjson encodes
 # Error types with a dedicated exception on the producer side.
 DEADLINE = "DeadlineExceeded"
 CANCELLED = "Cancelled"
+
+
+class Outcome(str, Enum):
+    """Where a request stands in its batch, one vocabulary for every place that says it.
+
+    The value is the code on the wire: the outcome complete.lua takes, and (RUN, EXPIRED)
+    the state pop_batch.lua marks an item with. The name in lower case is the consumer's
+    metrics label.
+    """
+
+    RUN = "run"  # not settled at the pop: the model runs it
+    OK = "ok"
+    FAILED = "err"
+    EXPIRED = "expired"  # its deadline passed before a consumer ran it
+    DEAD_LETTER = "dead"  # kept in the dead-letter set
+
+
+# pop_batch.lua's item states: 'exhausted' (max_attempts deliveries used) is dead-lettered.
+POPPED_STATES = {b"run": Outcome.RUN, b"expired": Outcome.EXPIRED,
+                 b"exhausted": Outcome.DEAD_LETTER}
 
 
 def check_json_value(value: Any, field: str) -> None:

@@ -11,7 +11,7 @@ import time
 import pytest
 from helpers.support import RecordingModel, configure, snapshot, wait_for
 
-from consumer.worker import Batch, parse_pop
+from consumer.batch import Batch, parse_pop
 from producer import Producer, RequestFailed
 from scheduler_core.admin import queue_stats
 from scheduler_core.keys import QueueKeys

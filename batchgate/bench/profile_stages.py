@@ -27,7 +27,8 @@ from typing import Any
 import redis
 
 from batchgate.embedded import embedded_redis
-from consumer.worker import Batch, Consumer, ConsumerConfig, Finished
+from consumer.batch import Batch, Finished, Idle
+from consumer.worker import Consumer, ConsumerConfig
 from producer.sync import Producer
 from scheduler_core.admin import ensure_policy
 
@@ -74,8 +75,8 @@ def drain_profile(url: str, n: int, batch: int) -> None:
             outcome = consumer._pop()
             if isinstance(outcome, Batch):
                 batches.append(outcome)
-            else:  # a last partial batch, due after max_queue_delay
-                time.sleep(max(outcome, 1) / 1000)
+            elif isinstance(outcome, Idle):  # a last partial batch, due after max_queue_delay
+                time.sleep(max(outcome.due_in_ms or 0, 1) / 1000)
         return batches
 
     def complete(batches: list[Batch]) -> None:

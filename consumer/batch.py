@@ -1,0 +1,87 @@
+"""What a pop hands the consumer loop, and what the loop hands complete.lua.
+
+A pop yields one of three next steps: a Batch to run, Idle (nothing due: block), or
+PopNow (pop again at once).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from scheduler_core.errors import InvalidRequest
+from scheduler_core.wire import POPPED_STATES, Outcome
+
+# request id -> (outcome, encoded result envelope), as complete.lua takes them
+Answers = dict[str, tuple[Outcome, bytes]]
+
+
+@dataclass
+class Item:
+    id: str
+    envelope: bytes | None
+    arrival_us: int
+    attempts: int
+    producer: str
+    state: Outcome  # RUN, or settled at the pop: EXPIRED or DEAD_LETTER
+    level: int
+
+
+@dataclass
+class Batch:
+    id: str
+    popped_us: int
+    items: list[Item]
+    remaining: int = 0  # requests still pending after this pop
+    # (answers known before the model runs, [(item, decoded payload)]), once decoded
+    prepared: tuple[Answers, list[tuple[Item, Any]]] | None = field(default=None, repr=False)
+
+
+@dataclass(frozen=True)
+class Idle:
+    """Nothing due: block until `due_in_ms` has passed (None: until an arrival wakes us)."""
+    due_in_ms: float | None = None
+
+
+@dataclass(frozen=True)
+class PopNow:
+    """Pop at once: nothing rode in with the last completion."""
+
+
+IDLE_UNTIL_WOKEN = Idle()
+POP_NOW = PopNow()
+Next = Batch | Idle | PopNow  # what the consumer loop does next
+
+
+@dataclass
+class Finished:
+    """(Part of) a batch's answers on their way to complete.lua."""
+    batch: Batch
+    outcomes: Answers  # already encoded (expired, dead, malformed)
+    runnable: list[Item] = field(default_factory=list)
+    results: list[tuple[bool, Any]] = field(default_factory=list)  # per runnable item
+    model_us: int = 0
+    answered_early: Answers = field(default_factory=dict)
+    last: bool = True  # the batch's final completion: observed, its model time recorded
+
+
+def parse_pop(reply: list[Any]) -> Batch | Idle:
+    """pop_batch.lua's reply: a Batch, or Idle until the next request falls due.
+
+    LookupError if the queue has no policy."""
+    head = int(reply[0])
+    if head == 0:
+        wait_us = int(reply[1])
+        return Idle(wait_us / 1000) if wait_us >= 0 else IDLE_UNTIL_WOKEN
+    if head == -1:
+        raise LookupError("queue has no policy")
+    if head < 0:
+        raise InvalidRequest(reply[1].decode(), "rejected by pop_batch")
+    items = []
+    state_of, run = POPPED_STATES.get, Outcome.RUN  # an Enum lookup per item is slow
+    for i in range(4, len(reply), 7):
+        rid, env, arrival, attempts, producer, state, level = reply[i:i + 7]
+        items.append(Item(rid.decode(), env, int(arrival), int(attempts),
+                          producer.decode(errors="replace"),  # hand-written meta
+                          state_of(state, run), int(level)))
+    return Batch(str(head), int(reply[1]), items, remaining=int(reply[3]))

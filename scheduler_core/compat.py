@@ -63,7 +63,9 @@ def check_redis_version(version: tuple[int, ...] | None, where: str) -> None:
 
 
 def _info_server(reply: Any, client: Any) -> None:
-    check_redis_version(parse_redis_version(reply), describe_server(client))
+    version = parse_redis_version(reply)
+    if version is not None and version[:2] < MIN_REDIS_VERSION:
+        check_redis_version(version, describe_server(client))
     _checked.add(client)
 
 

@@ -317,7 +317,7 @@ def check_rules(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         point = {"system": spec["system"], "strategy": strategy, "rate": rate,
                  "busy": s["busy_fraction"], "overloaded": s["overloaded"]}
         bmax = s["batch_max"] or 1
-        fills = rate * delay / 1000 >= size  # the seed: batches fill at this rate
+        fills = rate * delay / 1000 >= size  # batches fill from this rate on (docs/scheduling.md)
         busy = s["busy_fraction"] or 0
         light = not s["overloaded"] and busy < 0.5 and (strategy == "fifo" or not fills)
         bound1 = delay + t(bmax) + RULE_SLACK_MS

@@ -6,15 +6,23 @@ from __future__ import annotations
 import importlib
 import logging
 import sys
+import time
 from typing import Any
 
 import click
 import orjson
+import redis
 
-from scheduler_core.connection import connect
+from scheduler_core.compat import connect_checked
 from scheduler_core.errors import BatchgateError, InvalidRequest
-from scheduler_core.options import policy_options, policy_values, queue_option, redis_url_option
-from scheduler_core.policy import Policy
+from scheduler_core.options import (
+    env_option,
+    policy_options,
+    policy_values,
+    queue_option,
+    redis_url_option,
+)
+from scheduler_core.policy import Policy, Strategy
 
 LAZY_COMMANDS = {
     "consumer": "consumer.cli:consumer_command",
@@ -44,11 +52,14 @@ class LazyGroup(click.Group):
             raise click.UsageError(str(exc)) from None
         except BatchgateError as exc:
             raise click.ClickException(str(exc)) from None
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            raise click.ClickException(f"cannot reach Redis: {exc}") from None
 
 
 @click.group(cls=LazyGroup)
-@click.option("--log-level", default="INFO", show_default=True,
-              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
+@env_option("--log-level", envvar="BATCHGATE_LOG_LEVEL", default="INFO", show_default=True,
+            type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+            help="Log messages of this level and above, to stderr.")
 def main(log_level: str) -> None:
     """batchgate: a Redis-backed request scheduler for model inference."""
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
@@ -63,7 +74,7 @@ def stats_command(redis_url: str, queue: str, as_json: bool) -> None:
     """Depth per priority, in-flight, consumers alive, throughput counters, latencies."""
     from scheduler_core.admin import queue_stats
 
-    stats = queue_stats(connect(redis_url), queue).to_dict()
+    stats = queue_stats(connect_checked(redis_url), queue).to_dict()
     if as_json:
         click.echo(orjson.dumps(stats, option=orjson.OPT_INDENT_2).decode())
         return
@@ -76,16 +87,21 @@ def policy_group() -> None:
     """Show or change a queue's scheduling policy (shared by all its consumers)."""
 
 
+def _print_policy(policy: Policy) -> None:
+    click.echo(orjson.dumps(policy.to_dict(), option=orjson.OPT_INDENT_2).decode())
+
+
 @policy_group.command("show")
 @redis_url_option
 @queue_option
 def policy_show(redis_url: str, queue: str) -> None:
+    """Print the queue's stored policy as JSON (numbers as numbers, as `stats --json`)."""
     from scheduler_core.admin import read_policy
 
-    policy = read_policy(connect(redis_url), queue)
+    policy = read_policy(connect_checked(redis_url), queue)
     if policy is None:
         raise click.ClickException(f"queue {queue!r} has no policy yet (no consumer started)")
-    click.echo(orjson.dumps(policy.to_redis(), option=orjson.OPT_INDENT_2).decode())
+    _print_policy(policy)
 
 
 @policy_group.command("set")
@@ -94,17 +110,81 @@ def policy_show(redis_url: str, queue: str) -> None:
 @policy_options
 def policy_set(redis_url: str, queue: str, **kwargs: Any) -> None:
     """Replace the policy: given values override the stored ones. Consumers apply it from
-    their next batch on."""
+    their next batch on. Switching --strategy without --max-batch-size also resets
+    max_batch_size to the new strategy's default (fifo: 1, others: 32)."""
     from scheduler_core.admin import read_policy, store_policy
 
-    client = connect(redis_url)
+    client = connect_checked(redis_url)
     values = {k: v for k, v in policy_values(kwargs).items() if v is not None}
     current = read_policy(client, queue)
-    base = current.to_redis() if current else {}
-    merged: dict[str, Any] = {k: (v if k == "strategy" else int(v)) for k, v in base.items()}
+    merged: dict[str, Any] = current.to_dict() if current else {}
+    if (current is not None and "strategy" in values and "max_batch_size" not in values
+            and Strategy(values["strategy"]) is not current.strategy):
+        del merged["max_batch_size"]  # Policy.build supplies the new strategy's default
     merged.update(values)
     stored = store_policy(client, queue, Policy.build(**merged), replace=True)
-    click.echo(orjson.dumps(stored.to_redis(), option=orjson.OPT_INDENT_2).decode())
+    if current is not None and stored.max_batch_size != current.max_batch_size \
+            and "max_batch_size" not in values:
+        click.echo(f"max_batch_size: {current.max_batch_size} -> {stored.max_batch_size}, "
+                   f"the default of {stored.strategy} (give --max-batch-size to choose)",
+                   err=True)
+    _print_policy(stored)
+
+
+class NotFound(click.ClickException):
+    """No result to show: unknown id, not finished yet, or --wait timed out."""
+
+    exit_code = 3
+
+
+@main.command("result")
+@redis_url_option
+@queue_option
+@click.option("--wait", is_flag=True, help="Wait until the request has a result.")
+@click.option("--timeout", type=click.FloatRange(0, 86_400), default=30.0, show_default=True,
+              help="With --wait: seconds to wait, 0-86400.")
+@click.option("--json", "as_json", is_flag=True,
+              help='Print the state as JSON: {"id", "status", "result" | "error"}.')
+@click.argument("request_id", metavar="ID")
+def result_command(redis_url: str, queue: str, wait: bool, timeout: float, as_json: bool,
+                   request_id: str) -> None:
+    """Print the stored result of request ID (from `submit`, the gateway, `dead-letter
+    retry`, ...), from any process, while it is kept (result_ttl_s).
+
+    Exit status: 0 done (the result is printed as JSON); 1 the request failed, expired
+    or was cancelled (the error goes to stderr); 2 bad usage; 3 no result: the id is
+    unknown or its result expired, the request is still queued or running, or --wait
+    timed out.
+    """
+    from scheduler_core.admin import request_state
+
+    client = connect_checked(redis_url)
+    end = time.monotonic() + timeout
+    step = 0.02
+    while True:
+        found = request_state(client, queue, request_id)
+        if found is None:
+            raise NotFound(f"no request {request_id!r} in queue {queue!r} (unknown, or its "
+                           "result expired after result_ttl_s)")
+        if found.result is not None or not wait or time.monotonic() >= end:
+            break
+        time.sleep(min(step, max(0.0, end - time.monotonic())))
+        step = min(0.5, step * 2)  # quick for fast models, gentle on Redis for slow ones
+    result = found.result
+    if as_json:
+        body: dict[str, Any] = {"id": found.id, "status": found.status}
+        if result is not None:
+            body.update({"result": result.value} if result.ok else
+                        {"error": {"type": result.error_type, "message": result.message}})
+        click.echo(orjson.dumps(body).decode())
+    if result is None:
+        raise NotFound(f"request {request_id} is {found.status}: no result "
+                       + (f"within {timeout:g}s" if wait else "yet (--wait waits for it)"))
+    if not result.ok:
+        raise click.ClickException(f"request {request_id} {found.status}: "
+                                   f"{result.error_type}: {result.message}")
+    if not as_json:
+        click.echo(orjson.dumps(result.value).decode())
 
 
 if __name__ == "__main__":

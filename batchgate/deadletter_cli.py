@@ -7,7 +7,7 @@ from typing import Any
 import click
 import orjson
 
-from scheduler_core.connection import connect
+from scheduler_core.compat import connect_checked
 from scheduler_core.deadletter import list_dead, purge, retry
 from scheduler_core.options import queue_option, redis_url_option
 
@@ -29,19 +29,21 @@ def dead_letter_group() -> None:
 
 @dead_letter_group.command("list")
 @_options
-@click.option("--limit", type=click.IntRange(1, 10_000), default=50, show_default=True)
-@click.option("--offset", type=click.IntRange(0), default=0, show_default=True)
+@click.option("--limit", type=click.IntRange(1, 10_000), default=50, show_default=True,
+              help="Most entries to list, 1-10000.")
+@click.option("--offset", type=click.IntRange(0), default=0, show_default=True,
+              help="Skip this many of the oldest entries first (to page through).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def list_command(redis_url: str, queue: str, limit: int, offset: int, as_json: bool) -> None:
     """The oldest dead-lettered requests, with why they were given up on."""
-    total, entries = list_dead(connect(redis_url), queue, limit, offset)
+    total, entries = list_dead(connect_checked(redis_url), queue, limit, offset)
     if as_json:
         click.echo(orjson.dumps({"total": total, "entries": [e.to_dict() for e in entries]},
                                 option=orjson.OPT_INDENT_2).decode())
         return
     click.echo(f"{total} dead-lettered request(s) in queue {queue!r}")
     for e in entries:
-        click.echo(f"{e.id}  attempts={e.attempts}  {e.error_type}: {e.message}")
+        click.echo(f"{e.id}  deliveries={e.attempts}  {e.error_type}: {e.message}")
 
 
 @dead_letter_group.command("retry")
@@ -50,8 +52,8 @@ def list_command(redis_url: str, queue: str, limit: int, offset: int, as_json: b
 @click.argument("ids", nargs=-1)
 def retry_command(redis_url: str, queue: str, all_: bool, ids: tuple[str, ...]) -> None:
     """Enqueue dead-lettered requests again (new arrival, attempts reset, no deadline);
-    their results are then fetched by id."""
-    done, skipped = retry(connect(redis_url), queue, _targets(ids, all_))
+    fetch each one's result by id with `batchgate result ID [--wait]`."""
+    done, skipped = retry(connect_checked(redis_url), queue, _targets(ids, all_))
     click.echo(f"retried {done}, skipped {skipped}")
 
 
@@ -61,5 +63,5 @@ def retry_command(redis_url: str, queue: str, all_: bool, ids: tuple[str, ...]) 
 @click.argument("ids", nargs=-1)
 def purge_command(redis_url: str, queue: str, all_: bool, ids: tuple[str, ...]) -> None:
     """Delete dead-lettered requests for good."""
-    done, skipped = purge(connect(redis_url), queue, _targets(ids, all_))
+    done, skipped = purge(connect_checked(redis_url), queue, _targets(ids, all_))
     click.echo(f"purged {done}, skipped {skipped}")

@@ -6,6 +6,7 @@ import gc
 import logging
 import os
 import signal
+import sys
 from typing import Any
 
 import click
@@ -14,10 +15,18 @@ import orjson
 from consumer.loader import load_model
 from consumer.supervisor import supervise, supervisor_options, wants_supervisor
 from consumer.worker import Consumer, ConsumerConfig
-from scheduler_core.options import policy_options, policy_values, queue_option, redis_url_option
+from scheduler_core.compat import require_redis_version, usable_cores
+from scheduler_core.options import (
+    env_option,
+    policy_options,
+    policy_values,
+    queue_option,
+    redis_url_option,
+)
 from scheduler_core.wire import DEFAULT_MAX_RESULT_BYTES
 
 log = logging.getLogger("batchgate.consumer")
+MAX_TORCH_THREADS = 1024
 
 
 def parse_model_args(pairs: tuple[str, ...]) -> dict[str, Any]:
@@ -50,31 +59,45 @@ def install_signal_handlers(consumer: Consumer) -> None:
 @click.command("consumer")
 @redis_url_option
 @queue_option
-@click.option("--model", "model_spec", default="consumer.models:synthetic", show_default=True,
-              help="MODULE:ATTR of a batch model, or of a zero-argument factory returning one.")
-@click.option("--model-arg", multiple=True, metavar="KEY=VALUE",
-              help="Keyword argument for the model factory (value parsed as JSON if it can "
-                   "be). Repeatable.")
-@click.option("--device", default=None,
-              help="Device for torch models (cpu, cuda:0, ...), passed to the factory.")
-@click.option("--lease-ms", type=int, default=10_000, show_default=True,
-              help="A batch whose lease is not renewed for this long is re-queued.")
-@click.option("--max-batch-ms", type=int, default=0, show_default=True,
-              help="A batch running longer than this is deemed hung: its lease lapses and "
-                   "another consumer re-runs it. 0 = never.")
-@click.option("--max-result-bytes", type=click.IntRange(16, 512 << 20),
-              default=DEFAULT_MAX_RESULT_BYTES, show_default=True,
-              help="A result larger than this (encoded) fails its request with InvalidResult.")
-@click.option("--overlap/--no-overlap", default=True, show_default=True,
-              help="While a backlog waits, fetch the next batch and write the last one's "
-                   "results while the model runs. --no-overlap: one batch at a time (a "
-                   "crash then re-runs only the batch in hand).")
-@click.option("--name", default="", help="Consumer name [default: host:pid:random].")
-@policy_options
+@env_option("--model", "model_spec", envvar="BATCHGATE_MODEL",
+            default="consumer.models:synthetic", show_default=True,
+            help="MODULE:ATTR of a batch model, or of a zero-argument factory returning one.")
+@env_option("--model-arg", envvar="BATCHGATE_MODEL_ARG", multiple=True, metavar="KEY=VALUE",
+            help="Keyword argument for the model factory (value parsed as JSON if it can "
+                 "be). Repeatable; in the variable, pairs separated by spaces.")
+@env_option("--device", envvar="BATCHGATE_DEVICE", default=None,
+            help="Device for torch models (cpu, cuda:0, ...), passed to the factory as "
+                 "device= (the built-in models all take it).")
+@env_option("--torch-threads", envvar="BATCHGATE_TORCH_THREADS",
+            type=click.IntRange(1, MAX_TORCH_THREADS), default=None,
+            help="CPU threads torch (OpenMP/MKL) may use in this process, 1-"
+                 f"{MAX_TORCH_THREADS} [default: all cores for a lone consumer; cores / "
+                 "consumers under --replicas/--devices; OMP_NUM_THREADS if set].")
+@env_option("--lease-ms", envvar="BATCHGATE_LEASE_MS", type=int, default=10_000,
+            show_default=True,
+            help="ms, 100-86400000: a batch whose lease is not renewed for this long is "
+                 "re-queued.")
+@env_option("--max-batch-ms", envvar="BATCHGATE_MAX_BATCH_MS", type=int, default=0,
+            show_default=True,
+            help="ms, 0 or 100-86400000: a batch running longer than this is deemed hung: "
+                 "its lease lapses and another consumer re-runs it. 0 = never.")
+@env_option("--max-result-bytes", envvar="BATCHGATE_MAX_RESULT_BYTES",
+            type=click.IntRange(16, 512 << 20), default=DEFAULT_MAX_RESULT_BYTES,
+            show_default=True,
+            help="A result larger than this (encoded) fails its request with InvalidResult.")
+@env_option("--overlap/--no-overlap", envvar="BATCHGATE_OVERLAP", default=True,
+            show_default=True,
+            help="While a backlog waits, fetch the next batch and write the last one's "
+                 "results while the model runs. --no-overlap: one batch at a time (a "
+                 "crash then re-runs only the batch in hand). In the variable: true/false.")
+@env_option("--name", envvar="BATCHGATE_CONSUMER_NAME", default="",
+            help="Consumer name shown in stats [default: host:pid:random].")
+@policy_options(env=True)
 @supervisor_options
 def consumer_command(redis_url: str, queue: str, model_spec: str, model_arg: tuple[str, ...],
-                     device: str | None, lease_ms: int, max_batch_ms: int,
-                     max_result_bytes: int, overlap: bool, name: str, **kwargs: Any) -> None:
+                     device: str | None, torch_threads: int | None, lease_ms: int,
+                     max_batch_ms: int, max_result_bytes: int, overlap: bool, name: str,
+                     **kwargs: Any) -> None:
     """Pop batches from QUEUE and run MODEL on them until SIGTERM/SIGINT.
 
     The first consumer of a queue stores its policy; later ones adopt it, and one started
@@ -88,22 +111,44 @@ def consumer_command(redis_url: str, queue: str, model_spec: str, model_arg: tup
                             max_batch_ms=max_batch_ms, max_result_bytes=max_result_bytes,
                             overlap=overlap, policy=policy, name=name)
     model_kwargs = parse_model_args(model_arg)
+    flags = dict.fromkeys(model_kwargs, "--model-arg")
     if device is not None:
-        model_kwargs["device"] = device
+        model_kwargs["device"], flags["device"] = device, "--device"
+    threads = limit_torch_threads(torch_threads)
     # Settle the policy before loading the model: a conflict should fail fast.
     consumer = Consumer(model=_unloaded, config=config)
+    require_redis_version(consumer.redis)
     consumer.start()
     install_signal_handlers(consumer)
     if metrics_port:
         from consumer.metrics import serve_metrics
 
         serve_metrics(consumer, metrics_port)
-    consumer.model = load_model(model_spec, model_kwargs)
+    consumer.model = load_model(model_spec, model_kwargs, flags)
+    limit_torch_threads(threads)  # torch may have been imported by the model only now
     if consumer.stopping.is_set():
         return
     freeze_startup_heap()
-    click.echo(f"batchgate consumer {config.name} ready on queue {queue!r}", err=True)
+    click.echo(f"batchgate consumer {config.name} ready on queue {queue!r} (torch threads: "
+               f"{threads or os.environ.get('OMP_NUM_THREADS')})", err=True)
     consumer.run()
+
+
+def limit_torch_threads(threads: int | None) -> int | None:
+    """Cap torch's CPU threads; the number applied (None: OMP_NUM_THREADS, set by the
+    user, rules). Consumers sharing a host each default to all cores otherwise, and then
+    fight over them: two MiniLM consumers on 2 cores serve less than one."""
+    if threads is None:
+        if os.environ.get("OMP_NUM_THREADS"):
+            return None
+        threads = usable_cores()
+    # Read by OpenMP and MKL when torch starts; torch already imported is told directly.
+    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(threads)
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+        log.info("torch threads: %d", threads)
+    return threads
 
 
 def freeze_startup_heap() -> None:

@@ -31,31 +31,62 @@ def _is_factory(obj: Any) -> bool:
     return False
 
 
-def load_model(spec: str, kwargs: dict[str, Any] | None = None) -> BatchModel:
+def _parameters(factory: Any) -> list[str] | None:
+    """The keyword arguments `factory` takes; None if it takes any (**kwargs) or has no
+    signature to tell (a builtin: the call itself will say)."""
+    try:
+        params = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return None
+    return [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
+def load_model(spec: str, kwargs: dict[str, Any] | None = None,
+               flags: dict[str, str] | None = None) -> BatchModel:
+    """The batch model `spec` names, built with `kwargs`. `flags` maps each keyword to the
+    option the user typed for it (`--device`, `--model-arg`), so errors name that."""
+    kwargs = kwargs or {}
+    flags = flags or {}
+
+    def flag_of(names: Any) -> str:
+        return " / ".join(sorted({flags.get(n, "--model-arg") for n in names})) \
+            or "--model-arg"
+
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise InvalidRequest("model", f"{spec!r} is not of the form MODULE:ATTR")
+        raise InvalidRequest("--model", f"{spec!r} is not of the form MODULE:ATTR")
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
         target: Any = importlib.import_module(module_name)
     except ImportError as exc:
-        raise InvalidRequest("model", f"cannot import module {module_name!r}: {exc}") from exc
+        raise InvalidRequest("--model", f"cannot import module {module_name!r}: {exc}") \
+            from exc
     for part in attr.split("."):
         try:
             target = getattr(target, part)
         except AttributeError:
-            raise InvalidRequest("model", f"module {module_name!r} has no {attr!r}") from None
+            raise InvalidRequest("--model", f"module {module_name!r} has no {attr!r}") \
+                from None
     if _is_factory(target):
+        takes = _parameters(target)
+        unknown = sorted(set(kwargs) - set(takes)) if takes is not None else []
+        if unknown:
+            raise InvalidRequest(flag_of(unknown), f"{spec} takes no argument "
+                                 f"{', '.join(unknown)} (it takes: "
+                                 f"{', '.join(takes) or 'nothing'})")
         try:
-            target = target(**(kwargs or {}))
+            target = target(**kwargs)
         except TypeError as exc:
-            raise InvalidRequest("model_arg", f"{spec} does not take these arguments "
-                                              f"({sorted(kwargs or {})}): {exc}") from exc
+            raise InvalidRequest(flag_of(kwargs), f"{spec} rejected {sorted(kwargs)}: "
+                                                  f"{exc}") from exc
     elif kwargs:
-        raise InvalidRequest("model_arg", f"{spec} is a model, not a factory: it takes no "
-                                          "--model-arg")
+        raise InvalidRequest(flag_of(kwargs), f"{spec} is a model, not a factory: it takes "
+                                              "no --model-arg or --device")
     if not callable(target):
-        raise InvalidRequest("model", f"{spec} resolved to {type(target).__name__}, which is "
-                                      "not callable with a batch")
+        raise InvalidRequest("--model", f"{spec} resolved to {type(target).__name__}, which "
+                                        "is not callable with a batch")
     return target
+

@@ -4,9 +4,16 @@ process runs one plain `batchgate consumer` child per device and replica.
 - Each child gets the supervisor's own command line minus --replicas/--devices, plus
   `--device D` (with --devices), `--name NAME-<slot>` (with --name) and
   `--metrics-port PORT+<slot>` (with --metrics-port).
-- A child that exits is restarted after an exponential backoff (0.5 s doubling to 30 s;
-  the count resets once a child has run for 30 s). A child that exits with status 2 (a
-  usage error: bad model, bad flags) stops them all: restarting cannot fix it.
+- Restarts follow systemd's `Restart=on-failure`: a child that fails (exits non-zero, or
+  is killed by a signal other than SIGTERM/SIGINT/SIGHUP/SIGPIPE) is restarted after an
+  exponential backoff (0.5 s doubling to 30 s; the count resets once a child has run for
+  30 s). A child that stops cleanly (status 0, e.g. after its own SIGTERM, or killed by
+  one of those signals) is not restarted; once every child has stopped cleanly the
+  supervisor exits 0. A child that exits with status 2 (a usage error: bad model, bad
+  flags) stops them all: restarting cannot fix it.
+- A child's heartbeat entry is removed from the queue as soon as the supervisor sees it
+  die, so `consumers_alive` drops at once instead of seconds later.
+- Without --torch-threads, each child gets the host's cores divided by the children.
 - SIGTERM or SIGINT: the supervisor forwards SIGTERM to every child (each finishes the
   batch in hand), waits up to --stop-timeout seconds, kills what is left, and exits 0.
 - Children die with the supervisor (Linux parent-death signal), so none is orphaned.
@@ -18,38 +25,49 @@ import ctypes
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import click
 
+from scheduler_core.compat import usable_cores
+from scheduler_core.options import env_option
+
 log = logging.getLogger("batchgate.supervisor")
 
 USAGE_ERROR = 2
 SUPERVISOR_OPTIONS = ("replicas", "devices", "stop_timeout")
-PER_CHILD_OPTIONS = ("device", "name", "metrics_port")
+PER_CHILD_OPTIONS = ("device", "name", "metrics_port", "torch_threads")
+# Children are plain consumers: the variables that would make each one a supervisor too
+# are not passed on.
+SUPERVISOR_ENV = ("BATCHGATE_REPLICAS", "BATCHGATE_DEVICES", "BATCHGATE_STOP_TIMEOUT")
+# A child ended by one of these stopped cleanly (systemd's Restart=on-failure agrees).
+CLEAN_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGPIPE)
 
 
 def supervisor_options(func: Any) -> Any:
     options = [
-        click.option("--replicas", type=click.IntRange(1, 256), default=1, show_default=True,
-                     help="Consumer processes to run (per device with --devices); more than "
-                          "one starts a supervisor that restarts any that dies."),
-        click.option("--devices", default=None, metavar="cuda:0,cuda:1|all",
-                     help="Supervise one consumer per device (x --replicas); `all` = every "
-                          "CUDA device torch sees."),
-        click.option("--stop-timeout", type=click.FloatRange(0), default=30.0,
-                     show_default=True,
-                     help="Supervisor: seconds children get to finish after SIGTERM."),
-        click.option("--metrics-port", type=click.IntRange(1, 65535), default=None,
-                     envvar="BATCHGATE_METRICS_PORT",
-                     help="Serve Prometheus metrics on this port at /metrics (needs "
-                          "prometheus_client); supervised consumers use PORT, PORT+1, ... "
-                          "Env: BATCHGATE_METRICS_PORT."),
+        env_option("--replicas", envvar="BATCHGATE_REPLICAS", type=click.IntRange(1, 256),
+                   default=1, show_default=True,
+                   help="Consumer processes to run, 1-256 (per device with --devices); more "
+                        "than one starts a supervisor that restarts any that fails."),
+        env_option("--devices", envvar="BATCHGATE_DEVICES", default=None,
+                   metavar="cuda:0,cuda:1|all",
+                   help="Supervise one consumer per device (x --replicas); `all` = every "
+                        "CUDA device torch sees."),
+        env_option("--stop-timeout", envvar="BATCHGATE_STOP_TIMEOUT",
+                   type=click.FloatRange(0), default=30.0, show_default=True,
+                   help="Supervisor: seconds children get to finish after SIGTERM."),
+        env_option("--metrics-port", envvar="BATCHGATE_METRICS_PORT",
+                   type=click.IntRange(1, 65535), default=None,
+                   help="Serve Prometheus metrics on this port at /metrics (needs "
+                        "prometheus_client); supervised consumers use PORT, PORT+1, ..."),
     ]
     for option in reversed(options):
         func = option(func)
@@ -114,12 +132,16 @@ def child_commands(ctx: click.Context) -> list[tuple[str, list[str]]]:
         base += ["--log-level", str(ctx.parent.params["log_level"])]
     base += [ctx.info_name or "consumer",
              *_option_args(ctx, SUPERVISOR_OPTIONS + PER_CHILD_OPTIONS)]
+    devices = parse_devices(params.get("devices"))
+    children = len(devices) * params.get("replicas", 1)
+    # Each child would otherwise take every core, and they would fight over them.
+    threads = params.get("torch_threads") or max(1, usable_cores() // children)
     commands = []
     slot = 0
-    for listed in parse_devices(params.get("devices")):
+    for listed in devices:
         device = listed if listed is not None else params.get("device")
         for _ in range(params.get("replicas", 1)):
-            argv = list(base)
+            argv = [*base, "--torch-threads", str(threads)]
             if device is not None:
                 argv += ["--device", device]
             if params.get("name"):
@@ -149,21 +171,34 @@ class Child:
     started: float = 0.0
     failures: int = 0  # consecutive quick deaths
     restart_at: float | None = None
+    stopped: bool = False  # stopped cleanly: not restarted
+
+    @property
+    def consumer_name(self) -> str | None:
+        """The --name it was given (None: the consumer's default, host:pid:random)."""
+        return self.argv[self.argv.index("--name") + 1] if "--name" in self.argv else None
+
+
+def stopped_cleanly(code: int) -> bool:
+    """As systemd's Restart=on-failure sees it: exit status 0, or a clean signal."""
+    return code == 0 or -code in CLEAN_SIGNALS
 
 
 class Supervisor:
     def __init__(self, commands: list[tuple[str, list[str]]], stop_timeout_s: float = 30.0,
                  backoff_base_s: float = 0.5, backoff_cap_s: float = 30.0,
-                 stable_s: float = 30.0):
+                 stable_s: float = 30.0, on_exit: Callable[[Child], None] | None = None):
         self.children = [Child(label, argv) for label, argv in commands]
         self.stop_timeout_s = stop_timeout_s
         self.backoff_base_s, self.backoff_cap_s, self.stable_s = (backoff_base_s,
                                                                   backoff_cap_s, stable_s)
         self.stopping = threading.Event()
+        self.on_exit = on_exit  # called once per child that died, before any restart
+        self.env = {k: v for k, v in os.environ.items() if k not in SUPERVISOR_ENV}
 
     def _spawn(self, child: Child) -> None:
         parent = os.getpid()
-        child.proc = subprocess.Popen(child.argv, start_new_session=True,
+        child.proc = subprocess.Popen(child.argv, start_new_session=True, env=self.env,
                                       preexec_fn=lambda: _die_with_parent(parent))
         child.started, child.restart_at = time.monotonic(), None
         log.info("consumer %s started (pid %d)", child.label, child.proc.pid)
@@ -172,8 +207,10 @@ class Supervisor:
         return min(self.backoff_cap_s, self.backoff_base_s * 2 ** max(0, failures - 1))
 
     def _check(self, child: Child) -> int | None:
-        """Restart `child` if it exited (after its backoff); a usage error is returned."""
+        """Restart `child` if it failed (after its backoff); a usage error is returned."""
         now = time.monotonic()
+        if child.stopped:
+            return None
         if child.restart_at is not None:
             if now >= child.restart_at:
                 self._spawn(child)
@@ -181,6 +218,13 @@ class Supervisor:
         assert child.proc is not None
         code = child.proc.poll()
         if code is None:
+            return None
+        if self.on_exit is not None:
+            self.on_exit(child)
+        if stopped_cleanly(code):
+            log.info("consumer %s (pid %d) stopped cleanly (status %s); not restarting it",
+                     child.label, child.proc.pid, code)
+            child.stopped = True
             return None
         if code == USAGE_ERROR:
             log.error("consumer %s exited with a usage error (status 2); stopping all",
@@ -203,6 +247,9 @@ class Supervisor:
                    f"{len(self.children)} consumers", err=True)
         status = 0
         while not self.stopping.wait(0.2):
+            if all(child.stopped for child in self.children):
+                log.info("every consumer stopped cleanly; the supervisor exits")
+                break
             for child in self.children:
                 code = self._check(child)
                 if code is not None:
@@ -233,15 +280,35 @@ class Supervisor:
 
 def supervise(ctx: click.Context) -> int:
     """Run the children of `batchgate consumer --replicas/--devices`; the exit status."""
+    import redis
+
     from scheduler_core.admin import ensure_policy
-    from scheduler_core.connection import connect
+    from scheduler_core.compat import connect_checked
+    from scheduler_core.keys import QueueKeys
     from scheduler_core.options import policy_values
 
     commands = child_commands(ctx)
-    # A policy conflict would make every child exit at once: report it here, once.
-    client = connect(ctx.params["redis_url"])
+    # A policy conflict (or an old Redis) would make every child exit at once: report it
+    # here, once.
+    client = connect_checked(ctx.params["redis_url"])
     try:
         ensure_policy(client, ctx.params["queue"], policy_values(dict(ctx.params)))
+        keys = QueueKeys(ctx.params["queue"])
+
+        def forget_heartbeat(child: Child) -> None:
+            """A dead child's heartbeat would count it alive for seconds more."""
+            try:
+                name = child.consumer_name
+                if name is None and child.proc is not None:
+                    pattern = f"{socket.gethostname()}:{child.proc.pid}:*"
+                    name = next((m for m, _ in client.zscan_iter(keys.consumers,
+                                                                 match=pattern)), None)
+                if name is not None:
+                    client.zrem(keys.consumers, name)
+            except redis.RedisError as exc:  # it ages out by itself
+                log.debug("cannot remove the heartbeat of consumer %s: %s", child.label, exc)
+
+        return Supervisor(commands, stop_timeout_s=ctx.params.get("stop_timeout", 30.0),
+                          on_exit=forget_heartbeat).run()
     finally:
         client.close()
-    return Supervisor(commands, stop_timeout_s=ctx.params.get("stop_timeout", 30.0)).run()

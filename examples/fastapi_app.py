@@ -1,7 +1,10 @@
 """A FastAPI app that sends its inference work through batchgate.
 
 One AsyncProducer per app (it holds one Redis connection pool and one listener task that
-receives every result), opened and closed with the app's lifespan.
+receives every result), opened and closed with the app's lifespan. `GET /jobs/{id}`
+answers 404 for an id that is not one (32 hex digits) or that the queue does not know
+(never submitted, or its result expired after result_ttl_s), so a typo does not poll
+forever; `{"done": false, "status": "queued" | "running"}` while it waits or runs.
 
     pip install 'batchgate[gateway]'          # fastapi + uvicorn
     batchgate consumer --model consumer.models:synthetic &
@@ -12,6 +15,7 @@ receives every result), opened and closed with the app's lifespan.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any, Literal
@@ -20,16 +24,21 @@ from fastapi import FastAPI, HTTPException, Request
 from pydantic import BaseModel
 
 from producer import AsyncProducer, DeadlineExceeded, QueueFull, RequestFailed
+from scheduler_core.admin import request_state_async
+from scheduler_core.connection import connect_async
 
 REDIS_URL = os.environ.get("BATCHGATE_REDIS_URL", "redis://127.0.0.1:6379/0")
 QUEUE = os.environ.get("BATCHGATE_QUEUE", "default")
+JOB_ID = re.compile(r"^[0-9a-f]{32}$")  # the ids producers hand out
 
 
 @asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-    async with AsyncProducer(REDIS_URL, QUEUE) as producer:
-        app.state.producer = producer
+    client = connect_async(REDIS_URL)  # one pool for the producer and the job lookups
+    async with AsyncProducer(REDIS_URL, QUEUE, client=client) as producer:
+        app.state.producer, app.state.redis = producer, client
         yield
+    await client.aclose()
 
 
 app = FastAPI(title="example: FastAPI + batchgate", lifespan=lifespan)
@@ -68,9 +77,14 @@ async def submit_job(item: Item, request: Request) -> dict[str, str]:
 
 @app.get("/jobs/{job_id}")
 async def get_job(job_id: str, request: Request) -> dict[str, Any]:
-    result = await producer_of(request).fetch(job_id)  # works from any process or replica
+    # Any process or replica can answer: the state is in Redis.
+    found = await request_state_async(request.app.state.redis, QUEUE, job_id) \
+        if JOB_ID.match(job_id) else None
+    if found is None:
+        raise HTTPException(404, f"no job {job_id!r} (unknown, or its result expired)")
+    result = found.result
     if result is None:
-        return {"id": job_id, "done": False}
+        return {"id": job_id, "done": False, "status": found.status}
     if not result.ok:
         return {"id": job_id, "done": True, "error": result.message}
     return {"id": job_id, "done": True, "result": result.value}

@@ -18,6 +18,7 @@ import redis.asyncio
 
 from producer.base import POLL_S, CancelOutcome, OnResult, ProducerBase
 from producer.validation import check_timeout
+from scheduler_core.compat import require_redis_version_async
 from scheduler_core.connection import DEFAULT_REDIS_URL, Backoff, connect_async
 from scheduler_core.policy import Priority
 from scheduler_core.scripts import Scripts, enqueue_reply
@@ -118,9 +119,10 @@ class AsyncProducer(ProducerBase[AsyncHandle]):
         requests, handles, keys, args = self._prepare(
             payloads, priority, deadline_ms, idempotency_keys,
             lambda rid: AsyncHandle(self, rid))
-        if self._listener is None:
-            self._listener = asyncio.get_running_loop().create_task(self._listen())
         try:
+            await require_redis_version_async(self._redis)  # once per client: BLMPOP needs 7
+            if self._listener is None:
+                self._listener = asyncio.get_running_loop().create_task(self._listen())
             ids = enqueue_reply(self.keys, await self._scripts.enqueue(keys=keys, args=args))
         except BaseException:
             self._forget(requests)

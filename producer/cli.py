@@ -14,9 +14,12 @@ from scheduler_core.options import queue_option, redis_url_option
 @redis_url_option
 @queue_option
 @click.option("--priority", default="normal", show_default=True,
-              type=click.Choice(["high", "normal", "low"], case_sensitive=False))
+              type=click.Choice(["high", "normal", "low"], case_sensitive=False),
+              help="high: served at once; normal: may wait to fill a batch; low: runs when "
+                   "nothing else waits.")
 @click.option("--deadline-ms", type=int, default=None,
-              help="Do not run the request after this many ms [default: no deadline].")
+              help="Do not run the request after this many ms, 1-86400000 [default: no "
+                   "deadline].")
 @click.option("--idempotency-key", default=None,
               help="Resubmitting with the same key returns the first request's id.")
 @click.option("--wait/--no-wait", default=False, show_default=True,

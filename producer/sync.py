@@ -12,6 +12,7 @@ import redis
 
 from producer.base import POLL_S, CancelOutcome, OnResult, ProducerBase
 from producer.validation import check_timeout
+from scheduler_core.compat import require_redis_version
 from scheduler_core.connection import DEFAULT_REDIS_URL, Backoff, connect
 from scheduler_core.policy import Priority
 from scheduler_core.scripts import Scripts, enqueue_reply
@@ -147,8 +148,9 @@ class Producer(ProducerBase[Handle]):
             raise RuntimeError("producer is closed")
         requests, handles, keys, args = self._prepare(
             payloads, priority, deadline_ms, idempotency_keys, lambda rid: Handle(self, rid))
-        self._ensure_listener()
         try:
+            require_redis_version(self._redis)  # once per client: BLMPOP needs Redis 7
+            self._ensure_listener()
             ids = enqueue_reply(self.keys, self._scripts.enqueue(keys=keys, args=args))
         except BaseException:
             self._forget(requests)

@@ -1,4 +1,5 @@
-"""Queue administration shared by the CLI and the consumer: policy and statistics."""
+"""Queue administration shared by the CLI, the gateway and the consumer: policy,
+statistics, and where a request is."""
 
 from __future__ import annotations
 
@@ -6,11 +7,13 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import redis
+import redis.asyncio
 
 from scheduler_core.errors import InvalidPolicy, PolicyConflict
 from scheduler_core.keys import QueueKeys
 from scheduler_core.policy import Policy, Priority
 from scheduler_core.scripts import source
+from scheduler_core.wire import CANCELLED, DEADLINE, Result, decode_result
 
 CONSUMER_ALIVE_S = 5.0  # a consumer heartbeats at least every second while running
 
@@ -94,11 +97,6 @@ def _percentiles(samples_us: list[bytes]) -> dict[str, float | None]:
     return {"p50": pick(0.50), "p99": pick(0.99), "samples": len(values)}
 
 
-def _policy_values(policy: Policy) -> dict[str, Any]:
-    """The policy as JSON values: numbers as numbers (Redis stores them as strings)."""
-    return {**asdict(policy), "strategy": policy.strategy.value}
-
-
 SAMPLES_READ = 10_000  # the lists hold this many, plus up to 500 between trims
 
 
@@ -128,7 +126,7 @@ def queue_stats(client: redis.Redis, queue: str) -> QueueStats:
     batches = counters.get("batches", 0)
     return QueueStats(
         queue=queue,
-        policy=_policy_values(Policy.from_redis(policy)) if policy else None,
+        policy=Policy.from_redis(policy).to_dict() if policy else None,
         depth={p.name.lower(): n for p, n in zip(Priority, (d0, d1, d2), strict=True)},
         in_flight_requests=owned,
         in_flight_batches=batches_in_flight,
@@ -146,3 +144,61 @@ def queue_stats(client: redis.Redis, queue: str) -> QueueStats:
         end_to_end_ms=_percentiles(e2e),
         model_ms=_percentiles([sample.partition(b":")[2] for sample in model]),  # size:us
     )
+
+
+# -- where a request is ----------------------------------------------------------------
+def status_of(result: Result) -> str:
+    """done, expired (deadline passed before it ran), cancelled, or failed."""
+    if result.ok:
+        return "done"
+    return {DEADLINE: "expired", CANCELLED: "cancelled"}.get(result.error_type, "failed")
+
+
+@dataclass(frozen=True)
+class Found:
+    """A request the queue knows: `status` is queued, running, or that of `result`."""
+
+    id: str
+    status: str
+    result: Result | None = None
+
+
+def queue_lookup(pipe: Any, keys: QueueKeys, request_id: str) -> None:
+    """Add to `pipe` (sync or asyncio, MULTI) the reads `read_lookup` needs: one
+    transaction, so a request moving between states is seen in one of them."""
+    pipe.get(keys.result(request_id))
+    pipe.hexists(keys.owner, request_id)
+    for key in keys.pending_all:
+        pipe.zscore(key, request_id)
+    pipe.hget(keys.dead_reason, request_id)
+
+
+def read_lookup(request_id: str, replies: list[Any]) -> Found | None:
+    """The request's state from `queue_lookup`'s replies; None if the queue does not know
+    it (never submitted, or its result expired after result_ttl_s)."""
+    raw, running, *pending, dead = replies
+    if raw is None and dead is not None:
+        raw = dead  # dead-lettered, and its stored result has expired
+    if raw is not None:
+        result = decode_result(raw)
+        return Found(request_id, status_of(result), result)
+    if running:
+        return Found(request_id, "running")
+    if any(score is not None for score in pending):
+        return Found(request_id, "queued")
+    return None
+
+
+def request_state(client: redis.Redis, queue: str, request_id: str) -> Found | None:
+    """Where request `request_id` of `queue` is (see read_lookup)."""
+    pipe = client.pipeline(transaction=True)
+    queue_lookup(pipe, QueueKeys(queue), request_id)
+    return read_lookup(request_id, pipe.execute())
+
+
+async def request_state_async(client: redis.asyncio.Redis, queue: str,
+                              request_id: str) -> Found | None:
+    """`request_state` for an asyncio client."""
+    pipe = client.pipeline(transaction=True)
+    queue_lookup(pipe, QueueKeys(queue), request_id)
+    return read_lookup(request_id, await pipe.execute())

@@ -31,7 +31,7 @@ class DeadLetter:
     dead_at_s: float  # Redis time, seconds since the epoch
     error_type: str
     message: str
-    attempts: int | None  # deliveries made (None: no readable meta)
+    attempts: int | None  # deliveries made: times it reached a model (None: no readable meta)
     priority: int | None
     payload_preview: str | None  # the stored request envelope, truncated (None: missing)
 
@@ -78,6 +78,10 @@ def list_dead(client: redis.Redis, queue: str, limit: int = 50,
         if len(parts) == 5 and parts[0].isdigit() and parts[3].isdigit():
             priority, attempts = int(parts[0]), int(parts[3])
         error_type, message = _reason(reason)
+        if attempts and error_type == "DeadLettered":
+            # The pop that gave up on it counted one more attempt, but delivered nothing:
+            # the count here is the one its "gave up after N deliveries" names.
+            attempts -= 1
         preview = None if job is None else _text(job)[:PREVIEW_CHARS]
         out.append(DeadLetter(_text(member), score / 1e6, error_type, message, attempts,
                               priority, preview))

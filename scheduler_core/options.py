@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import click
@@ -9,37 +10,61 @@ import click
 from scheduler_core.connection import DEFAULT_REDIS_URL
 from scheduler_core.policy import LIMITS, Strategy
 
-redis_url_option = click.option(
+
+def env_option(*decls: str, envvar: str, help: str, **kwargs: Any) -> Callable[[Any], Any]:
+    """click.option read from `envvar` too, with the variable named in its help (the
+    docs' tables list the same names; tests/test_docs.py keeps them in step)."""
+    return click.option(*decls, envvar=envvar, help=f"{help} Env: {envvar}.", **kwargs)
+
+
+redis_url_option = env_option(
     "--redis-url", envvar="BATCHGATE_REDIS_URL", default=DEFAULT_REDIS_URL, show_default=True,
-    help="Redis to use (redis://, rediss:// for TLS, unix://). Env: BATCHGATE_REDIS_URL.")
-queue_option = click.option(
+    help="Redis to use (redis://, rediss:// for TLS, unix://); Redis 7.0 or newer.")
+queue_option = env_option(
     "--queue", envvar="BATCHGATE_QUEUE", default="default", show_default=True,
-    help="Queue name. Env: BATCHGATE_QUEUE.")
+    help="Queue name (1-128 of A-Z a-z 0-9 _ . : -).")
 
 
-def policy_options(func: Any) -> Any:
-    """--strategy and the policy knobs; unset ones stay None (= keep stored/default)."""
-    knobs = [
-        click.option("--strategy", type=click.Choice([s.value for s in Strategy]),
-                     help="Scheduling strategy [default: priority]."),
-        click.option("--max-batch-size", type=int,
-                     help="Most requests per batch [default: 32; fifo: 1]."),
-        click.option("--max-queue-delay-ms", type=int,
-                     help="dynamic/priority: longest a partial batch waits, ms [default: 50]."),
-        click.option("--aging-ms", type=int,
-                     help="priority: wait that promotes a request one level, ms; 0 = off "
-                          "[default: 5000]."),
-        click.option("--max-queue-size", type=int,
-                     help="Pending requests before enqueue fails with QueueFull; 0 = "
-                          "unbounded [default: 0]."),
-        click.option("--max-attempts", type=int,
-                     help="Deliveries before a request is dead-lettered [default: 3]."),
-        click.option("--result-ttl-s", type=int,
-                     help="Seconds results stay fetchable by id [default: 600]."),
-    ]
-    for option in reversed(knobs):
-        func = option(func)
-    return func
+def _range(name: str) -> str:
+    low, high = LIMITS[name]
+    return f"{low}-{high}"
+
+
+# (flag, help) of each policy knob; unset ones stay None (= keep stored/default).
+POLICY_KNOBS: list[tuple[str, dict[str, Any], str]] = [
+    ("--strategy", {"type": click.Choice([s.value for s in Strategy])},
+     "Scheduling strategy [default: priority]."),
+    ("--max-batch-size", {"type": int},
+     f"Most requests per batch, {_range('max_batch_size')} [default: 32; fifo: 1]."),
+    ("--max-queue-delay-ms", {"type": int},
+     f"dynamic/priority: longest a partial batch waits, ms, {_range('max_queue_delay_ms')} "
+     "[default: 50]."),
+    ("--aging-ms", {"type": int},
+     f"priority: wait that promotes a request one level, ms, {_range('aging_ms')}; 0 = off "
+     "[default: 5000]."),
+    ("--max-queue-size", {"type": int},
+     f"Pending requests before enqueue fails with QueueFull, {_range('max_queue_size')}; "
+     "0 = unbounded [default: 0]."),
+    ("--max-attempts", {"type": int},
+     f"Deliveries before a request is dead-lettered, {_range('max_attempts')} [default: 3]."),
+    ("--result-ttl-s", {"type": int},
+     f"Seconds results stay fetchable by id, {_range('result_ttl_s')} [default: 600]."),
+]
+
+
+def policy_options(func: Any = None, *, env: bool = False) -> Any:
+    """--strategy and the policy knobs. With `env`, each is also read from
+    BATCHGATE_<FLAG> (the consumer's; `policy set` takes flags only, so that a consumer
+    host's environment cannot change a queue's policy by accident)."""
+    def decorate(target: Any) -> Any:
+        for flag, kwargs, text in reversed(POLICY_KNOBS):
+            if env:
+                var = "BATCHGATE_" + flag[2:].replace("-", "_").upper()
+                target = env_option(flag, envvar=var, help=text, **kwargs)(target)
+            else:
+                target = click.option(flag, help=text, **kwargs)(target)
+        return target
+    return decorate(func) if func is not None else decorate
 
 
 def policy_values(kwargs: dict[str, Any]) -> dict[str, Any]:

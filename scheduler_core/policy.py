@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import asdict, dataclass, fields
+from typing import Any
 
 from scheduler_core.errors import InvalidPolicy, InvalidRequest
 
 
 class Priority(enum.IntEnum):
-    """Request classes of the seed's `PriorityBatchScheduler`; lower is served first."""
+    """Request classes (docs/scheduling.md); lower is served first."""
 
     HIGH = 0  # online users: never wait for a batch to fill
     NORMAL = 1  # batch analysis: wait up to max_queue_delay_ms to fill a batch
@@ -91,6 +92,10 @@ class Policy:
         if strat is Strategy.FIFO:
             values.setdefault("max_batch_size", DEFAULT_FIFO_BATCH_SIZE)
         return cls(strategy=strat, **values)
+
+    def to_dict(self) -> dict[str, Any]:
+        """As JSON values: numbers as numbers (to_redis has strings, as Redis stores them)."""
+        return {**asdict(self), "strategy": self.strategy.value}
 
     def to_redis(self) -> dict[str, str]:
         data = asdict(self)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -109,14 +110,15 @@ def test_bulk_job_on_rq_keeps_high_latency(shared_redis, queue, start_consumer, 
     assert by_line[30]["error"]["type"] == "ValueError"
     assert all(r["result"] == {"i": r["line"]} for r in records if r["line"] not in (10, 30))
     final = status(url, job_id)
+    records = lines - 1  # line 20 is blank: no record, and not counted
     assert (final["state"], final["done"], final["total"], final["errors"]) == \
-        ("done", lines, lines, 2)
+        ("done", records, records, 2)
     assert final["rq_status"] == "finished"
 
     from rq.job import Job
 
     meta = Job.fetch(job_id, connection=redis.Redis.from_url(url)).get_meta()
-    assert (meta["done"], meta["total"]) == (lines, lines) and meta["rate"] > 0
+    assert (meta["done"], meta["total"]) == (records, records) and meta["rate"] > 0
 
     # The window bounds what the job puts in the queue; HIGH never waits for a batch to
     # fill: at worst for the batch in hand (t(max)) plus its own run (t(1)).
@@ -196,3 +198,40 @@ def test_bulk_run_foreground_resubmits_vanished_requests(shared_redis, queue, st
     refused = bg("bulk", "run", spec.input, "-o", spec.output, "--redis-url", url,
                  "--queue", queue, check=False)
     assert refused.returncode != 0 and "--overwrite" in refused.stderr
+
+
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\r")
+
+
+def test_total_counts_records_and_the_progress_fits_80_columns(shared_redis, queue,
+                                                               start_consumer, tmp_path):
+    """2,000 lines whose last is blank are 1,999 records: total and done say 1,999; the
+    bar shows them whole in 80 columns; a log line printed while the bar is live lands
+    on a line of its own."""
+    url = shared_redis.url
+    start_consumer(url, queue, "--model", "consumer.models:noop")
+    write_input(tmp_path / "in.jsonl", 2000, {2000: b""})
+    job_id = "a-long-job-id-" + "x" * 50  # 64 characters, the longest allowed
+    terminal = {**os.environ, "COLUMNS": "80", "TTY_COMPATIBLE": "1", "TTY_INTERACTIVE": "1"}
+    run = subprocess.run([BATCHGATE, "--log-level", "INFO", "bulk", "run",
+                          str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"),
+                          "--redis-url", url, "--queue", queue, "--job-id", job_id],
+                         capture_output=True, text=True, timeout=60, env=terminal)
+    assert run.returncode == 0, run.stderr
+    assert len(read_output(tmp_path / "out.jsonl")) == 1999
+    assert f"{job_id}: 1999/1999 lines" in run.stderr
+    logged = [ANSI.sub("", line) for line in run.stderr.splitlines()
+              if "starting from line 1" in line]
+    assert logged and all(re.match(r"\d{4}-\d\d-\d\d ", line) for line in logged), logged
+
+    final = status(url, job_id)
+    assert (final["done"], final["total"]) == (1999, 1999)
+    shown = subprocess.run([BATCHGATE, "bulk", "status", job_id, "--redis-url", url],
+                           capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "COLUMNS": "80"})
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.splitlines()
+    assert lines[0] == f"bulk job {job_id}"
+    bar = next(line for line in lines if "lines/s" in line)
+    assert "1999/1999" in bar and "100%" in bar and "ETA 0:00:00" in bar
+    assert "…" not in shown.stdout and max(len(line) for line in lines[1:]) <= 80

@@ -1,5 +1,6 @@
 """The `batchgate` command as operators use it: consumer lifecycle (SIGTERM), policy
-conflicts, `submit`, `stats --json`."""
+conflicts, model arguments and environment variables, `submit`, `result`, `policy`,
+`stats --json`."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import signal
 import subprocess
 
+from helpers.failure_support import HERE
 from helpers.processes import BATCHGATE
 from helpers.support import RecordingModel, configure, queue_pattern, snapshot, wait_for
 
@@ -197,3 +199,120 @@ def test_stats_json(shared_redis, queue, start_consumer):
         assert 0 <= latency["p50"] <= latency["p99"]
     assert stats["model_ms"]["samples"] == stats["batches"]  # one per batch
     assert 0 <= stats["model_ms"]["p50"] <= stats["model_ms"]["p99"]
+
+
+# -- models: --device, --model-arg, env vars, torch threads ---------------------------
+
+
+def test_device_works_with_every_built_in_model(shared_redis, queue, start_consumer):
+    """The README's and docs/deploy.md's `--device cpu` command lines, with the default
+    model and the other built-ins."""
+    start_consumer(shared_redis.url, queue, "--device", "cpu")  # consumer.models:synthetic
+    start_consumer(shared_redis.url, queue, "--model", "consumer.models:noop",
+                   "--device", "cpu")
+    with Producer(shared_redis.url, queue) as p:
+        assert p.submit({"x": 1}).result(timeout=10) == {"x": 1}
+
+
+def test_an_argument_the_model_does_not_take_names_the_flag_typed(shared_redis, queue,
+                                                                  start_consumer):
+    cases = [(["--device", "cpu"], "--device", "device"),
+             (["--model-arg", "colour=1"], "--model-arg", "colour")]
+    for args, flag, name in cases:
+        proc = start_consumer(shared_redis.url, queue, "--model", "failure_models:Echo",
+                              *args, cwd=str(HERE), ready=False)
+        assert proc.proc.wait(30) == 2, proc.output()
+        out = proc.output()
+        assert f"{flag}: failure_models:Echo takes no argument {name}" in out, out
+        assert "log, sleep_ms" in out  # what it does take
+        assert "model_arg" not in out and "Traceback" not in out
+
+
+def test_consumer_flags_are_read_from_their_environment_variables(shared_redis, queue,
+                                                                  start_consumer):
+    env = {"BATCHGATE_MODEL": "failure_models:ThreadsReport", "BATCHGATE_TORCH_THREADS": "1",
+           "BATCHGATE_STRATEGY": "fifo", "BATCHGATE_MAX_BATCH_SIZE": "3",
+           "BATCHGATE_CONSUMER_NAME": f"env-{queue}"}
+    proc = start_consumer(shared_redis.url, queue, cwd=str(HERE), env=env)
+    assert "(torch threads: 1)" in proc.output()
+    with Producer(shared_redis.url, queue) as p:
+        assert p.submit("x").result(timeout=30) == {"torch_threads": 1, "omp": "1"}
+    policy = read_policy(shared_redis.client(), queue)
+    assert (policy.strategy.value, policy.max_batch_size) == ("fifo", 3)
+    assert f"env-{queue}" in proc.output()
+
+
+def test_torch_threads_flag_caps_torch_in_the_consumer(shared_redis, queue, start_consumer):
+    start_consumer(shared_redis.url, queue, "--model", "failure_models:ThreadsReport",
+                   "--torch-threads", "2", cwd=str(HERE))
+    with Producer(shared_redis.url, queue) as p:
+        assert p.submit("x").result(timeout=30)["torch_threads"] == 2
+    bad = batchgate("consumer", "--redis-url", shared_redis.url, "--torch-threads", "0")
+    assert bad.returncode == 2 and "--torch-threads" in bad.stderr
+
+
+# -- policy ----------------------------------------------------------------------------
+
+
+def policy_cli(url: str, queue: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return batchgate("policy", *args, "--redis-url", url, "--queue", queue)
+
+
+def test_policy_set_applies_the_new_strategys_batch_size_and_show_prints_numbers(
+        shared_redis, queue):
+    url = shared_redis.url
+    configure(url, queue, strategy="dynamic", max_batch_size=64, max_queue_delay_ms=20)
+    to_fifo = policy_cli(url, queue, "set", "--strategy", "fifo")
+    assert to_fifo.returncode == 0, to_fifo.stderr
+    assert json.loads(to_fifo.stdout)["max_batch_size"] == 1  # fifo's default, as README says
+    assert "max_batch_size: 64 -> 1" in to_fifo.stderr
+    back = json.loads(policy_cli(url, queue, "set", "--strategy", "priority").stdout)
+    assert back["max_batch_size"] == 32 and back["max_queue_delay_ms"] == 20  # others kept
+    chosen = json.loads(policy_cli(url, queue, "set", "--strategy", "fifo",
+                                   "--max-batch-size", "4").stdout)
+    assert chosen["max_batch_size"] == 4
+    same = json.loads(policy_cli(url, queue, "set", "--aging-ms", "0").stdout)
+    assert same["max_batch_size"] == 4  # no strategy change: nothing reset
+    shown = policy_cli(url, queue, "show")
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout) == {
+        "strategy": "fifo", "max_batch_size": 4, "max_queue_delay_ms": 20, "aging_ms": 0,
+        "max_queue_size": 0, "max_attempts": 3, "result_ttl_s": 600}
+    stats_policy = stats_json(url, queue)["policy"]
+    assert stats_policy == json.loads(shown.stdout)  # the same JSON in both places
+
+
+# -- result ----------------------------------------------------------------------------
+
+
+def result_cli(url: str, queue: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return batchgate("result", "--redis-url", url, "--queue", queue, *args)
+
+
+def test_result_prints_a_stored_result_with_documented_exit_codes(shared_redis, queue,
+                                                                  start_consumer):
+    url = shared_redis.url
+    with Producer(url, queue) as p:
+        ok, failing = p.submit({"v": [1, "é"]}), p.submit({"fail": True})
+        queued = result_cli(url, queue, ok.id)
+        assert queued.returncode == 3 and "queued" in queued.stderr
+        waited_out = result_cli(url, queue, ok.id, "--wait", "--timeout", "0.3")
+        assert waited_out.returncode == 3 and "within 0.3s" in waited_out.stderr
+        start_consumer(url, queue, "--model", "consumer.models:synthetic")
+        waited = result_cli(url, queue, ok.id, "--wait", "--timeout", "20")
+        assert waited.returncode == 0, waited.stderr
+        assert json.loads(waited.stdout) == {"v": [1, "é"]}
+        failed = result_cli(url, queue, failing.id, "--wait", "--timeout", "20")
+        assert failed.returncode == 1 and "ValueError" in failed.stderr
+        as_json = result_cli(url, queue, failing.id, "--json")
+        assert as_json.returncode == 1
+        body = json.loads(as_json.stdout)
+        assert (body["id"], body["status"], body["error"]["type"]) == (failing.id, "failed",
+                                                                        "ValueError")
+        assert json.loads(result_cli(url, queue, ok.id, "--json").stdout) == {
+            "id": ok.id, "status": "done", "result": {"v": [1, "é"]}}
+    for unknown in ("0" * 32, "not-an-id"):  # a typo does not wait for --timeout
+        missing = result_cli(url, queue, unknown, "--wait", "--timeout", "30")
+        assert missing.returncode == 3 and "no request" in missing.stderr
+    bad = result_cli(url, queue, ok.id, "--timeout", "-1")
+    assert bad.returncode == 2 and "--timeout" in bad.stderr

@@ -17,7 +17,7 @@ import orjson
 import pytest
 import redis
 
-from batchgate.demo import STRATEGIES, percentiles
+from batchgate.demo import STRATEGIES, claims, percentiles, render, start_consumers, torch_threads
 from batchgate.embedded import RedisServerNotFound, embedded_redis
 
 BATCHGATE = shutil.which("batchgate", path=os.path.dirname(sys.executable)) or shutil.which(
@@ -53,7 +53,7 @@ def check_every_request_answered(report: dict[str, Any]) -> None:
 
 
 @needs_redis
-def test_demo_embedded_shows_the_seeds_relations() -> None:
+def test_demo_embedded_shows_the_strategies_relations() -> None:
     report = demo_json("--duration", "2")
     assert report["redis"] == "embedded redis-server"
     check_every_request_answered(report)
@@ -139,3 +139,87 @@ def test_percentiles_are_exact_nearest_rank() -> None:
     assert percentiles([float(x) for x in range(100, 0, -1)]) == {"n": 100, "p50": 50.0,
                                                                   "p99": 99.0}
     assert percentiles([]) == {"n": 0, "p50": None, "p99": None}
+
+
+# -- the verdicts: crafted measurements, so that each branch is exercised exactly ---------
+
+
+def measured(rps: float, batch: float, model_ms: float, p50: dict[str, float],
+             p99: float, offered: float = 100.0, **policy: int) -> dict[str, Any]:
+    lat = {p: {"n": 10, "p50": v, "p99": max(v, p99)} for p, v in p50.items()}
+    return {"throughput_rps": rps, "offered_rps": offered, "mean_batch_size": batch,
+            "mean_model_ms": model_ms, "busy": 0.5, "batches": 10, "answered": 100,
+            "submitted": 100, "policy": {"max_queue_delay_ms": 50, "max_batch_size": 32,
+                                         "aging_ms": 5000, **policy},
+            "latency_ms": {**lat, "all": {"n": 30, "p50": p50["normal"], "p99": p99}}}
+
+
+def healthy() -> dict[str, dict[str, Any]]:
+    """What an idle machine shows at 100 req/s with t(b) = 20 + 2b ms and 2 consumers."""
+    return {
+        "fifo": measured(80, 1.0, 22, {"high": 200, "normal": 210, "low": 205}, 700),
+        "dynamic": measured(98, 6.0, 32, {"high": 70, "normal": 72, "low": 71}, 95),
+        "priority": measured(98, 2.5, 25, {"high": 30, "normal": 70, "low": 65}, 120),
+    }
+
+
+def test_claims_hold_on_healthy_measurements() -> None:
+    verdicts = claims(healthy(), rate=100, consumers=2)
+    assert {name: v["holds"] for name, v in verdicts.items()} == dict.fromkeys(STRATEGIES, True)
+    assert all(v["missed"] == [] for v in verdicts.values())
+    assert "serves 98.0 req/s where fifo serves 80.0" in verdicts["dynamic"]["text"]
+
+
+def test_claims_flag_what_was_not_measured() -> None:
+    """The 2-core MiniLM run with torch threads fighting: batching served less than fifo
+    and HIGH waited over a second. Every affected verdict says so."""
+    results = healthy()
+    results["fifo"] = measured(9.4, 1.0, 200, {"high": 5000, "normal": 5100, "low": 5050},
+                               9000, offered=40)
+    results["dynamic"] = measured(5.2, 8.0, 2000, {"high": 6000, "normal": 6100,
+                                                   "low": 6050}, 12000, offered=40)
+    results["priority"] = measured(6.0, 4.0, 600, {"high": 1226, "normal": 3000,
+                                                   "low": 6000}, 9000, offered=40)
+    verdicts = claims(results, rate=40, consumers=2)
+    assert verdicts["fifo"]["holds"]  # it is lowest-batch and overloaded, as it says
+    dynamic, priority = verdicts["dynamic"], verdicts["priority"]
+    assert not dynamic["holds"] and not priority["holds"]
+    assert any("backlog" in m for m in dynamic["missed"])
+    assert any("not below fifo's" in m for m in dynamic["missed"])
+    assert any("no more req/s than fifo" in m for m in dynamic["missed"])
+    assert any("HIGH p50 1226 ms" in m for m in priority["missed"])
+
+    report = {"workload": {"requests": 100, "rate": 40, "duration_s": 2, "model": "minilm"},
+              "consumers": 2, "torch_threads": 1, "strategies": results, "claims": verdicts,
+              "redis": "embedded redis-server", "wall_s": 1.0}
+    lines = render(report).splitlines()
+    assert [line[:5] for line in lines if line.startswith("[")] == ["[ok ]", "[!! ]",
+                                                                    "[!! ]"]
+    flagged = next(line for line in lines if line.startswith("[!! ] priority"))
+    assert "NOT MEASURED: HIGH p50 1226 ms" in flagged
+
+
+def test_claims_flag_a_fifo_that_favours_high_and_a_light_load_p99_far_over_the_window(
+        ) -> None:
+    results = healthy()
+    results["fifo"]["latency_ms"]["high"]["p50"] = 20  # fifo does not rank priorities
+    results["dynamic"]["latency_ms"]["all"]["p99"] = 400  # > 2 x (50 + 32)
+    verdicts = claims(results, rate=100, consumers=2)
+    assert not verdicts["fifo"]["holds"] and "HIGH p50 20 ms" in verdicts["fifo"]["missed"][0]
+    assert not verdicts["dynamic"]["holds"]
+    assert "over twice the window" in verdicts["dynamic"]["missed"][0]
+
+
+@needs_redis
+def test_demo_consumers_share_the_cores(shared_redis, queue, tmp_path) -> None:
+    """Each consumer the demo starts gets cores / consumers torch threads."""
+    procs = start_consumers(2, shared_redis.url, queue, "fifo", "synthetic", [], tmp_path)
+    try:
+        for proc in procs:
+            assert "--torch-threads" in proc.argv
+            assert f"(torch threads: {torch_threads(2)})" in proc.output()
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.reap()
+    assert torch_threads(1) >= torch_threads(2) >= 1

@@ -12,10 +12,19 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 from helpers.processes import free_port
 from helpers.servers import ServerProcess
+from helpers.support import configure
+
+from scheduler_core.admin import queue_stats
 
 
 def app_env(redis_url: str, queue: str) -> dict[str, str]:
     return {"BATCHGATE_REDIS_URL": redis_url, "BATCHGATE_QUEUE": queue}
+
+
+def flask_server(redis_url: str, queue: str) -> ServerProcess:
+    port = free_port()
+    return ServerProcess([sys.executable, "-m", "flask", "--app", "examples/flask_app.py",
+                          "run", "--port", str(port)], port, env=app_env(redis_url, queue))
 
 
 def test_fastapi_example(shared_redis, queue, start_consumer):
@@ -45,6 +54,12 @@ def test_fastapi_example(shared_redis, queue, start_consumer):
                 assert time.monotonic() < deadline, state
                 time.sleep(0.05)
             assert state == {"id": job_id, "done": True, "result": {"text": "later"}}
+            # A typo must not poll forever: ids that are not ids, or that the queue does
+            # not know, are 404.
+            for unknown in ("not-an-id", "0" * 32, job_id.upper()):
+                missing = client.get(f"/jobs/{unknown}")
+                assert missing.status_code == 404, (unknown, missing.text)
+                assert "no job" in missing.json()["detail"]
         # The lifespan closes the producer: a clean shutdown on SIGTERM (uvicorn then
         # re-raises the signal, hence -SIGTERM).
         assert server.stop() in (0, -signal.SIGTERM)
@@ -56,10 +71,7 @@ def test_fastapi_example(shared_redis, queue, start_consumer):
 
 def test_flask_example(shared_redis, queue, start_consumer):
     start_consumer(shared_redis.url, queue, "--model", "consumer.models:synthetic")
-    port = free_port()
-    server = ServerProcess([sys.executable, "-m", "flask", "--app", "examples/flask_app.py",
-                            "run", "--port", str(port)], port,
-                           env=app_env(shared_redis.url, queue))
+    server = flask_server(shared_redis.url, queue)
     try:
         with httpx.Client(base_url=server.url, timeout=20) as client:
             def predict(i: int) -> httpx.Response:
@@ -76,6 +88,24 @@ def test_flask_example(shared_redis, queue, start_consumer):
             bad = client.post("/predict", json={"text": "x", "priority": "urgent"})
             assert bad.status_code == 422
             assert "priority" in bad.json()["error"]
+            too_many = client.post("/predict_many", json={"texts": ["t"] * 10_001})
+            assert too_many.status_code == 413
+            assert "10000" in too_many.json()["error"]
+        assert "Traceback" not in server.output()
+    finally:
+        server.close()
+
+
+def test_flask_example_answers_json_when_the_queue_is_full(shared_redis, queue):
+    configure(shared_redis.url, queue, max_queue_size=3)  # and no consumer: it fills up
+    server = flask_server(shared_redis.url, queue)
+    try:
+        with httpx.Client(base_url=server.url, timeout=20) as client:
+            many = client.post("/predict_many", json={"texts": ["a", "b", "c", "d"]})
+            assert many.status_code == 429, many.text
+            assert many.json() == {"error": "busy, retry later"}
+            assert int(many.headers["Retry-After"]) >= 1
+            assert queue_stats(shared_redis.client(), queue).depth["normal"] == 0  # atomic
         assert "Traceback" not in server.output()
     finally:
         server.close()

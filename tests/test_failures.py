@@ -100,6 +100,11 @@ def test_payload_crashing_the_process_is_dead_lettered(redis_server, queue, star
         [entry] = body["entries"]
         assert entry["id"] == poison and entry["error_type"] == "DeadLettered"
         assert '"crash":true' in entry["payload_preview"]
+        # The count listed is the one the message gives: deliveries, 3 = max_attempts.
+        assert entry["attempts"] == 3 and "gave up after 3 deliveries" in entry["message"]
+        text = runner.invoke(cli, ["dead-letter", "list", "--redis-url", url, "--queue",
+                                   queue]).output
+        assert f"{poison}  deliveries=3  DeadLettered: gave up after 3 deliveries" in text
 
         cured.touch()
         retried = runner.invoke(cli, ["dead-letter", "retry", "--redis-url", url, "--queue",

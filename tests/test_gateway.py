@@ -98,6 +98,8 @@ def test_bad_input_is_422_with_the_field_unknown_id_404(shared_redis, queue, sta
         ({"payload": 1, "deadline": 5}, "deadline"),  # unknown field: a typo, not ignored
         ({"priority": "high"}, "payload"),
         ({"payload": {"n": [1, 2**70]}}, "payload.n[1]"),  # checked by the producer library
+        ({"payload": {"items": [1, 2, 3, 2**70]}}, "payload.items[3]"),  # as docs/gateway.md
+        ({"payload": [1, 2, 3, 2**70]}, "payload[3]"),
         ({"payload": {"deep": nest(70)}}, None),
     ]
     with client(gateway) as http:
@@ -106,6 +108,8 @@ def test_bad_input_is_422_with_the_field_unknown_id_404(shared_redis, queue, sta
             assert response.status_code == 422, (body, response.text)
             problem = response.json()
             assert problem["error"] == "invalid_request"
+            assert set(problem) == {"error", "message", "field"}  # the one documented shape
+            assert problem["message"].startswith(f"{problem['field']}: ")
             if field is not None:
                 assert problem["field"] == field, (body, problem)
             else:
@@ -116,13 +120,20 @@ def test_bad_input_is_422_with_the_field_unknown_id_404(shared_redis, queue, sta
         form = http.post("/v1/requests", content=b"payload=1",
                          headers={"Content-Type": "application/x-www-form-urlencoded"})
         assert form.status_code == 422 and "Content-Type: application/json" in form.text
-        bad_id = http.get("/v1/requests/not-an-id")
-        assert bad_id.status_code == 422 and bad_id.json()["field"] == "request_id"
+        for priority in (5, "urgent", "HIGH"):  # the message says what is accepted
+            wrong = http.post("/v1/requests", json={"payload": 1, "priority": priority})
+            assert wrong.status_code == 422
+            assert wrong.json()["message"] == (f"priority: {priority!r} is not a priority; "
+                                               'use "high", "normal", "low" or 0, 1, 2')
         assert http.get("/v1/stats").json()["depth"] == {"high": 0, "normal": 0, "low": 0}
-        for method in ("GET", "DELETE"):  # a well-formed id nobody submitted
-            unknown = http.request(method, f"/v1/requests/{'0' * 32}")
-            assert unknown.status_code == 404
-            assert unknown.json()["error"] == "not_found"
+        # A well-formed id nobody submitted, and ids that are not ids: all 404, as
+        # documented (a 422 would suggest the request exists).
+        for request_id in ("0" * 32, "not-an-id", "A" * 32, "x" * 200):
+            for method in ("GET", "DELETE"):
+                unknown = http.request(method, f"/v1/requests/{request_id}")
+                assert unknown.status_code == 404, (method, request_id, unknown.text)
+                assert unknown.json()["error"] == "not_found"
+                assert set(unknown.json()) == {"error", "message"}
 
 
 def nest(depth: int) -> list:

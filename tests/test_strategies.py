@@ -1,4 +1,4 @@
-"""The scheduling rules (SEED-EN.md sections 1-2) as users observe them, end to end:
+"""The scheduling rules (docs/scheduling.md) as users observe them, end to end:
 real redis-server, consumers started as `batchgate consumer`, timings from Redis' clock."""
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """`batchgate consumer --replicas N / --devices`: one supervised consumer per replica or
-device; a child that dies is replaced; SIGTERM stops them all and exits 0."""
+device; a child that fails is replaced, one that stops cleanly is not; SIGTERM stops them
+all and exits 0."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import os
 import re
 import signal
 import sys
+import time
 import types
 
 from click.testing import CliRunner
@@ -17,6 +19,8 @@ from consumer.cli import consumer_command
 from consumer.supervisor import Supervisor, child_commands, parse_devices
 from producer import Priority, Producer
 from scheduler_core.admin import queue_stats
+from scheduler_core.compat import usable_cores
+from scheduler_core.keys import QueueKeys
 
 STARTED = re.compile(r"consumer (\d+)(?: \([^)]*\))? started \(pid (\d+)\)")
 
@@ -103,3 +107,53 @@ def test_devices_all_enumerates_cuda_devices(monkeypatch):
     result = CliRunner().invoke(main, ["consumer", "--devices", "all"])
     assert result.exit_code == 2
     assert "no CUDA device" in result.output
+
+
+def test_clean_stops_are_not_restarted_and_a_dead_childs_heartbeat_goes_at_once(
+        shared_redis, queue, start_consumer):
+    """Restart=on-failure, as systemd: a child killed (SIGKILL) is replaced; one that
+    stops cleanly (SIGTERM: it finishes its batch and exits 0) is not; once none is left
+    the supervisor exits 0. A dead child's heartbeat is removed when the supervisor sees it
+    die, not CONSUMER_ALIVE_S later."""
+    sup = start_consumer(shared_redis.url, queue, "--model", "consumer.models:noop",
+                         "--replicas", "2", "--name", "sv", ready=False)
+    wait_for(lambda: sup.output().count("ready on queue") >= 2, timeout=60,
+             what="two ready consumers")
+    client = shared_redis.client()
+    consumers = QueueKeys(queue).consumers
+    wait_for(lambda: client.zcard(consumers) == 2, what="two heartbeats")
+    first = dict(started(sup.output()))
+
+    os.kill(first[0], signal.SIGKILL)
+    wait_for(lambda: "exited with status -9" in sup.output(), what="the death noticed")
+    assert client.zscore(consumers, "sv-0") is None  # gone before the restart, not aged out
+    assert queue_stats(client, queue).consumers_alive == 1
+    wait_for(lambda: len(started(sup.output())) == 3, timeout=30, what="a replacement")
+
+    os.kill(first[1], signal.SIGTERM)
+    wait_for(lambda: "stopped cleanly (status 0); not restarting it" in sup.output(),
+             what="the clean stop noticed")
+    time.sleep(4 * 0.5)  # four first backoffs: a restart would have happened by now
+    assert [slot for slot, _ in started(sup.output())] == [0, 1, 0]
+    assert client.zscore(consumers, "sv-1") is None
+
+    replacement = started(sup.output())[-1][1]
+    wait_for(lambda: sup.output().count("ready on queue") >= 3, timeout=60,
+             what="the replacement to be ready")
+    os.kill(replacement, signal.SIGTERM)
+    assert sup.proc.wait(timeout=30) == 0  # every child stopped cleanly: it is done
+    assert "every consumer stopped cleanly" in sup.output()
+    assert queue_stats(client, queue).consumers_alive == 0
+
+
+def test_children_get_a_share_of_the_cores_and_no_supervisor_variables(queue, monkeypatch):
+    monkeypatch.setenv("BATCHGATE_REPLICAS", "2")  # the children must not read it
+    ctx = consumer_command.make_context("consumer", ["--queue", queue])
+    commands = child_commands(ctx)
+    assert len(commands) == 2
+    share = str(max(1, usable_cores() // 2))
+    for _, argv in commands:
+        assert argv[argv.index("--torch-threads") + 1] == share
+    assert "BATCHGATE_REPLICAS" not in Supervisor(commands).env
+    ctx = consumer_command.make_context("consumer", ["--replicas", "3", "--torch-threads", "5"])
+    assert {argv[argv.index("--torch-threads") + 1] for _, argv in child_commands(ctx)} == {"5"}

@@ -189,7 +189,7 @@ def systems(results: dict[str, Any], out: Path) -> str | None:
     return _save(fig, out, "systems.png")
 
 
-def seed_formula(results: dict[str, Any], out: Path) -> str | None:
+def dynamic_formula(results: dict[str, Any], out: Path) -> str | None:
     formula = results.get("analysis", {}).get("formula") or {}
     rows = formula.get("rows") or []
     if not rows:
@@ -232,7 +232,7 @@ def seed_formula(results: dict[str, Any], out: Path) -> str | None:
         ax.legend(fontsize=7)
     else:
         ax.axis("off")
-    return _save(fig, out, "seed_formula.png")
+    return _save(fig, out, "dynamic_formula.png")
 
 
 def _name(spec: dict[str, Any]) -> str:
@@ -247,7 +247,7 @@ def make_all(results: dict[str, Any], out: Path) -> list[str]:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     made = [latency_curves(results, out), batch_histograms(results, out),
-            systems(results, out), seed_formula(results, out)]
+            systems(results, out), dynamic_formula(results, out)]
     return [name for name in made if name]
 
 

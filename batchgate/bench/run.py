@@ -4,7 +4,8 @@ and the raw-Redis limit, in one run, on one machine, against one Redis.
 What it runs (docs/benchmarks.md has the results and how to read them):
 
 - an open-loop load generator (arrivals never wait for answers): Poisson at rate λ, a
-  bursty mode (the seed's "50 requests within 100 ms" on top of λ=10) and a backlog mode
+  bursty mode (50 requests within 100 ms on top of λ=10: the burst of
+  docs/scheduling.md, "Where tail latency comes from") and a backlog mode
   (every request at t=0, to measure capacity); priorities mixed 10% HIGH / 60% NORMAL /
   30% LOW; arrivals, priorities and payloads come from a fixed seed;
 - systems: batchgate (`workers/bg_consumer.py`: the real Consumer loop, model wrapped to
@@ -634,7 +635,7 @@ def build_plan(quick: bool, scale: float, consumers: int, sections: tuple[str, .
             w = Workload("poisson", rate=rate, duration_s=dur(6, 1.5), seed=seed,
                          model="synthetic")
             add(RunSpec("grid", "rq", "synthetic", w, consumers, grace_s=grace))
-    if "bursty" in sections:  # the seed's 50 requests within 100 ms at λ=10
+    if "bursty" in sections:  # 50 requests within 100 ms at λ=10 (docs/scheduling.md)
         w = Workload("bursty", rate=10, duration_s=dur(10, 2), seed=seed,
                      model="synthetic", burst_every_s=2.0)
         for strategy in ("fifo", "dynamic", "priority"):
@@ -697,10 +698,14 @@ def redis_for_bench(url: str | None) -> Iterator[tuple[str, bool]]:
                    f"{','.join(map(str, FULL_GRID))}].")
 @click.option("--scale", type=click.FloatRange(0.01, 100), default=1.0, show_default=True,
               help="Multiply every duration and request count (0.1 for a smoke run).")
-@click.option("--seed", type=int, default=1, show_default=True)
-@click.option("--plots/--no-plots", default=True, show_default=True)
+@click.option("--seed", type=int, default=1, show_default=True,
+              help="Random seed of the workloads (arrival times, priorities, payloads): the "
+                   "same seed replays the same requests.")
+@click.option("--plots/--no-plots", default=True, show_default=True,
+              help="Draw the PNG plots next to results.md (needs matplotlib, extra `bench`).")
 @click.option("--report-only", type=click.Path(exists=True, file_okay=False, path_type=Path),
-              hidden=True, help="Re-analyse DIR/results.json and rewrite its report and plots.")
+              metavar="DIR",
+              help="Run nothing: re-analyse DIR/results.json and rewrite its report and plots.")
 def bench_command(quick: bool, out_dir: Path | None, redis_url: str | None, consumers: int,
                   sections: str | None, grid: str | None, scale: float, seed: int,
                   plots: bool, report_only: Path | None) -> None:

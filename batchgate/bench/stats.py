@@ -279,17 +279,18 @@ def analyse(results: dict[str, Any]) -> dict[str, Any]:
         passed = sum(1 for r in mine if r["met"] is True)
         failed = sum(1 for r in mine if r["met"] is False)
         targets.append(_target(
-            "seed rules at every grid point (light-load p99, HIGH p99 at saturation, LOW "
+            "scheduling rules at every grid point (light-load p99, HIGH p99 at saturation, LOW "
             "max wait)", "all hold", f"{passed} hold, {failed} fail, "
             f"{len(mine) - passed - failed} not applicable",
             1.0 if failed == 0 else passed / max(1, passed + failed), 1.0))
-    return {"targets": targets, "rules": rules, "formula": seed_formula(runs),
+    return {"targets": targets, "rules": rules, "formula": dynamic_formula(runs),
             "ping_p50_us": ping, "consumers": n}
 
 
 def check_rules(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The seed's rules at every grid point, for batchgate and (to tell the rule from the
-    cost of distribution) for the in-process batcher on the same workload.
+    """The scheduling rules (docs/scheduling.md) at every grid point, for batchgate and
+    (to tell the rule from the cost of distribution) for the in-process batcher on the
+    same workload.
 
     - light load (not overloaded, model busy < 50%, and for dynamic/priority λ below the
       fill rate max_batch_size / max_queue_delay): p99 ≤ max_queue_delay + t(b) + 5 ms,
@@ -316,7 +317,7 @@ def check_rules(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         point = {"system": spec["system"], "strategy": strategy, "rate": rate,
                  "busy": s["busy_fraction"], "overloaded": s["overloaded"]}
         bmax = s["batch_max"] or 1
-        fills = rate * delay / 1000 >= size  # the seed: batches fill at this rate
+        fills = rate * delay / 1000 >= size  # batches fill from this rate on (docs/scheduling.md)
         busy = s["busy_fraction"] or 0
         light = not s["overloaded"] and busy < 0.5 and (strategy == "fifo" or not fills)
         bound1 = delay + t(bmax) + RULE_SLACK_MS
@@ -342,8 +343,9 @@ def check_rules(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def seed_formula(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Section 2 of the seed, predicted vs measured, on the dynamic grid."""
+def dynamic_formula(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The dynamic-batching formula (docs/scheduling.md), predicted vs measured, on the
+    dynamic grid."""
     rows = []
     points = []
     spec0 = None
@@ -483,8 +485,8 @@ def render_markdown(results: dict[str, Any], images: list[str]) -> str:
                      "p99 LOW", "max", "mean batch", "full", "busy"], rows)
 
     if an["rules"]:
-        lines += ["## Seed rules at every grid point", "",
-                  "Applicable points only (see check_rules in producer/bench_stats.py); the "
+        lines += ["## The scheduling rules at every grid point", "",
+                  "Applicable points only (see check_rules in batchgate/bench/stats.py); the "
                   "in-process batcher runs the same rules on the same workload without Redis.",
                   ""]
         other = {(r["strategy"], r["rate"], r["rule"]): r for r in an["rules"]
@@ -503,7 +505,7 @@ def render_markdown(results: dict[str, Any], images: list[str]) -> str:
                          "in-process ms", "in-process"], rows)
     f = an.get("formula") or {}
     if f:
-        lines += ["## The seed's formula (dynamic)", "",
+        lines += ["## The dynamic-batching formula", "",
                   f"Batches fill when max_batch_size / λ < max_queue_delay: predicted "
                   f"λ = {f['fill_rate_predicted']} req/s; measured "
                   f"{_f(f['fill_rate_measured'], 0)} req/s ({f['fill_rule']}).", ""]

@@ -4,6 +4,7 @@
   `base_ms + per_item_ms × batch_size` (the cost model of a GPU batch). Payloads of the
   form {"fail": true} raise, to exercise failure isolation.
 - `consumer.models:noop` — echoes at once (measures the scheduler alone).
+  Both accept and ignore `device`, so `--device` works with every built-in model.
 - `consumer.models:tiny_text` — a small torch model built in code (seeded weights): token
   ids in, class probabilities out, run through `consumer.models.torch_runner.TorchRunner`
   (device placement, inference mode, padding, warm-up).
@@ -38,11 +39,15 @@ class Synthetic:
         return list(payloads)
 
 
-def synthetic(base_ms: float = 5.0, per_item_ms: float = 0.5) -> Synthetic:
+def synthetic(base_ms: float = 5.0, per_item_ms: float = 0.5,
+              device: str | None = None) -> Synthetic:
+    """`device` is accepted and ignored (nothing runs on a device), so that a command line
+    written for a torch model, `--device cpu` included, also runs the synthetic one."""
     return Synthetic(base_ms, per_item_ms)
 
 
-def noop() -> Synthetic:
+def noop(device: str | None = None) -> Synthetic:
+    """Echoes at once; `device` is ignored, as for `synthetic`."""
     return Synthetic(0.0, 0.0)
 
 

@@ -1,9 +1,10 @@
 """Runs a torch module on batches of token-id payloads (needs the `torch` extra).
 
-What the seed asks of a GPU consumer (section 3): the model is moved to its device once,
-runs under `torch.inference_mode()`, inputs of different lengths are padded to the
-batch's longest (never to a global maximum: padding amplifies the tail), over-long inputs
-are rejected at a hard cap, and dummy batches warm the kernels up before traffic.
+What keeps a GPU consumer's tail short (docs/scheduling.md, "Where tail latency comes
+from"): the model is moved to its device once, runs under `torch.inference_mode()`,
+inputs of different lengths are padded to the batch's longest (never to a global maximum:
+padding amplifies the tail), over-long inputs are rejected at a hard cap, and dummy
+batches warm the kernels up before traffic.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-MAX_TOKENS = 512  # hard cap on input length (seed section 3: cap generation/input length)
+MAX_TOKENS = 512  # hard cap on input length: long inputs would drag their batch-mates
 
 
 class TinyTextClassifier(nn.Module):

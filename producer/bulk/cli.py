@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import logging
 import time
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import click
@@ -20,8 +23,8 @@ from producer.bulk.engine import (
     run_bulk,
 )
 from producer.bulk.state import BulkState, StateStore
-from scheduler_core.connection import connect
-from scheduler_core.options import queue_option, redis_url_option
+from scheduler_core.compat import connect_checked
+from scheduler_core.options import env_option, queue_option, redis_url_option
 
 WORKER_HINT = "rq worker -w rq.worker.SimpleWorker --url {url} {queue}"
 
@@ -36,7 +39,8 @@ def job_options(func: Any) -> Any:
         redis_url_option,
         queue_option,
         click.option("--priority", default="low", show_default=True,
-                     type=click.Choice(["high", "normal", "low"], case_sensitive=False)),
+                     type=click.Choice(["high", "normal", "low"], case_sensitive=False),
+                     help="Priority of the job's requests (low: online traffic first)."),
         click.option("--window", type=click.IntRange(1, MAX_WINDOW), default=DEFAULT_WINDOW,
                      show_default=True,
                      help="Most requests outstanding at once (keep it near 2 x max batch "
@@ -70,8 +74,8 @@ def bulk_group() -> None:
 
 @bulk_group.command("submit")
 @job_options
-@click.option("--rq-queue", envvar="BATCHGATE_BULK_RQ_QUEUE", default="batchgate-bulk",
-              show_default=True, help="RQ queue the job goes to.")
+@env_option("--rq-queue", envvar="BATCHGATE_BULK_RQ_QUEUE", default="batchgate-bulk",
+            show_default=True, help="RQ queue the job goes to.")
 @click.option("--job-timeout", type=click.IntRange(60), default=86_400, show_default=True,
               help="RQ job timeout, seconds.")
 @click.option("--retries", type=click.IntRange(0, 100), default=3, show_default=True,
@@ -88,7 +92,7 @@ def submit_command(input_path: str, output_path: str, redis_url: str, queue: str
 
     spec = make_spec(input_path, output_path, redis_url, queue, priority, window,
                      job_id or uuid.uuid4().hex, lease_s)
-    store = StateStore(connect(redis_url), spec.job_id)
+    store = StateStore(connect_checked(redis_url), spec.job_id)
     if store.load() is not None:
         if not overwrite:
             raise click.ClickException(f"job {spec.job_id} exists; resume it with `batchgate "
@@ -115,15 +119,15 @@ def run_command(input_path: str, output_path: str, redis_url: str, queue: str, p
     defaults to one derived from INPUT and OUT paths."""
     spec = make_spec(input_path, output_path, redis_url, queue, priority, window,
                      job_id or default_job_id(input_path, output_path), lease_s)
-    store = StateStore(connect(redis_url), spec.job_id)
+    store = StateStore(connect_checked(redis_url), spec.job_id)
     if restart:
         forget(store)
     check_paths(spec, store, overwrite or restart)
     if quiet:
         state = run_bulk(spec)
     else:
-        with progress_bar(stderr=True) as bar:
-            task = bar.add_task(spec.job_id, total=None, rate=0.0, eta="?")
+        with progress_bar(f"bulk job {spec.job_id}", stderr=True) as bar:
+            task = add_task(bar)
             state = run_bulk(spec, report=lambda s: update_task(bar, task, s))
     click.echo(f"{spec.job_id}: {state.done}/{state.total} lines, {state.errors} errors, "
                f"output {state.output}", err=True)
@@ -134,17 +138,18 @@ def run_command(input_path: str, output_path: str, redis_url: str, queue: str, p
 @redis_url_option
 @click.option("--follow", "-f", is_flag=True, help="Keep updating until the job ends.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-@click.option("--interval", type=click.FloatRange(0.1, 60), default=0.5, show_default=True)
+@click.option("--interval", type=click.FloatRange(0.1, 60), default=0.5, show_default=True,
+              help="With --follow: seconds between updates, 0.1-60.")
 def status_command(job_id: str, redis_url: str, follow: bool, as_json: bool,
                    interval: float) -> None:
     """A job's progress: lines done, errors, rate, ETA (bar drawn with rich)."""
-    store = StateStore(connect(redis_url), job_id)
+    store = StateStore(connect_checked(redis_url), job_id)
     snapshot = read_status(store, redis_url)
     if as_json:
         click.echo(orjson.dumps(snapshot, option=orjson.OPT_INDENT_2).decode())
         return
-    with progress_bar() as bar:
-        task = bar.add_task(job_id, total=None, rate=0.0, eta="?")
+    with progress_bar(f"bulk job {job_id}") as bar:
+        task = add_task(bar)
         while True:
             state = store.load()
             if state is None:
@@ -204,24 +209,63 @@ def describe(snapshot: dict[str, Any]) -> str:
     return text
 
 
-def progress_bar(stderr: bool = False) -> Any:
-    from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TaskProgressColumn,
-        TextColumn,
-    )
+class _ConsoleLog(logging.Handler):
+    """A log handler that prints through a rich console: while a progress bar is live, a
+    log line then lands above the bar instead of in the middle of it."""
 
-    return Progress(TextColumn("{task.description}"), BarColumn(bar_width=24), MofNCompleteColumn(),
-                    TaskProgressColumn(), TextColumn("{task.fields[rate]:.1f} lines/s"),
-                    TextColumn("ETA {task.fields[eta]}"),
-                    console=Console(stderr=stderr))
+    def __init__(self, console: Any, like: logging.Handler):
+        super().__init__(like.level)
+        self.setFormatter(like.formatter)
+        self.console = console
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from rich.text import Text
+
+        try:
+            self.console.print(Text(self.format(record)), soft_wrap=True)
+        except Exception:  # noqa: BLE001 - logging must never raise
+            self.handleError(record)
+
+
+@contextlib.contextmanager
+def progress_bar(title: str, stderr: bool = False) -> Iterator[Any]:
+    """A live progress bar (records done/total, %, rate, ETA) under a `title` line. The
+    columns fit an 80-column terminal whatever the totals: the bar takes what is left.
+    Log lines go through the bar's console meanwhile."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn
+    from rich.table import Column
+
+    def fixed(width: int) -> Column:
+        return Column(no_wrap=True, min_width=width)
+
+    console = Console(stderr=stderr)
+    console.print(title, markup=False, highlight=False)
+    bar = Progress(BarColumn(bar_width=None, table_column=Column(ratio=1, min_width=4)),
+                   TextColumn("{task.completed}/{task.fields[shown_total]}",
+                              table_column=fixed(15)),
+                   TextColumn("{task.percentage:>3.0f}%", table_column=fixed(4)),
+                   TextColumn("{task.fields[rate]:.1f} lines/s", table_column=fixed(13)),
+                   TextColumn("ETA {task.fields[eta]}", table_column=fixed(11)),
+                   console=console, expand=True)
+    root = logging.getLogger()
+    saved = list(root.handlers)
+    root.handlers = [_ConsoleLog(console, h) if type(h) is logging.StreamHandler else h
+                     for h in saved]
+    try:
+        with bar:
+            yield bar
+    finally:
+        root.handlers = saved
+
+
+def add_task(bar: Any) -> Any:
+    return bar.add_task("", total=None, rate=0.0, eta="?", shown_total="?")
 
 
 def update_task(bar: Any, task: Any, state: BulkState) -> None:
     eta = state.eta_s
     bar.update(task, total=max(state.total, 1), completed=state.done, rate=state.rate,
+               shown_total=state.total,
                eta="?" if eta is None else str(datetime.timedelta(seconds=round(eta))))
     bar.refresh()

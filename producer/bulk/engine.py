@@ -44,7 +44,7 @@ from producer.bulk.state import (
     Lease,
     StateStore,
     check_job_id,
-    count_lines,
+    count_records,
     fingerprint,
     new_epoch,
 )
@@ -116,7 +116,7 @@ def create_state(store: StateStore, spec: BulkSpec) -> BulkState:
     state = BulkState(job_id=spec.job_id, input=spec.input, output=spec.output,
                       queue=spec.queue, priority=spec.priority, window=spec.window,
                       epoch=new_epoch(), input_fingerprint=fingerprint(path),
-                      total=count_lines(path), created_at=time.time())
+                      total=count_records(path), created_at=time.time())
     return store.save(state)
 
 
@@ -159,10 +159,11 @@ class BulkRunner:
                                 "start a new job (bulk run --restart)")
             now = time.time()
             self.store.save(state, state="running", error="", runs=state.runs + 1,
-                            run_started_at=now, run_start_line=state.next_line)
-            log.info("bulk %s: %s from line %d of %d", state.job_id,
+                            run_started_at=now, run_start_line=state.next_line,
+                            run_start_records=state.records)
+            log.info("bulk %s: %s from line %d (%d of %d records done)", state.job_id,
                      "resuming" if state.next_line > 1 else "starting", state.next_line,
-                     state.total)
+                     state.records, state.total)
             with Producer(self.spec.redis_url, self.spec.queue) as self.producer, \
                     _open_output(Path(state.output), state.out_bytes) as out:
                 self._loop(state, out, lease)
@@ -198,6 +199,7 @@ class BulkRunner:
                     raise BulkError("lost the job's lease (another run took it over)")
                 if record is not None:
                     out.write(orjson.dumps(record) + b"\n")
+                    state.records += 1
                     state.errors += not record["ok"]
                 state.next_line = slot.line + 1
                 if time.monotonic() >= next_checkpoint:

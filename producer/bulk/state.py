@@ -50,14 +50,11 @@ def lease_key(job_id: str) -> str:
     return f"batchgate:bulk:{job_id}:lease"
 
 
-def count_lines(path: Path) -> int:
-    """Lines in a file (a last line without a newline counts)."""
-    count, last = 0, b"\n"
+def count_records(path: Path) -> int:
+    """The records a job's output will hold: the input's non-blank lines (a trailing
+    blank line, or one in the middle, gets no record, so it is not counted)."""
     with path.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            count += chunk.count(b"\n")
-            last = chunk[-1:]
-    return count + (last != b"\n")
+        return sum(1 for line in f if line.strip())
 
 
 def fingerprint(path: Path) -> str:
@@ -77,9 +74,10 @@ class BulkState:
     window: int
     epoch: str  # part of every idempotency key: a restarted job never reuses old requests
     input_fingerprint: str
-    total: int  # lines in the input
+    total: int  # records the output will hold: the input's non-blank lines
     next_line: int = 1  # first input line without a record in the output (1-based)
     out_bytes: int = 0  # output size at the checkpoint
+    records: int = 0  # records written (ok and error)
     errors: int = 0  # error records written
     state: str = "queued"  # queued | running | done | failed
     error: str = ""  # why the last run failed
@@ -87,20 +85,22 @@ class BulkState:
     created_at: float = 0.0
     run_started_at: float = 0.0
     run_start_line: int = 1
+    run_start_records: int = 0
     updated_at: float = 0.0
     finished_at: float = 0.0
 
     @property
     def done(self) -> int:
-        return self.next_line - 1
+        """Records written, out of `total`."""
+        return self.records
 
     @property
     def rate(self) -> float:
-        """Input lines per second over the current (or last) run."""
+        """Records per second over the current (or last) run."""
         end = self.finished_at or self.updated_at
         elapsed = end - self.run_started_at
-        lines = self.next_line - self.run_start_line
-        return lines / elapsed if self.run_started_at and elapsed > 0 and lines > 0 else 0.0
+        done = self.records - self.run_start_records
+        return done / elapsed if self.run_started_at and elapsed > 0 and done > 0 else 0.0
 
     @property
     def eta_s(self) -> float | None:

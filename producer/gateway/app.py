@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import math
+import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
@@ -45,17 +46,24 @@ from producer.gateway.schemas import (
     SubmitRequest,
 )
 from producer.validation import cancel_envelope
-from scheduler_core.admin import QueueStats, queue_stats
+from scheduler_core.admin import QueueStats, queue_stats, request_state_async
 from scheduler_core.connection import DEFAULT_REDIS_URL, connect, connect_async
 from scheduler_core.errors import InvalidRequest, QueueFull, RequestFailed
 from scheduler_core.keys import QueueKeys
 from scheduler_core.scripts import Scripts, cancel_keys
-from scheduler_core.wire import decode_result
 
 HEALTH_TIMEOUT_S = 2.0
 DEFAULT_RETRY_AFTER_S = 1.0
-RequestId = Annotated[str, Path(pattern=REQUEST_ID_PATTERN,
-                                description="The id returned by POST /v1/requests.")]
+# No pattern on the path: a malformed id is as unknown as a well-formed one nobody
+# submitted, and answers 404 like it (a 422 would suggest the request exists).
+RequestId = Annotated[str, Path(description="The id returned by POST /v1/requests (32 "
+                                            "hex digits; anything else is answered 404).")]
+ID = re.compile(REQUEST_ID_PATTERN)
+
+
+def not_found(request_id: str) -> ApiError:
+    return ApiError(404, "not_found", f"no request {request_id!r} (unknown, or its result "
+                                      "expired)")
 
 
 class ApiError(Exception):
@@ -100,22 +108,12 @@ class Gateway:
 
     async def lookup(self, request_id: str) -> RequestState | None:
         """The request's state from Redis (any producer's request of this queue)."""
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.get(self.keys.result(request_id))
-        pipe.hexists(self.keys.owner, request_id)
-        for key in self.keys.pending_all:
-            pipe.zscore(key, request_id)
-        pipe.hget(self.keys.dead_reason, request_id)
-        raw, running, *pending, dead = await pipe.execute()
-        if raw is None and dead is not None:
-            raw = dead  # dead-lettered, and its stored result has expired
-        if raw is not None:
-            return RequestState.from_result(decode_result(raw))
-        if running:
-            return RequestState(id=request_id, status="running")
-        if any(score is not None for score in pending):
-            return RequestState(id=request_id, status="queued")
-        return None
+        found = await request_state_async(self.redis, self.keys.queue, request_id)
+        if found is None:
+            return None
+        if found.result is not None:
+            return RequestState.from_result(found.result)
+        return RequestState(id=request_id, status=found.status)  # type: ignore[arg-type]
 
     async def cancel(self, request_id: str) -> int:
         """1 cancelled, 2 running (it will complete), 0 not waiting."""
@@ -212,10 +210,9 @@ def build_router(auth: Any | None) -> APIRouter:
     @router.get("/requests/{request_id}", responses=STATE_RESPONSES,
                 summary="A request's state and result", response_model=RequestState)
     async def get_request(request_id: RequestId, request: Request) -> Response:
-        state = await _gateway(request).lookup(request_id)
+        state = await _gateway(request).lookup(request_id) if ID.match(request_id) else None
         if state is None:
-            raise ApiError(404, "not_found", f"no request {request_id} (unknown, or its "
-                                             "result expired)")
+            raise not_found(request_id)
         return state_response(state)
 
     @router.delete("/requests/{request_id}", responses={
@@ -226,13 +223,15 @@ def build_router(auth: Any | None) -> APIRouter:
     }, summary="Cancel a request that has not started", response_model=RequestState)
     async def cancel(request_id: RequestId, request: Request) -> Response:
         gateway = _gateway(request)
+        if not ID.match(request_id):
+            raise not_found(request_id)
         outcome = await gateway.cancel(request_id)
         state = await gateway.lookup(request_id)
         if outcome == 1 or (state is not None and state.status == "cancelled"):
             state = state or RequestState(id=request_id, status="cancelled")
             return json_response(200, state.body())
         if state is None:
-            raise ApiError(404, "not_found", f"no request {request_id}")
+            raise not_found(request_id)
         return json_response(409, state.body())
 
     @router.get("/stats", response_model=QueueStats, responses=COMMON,
@@ -250,17 +249,21 @@ async def _invalid(request: Request, exc: Exception) -> Response:
         return json_response(422, {"error": "invalid_request", "message": str(exc),
                                    "field": exc.field})
     assert isinstance(exc, RequestValidationError)
-    errors = [{"loc": list(e.get("loc", ())), "msg": str(e.get("msg", "")),
-               "type": str(e.get("type", ""))} for e in exc.errors()]
-    loc = errors[0]["loc"] if errors else []
+    # One documented body, {error, message, field}: pydantic's own error list is not
+    # passed on (its locations name validator internals, not fields a client sent).
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    loc = list(first.get("loc", ()))
     field = str(loc[1]) if len(loc) > 1 and loc[0] in ("body", "path", "query") else "body"
-    if errors and errors[0]["type"] == "json_invalid":
+    if first.get("type") == "json_invalid":
         field = "body"
-    message = f"{field}: {errors[0]['msg']}" if errors else "invalid request"
+    message = f"{field}: {first.get('msg', 'invalid')}" if errors else "invalid request"
+    if field == "priority":  # a union: the first branch's message would hide 0-2
+        message = (f"priority: {first.get('input')!r} is not a priority; use \"high\", "
+                   "\"normal\", \"low\" or 0, 1, 2")
     if field == "body" and "json" not in request.headers.get("content-type", ""):
         message = "body: send a JSON object with Content-Type: application/json"
-    return json_response(422, {"error": "invalid_request", "message": message, "field": field,
-                               "detail": errors})
+    return json_response(422, {"error": "invalid_request", "message": message, "field": field})
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:

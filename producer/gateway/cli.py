@@ -5,10 +5,13 @@ Imports FastAPI and uvicorn only when run, so `batchgate --help` works without t
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import click
+import redis
 
+from scheduler_core.compat import connect_checked
 from scheduler_core.options import queue_option, redis_url_option
 
 DEFAULT_HOST = "127.0.0.1"
@@ -40,6 +43,9 @@ def gateway_command(redis_url: str, queue: str, host: str, port: int, token: str
     except ImportError as exc:
         raise click.ClickException(
             f"{exc}: the gateway needs its extra: pip install 'batchgate[gateway]'") from None
+    # Fail now on a Redis too old; an unreachable one may come up later (see /healthz).
+    with contextlib.suppress(redis.ConnectionError, redis.TimeoutError):
+        connect_checked(redis_url).close()
     app = create_app(redis_url, queue, token=token or None)
     level = logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
     click.echo(f"batchgate gateway for queue {queue!r} on http://{host}:{port} "

@@ -7,7 +7,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, JsonValue
 
 from producer.validation import IDEMPOTENCY_KEY, MAX_DEADLINE_MS
-from scheduler_core.wire import CANCELLED, DEADLINE, Result
+from scheduler_core.admin import status_of
+from scheduler_core.wire import Result
 
 MAX_WAIT_S = 300.0
 DEFAULT_WAIT_S = 30.0
@@ -83,8 +84,7 @@ class RequestState(BaseModel):
     def from_result(cls, result: Result) -> RequestState:
         if result.ok:
             return cls(id=result.id, status="done", result=result.value)
-        status: Status = {DEADLINE: "expired", CANCELLED: "cancelled"}.get(
-            result.error_type, "failed")  # type: ignore[assignment]
+        status: Status = status_of(result)  # type: ignore[assignment]
         return cls(id=result.id, status=status,
                    error=ErrorInfo(type=result.error_type, message=result.message))
 
@@ -104,8 +104,8 @@ class Problem(BaseModel):
                                    "redis_unavailable")
     message: str
     field: str | None = Field(default=None, description="422: the offending field, e.g. "
-                                                        "priority or payload.items[3]")
-    detail: list[dict[str, Any]] | None = None
+                                                        "priority, or a path into the payload "
+                                                        "such as payload.items[3]")
 
 
 class QueueFullProblem(Problem):

@@ -95,3 +95,13 @@ class GcReport(_Base):
 
     def answer(self, payload: Any) -> Any:
         return {"frozen": gc.get_freeze_count(), "tracked": len(gc.get_objects())}
+
+
+class ThreadsReport(_Base):
+    """Answers with the CPU threads torch runs with in the consumer process."""
+
+    def answer(self, payload: Any) -> Any:
+        import torch
+
+        return {"torch_threads": torch.get_num_threads(),
+                "omp": os.environ.get("OMP_NUM_THREADS")}

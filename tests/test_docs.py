@@ -1,0 +1,85 @@
+"""The docs and `batchgate ... --help` cannot drift apart: every option of every command
+is documented in README.md or docs/*.md, shows in its --help, and every environment
+variable the docs name is one a command reads (and says so in its --help)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from batchgate.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = "\n".join(p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob(
+    "*.md"))])
+# Read by the test suite, not by a command (docs/guarantees.md describes them).
+TEST_ONLY_ENV = {"BATCHGATE_FULL", "BATCHGATE_FUZZ_EXAMPLES"}
+
+
+def commands() -> Iterator[tuple[list[str], click.Command]]:
+    """(argv path, command) of every command and group, lazy ones included."""
+    def walk(path: list[str], command: click.Command,
+             ctx: click.Context) -> Iterator[tuple[list[str], click.Command]]:
+        yield path, command
+        if isinstance(command, click.Group):
+            for name in command.list_commands(ctx):
+                sub = command.get_command(ctx, name)
+                assert sub is not None, name
+                yield from walk([*path, name], sub, ctx)
+    with click.Context(main) as ctx:
+        yield from walk([], main, ctx)
+
+
+COMMANDS = list(commands())
+
+
+def documented(word: str) -> bool:
+    return re.search(r"(?<![\w-])" + re.escape(word) + r"(?![\w-])", DOCS) is not None
+
+
+def help_text(path: list[str]) -> str:
+    result = CliRunner().invoke(main, [*path, "--help"], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+@pytest.mark.parametrize(("path", "command"), COMMANDS,
+                         ids=[" ".join(["batchgate", *p]) for p, _ in COMMANDS])
+def test_every_option_is_documented_and_in_help(path: list[str],
+                                                command: click.Command) -> None:
+    shown = help_text(path)
+    assert command.help, f"batchgate {' '.join(path)} has no description"
+    for param in command.params:
+        if not isinstance(param, click.Option):
+            continue
+        names = [o for o in param.opts + param.secondary_opts if o.startswith("--")]
+        assert not param.hidden, f"{names} is hidden from --help"
+        for name in names:
+            assert documented(name), f"batchgate {' '.join(path)} {name} is not in the docs"
+            assert name in shown
+        if name != "--help":
+            assert param.help, f"batchgate {' '.join(path)} {names[0]} has no help text"
+        if param.envvar:
+            assert documented(param.envvar), f"{param.envvar} ({names[0]}) is not in the docs"
+            assert param.envvar in shown, f"{param.envvar} is not named in --help"
+
+
+def test_every_documented_variable_is_read_by_a_command() -> None:
+    read = {param.envvar for _, command in COMMANDS for param in command.params
+            if isinstance(param, click.Option) and isinstance(param.envvar, str)}
+    named = set(re.findall(r"\bBATCHGATE_[A-Z_]+\b", DOCS))
+    assert named - TEST_ONLY_ENV <= read, sorted(named - TEST_ONLY_ENV - read)
+    tests = "".join(p.read_text() for p in (ROOT / "tests").rglob("*.py"))
+    assert all(name in tests for name in TEST_ONLY_ENV)
+
+
+def test_every_consumer_flag_has_its_variable() -> None:
+    consumer = dict((" ".join(p), c) for p, c in COMMANDS)["consumer"]
+    for param in consumer.params:
+        if isinstance(param, click.Option) and param.name != "help":
+            assert param.envvar, f"batchgate consumer {param.opts[0]} has no env var"

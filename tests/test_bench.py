@@ -133,7 +133,7 @@ def test_bench_quick_smoke(tmp_path: Path):
 
 
 def test_profile_stages_smoke():
-    """bench/profile_stages.py (the per-stage CPU figures in docs/benchmarks.md) runs and
+    """batchgate/bench/profile_stages.py (the per-stage CPU figures in docs/benchmarks.md) runs and
     reports every stage; a small backlog, a few paced requests."""
     proc = subprocess.run(
         [sys.executable, "-m", "batchgate.bench.profile_stages", "--requests", "300",

@@ -3,7 +3,7 @@
 `batchgate bench` calls make_all() at the end of a run; it can also be run by itself to
 re-plot a results.json:
 
-    python bench/plots.py bench/results/<run>/results.json [OUT_DIR]
+    python -m batchgate.bench.plots bench/results/<run>/results.json [OUT_DIR]
 """
 
 from __future__ import annotations

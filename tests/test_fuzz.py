@@ -250,6 +250,9 @@ class NoRedis:
     def get(self, key):
         return None
 
+    def mget(self, keys):
+        return [None] * len(keys)
+
     def close(self):
         pass
 

@@ -17,25 +17,11 @@ from typing import Any
 import redis
 import redis.asyncio
 
-from producer.base import (
-    MAX_IN_FLIGHT,
-    POLL_MAX_S,
-    POLL_S,
-    CancelOutcome,
-    OnResult,
-    ProducerBase,
-    Submission,
-    rearm,
-    take_batch,
-)
+from producer import base
+from producer.base import CancelOutcome, OnResult, ProducerBase, Submission
 from producer.validation import check_timeout
-from scheduler_core.connection import (
-    DEFAULT_MAX_CONNECTIONS,
-    DEFAULT_REDIS_URL,
-    Backoff,
-    connect_async,
-    dedicated,
-)
+from scheduler_core import connection
+from scheduler_core.connection import Backoff, dedicated
 from scheduler_core.policy import Priority
 from scheduler_core.scripts import Scripts
 from scheduler_core.wire import Result, decode_result
@@ -72,7 +58,7 @@ class AsyncHandle:
                 if not await self._producer._poll(self):
                     raise TimeoutError(f"no result for request {self.id} within {timeout}s")
                 break
-            step = POLL_MAX_S if end is None else min(POLL_MAX_S, end - now)
+            step = base.POLL_MAX_S if end is None else min(base.POLL_MAX_S, end - now)
             if self._deadline_at is not None:
                 step = min(step, self._deadline_at - now)
             if self._waiter is None:
@@ -83,7 +69,7 @@ class AsyncHandle:
                 break
             if self._deadline_at is not None and time.monotonic() >= self._deadline_at:
                 await self._producer._expire(self)
-            elif step == POLL_MAX_S:
+            elif step == base.POLL_MAX_S:
                 await self._producer._poll(self)
         assert self._result is not None
         return self._result.unwrap()
@@ -95,12 +81,12 @@ class AsyncHandle:
 class AsyncProducer(ProducerBase[AsyncHandle]):
     """Use as `async with AsyncProducer(url, queue) as p:` or call `await p.close()`."""
 
-    def __init__(self, redis_url: str = DEFAULT_REDIS_URL, queue: str = "default", *,
+    def __init__(self, redis_url: str = connection.DEFAULT_REDIS_URL, queue: str = "default", *,
                  max_payload_bytes: int | None = None, idempotency_ttl_s: int | None = None,
                  client: redis.asyncio.Redis | None = None, on_result: OnResult | None = None,
-                 max_connections: int = DEFAULT_MAX_CONNECTIONS):
+                 max_connections: int = connection.DEFAULT_MAX_CONNECTIONS):
         super().__init__(queue, max_payload_bytes, idempotency_ttl_s, on_result)
-        self._redis = client or connect_async(redis_url, max_connections)
+        self._redis = client or connection.connect_async(redis_url, max_connections)
         self._owns_client = client is None
         self._scripts = Scripts(self._redis)
         self._closed = False
@@ -190,9 +176,10 @@ class AsyncProducer(ProducerBase[AsyncHandle]):
         """Start enqueue calls for the waiting submissions, up to MAX_IN_FLIGHT at once;
         what arrives meanwhile waits for the next free slot, and goes together."""
         self._kick_scheduled = False
-        while self._pending and self._in_flight < MAX_IN_FLIGHT:
+        while self._pending and self._in_flight < base.MAX_IN_FLIGHT:
             self._in_flight += 1
-            task = asyncio.get_running_loop().create_task(self._send(take_batch(self._pending)))
+            batch = base.take_batch(self._pending)
+            task = asyncio.get_running_loop().create_task(self._send(batch))
             self._sends.add(task)
             task.add_done_callback(self._sends.discard)
 
@@ -221,7 +208,7 @@ class AsyncProducer(ProducerBase[AsyncHandle]):
     async def _listen(self) -> None:
         inbox = self.keys.inbox(self.id)
         backoff = Backoff("async producer listener")
-        next_sweep = time.monotonic() + POLL_S
+        next_sweep = time.monotonic() + base.POLL_S
         while not self._closed:
             try:
                 popped = await self._listener_redis.blmpop(1, 1, inbox, direction="LEFT",
@@ -237,7 +224,7 @@ class AsyncProducer(ProducerBase[AsyncHandle]):
                                                    or self._sweeper.done()):
                 # A task of its own: results keep flowing while it waits for Redis.
                 self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
-                next_sweep = time.monotonic() + POLL_S
+                next_sweep = time.monotonic() + base.POLL_S
 
     async def _sweep(self) -> None:
         """As Producer._sweep."""
@@ -280,4 +267,4 @@ class AsyncProducer(ProducerBase[AsyncHandle]):
         try:
             await self._cancel(handle, deadline=True)
         except (redis.ConnectionError, redis.TimeoutError):
-            rearm(handle)
+            base.rearm(handle)

@@ -277,7 +277,11 @@ class Producer(ProducerBase[Handle]):
                 self._in_flight += 1
                 batch = take_batch(self._pending)
         if batch is None:
-            sub.waiter.acquire()  # released when sent by another thread, or handed the lead
+            try:
+                sub.waiter.acquire()  # released once sent by another thread, or handed the lead
+            except BaseException:  # Ctrl-C: leave nobody waiting on this thread
+                self._abandon(sub)
+                raise
             batch = sub.handed
         if batch is not None:
             try:
@@ -299,6 +303,19 @@ class Producer(ProducerBase[Handle]):
         finally:
             for sub in batch:
                 sub.waiter.release()
+
+    def _abandon(self, sub: Submission) -> None:
+        """The caller of `sub` is leaving before its answer: still queued, it is dropped
+        (nothing written); handed the lead, it is sent for the others queued with it."""
+        with self._send_lock:
+            queued = sub in self._pending
+            if queued:
+                self._pending.remove(sub)
+        if not queued and sub.handed is not None and sub.ids is None and sub.error is None:
+            try:
+                self._send(sub.handed)
+            finally:
+                self._hand_off()
 
     def _hand_off(self) -> None:
         with self._send_lock:

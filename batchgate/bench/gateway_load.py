@@ -7,7 +7,8 @@ One private `redis-server`, one `batchgate consumer` with the no-op model behind
 for each concurrency N: N asyncio tasks of one AsyncProducer (a child process) submitting
 and awaiting one request after another, and `wrk` with N connections POSTing
 `{"payload": ..., "wait": true}` to `batchgate gateway --workers W` for each W. Answers
-other than 2xx and socket errors are counted, never folded into the rate. Needs `wrk` on
+other than 2xx and socket errors are counted, never folded into the rate; CPU per request
+is the AsyncProducer process's, or the gateway's with all its workers. Needs `wrk` on
 PATH (Debian: apt-get install wrk) and the gateway extra.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -62,20 +64,37 @@ def direct(url: str, queue: str, concurrency: int, duration: float) -> dict:
             await asyncio.gather(*(worker() for _ in range(concurrency)))
             return time.monotonic() - start
 
+    cpu = time.process_time()
     elapsed = asyncio.run(run())
+    cpu = time.process_time() - cpu
     latencies.sort()
     return {"rate": len(latencies) / elapsed, "errors": errors,
-            "p50_ms": _pct(latencies, 0.5) * 1000, "p99_ms": _pct(latencies, 0.99) * 1000}
+            "p50_ms": _pct(latencies, 0.5) * 1000, "p99_ms": _pct(latencies, 0.99) * 1000,
+            "cpu_us": cpu / max(1, len(latencies)) * 1e6}
 
 
 def _pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
 
-def wrk(url: str, script: Path, connections: int, duration: float) -> dict:
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of a process and its children (Linux /proc)."""
+    total = 0.0
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except (OSError, IndexError, ValueError):
+        return total
+    return total + sum(tree_cpu_s(int(child)) for child in children)
+
+
+def wrk(url: str, script: Path, connections: int, duration: float, pid: int) -> dict:
+    cpu = tree_cpu_s(pid)
     out = subprocess.run(["wrk", "-t2", f"-c{connections}", f"-d{duration:g}s", "--latency",
                           "--timeout", "60s", "-s", str(script), url + "/v1/requests"],
                          capture_output=True, text=True, check=True).stdout
+    cpu = tree_cpu_s(pid) - cpu
     total = int(re.search(r"(\d+) requests in", out).group(1))
     seconds = float(re.search(r"requests in ([\d.]+)s", out).group(1))
     bad = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
@@ -83,7 +102,8 @@ def wrk(url: str, script: Path, connections: int, duration: float) -> dict:
     non2xx = int(bad.group(1)) if bad else 0
     return {"rate": (total - non2xx) / seconds, "errors": non2xx + (
         sum(int(x) for x in sock.groups()) if sock else 0),
-        "p50_ms": _latency(out, "50%"), "p99_ms": _latency(out, "99%")}
+        "p50_ms": _latency(out, "50%"), "p99_ms": _latency(out, "99%"),
+        "cpu_us": cpu / max(1, total) * 1e6}
 
 
 def _latency(out: str, label: str) -> float:
@@ -126,17 +146,17 @@ def main(argv: list[str] | None = None) -> None:
                                         "--port", str(port), "--no-access-log",
                                         "--workers", str(w)], Path(tmp) / f"gw{w}.log", b"")
                 children.append(gateway)
-                gateways[w] = f"http://127.0.0.1:{port}"
-                _wait(lambda b=gateways[w], g=gateway: g.ready() and _healthy(b),
+                gateways[w] = (f"http://127.0.0.1:{port}", gateway.proc.pid)
+                _wait(lambda b=gateways[w][0], g=gateway: g.ready() and _healthy(b),
                       f"gateway --workers {w}")
             time.sleep(1)  # every worker up, not only the first
             for n in levels:
                 row = run_direct(url, queue, n, args.duration)
                 cells.append({"what": "AsyncProducer direct", "connections": n, **row})
                 _progress(cells[-1])
-                for w, base in gateways.items():
+                for w, (base, pid) in gateways.items():
                     cells.append({"what": f"gateway --workers {w}", "connections": n,
-                                  **wrk(base, script, n, args.duration)})
+                                  **wrk(base, script, n, args.duration, pid)})
                     _progress(cells[-1])
         finally:
             for child in children:
@@ -173,19 +193,22 @@ def _wait(ready, what: str, timeout: float = 60.0) -> None:
 
 def _progress(cell: dict) -> None:
     print(f"  N={cell['connections']:<5} {cell['what']:22} {cell['rate']:>8,.0f} req/s  "
-          f"p50 {cell['p50_ms']:.1f} ms  p99 {cell['p99_ms']:.1f} ms  errors {cell['errors']}",
+          f"p50 {cell['p50_ms']:.1f} ms  p99 {cell['p99_ms']:.1f} ms  "
+          f"CPU {cell['cpu_us']:.0f} µs/req  errors {cell['errors']}",
           file=sys.stderr, flush=True)
 
 
 def table(cells: list[dict], levels: list[int]) -> str:
     lines = ["| N (connections / tasks) | client | req/s | p50 ms | p99 ms | not 2xx or "
-             "errors | vs direct |", "|---|---|---|---|---|---|---|"]
+             "errors | client process CPU µs/req | vs direct |",
+             "|---|---|---|---|---|---|---|---|"]
     for n in levels:
         row = [c for c in cells if c["connections"] == n]
         base = next(c["rate"] for c in row if c["what"].startswith("AsyncProducer"))
         for c in row:
             lines.append(f"| {n:,} | {c['what']} | {c['rate']:,.0f} | {c['p50_ms']:.1f} | "
-                         f"{c['p99_ms']:.1f} | {c['errors']:,} | {c['rate'] / base:.2f}× |")
+                         f"{c['p99_ms']:.1f} | {c['errors']:,} | {c['cpu_us']:,.0f} | "
+                         f"{c['rate'] / base:.2f}× |")
     return "\n".join(lines)
 
 

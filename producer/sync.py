@@ -302,7 +302,8 @@ class Producer(ProducerBase[Handle]):
             self._fail(batch, exc)
         finally:
             for sub in batch:
-                sub.waiter.release()
+                if sub.waiter.locked():  # not if its caller was interrupted (_abandon)
+                    sub.waiter.release()
 
     def _abandon(self, sub: Submission) -> None:
         """The caller of `sub` is leaving before its answer: still queued, it is dropped

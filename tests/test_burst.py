@@ -100,15 +100,16 @@ def test_1000_threads_through_one_sync_producer(shared_redis, queue, start_consu
     assert 2 <= max(counts) <= CONNECTION_BOUND, counts
 
 
-async def post_json(port: int, path: str, body: object) -> tuple[int, object]:
+async def post_json(port: int, path: str, body: object, token: str = "") -> tuple[int, object]:
     """One HTTP/1.1 POST on a connection of its own. Not httpx: opening 2,000 connections
     through httpx costs ~5 ms of CPU each, more than the gateway spends answering them."""
     data = orjson.dumps(body)
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
+        auth = f"Authorization: Bearer {token}\r\n".encode() if token else b""
         writer.write(b"POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
-                     b"\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s"
-                     % (path.encode(), len(data), data))
+                     b"\r\n%sContent-Length: %d\r\nConnection: close\r\n\r\n%s"
+                     % (path.encode(), auth, len(data), data))
         answer = await reader.read()  # until the server closes
     finally:
         writer.close()
@@ -119,14 +120,20 @@ async def post_json(port: int, path: str, body: object) -> tuple[int, object]:
 def test_2000_concurrent_http_requests_at_the_gateway(shared_redis, queue, start_consumer,
                                                        start_gateway):
     start_consumer(shared_redis.url, queue, *NOOP)
-    gateway = start_gateway(shared_redis.url, queue, "--workers", "2")
+    gateway = start_gateway(shared_redis.url, queue, "--workers", "2", "--token", "s3cret")
 
     async def burst() -> list[tuple[int, object] | BaseException]:
         return await asyncio.gather(*(
-            post_json(gateway.port, "/v1/requests", {"payload": {"i": i}, "wait": True})
-            for i in range(2000)), return_exceptions=True)
+            post_json(gateway.port, "/v1/requests", {"payload": {"i": i}, "wait": True},
+                      "s3cret") for i in range(2000)), return_exceptions=True)
 
     try:
+        async def without_token() -> list[tuple[int, object]]:
+            return await asyncio.gather(*(post_json(gateway.port, "/v1/requests",
+                                                    {"payload": i}) for i in range(20)))
+
+        # The workers have the settings the command was given (the token, here).
+        assert {status for status, _ in asyncio.run(without_token())} == {401}
         answers = asyncio.run(burst())
         failed = [a for a in answers if isinstance(a, BaseException) or a[0] != 200]
         assert failed == [], failed[:5]

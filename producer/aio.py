@@ -1,7 +1,8 @@
 """AsyncProducer: the asyncio client for async web apps (FastAPI, aiohttp, ...).
 
 Same contract as `producer.sync.Producer`; one listener task per instance drains the
-inbox and resolves the awaiting handles.
+inbox, on a connection of its own, and resolves the awaiting handles. Submits made in the
+same event-loop turn, or while earlier enqueue calls are in flight, travel together.
 """
 
 from __future__ import annotations
@@ -16,12 +17,14 @@ from typing import Any
 import redis
 import redis.asyncio
 
-from producer.base import POLL_S, CancelOutcome, OnResult, ProducerBase
+from producer import base
+from producer.base import CancelOutcome, OnResult, ProducerBase, Submission
 from producer.validation import check_timeout
+from scheduler_core import connection
 from scheduler_core.compat import require_redis_version_async
-from scheduler_core.connection import DEFAULT_REDIS_URL, Backoff, connect_async
+from scheduler_core.connection import Backoff, dedicated
 from scheduler_core.policy import Priority
-from scheduler_core.scripts import Scripts, enqueue_reply
+from scheduler_core.scripts import Scripts
 from scheduler_core.wire import Result, decode_result
 
 log = logging.getLogger("batchgate.producer")
@@ -32,36 +35,43 @@ class AsyncHandle:
         self.id = request_id
         self._producer = producer
         self._deadline_at: float | None = None
-        self._event = asyncio.Event()
+        self._accepted_at = 0.0
+        self._poll_at: float | None = None
         self._result: Result | None = None
+        self._waiter: asyncio.Future[None] | None = None  # made when someone awaits
 
     def _resolve(self, result: Result) -> None:
         if self._result is None:
             self._result = result
-            self._event.set()
+            if self._waiter is not None and not self._waiter.done():
+                self._waiter.set_result(None)
 
     def done(self) -> bool:
-        return self._event.is_set()
+        return self._result is not None
 
     async def result(self, timeout: float | None = None) -> Any:
         """As `Handle.result`, awaitable."""
         timeout = check_timeout(timeout)
         end = None if timeout is None else time.monotonic() + timeout
-        while not self._event.is_set():
+        while self._result is None:
             now = time.monotonic()
             if end is not None and now >= end:
                 if not await self._producer._poll(self):
                     raise TimeoutError(f"no result for request {self.id} within {timeout}s")
                 break
-            step = POLL_S if end is None else min(POLL_S, end - now)
+            step = base.POLL_MAX_S if end is None else min(base.POLL_MAX_S, end - now)
             if self._deadline_at is not None:
-                step = min(step, max(0.0, self._deadline_at - now))
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._event.wait(), step)
+                step = min(step, self._deadline_at - now)
+            if self._waiter is None:
+                self._waiter = asyncio.get_running_loop().create_future()
+            # asyncio.wait, unlike wait_for, runs no task per call and leaves the future be.
+            await asyncio.wait((self._waiter,), timeout=max(0.0, step))
+            if self._result is not None:
                 break
             if self._deadline_at is not None and time.monotonic() >= self._deadline_at:
                 await self._producer._expire(self)
-            await self._producer._poll(self)
+            elif step == base.POLL_MAX_S:
+                await self._producer._poll(self)
         assert self._result is not None
         return self._result.unwrap()
 
@@ -72,15 +82,20 @@ class AsyncHandle:
 class AsyncProducer(ProducerBase[AsyncHandle]):
     """Use as `async with AsyncProducer(url, queue) as p:` or call `await p.close()`."""
 
-    def __init__(self, redis_url: str = DEFAULT_REDIS_URL, queue: str = "default", *,
+    def __init__(self, redis_url: str = connection.DEFAULT_REDIS_URL, queue: str = "default", *,
                  max_payload_bytes: int | None = None, idempotency_ttl_s: int | None = None,
-                 client: redis.asyncio.Redis | None = None, on_result: OnResult | None = None):
+                 client: redis.asyncio.Redis | None = None, on_result: OnResult | None = None,
+                 max_connections: int = connection.DEFAULT_MAX_CONNECTIONS):
         super().__init__(queue, max_payload_bytes, idempotency_ttl_s, on_result)
-        self._redis = client or connect_async(redis_url)
+        self._redis = client or connection.connect_async(redis_url, max_connections)
         self._owns_client = client is None
         self._scripts = Scripts(self._redis)
         self._closed = False
         self._listener: asyncio.Task[None] | None = None
+        self._listener_redis: Any = None
+        self._kick_scheduled = False
+        self._sends: set[asyncio.Task[None]] = set()
+        self._sweeper: asyncio.Task[None] | None = None
 
     async def submit(self, payload: Any, priority: Priority | int | str = Priority.NORMAL,
                      deadline_ms: float | None = None,
@@ -99,10 +114,17 @@ class AsyncProducer(ProducerBase[AsyncHandle]):
 
     async def close(self) -> None:
         self._closed = True
-        if self._listener is not None:
-            self._listener.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._listener
+        if self._pending:
+            self._kick()
+        while self._sends:  # submits already queued get their answer
+            await asyncio.gather(*self._sends, return_exceptions=True)
+        for task in (self._listener, self._sweeper):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+        if self._listener_redis is not None and self._listener_redis is not self._redis:
+            await self._listener_redis.aclose()
         if self._owns_client:
             await self._redis.aclose()
 
@@ -116,26 +138,83 @@ class AsyncProducer(ProducerBase[AsyncHandle]):
                       idempotency_keys: list[str | None] | None) -> list[AsyncHandle]:
         if self._closed:
             raise RuntimeError("producer is closed")
-        requests, handles, keys, args = self._prepare(
+        submission, handles = self._prepare(
             payloads, priority, deadline_ms, idempotency_keys,
             lambda rid: AsyncHandle(self, rid))
+        loop = asyncio.get_running_loop()
         try:
             await require_redis_version_async(self._redis)  # once per client: BLMPOP needs 7
             if self._listener is None:
-                self._listener = asyncio.get_running_loop().create_task(self._listen())
-            ids = enqueue_reply(self.keys, await self._scripts.enqueue(keys=keys, args=args))
+                self._listener_redis = dedicated(self._redis)
+                self._listener = loop.create_task(self._listen())
+            ids = await self._enqueue(submission, loop)
         except BaseException:
-            self._forget(requests)
+            self._forget(submission.requests)
             raise
-        self._accepted(requests, handles, ids)
+        self._accepted(submission.requests, handles, ids)
         return handles
+
+    async def _enqueue(self, sub: Submission, loop: asyncio.AbstractEventLoop) -> list[str]:
+        if self._in_flight == 0 and not self._pending:
+            # Nothing else going on: send it from this task at once (no hop through the
+            # loop); submits arriving meanwhile queue and go together after it.
+            self._in_flight += 1
+            await self._send([sub])
+            return sub.outcome()
+        sub.waiter = loop.create_future()
+        self._pending.append(sub)
+        if not self._kick_scheduled:
+            # After the tasks ready in this turn of the loop: their submits go together.
+            self._kick_scheduled = True
+            loop.call_soon(self._kick)
+        try:
+            return await sub.waiter
+        except BaseException:
+            with contextlib.suppress(ValueError):  # cancelled before it was sent:
+                self._pending.remove(sub)  # nothing is written
+            raise
+
+    def _kick(self) -> None:
+        """Start enqueue calls for the waiting submissions, up to MAX_IN_FLIGHT at once;
+        what arrives meanwhile waits for the next free slot, and goes together."""
+        self._kick_scheduled = False
+        while self._pending and self._in_flight < base.MAX_IN_FLIGHT:
+            self._in_flight += 1
+            batch = base.take_batch(self._pending)
+            task = asyncio.get_running_loop().create_task(self._send(batch))
+            self._sends.add(task)
+            task.add_done_callback(self._sends.discard)
+
+    async def _send(self, batch: list[Submission]) -> None:
+        try:
+            keys, args = self._batch_call(batch)
+            if not self._settle(batch, await self._scripts.enqueue(keys=keys, args=args)):
+                pipe = self._redis.pipeline(transaction=False)
+                for keys, args in self._each_call(batch):
+                    await self._scripts.enqueue(keys=keys, args=args, client=pipe)
+                self._settle_each(batch, await pipe.execute(raise_on_error=False))
+        except BaseException as exc:  # each of its callers gets the error
+            self._fail(batch, exc)
+        finally:
+            self._in_flight -= 1
+            for sub in batch:
+                if sub.waiter is not None and not sub.waiter.done():
+                    if sub.ids is not None:
+                        sub.waiter.set_result(sub.ids)
+                    elif isinstance(sub.error, asyncio.CancelledError):
+                        sub.waiter.cancel()
+                    else:
+                        sub.waiter.set_exception(sub.error)
+            self._kick()
 
     async def _listen(self) -> None:
         inbox = self.keys.inbox(self.id)
         backoff = Backoff("async producer listener")
+        next_sweep = time.monotonic() + base.POLL_S
         while not self._closed:
             try:
-                popped = await self._redis.blmpop(1, 1, inbox, direction="LEFT", count=512)
+                popped = await self._listener_redis.blmpop(1, 1, inbox, direction="LEFT",
+                                                           count=512)
                 backoff.succeeded()
             except redis.RedisError as exc:  # also NOPERM, READONLY after a failover, ...
                 await asyncio.sleep(backoff.failed(exc))
@@ -143,6 +222,36 @@ class AsyncProducer(ProducerBase[AsyncHandle]):
             for raw in popped[1] if popped else ():
                 if raw:  # b"" is close()'s wake-up
                     self._deliver(raw)
+            if time.monotonic() >= next_sweep and (self._sweeper is None
+                                                   or self._sweeper.done()):
+                # A task of its own: results keep flowing while it waits for Redis.
+                self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
+                next_sweep = time.monotonic() + base.POLL_S
+
+    async def _sweep(self) -> None:
+        """As Producer._sweep."""
+        try:
+            await self._sweep_once()
+        except Exception:
+            log.exception("async producer listener: sweep failed")
+
+    async def _sweep_once(self) -> None:
+        expire, poll = self._due()
+        for chunk in expire:
+            calls = self._expire_calls(chunk)
+            pipe = self._redis.pipeline(transaction=False)
+            for keys, args, _ in calls:
+                await self._scripts.cancel(keys=keys, args=args, client=pipe)
+            try:
+                replies = await pipe.execute(raise_on_error=False)
+            except redis.RedisError as exc:
+                replies = [exc] * len(chunk)
+            self._expired(chunk, replies, calls)
+        for chunk in poll:
+            try:
+                self._stored(chunk, await self._redis.mget(self._result_keys(chunk)))
+            except redis.RedisError:
+                return
 
     async def _poll(self, handle: AsyncHandle) -> bool:
         try:
@@ -160,4 +269,4 @@ class AsyncProducer(ProducerBase[AsyncHandle]):
         try:
             await self._cancel(handle, deadline=True)
         except (redis.ConnectionError, redis.TimeoutError):
-            handle._deadline_at = time.monotonic() + POLL_S
+            base.rearm(handle)

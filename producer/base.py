@@ -1,12 +1,16 @@
-"""What Producer and AsyncProducer share: configuration, the handle registry and the
-script arguments. The subclasses add only their I/O (threads or asyncio)."""
+"""What Producer and AsyncProducer share: configuration, the handle registry, the script
+arguments and how concurrent submits are coalesced. The subclasses add only their I/O
+(threads or asyncio)."""
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections import deque
 from collections.abc import Callable, Iterable
-from typing import Any, Generic, Literal, TypeVar
+from dataclasses import dataclass, field
+from typing import Any, Generic, Literal, Protocol, TypeVar
 
 from producer.validation import (
     ProducerConfig,
@@ -15,23 +19,92 @@ from producer.validation import (
     local_deadline,
     new_id,
 )
+from scheduler_core.errors import InvalidRequest, QueueFull
 from scheduler_core.keys import QueueKeys
-from scheduler_core.scripts import NewRequest, cancel_keys, enqueue_call
+from scheduler_core.scripts import (
+    NewRequest,
+    Scripts,
+    cancel_keys,
+    enqueue_call,
+    enqueue_reply,
+)
 from scheduler_core.wire import Result, decode_result
 
 log = logging.getLogger("batchgate.producer")
 
 CancelOutcome = Literal["cancelled", "running", "finished"]
 CANCEL_OUTCOMES: dict[int, CancelOutcome] = {1: "cancelled", 2: "running", 0: "finished"}
-POLL_S = 1.0  # a waiting handle re-checks `result:<id>` this often (lost-inbox fallback)
+# Lost-inbox fallback (a result popped from the inbox whose reply never arrived, an inbox
+# expired): the listener checks `result:<id>` of a handle POLL_S after its submit, then at
+# doubling ages, at most POLL_MAX_S apart, many ids per MGET.
+POLL_S = 1.0
+POLL_MAX_S = 30.0
+SWEEP_CHUNK = 500  # handles per MGET or cancel pipeline in a sweep
 
-H = TypeVar("H")
+# Coalescing: submits that wait while enqueue calls are in flight travel together in the
+# next call. Two calls in flight keep one producer's connection busy while it prepares
+# the next; the caps keep one call's time inside Redis (which blocks every other client
+# meanwhile) to a few milliseconds.
+MAX_IN_FLIGHT = 2
+MAX_COALESCED_REQUESTS = 1_000
+MAX_COALESCED_BYTES = 4 << 20
+
+
+class SubmittedHandle(Protocol):
+    """What the shared producer logic needs of a handle."""
+
+    id: str  # the request's id; after an idempotent duplicate, the first request's
+    _deadline_at: float | None  # time.monotonic() after which the producer may expire it
+    _accepted_at: float  # time.monotonic() when Redis accepted it
+    _poll_at: float | None  # when the listener next checks its stored result
+
+    def _resolve(self, result: Result) -> None:
+        """Deliver its result (the first call wins; later ones are ignored)."""
+
+
+H = TypeVar("H", bound=SubmittedHandle)
 # Called by the listener for every result this producer's inbox delivers, before the
 # handle is resolved (the demo and the benchmark stamp arrival times with it).
 OnResult = Callable[[Result], None]
 
 
+@dataclass(eq=False)
+class Submission:
+    """The requests of one submit/submit_many call, waiting for their enqueue. Each keeps
+    its all-or-nothing answer: `ids`, or `error` (QueueFull, a Redis error)."""
+
+    requests: list[NewRequest]
+    size: int = 0  # envelope bytes
+    ids: list[str] | None = None
+    error: BaseException | None = None
+    waiter: Any = field(default=None, repr=False)  # the I/O side's signal (lock, future)
+    handed: list[Submission] | None = field(default=None, repr=False)  # sync: lead this
+
+    def outcome(self) -> list[str]:
+        if self.error is not None:
+            raise self.error
+        assert self.ids is not None
+        return self.ids
+
+
+def take_batch(pending: deque[Submission]) -> list[Submission]:
+    """The submissions at the head of `pending` that fit in one enqueue call (at least
+    one: a submit_many alone may exceed the caps)."""
+    first = pending.popleft()
+    batch, count, size = [first], len(first.requests), first.size
+    while pending:
+        nxt = pending[0]
+        count += len(nxt.requests)
+        size += nxt.size
+        if count > MAX_COALESCED_REQUESTS or size > MAX_COALESCED_BYTES:
+            break
+        batch.append(pending.popleft())
+    return batch
+
+
 class ProducerBase(Generic[H]):
+    _scripts: Scripts  # the subclass's, registered on its client
+
     def __init__(self, queue: str, max_payload_bytes: int | None,
                  idempotency_ttl_s: int | None, on_result: OnResult | None = None):
         overrides = {k: v for k, v in (("max_payload_bytes", max_payload_bytes),
@@ -40,23 +113,25 @@ class ProducerBase(Generic[H]):
         self.keys = QueueKeys(queue)
         self.id = new_id()
         self._handles: dict[str, H] = {}
+        # Further handles answered under an id already in _handles: idempotent duplicates.
+        self._duplicates: dict[str, list[H]] = {}
         self._lock = threading.Lock()  # the sync listener thread resolves handles too
         self._on_result = on_result
+        self._pending: deque[Submission] = deque()
+        self._in_flight = 0
 
     def _prepare(self, payloads: Iterable[Any], priority: Any, deadline_ms: Any,
                  idempotency_keys: list[str | None] | None,
-                 make_handle: Callable[[str], H]) -> tuple[list[NewRequest], list[H],
-                                                           list[str], list[Any]]:
-        """Validate (raising before any write), register handles, build the enqueue call.
-        Handles are registered first so that no result can arrive before its handle."""
+                 make_handle: Callable[[str], H]) -> tuple[Submission, list[H]]:
+        """Validate (raising before any write) and register handles. Handles are
+        registered first so that no result can arrive before its handle."""
         requests = build_requests(self.config, payloads, priority, deadline_ms,
                                   idempotency_keys)
         handles = [make_handle(r.id) for r in requests]
         with self._lock:
             for r, h in zip(requests, handles, strict=True):
                 self._handles[r.id] = h
-        keys, args = enqueue_call(self.keys, self.id, requests, self.config.idempotency_ttl_s)
-        return requests, handles, keys, args
+        return Submission(requests, sum(len(r.envelope) for r in requests)), handles
 
     def _forget(self, requests: list[NewRequest]) -> None:
         with self._lock:
@@ -64,21 +139,30 @@ class ProducerBase(Generic[H]):
                 self._handles.pop(r.id, None)
 
     def _accepted(self, requests: list[NewRequest], handles: list[H], ids: list[str]) -> None:
-        """Arm deadlines; an idempotent duplicate is answered under the first request's id."""
+        """Arm deadlines and polls; an idempotent duplicate is answered under the first
+        request's id."""
+        now = time.monotonic()
         with self._lock:
             for request, h, effective in zip(requests, handles, ids, strict=True):
-                h._deadline_at = local_deadline(request.deadline_ms)  # type: ignore[attr-defined]
+                h._deadline_at = local_deadline(request.deadline_ms)
+                h._accepted_at, h._poll_at = now, now + POLL_S
                 if effective != request.id:
                     self._handles.pop(request.id, None)
-                    h.id = effective  # type: ignore[attr-defined]
-                    self._handles[effective] = h
+                    h.id = effective
+                    if effective in self._handles:
+                        self._duplicates.setdefault(effective, []).append(h)
+                    else:
+                        self._handles[effective] = h
 
-    def _take(self, request_id: str) -> H | None:
+    def _take(self, request_id: str) -> list[H]:
+        """Unregister and return every handle waiting for `request_id`."""
         with self._lock:
-            return self._handles.pop(request_id, None)
+            first = self._handles.pop(request_id, None)
+            more = self._duplicates.pop(request_id, ()) if self._duplicates else ()
+        return [first, *more] if first is not None else list(more)
 
     def _deliver(self, raw: bytes) -> None:
-        """Resolve the handle an inbox item belongs to. Called once per result envelope
+        """Resolve the handles an inbox item belongs to. Called once per result envelope
         the inbox delivers, after the `on_result` hook."""
         try:
             result = decode_result(raw)
@@ -90,10 +174,92 @@ class ProducerBase(Generic[H]):
                 self._on_result(result)
             except Exception:  # a broken hook must not stop the listener
                 log.exception("on_result hook failed for %s", result.id)
-        handle = self._take(result.id)
-        if handle is not None:
-            handle._resolve(result)  # type: ignore[attr-defined]
+        for handle in self._take(result.id):
+            handle._resolve(result)
 
+    # -- coalesced enqueue (the I/O sides send and signal) -----------------------------
+    def _batch_call(self, batch: list[Submission]) -> tuple[list[str], list[Any]]:
+        requests = batch[0].requests if len(batch) == 1 else \
+            [r for s in batch for r in s.requests]
+        return enqueue_call(self.keys, self.id, requests, self.config.idempotency_ttl_s)
+
+    def _settle(self, batch: list[Submission], reply: Any) -> bool:
+        """Hand each submission its ids from one coalesced call's reply. False when the
+        call was refused as a whole (QueueFull) while holding several submissions: then
+        nothing was written and each must be sent again alone, so that one caller's
+        QueueFull is its own and not its neighbours'."""
+        try:
+            ids = enqueue_reply(self.keys, reply)
+        except (QueueFull, InvalidRequest) as exc:
+            if len(batch) > 1:
+                return False
+            batch[0].error = exc
+            return True
+        start = 0
+        for sub in batch:
+            sub.ids = ids[start:start + len(sub.requests)]
+            start += len(sub.requests)
+        return True
+
+    def _each_call(self, batch: list[Submission]) -> list[tuple[list[str], list[Any]]]:
+        """One enqueue call per submission, to send in arrival order in one pipeline."""
+        return [enqueue_call(self.keys, self.id, sub.requests, self.config.idempotency_ttl_s)
+                for sub in batch]
+
+    def _settle_each(self, batch: list[Submission], replies: list[Any]) -> None:
+        for sub, reply in zip(batch, replies, strict=True):
+            if isinstance(reply, Exception):
+                sub.error = reply
+                continue
+            try:
+                sub.ids = enqueue_reply(self.keys, reply)
+            except (QueueFull, InvalidRequest) as exc:
+                sub.error = exc
+
+    @staticmethod
+    def _fail(batch: list[Submission], exc: BaseException) -> None:
+        for sub in batch:
+            if sub.ids is None and sub.error is None:
+                sub.error = exc
+
+    # -- the listener's sweep ------------------------------------------------------------
+    def _due(self) -> tuple[list[list[H]], list[list[H]]]:
+        """Chunks of the handles past their deadline (to expire: one attempt each) and of
+        those due for a check of their stored result (the next one planned)."""
+        with self._lock:
+            handles = [*self._handles.values(),
+                       *(h for more in self._duplicates.values() for h in more)]
+        now = time.monotonic()
+        expire, poll = [], []
+        for h in handles:
+            if h._deadline_at is not None and now >= h._deadline_at:
+                h._deadline_at = None
+                expire.append(h)
+            elif h._poll_at is not None and now >= h._poll_at:
+                h._poll_at = now + min(POLL_MAX_S, max(POLL_S, now - h._accepted_at))
+                poll.append(h)
+        return _chunks(expire), _chunks(poll)
+
+    def _result_keys(self, handles: list[H]) -> list[str]:
+        return [self.keys.result(h.id) for h in handles]
+
+    def _stored(self, handles: list[H], raws: list[bytes | None]) -> None:
+        for handle, raw in zip(handles, raws, strict=True):
+            if raw is not None:
+                self._resolve_all(handle, decode_result(raw))
+
+    def _expire_calls(self, handles: list[H]) -> list[tuple[list[str], list[Any], bytes]]:
+        return [self._cancel_call(h.id, deadline=True) for h in handles]
+
+    def _expired(self, handles: list[H], replies: list[Any],
+                 calls: list[tuple[list[str], list[Any], bytes]]) -> None:
+        for handle, reply, (_, _, envelope) in zip(handles, replies, calls, strict=True):
+            if isinstance(reply, Exception):
+                rearm(handle)
+            else:
+                self._cancelled(handle, reply, envelope)
+
+    # -- cancel, poll ------------------------------------------------------------------
     def _cancel_call(self, request_id: str, deadline: bool) -> tuple[list[str], list[Any], bytes]:
         envelope, counter = cancel_envelope(request_id, deadline)
         return (cancel_keys(self.keys, request_id, self.id),
@@ -102,13 +268,25 @@ class ProducerBase(Generic[H]):
     def _cancelled(self, handle: H, reply: Any, envelope: bytes) -> CancelOutcome:
         outcome = CANCEL_OUTCOMES[int(reply)]
         if outcome == "cancelled":
-            self._take(handle.id)  # type: ignore[attr-defined]
-            handle._resolve(decode_result(envelope))  # type: ignore[attr-defined]
+            self._resolve_all(handle, decode_result(envelope))
         return outcome
 
     def _resolve_stored(self, handle: H, result: Result | None) -> bool:
         if result is None:
             return False
-        self._take(handle.id)  # type: ignore[attr-defined]
-        handle._resolve(result)  # type: ignore[attr-defined]
+        self._resolve_all(handle, result)
         return True
+
+    def _resolve_all(self, handle: H, result: Result) -> None:
+        for other in self._take(handle.id):
+            other._resolve(result)
+        handle._resolve(result)
+
+
+def _chunks(items: list[H]) -> list[list[H]]:
+    return [items[i:i + SWEEP_CHUNK] for i in range(0, len(items), SWEEP_CHUNK)]
+
+
+def rearm(handle: SubmittedHandle) -> None:
+    """An expiry that could not reach Redis: try again a little later."""
+    handle._deadline_at = time.monotonic() + POLL_S

@@ -2,38 +2,62 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
+import queue
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import redis
 
-from producer.base import POLL_S, CancelOutcome, OnResult, ProducerBase
+from producer.base import (
+    MAX_IN_FLIGHT,
+    POLL_MAX_S,
+    POLL_S,
+    CancelOutcome,
+    OnResult,
+    ProducerBase,
+    Submission,
+    rearm,
+    take_batch,
+)
 from producer.validation import check_timeout
 from scheduler_core.compat import require_redis_version
-from scheduler_core.connection import DEFAULT_REDIS_URL, Backoff, connect
+from scheduler_core.connection import (
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_REDIS_URL,
+    Backoff,
+    connect,
+    dedicated,
+)
 from scheduler_core.policy import Priority
-from scheduler_core.scripts import Scripts, enqueue_reply
+from scheduler_core.scripts import Scripts
 from scheduler_core.wire import Result, decode_result
 
 log = logging.getLogger("batchgate.producer")
 _RESOLVING = threading.Lock()
+DoneCallback = Callable[["Handle"], Any]
 
 
 class Handle:
-    """A submitted request. `result()` blocks until its result arrives."""
+    """A submitted request. `result()` blocks until its result arrives;
+    `add_done_callback(fn)` calls `fn(handle)` when it does, whoever waits."""
 
     def __init__(self, producer: Producer, request_id: str):
         self.id = request_id
         self._producer = producer
         self._deadline_at: float | None = None  # monotonic time after which it may expire
+        self._accepted_at = 0.0
+        self._poll_at: float | None = None
         self._result: Result | None = None
         # Held until the result is in: a bare lock is one C call to make, where an Event
-        # builds a Condition per request.
+        # (or a concurrent.futures.Future) builds a Condition per request.
         self._pending = threading.Lock()
         self._pending.acquire()
+        self._callbacks: list[DoneCallback] | None = None
+        self._future: concurrent.futures.Future[Any] | None = None
 
     def __repr__(self) -> str:
         return f"<Handle {self.id} {'done' if self.done() else 'pending'}>"
@@ -43,10 +67,49 @@ class Handle:
             if self._result is not None:
                 return
             self._result = result
+            callbacks, self._callbacks = self._callbacks, None
         self._pending.release()
+        for fn in callbacks or ():
+            self._call(fn)
+
+    def _call(self, fn: DoneCallback) -> None:
+        try:
+            fn(self)
+        except Exception:  # a broken callback must not stop the listener
+            log.exception("done callback %r of request %s raised", fn, self.id)
+
+    def add_done_callback(self, fn: DoneCallback) -> None:
+        """Call `fn(handle)` once the request has ended (result, failure, deadline or
+        cancel), as concurrent.futures.Future does: at once, in this thread, if it
+        already has; else in the thread that resolves it, usually the producer's
+        listener thread. Keep `fn` short (hand long work to an executor): results of
+        other requests wait while it runs. An exception it raises is logged."""
+        with _RESOLVING:
+            pending = self._result is None
+            if pending:
+                self._callbacks = [*(self._callbacks or ()), fn]
+        if not pending:
+            self._call(fn)
+
+    @property
+    def future(self) -> concurrent.futures.Future[Any]:
+        """A concurrent.futures.Future for this request (for `concurrent.futures.wait`,
+        `as_completed` or libraries that take futures), made on first use: its result
+        is `result()`'s value, or the exception `result()` raises. Cancelling the future
+        does nothing (it is already running); use `cancel()`."""
+        with _RESOLVING:
+            made = self._future is None
+            if made:
+                self._future = concurrent.futures.Future()
+                self._future.set_running_or_notify_cancel()
+            future = self._future
+        if made:
+            self.add_done_callback(_settle_future)
+        assert future is not None
+        return future
 
     def _wait(self, timeout: float) -> bool:
-        if self._pending.acquire(timeout=timeout):
+        if self._pending.acquire(timeout=max(0.0, timeout)):
             self._pending.release()  # let any other waiter through as well
         return self._result is not None
 
@@ -68,14 +131,17 @@ class Handle:
                 if not self._producer._poll(self):
                     raise TimeoutError(f"no result for request {self.id} within {timeout}s")
                 break
-            step = POLL_S if end is None else min(POLL_S, end - now)
+            # The listener delivers and polls; this thread only expires its request at its
+            # deadline, and checks the stored result now and then should the listener stall.
+            step = POLL_MAX_S if end is None else min(POLL_MAX_S, end - now)
             if self._deadline_at is not None:
-                step = min(step, max(0.0, self._deadline_at - now))
+                step = min(step, self._deadline_at - now)
             if self._wait(step):
                 break
             if self._deadline_at is not None and time.monotonic() >= self._deadline_at:
                 self._producer._expire(self)
-            self._producer._poll(self)
+            elif step == POLL_MAX_S:
+                self._producer._poll(self)
         assert self._result is not None
         return self._result.unwrap()
 
@@ -86,23 +152,38 @@ class Handle:
         return self._producer._cancel(self, deadline=False)
 
 
+def _settle_future(handle: Handle) -> None:
+    future = handle._future
+    assert future is not None and handle._result is not None
+    if handle._result.ok:
+        future.set_result(handle._result.value)
+    else:
+        future.set_exception(handle._result.exception())
+
+
 class Producer(ProducerBase[Handle]):
     """Submits requests to one queue; one listener thread receives all their results.
 
     Results come back through this instance's inbox (one Redis list), drained by a single
-    thread that resolves the waiting handles, and are also stored by id for
-    `result_ttl_s` so that `fetch(id)` finds them later, from any process.
+    thread on a connection of its own that resolves the waiting handles, and are also
+    stored by id for `result_ttl_s` so that `fetch(id)` finds them later, from any
+    process. Any number of threads may submit at once: they share a pool of at most
+    `max_connections` connections, and submits that arrive while enqueue calls are in
+    flight travel together in the next one.
     """
 
     def __init__(self, redis_url: str = DEFAULT_REDIS_URL, queue: str = "default", *,
                  max_payload_bytes: int | None = None, idempotency_ttl_s: int | None = None,
-                 client: redis.Redis | None = None, on_result: OnResult | None = None):
+                 client: redis.Redis | None = None, on_result: OnResult | None = None,
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS):
         super().__init__(queue, max_payload_bytes, idempotency_ttl_s, on_result)
-        self._redis = client or connect(redis_url)
+        self._redis = client or connect(redis_url, max_connections)
         self._owns_client = client is None
         self._scripts = Scripts(self._redis)
         self._closed = threading.Event()
         self._listener: threading.Thread | None = None
+        self._listener_redis: Any = None
+        self._send_lock = threading.Lock()
 
     # -- public API -----------------------------------------------------------------
     def submit(self, payload: Any, priority: Priority | int | str = Priority.NORMAL,
@@ -121,6 +202,27 @@ class Producer(ProducerBase[Handle]):
         all are accepted or, on bad input or QueueFull, none is."""
         return self._submit(payloads, priority, deadline_ms, idempotency_keys)
 
+    @staticmethod
+    def as_completed(handles: Iterable[Handle], timeout: float | None = None
+                     ) -> Iterator[Handle]:
+        """Yield each handle as its request ends (finished ones first), like
+        concurrent.futures.as_completed; no thread per handle. Raises TimeoutError if
+        some have not ended `timeout` seconds after the call."""
+        timeout = check_timeout(timeout)
+        end = None if timeout is None else time.monotonic() + timeout
+        unique = list(dict.fromkeys(handles))
+        ended: queue.SimpleQueue[Handle] = queue.SimpleQueue()
+        for handle in unique:
+            handle.add_done_callback(ended.put)
+        for _ in unique:
+            try:
+                yield ended.get(timeout=None if end is None
+                                else max(0.0, end - time.monotonic()))
+            except queue.Empty:
+                left = sum(not h.done() for h in unique)
+                raise TimeoutError(f"{left} of {len(unique)} requests not finished within "
+                                   f"{timeout}s") from None
+
     def fetch(self, request_id: str) -> Result | None:
         """The stored result of any request of this queue, or None if there is none (still
         waiting or running, unknown, or expired after result_ttl_s)."""
@@ -132,6 +234,8 @@ class Producer(ProducerBase[Handle]):
         if self._listener is not None:
             self._wake_listener()
             self._listener.join(timeout=5)
+        if self._listener_redis is not None and self._listener_redis is not self._redis:
+            self._listener_redis.close()
         if self._owns_client:
             self._redis.close()
 
@@ -146,22 +250,90 @@ class Producer(ProducerBase[Handle]):
                 idempotency_keys: list[str | None] | None) -> list[Handle]:
         if self._closed.is_set():
             raise RuntimeError("producer is closed")
-        requests, handles, keys, args = self._prepare(
+        submission, handles = self._prepare(
             payloads, priority, deadline_ms, idempotency_keys, lambda rid: Handle(self, rid))
         try:
             require_redis_version(self._redis)  # once per client: BLMPOP needs Redis 7
             self._ensure_listener()
-            ids = enqueue_reply(self.keys, self._scripts.enqueue(keys=keys, args=args))
+            ids = self._enqueue(submission)
         except BaseException:
-            self._forget(requests)
+            self._forget(submission.requests)
             raise
-        self._accepted(requests, handles, ids)
+        self._accepted(submission.requests, handles, ids)
         return handles
+
+    def _enqueue(self, sub: Submission) -> list[str]:
+        """Send `sub` with whatever else waits to be sent, and return its ids.
+
+        At most MAX_IN_FLIGHT threads send at a time. A thread arriving while they are
+        busy queues its submission and sleeps; a sender that is done hands its place to
+        the oldest sleeper, which takes every submission queued meanwhile (its own first)
+        into one call. Nobody waits for a timer: a lone submit goes at once.
+        """
+        sub.waiter = threading.Lock()
+        sub.waiter.acquire()
+        with self._send_lock:
+            self._pending.append(sub)
+            batch = None
+            if self._in_flight < MAX_IN_FLIGHT:
+                self._in_flight += 1
+                batch = take_batch(self._pending)
+        if batch is None:
+            try:
+                sub.waiter.acquire()  # released once sent by another thread, or handed the lead
+            except BaseException:  # Ctrl-C: leave nobody waiting on this thread
+                self._abandon(sub)
+                raise
+            batch = sub.handed
+        if batch is not None:
+            try:
+                self._send(batch)
+            finally:
+                self._hand_off()
+        return sub.outcome()
+
+    def _send(self, batch: list[Submission]) -> None:
+        try:
+            keys, args = self._batch_call(batch)
+            if not self._settle(batch, self._scripts.enqueue(keys=keys, args=args)):
+                pipe = self._redis.pipeline(transaction=False)
+                for keys, args in self._each_call(batch):
+                    self._scripts.enqueue(keys=keys, args=args, client=pipe)
+                self._settle_each(batch, pipe.execute(raise_on_error=False))
+        except BaseException as exc:  # each of its callers gets the error
+            self._fail(batch, exc)
+        finally:
+            for sub in batch:
+                if sub.waiter.locked():  # not if its caller was interrupted (_abandon)
+                    sub.waiter.release()
+
+    def _abandon(self, sub: Submission) -> None:
+        """The caller of `sub` is leaving before its answer: still queued, it is dropped
+        (nothing written); handed the lead, it is sent for the others queued with it."""
+        with self._send_lock:
+            queued = sub in self._pending
+            if queued:
+                self._pending.remove(sub)
+        if not queued and sub.handed is not None and sub.ids is None and sub.error is None:
+            try:
+                self._send(sub.handed)
+            finally:
+                self._hand_off()
+
+    def _hand_off(self) -> None:
+        with self._send_lock:
+            if not self._pending:
+                self._in_flight -= 1
+                return
+            nxt = self._pending[0]
+            nxt.handed = take_batch(self._pending)
+        nxt.waiter.release()
 
     def _ensure_listener(self) -> None:
         if self._listener is None:
             with self._lock:
                 if self._listener is None:
+                    self._listener_redis = dedicated(self._redis)
                     self._listener = threading.Thread(
                         target=self._listen, name=f"batchgate-listener-{self.id[:8]}",
                         daemon=True)
@@ -170,9 +342,11 @@ class Producer(ProducerBase[Handle]):
     def _listen(self) -> None:
         inbox = self.keys.inbox(self.id)
         backoff = Backoff("producer listener")
+        next_sweep = time.monotonic() + POLL_S
         while not self._closed.is_set():
             try:
-                popped = self._redis.blmpop(1, 1, inbox, direction="LEFT", count=512)
+                popped = self._listener_redis.blmpop(1, 1, inbox, direction="LEFT",
+                                                     count=512)
                 backoff.succeeded()
             except redis.RedisError as exc:  # also NOPERM, READONLY after a failover, ...
                 if self._closed.is_set():
@@ -182,6 +356,32 @@ class Producer(ProducerBase[Handle]):
             for raw in popped[1] if popped else ():
                 if raw:  # b"" is close()'s wake-up
                     self._deliver(raw)
+            if time.monotonic() >= next_sweep:
+                try:
+                    self._sweep()
+                except Exception:  # a broken sweep must not stop the deliveries
+                    log.exception("producer listener: sweep failed")
+                next_sweep = time.monotonic() + POLL_S
+
+    def _sweep(self) -> None:
+        """Expire the requests past their deadline that nobody waiting in result() has
+        expired, and fetch stored results that the inbox did not deliver."""
+        expire, poll = self._due()
+        for chunk in expire:
+            calls = self._expire_calls(chunk)
+            pipe = self._redis.pipeline(transaction=False)
+            for keys, args, _ in calls:
+                self._scripts.cancel(keys=keys, args=args, client=pipe)
+            try:
+                replies = pipe.execute(raise_on_error=False)
+            except redis.RedisError as exc:
+                replies = [exc] * len(chunk)
+            self._expired(chunk, replies, calls)
+        for chunk in poll:
+            try:
+                self._stored(chunk, self._redis.mget(self._result_keys(chunk)))
+            except redis.RedisError:
+                return  # polled again at the next sweep
 
     def _wake_listener(self) -> None:
         """End the listener's blocking pop now instead of at its 1 s timeout: an empty
@@ -212,4 +412,4 @@ class Producer(ProducerBase[Handle]):
         try:
             self._cancel(handle, deadline=True)
         except (redis.ConnectionError, redis.TimeoutError):
-            handle._deadline_at = time.monotonic() + POLL_S
+            rearm(handle)

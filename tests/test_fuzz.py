@@ -222,12 +222,21 @@ class FakeScript:
         self.sha = "0" * 40
 
     def __call__(self, keys=None, args=None, client=None):
+        if client is not None:  # the listener expiring requests: each reply "finished"
+            client.queued += 1
+            return client
         self.calls.append((keys, args))
         ids = args[3::5]
         return [1, len(ids), len(ids), *(i.encode() for i in ids)]
 
 
 class FakePipeline:
+    def __init__(self):
+        self.queued = 0
+
+    def execute(self, raise_on_error=True):
+        return [0] * self.queued
+
     def __getattr__(self, name):
         return lambda *a, **k: []
 
@@ -252,6 +261,9 @@ class NoRedis:
 
     def info(self, section=None):
         return {"redis_version": "7.2.0"}  # passes the producer's version check
+
+    def mget(self, keys):
+        return [None] * len(keys)
 
     def close(self):
         pass

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import math
+import os
 import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -53,6 +54,9 @@ from scheduler_core.keys import QueueKeys
 from scheduler_core.scripts import Scripts, cancel_keys
 
 HEALTH_TIMEOUT_S = 2.0
+# What `batchgate gateway --workers N` hands its worker processes (app_from_env).
+WORKER_ENV = {"redis_url": "BATCHGATE_REDIS_URL", "queue": "BATCHGATE_QUEUE",
+              "token": "BATCHGATE_GATEWAY_TOKEN"}
 DEFAULT_RETRY_AFTER_S = 1.0
 # No pattern on the path: a malformed id is as unknown as a well-formed one nobody
 # submitted, and answers 404 like it (a 422 would suggest the request exists).
@@ -341,3 +345,10 @@ def create_app(redis_url: str = DEFAULT_REDIS_URL, queue: str = "default",
         return Response(data, media_type=content_type)
 
     return app
+
+
+def app_from_env() -> FastAPI:
+    """The app of one `batchgate gateway --workers N` worker process."""
+    return create_app(os.environ.get(WORKER_ENV["redis_url"], DEFAULT_REDIS_URL),
+                      os.environ.get(WORKER_ENV["queue"], "default"),
+                      token=os.environ.get(WORKER_ENV["token"]) or None)

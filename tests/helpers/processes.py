@@ -64,6 +64,8 @@ class LoggedProcess:
             if self.proc.poll() is None:
                 self.proc.kill()
                 self.proc.wait()
+        with contextlib.suppress(ProcessLookupError):  # its children too (gateway workers)
+            os.killpg(self.proc.pid, signal.SIGKILL)
         self._log_file.close()
         self.log.unlink(missing_ok=True)
 

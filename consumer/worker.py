@@ -32,6 +32,7 @@ from scheduler_core.scripts import (
     ScriptPipeline,
     Scripts,
     complete_keys,
+    extend_lease_keys,
     pop_keys,
     requeue_keys,
 )
@@ -490,7 +491,7 @@ class Consumer:
             others = [b for b in self._batches_aside() if b is not batch]
             pipe = ScriptPipeline(self.redis)
             for held_batch in [batch, *others]:
-                pipe.script(self.scripts.extend_lease, [self.keys.inflight, self.keys.consumers],
+                pipe.script(self.scripts.extend_lease, extend_lease_keys(self.keys),
                             [self.config.name, held_batch.id if held_batch else "",
                              self.config.lease_ms])
             try:

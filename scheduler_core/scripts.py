@@ -1,9 +1,15 @@
 """Loads the Lua scripts and builds their KEYS/ARGV; parses their replies.
 
 Each script is one file in `lua/` whose header documents KEYS, ARGV, return value and
-error codes. `-- @include NAME` inlines a shared helper file. Scripts are registered with
-redis-py's `register_script`, which runs EVALSHA and falls back to EVAL on NOSCRIPT, for
-sync and asyncio clients alike.
+error codes. `-- @include NAME` inlines a shared helper file; `-- @render policy` (in
+`_policy.lua`) becomes the policy's STRATEGIES and LIMITS, rendered from
+scheduler_core/policy.py, their one source. Every queue script receives the queue's shared
+keys first, as KEYS[1..19] in the order of keys.SHARED_KEYS, then its per-call keys; the
+`*_keys` builders below are the one place that builds each script's KEYS list.
+
+Scripts are called through `Scripts`, which registers them with redis-py's
+`register_script`: EVALSHA, falling back to loading the script on NOSCRIPT, for sync and
+asyncio clients alike.
 """
 
 from __future__ import annotations
@@ -17,26 +23,56 @@ from typing import Any
 from redis.exceptions import NoScriptError
 
 from scheduler_core.errors import InvalidRequest, QueueFull
-from scheduler_core.keys import QueueKeys
+from scheduler_core.keys import QueueKeys, bulk_lease_key
+from scheduler_core.policy import LIMITS, Strategy
 
+# Queue scripts, then the bulk job's lease (lua/bulk/, not queue keys). `Scripts` names
+# each by its path with '/' as '_': scripts.bulk_lease_renew.
 SCRIPT_NAMES = ("enqueue", "pop_batch", "complete", "extend_lease", "requeue_expired",
-                "configure", "cancel")
+                "configure", "cancel", "dead_letter", "bulk/lease_renew", "bulk/lease_release")
 _INCLUDE = re.compile(r"^-- @include (\S+)\s*$", re.MULTILINE)
+_RENDER_POLICY = re.compile(r"^-- @render policy\s*$", re.MULTILINE)
+
+
+def render(name: str, limits: dict[str, tuple[int, int]] = LIMITS) -> str:
+    """The source of script `name` with its includes inlined and the policy rendered
+    from `limits` (tests pass other limits to show the scripts follow them)."""
+    lua = resources.files("scheduler_core") / "lua"
+    text = _INCLUDE.sub(lambda m: (lua / m.group(1)).read_text(),
+                        (lua / f"{name}.lua").read_text())
+    return _RENDER_POLICY.sub(lambda _: _policy_lua(limits), text)
 
 
 @functools.cache
 def source(name: str) -> str:
-    lua = resources.files("scheduler_core") / "lua"
-    text = (lua / f"{name}.lua").read_text()
-    return _INCLUDE.sub(lambda m: (lua / m.group(1)).read_text(), text)
+    return render(name)
+
+
+def _policy_lua(limits: dict[str, tuple[int, int]]) -> str:
+    strategies = ", ".join(f"{s.value} = true" for s in Strategy)
+    ranges = ", ".join(f"{field} = {{{int(low)}, {int(high)}}}"
+                       for field, (low, high) in limits.items())
+    return f"local STRATEGIES = {{{strategies}}}\nlocal LIMITS = {{{ranges}}}"
 
 
 class Scripts:
-    """The registered scripts of one redis client (sync or asyncio)."""
+    """The registered scripts of one redis client (sync or asyncio): the one way batchgate
+    calls a script, `scripts.pop_batch(keys=pop_keys(queue_keys), args=[...])`."""
+
+    enqueue: Any
+    pop_batch: Any
+    complete: Any
+    extend_lease: Any
+    requeue_expired: Any
+    configure: Any
+    cancel: Any
+    dead_letter: Any
+    bulk_lease_renew: Any
+    bulk_lease_release: Any
 
     def __init__(self, client: Any):
         for name in SCRIPT_NAMES:
-            setattr(self, name, client.register_script(source(name)))
+            setattr(self, name.replace("/", "_"), client.register_script(source(name)))
 
 
 class ScriptPipeline:
@@ -82,8 +118,7 @@ class NewRequest:
 
 def enqueue_call(keys: QueueKeys, producer: str, requests: list[NewRequest],
                  idempotency_ttl_s: int) -> tuple[list[str], list[Any]]:
-    script_keys = [keys.policy, *keys.pending_all, keys.jobs, keys.meta, keys.clock,
-                   keys.marker, keys.stats]
+    script_keys = list(keys.shared)
     args: list[Any] = [producer, len(requests), idempotency_ttl_s]
     for r in requests:
         args += [r.id, r.priority, r.deadline_ms, r.envelope, 1 if r.idempotency_key else 0]
@@ -114,29 +149,33 @@ def retry_after(reply: list[Any], depth: int, limit: int, adding: int) -> float 
     return max(1, depth + adding - limit) / rate
 
 
-def pop_keys(keys: QueueKeys) -> list[str]:
-    return [keys.policy, *keys.pending_all, keys.jobs, keys.meta, keys.owner, keys.inflight,
-            keys.batches, keys.seq, keys.marker, keys.consumers, keys.stats,
-            keys.wait_samples, keys.dead, keys.dead_reason]
+def shared_keys(keys: QueueKeys) -> list[str]:
+    """The KEYS of a script that takes no per-call keys: the queue's shared keys."""
+    return list(keys.shared)
+
+
+pop_keys = requeue_keys = extend_lease_keys = configure_keys = shared_keys
 
 
 def complete_keys(keys: QueueKeys, items: list[tuple[str, str]]) -> list[str]:
     """`items` are (request id, producer) pairs, in the order their results are passed."""
-    script_keys = [keys.inflight, keys.batches, keys.owner, keys.jobs, keys.meta, keys.stats,
-                   keys.e2e_samples, keys.dead, keys.dead_reason, keys.model_samples]
+    script_keys = list(keys.shared)
     for request_id, producer in items:
         script_keys += [keys.result(request_id), keys.inbox(producer)]
     return script_keys
 
 
-def requeue_keys(keys: QueueKeys) -> list[str]:
-    return [keys.inflight, keys.batches, keys.owner, keys.meta, *keys.pending_all,
-            keys.marker, keys.stats, keys.consumers]
-
-
 def cancel_keys(keys: QueueKeys, request_id: str, producer: str) -> list[str]:
-    return [*keys.pending_all, keys.jobs, keys.meta, keys.owner, keys.stats,
-            keys.result(request_id), keys.inbox(producer)]
+    return [*keys.shared, keys.result(request_id), keys.inbox(producer)]
+
+
+def dead_letter_keys(keys: QueueKeys, request_ids: list[str]) -> list[str]:
+    return [*keys.shared, *(keys.result(rid) for rid in request_ids)]
+
+
+def bulk_lease_keys(job_id: str) -> list[str]:
+    """KEYS of bulk/lease_renew and bulk/lease_release."""
+    return [bulk_lease_key(job_id)]
 
 
 def _text(value: Any) -> str:

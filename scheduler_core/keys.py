@@ -74,7 +74,7 @@ class QueueKeys:
     def __post_init__(self) -> None:
         validate_queue_name(self.queue)
 
-    @property
+    @functools.cached_property
     def tag(self) -> str:
         return f"{{bg:{self.queue}}}"
 

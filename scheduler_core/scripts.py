@@ -1,9 +1,9 @@
 """Loads the Lua scripts and builds their KEYS/ARGV; parses their replies.
 
 Each script is one file in `lua/` whose header documents KEYS, ARGV, return value and
-error codes. `-- @include NAME` inlines a shared helper file; `-- @render policy` (in
-`_policy.lua`) becomes the policy's STRATEGIES and LIMITS, rendered from
-scheduler_core/policy.py, their one source. Every queue script receives the queue's shared
+error codes. `-- @include NAME` inlines the helpers of a shared file that the script uses;
+`-- @render policy` (in `_policy.lua`) becomes the policy's STRATEGIES and LIMITS, rendered
+from scheduler_core/policy.py, their one source. Every queue script receives the queue's shared
 keys first, as KEYS[1..19] in the order of keys.SHARED_KEYS, then its per-call keys; the
 `*_keys` builders below are the one place that builds each script's KEYS list.
 
@@ -30,17 +30,46 @@ from scheduler_core.policy import LIMITS, Strategy
 # each by its path with '/' as '_': scripts.bulk_lease_renew.
 SCRIPT_NAMES = ("enqueue", "pop_batch", "complete", "extend_lease", "requeue_expired",
                 "configure", "cancel", "dead_letter", "bulk/lease_renew", "bulk/lease_release")
-_INCLUDE = re.compile(r"^-- @include (\S+)\s*$", re.MULTILINE)
-_RENDER_POLICY = re.compile(r"^-- @render policy\s*$", re.MULTILINE)
+_INCLUDE = re.compile(r"^-- @include (\S+)[ \t]*\n", re.MULTILINE)
+_RENDER_POLICY = re.compile(r"^-- @render policy[ \t]*$", re.MULTILINE)
+_COMMENT = re.compile(r"--\[\[.*?\]\]|--[^\n]*", re.DOTALL)  # no '--' in the strings
+_DEFINES = re.compile(r"^local (?:function (\w+)|([\w, ]+?) =)", re.MULTILINE)
 
 
 def render(name: str, limits: dict[str, tuple[int, int]] = LIMITS) -> str:
     """The source of script `name` with its includes inlined and the policy rendered
-    from `limits` (tests pass other limits to show the scripts follow them)."""
+    from `limits` (tests pass other limits to show the scripts follow them).
+
+    Only the helpers the script uses (directly or through other helpers) are inlined: a
+    script runs its whole chunk on every call, and each `local function` it defines costs
+    a closure per call. An include file is a sequence of definitions separated by blank
+    lines, each with its comment."""
     lua = resources.files("scheduler_core") / "lua"
-    text = _INCLUDE.sub(lambda m: (lua / m.group(1)).read_text(),
-                        (lua / f"{name}.lua").read_text())
-    return _RENDER_POLICY.sub(lambda _: _policy_lua(limits), text)
+    text = (lua / f"{name}.lua").read_text()
+    blocks = [block for include in _INCLUDE.findall(text)
+              for block in re.split(r"\n\s*\n", _RENDER_POLICY.sub(
+                  lambda _: _policy_lua(limits), (lua / include).read_text()))]
+    body = _INCLUDE.sub("", text)
+    kept = _used(blocks, body)
+    helpers = "".join(block.strip("\n") + "\n\n" for block in blocks if block in kept)
+    first = _INCLUDE.search(text)
+    return body if first is None else \
+        text[:first.start()] + helpers + body[first.start():].lstrip("\n")
+
+
+def _used(blocks: list[str], body: str) -> set[str]:
+    """The blocks defining a name that `body` or another used block refers to."""
+    names = {block: [n.strip() for m in _DEFINES.findall(block) for n in "".join(m).split(",")]
+             for block in blocks}
+    used: set[str] = set()
+    text = _COMMENT.sub("", body)
+    while True:
+        found = {block for block in blocks if block not in used and any(
+            re.search(rf"\b{re.escape(n)}\b", text) for n in names[block])}
+        if not found:
+            return used
+        used |= found
+        text += "".join(_COMMENT.sub("", block) for block in found)
 
 
 @functools.cache
@@ -49,10 +78,15 @@ def source(name: str) -> str:
 
 
 def _policy_lua(limits: dict[str, tuple[int, int]]) -> str:
+    """STRATEGIES, LIMITS (configure iterates them) and policy_range: the same ranges as
+    code, so that pop_batch, which runs per batch, builds no table of them."""
     strategies = ", ".join(f"{s.value} = true" for s in Strategy)
-    ranges = ", ".join(f"{field} = {{{int(low)}, {int(high)}}}"
-                       for field, (low, high) in limits.items())
-    return f"local STRATEGIES = {{{strategies}}}\nlocal LIMITS = {{{ranges}}}"
+    bounds = [(field, int(low), int(high)) for field, (low, high) in limits.items()]
+    ranges = ", ".join(f"{field} = {{{low}, {high}}}" for field, low, high in bounds)
+    cases = "".join(f"  if field == '{field}' then return {low}, {high} end\n"
+                    for field, low, high in bounds)
+    return (f"local STRATEGIES = {{{strategies}}}\n\nlocal LIMITS = {{{ranges}}}\n\n"
+            f"local function policy_range(field)\n{cases}  return nil\nend")
 
 
 class Scripts:

@@ -109,3 +109,12 @@ def test_scripts_enforce_the_policy_limits_they_are_rendered_from(shared_redis, 
         args = ["1", 60, n, *(x for rid in ids for x in (rid, "ok", b"{}"))]
         assert complete(keys=complete_keys(q, [(rid, "p") for rid in ids]),
                         args=args) == expected, n
+
+
+@pytest.mark.parametrize("name", SCRIPT_NAMES)
+def test_a_script_inlines_only_the_helpers_it_uses(name):
+    """Each `local function` costs a closure on every call: none is left unused."""
+    code = re.sub(r"--\[\[.*?\]\]|--[^\n]*", "", render(name), flags=re.DOTALL)
+    for helper in re.findall(r"^local function (\w+)", code, re.MULTILINE):
+        assert len(re.findall(rf"\b{helper}\b", code)) > 1, f"{helper} is never called"
+    assert "@include" not in code and "@render" not in code

@@ -1,13 +1,13 @@
 -- The queue policy's rules, inlined where a script says "-- @include _policy.lua" (after
 -- _common.lua).
 
--- STRATEGIES and LIMITS (each integer field's {min, max}) are rendered here by
--- scheduler_core/scripts.py from scheduler_core/policy.py when the scripts load: that
--- module is their one source.
+-- STRATEGIES, LIMITS (each integer field's {min, max}) and policy_range(field) (min, max
+-- as code) are rendered here by scheduler_core/scripts.py from scheduler_core/policy.py
+-- when the scripts load: that module is their one source.
 -- @render policy
 
 -- A stored or given policy field as a number if within its limits, else nil.
 local function policy_int(field, value)
-  local range = LIMITS[field]
-  return int_arg(value, range[1], range[2])
+  local low, high = policy_range(field)
+  return low and int_arg(value, low, high)
 end

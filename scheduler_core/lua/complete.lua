@@ -17,7 +17,7 @@ KEYS[21+2i] {bg:q}:inbox:<producer_i>    its producer's inbox (any key if it has
 
 ARGV[1]  batch id (the fencing token returned by pop_batch)
 ARGV[2]  result TTL, seconds
-ARGV[3]  n, number of results (1..the largest max_batch_size of policy LIMITS)
+ARGV[3]  n, number of results (1..the largest max_batch_size of the policy LIMITS)
 ARGV[4+3i..6+3i] for result i: id, outcome ('ok' | 'err' | 'dead' | 'expired'), result
          envelope; 'expired' (deadline passed, not run) counts as expired, not failed
 ARGV[4+3n] optional: the batch's model run as "size:model_us", pushed to KEYS[19]
@@ -49,7 +49,8 @@ local model_samples = KEYS[19]
 -- KEYS[20 + 2i], KEYS[21 + 2i]: result:<id> and inbox:<producer> of result i
 
 local batch_id = ARGV[1]
-local ttl, n = int_arg(ARGV[2], 1, 315360000), int_arg(ARGV[3], 1, LIMITS.max_batch_size[2])
+local _, most_results = policy_range('max_batch_size')  -- a batch's results fit one call
+local ttl, n = int_arg(ARGV[2], 1, 315360000), int_arg(ARGV[3], 1, most_results)
 if not ttl then return {-3, 'result_ttl_s'} end
 if not n or (#ARGV ~= 3 + 3 * n and #ARGV ~= 4 + 3 * n) or #KEYS ~= 19 + 2 * n then
   return {-3, 'n'}

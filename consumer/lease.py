@@ -17,7 +17,7 @@ import redis
 
 from consumer.batch import Batch
 from scheduler_core.keys import QueueKeys
-from scheduler_core.scripts import ScriptPipeline, Scripts
+from scheduler_core.scripts import ScriptPipeline, Scripts, extend_lease_keys
 
 log = logging.getLogger("batchgate.consumer")
 
@@ -74,8 +74,8 @@ class LeaseKeeper:
         """Heartbeat and extend each lease in one round trip (None: heartbeat only);
         whether the first batch's lease was extended."""
         pipe = ScriptPipeline(self._redis)
+        keys = extend_lease_keys(self._keys)
         for batch in batches:
             args: list[Any] = [self._consumer, batch.id if batch else "", self._lease_ms]
-            pipe.script(self._scripts.extend_lease, [self._keys.inflight, self._keys.consumers],
-                        args)
+            pipe.script(self._scripts.extend_lease, keys, args)
         return int(pipe.execute()[0]) != 0

@@ -12,7 +12,7 @@ import redis.asyncio
 from scheduler_core.errors import InvalidPolicy, PolicyConflict
 from scheduler_core.keys import QueueKeys
 from scheduler_core.policy import Policy, Priority
-from scheduler_core.scripts import source
+from scheduler_core.scripts import Scripts, configure_keys
 from scheduler_core.wire import CANCELLED, DEADLINE, Result, decode_result
 
 CONSUMER_ALIVE_S = 5.0  # a consumer heartbeats at least every second while running
@@ -29,7 +29,7 @@ def store_policy(client: redis.Redis, queue: str, policy: Policy, replace: bool)
     args: list[Any] = ["replace" if replace else "ensure"]
     for field, value in policy.to_redis().items():
         args += [field, value]
-    reply = client.eval(source("configure"), 1, keys.policy, *args)
+    reply = Scripts(client).configure(keys=configure_keys(keys), args=args)
     if int(reply[0]) < 0:
         field = reply[1].decode() if isinstance(reply[1], bytes) else str(reply[1])
         raise InvalidPolicy(field, "rejected by configure.lua")

@@ -19,7 +19,7 @@ import redis
 
 from scheduler_core.errors import InvalidRequest
 from scheduler_core.keys import QueueKeys
-from scheduler_core.scripts import source
+from scheduler_core.scripts import Scripts, dead_letter_keys
 
 MAX_IDS_PER_CALL = 1000  # the script's bound on work per call
 PREVIEW_CHARS = 200
@@ -99,14 +99,12 @@ def _act(client: redis.Redis, queue: str, action: str, ids: list[str] | None) ->
             ids += [_text(x) for x in page]
             if len(page) < MAX_IDS_PER_CALL:
                 break
-    script = client.register_script(source("dead_letter"))
+    scripts = Scripts(client)
     done = skipped = 0
     for start in range(0, len(ids), MAX_IDS_PER_CALL):
         chunk = ids[start:start + MAX_IDS_PER_CALL]
-        script_keys = [keys.dead, keys.dead_reason, keys.jobs, keys.meta, *keys.pending_all,
-                       keys.clock, keys.marker, keys.stats,
-                       *(keys.result(rid) for rid in chunk)]
-        reply = script(keys=script_keys, args=[action, len(chunk), *chunk])
+        reply = scripts.dead_letter(keys=dead_letter_keys(keys, chunk),
+                                    args=[action, len(chunk), *chunk])
         if int(reply[0]) < 0:
             raise InvalidRequest(_text(reply[1]), "rejected by the dead_letter script")
         done, skipped = done + int(reply[0]), skipped + int(reply[1])

@@ -1,7 +1,9 @@
 """The key schema: every Redis key batchgate uses, in one place.
 
 All keys of a queue share the hash tag `{bg:<queue>}`, so they live in one cluster slot
-and one Lua script may touch them all. Every key a script touches is passed in KEYS.
+and one Lua script may touch them all. Every key a script touches is passed in KEYS: the
+queue's shared keys first, as KEYS[1..19] in the order of SHARED_KEYS in every script,
+then the script's per-call keys (result:<id>, inbox:<producer>, idem:<key>).
 
 | key                         | type   | holds                                                     |
 |-----------------------------|--------|-----------------------------------------------------------|
@@ -27,10 +29,18 @@ and one Lua script may touch them all. Every key a script touches is passed in K
 | `{bg:q}:result:<id>`        | string | result envelope, expires after result_ttl_s               |
 | `{bg:q}:inbox:<producer>`   | list   | result envelopes for one Producer instance, expires       |
 | `{bg:q}:idem:<key>`         | string | idempotency key -> request id, expires                    |
+
+Bulk jobs (producer/bulk) keep their state outside any queue:
+
+| key                         | type   | holds                                                     |
+|-----------------------------|--------|-----------------------------------------------------------|
+| `batchgate:bulk:<job>`      | hash   | the job's checkpoint and progress (producer/bulk/state.py)|
+| `batchgate:bulk:<job>:lease`| string | token of the run writing the job's output, expires        |
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -38,6 +48,13 @@ from scheduler_core.errors import InvalidRequest
 
 QUEUE_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 MAX_QUEUE_NAME = 128
+
+# The queue's shared keys, as every script receives them (KEYS[1..19], this order) and
+# names them at the top of its body (`local pending_high = KEYS[2]`); QueueKeys has a
+# property of each name. A script's per-call keys come after them.
+SHARED_KEYS = ("policy", "pending_high", "pending_normal", "pending_low", "jobs", "meta",
+               "clock", "marker", "stats", "inflight", "owner", "batches", "seq", "consumers",
+               "dead", "dead_reason", "wait_samples", "e2e_samples", "model_samples")
 
 
 def validate_queue_name(name: object, field: str = "queue") -> str:
@@ -57,7 +74,7 @@ class QueueKeys:
     def __post_init__(self) -> None:
         validate_queue_name(self.queue)
 
-    @property
+    @functools.cached_property
     def tag(self) -> str:
         return f"{{bg:{self.queue}}}"
 
@@ -74,6 +91,23 @@ class QueueKeys:
     @property
     def pending_all(self) -> list[str]:
         return [self.pending(p) for p in range(3)]
+
+    @property
+    def pending_high(self) -> str:
+        return self.pending(0)
+
+    @property
+    def pending_normal(self) -> str:
+        return self.pending(1)
+
+    @property
+    def pending_low(self) -> str:
+        return self.pending(2)
+
+    @functools.cached_property
+    def shared(self) -> tuple[str, ...]:
+        """KEYS[1..19] of every script: the keys of SHARED_KEYS, in that order."""
+        return tuple(getattr(self, name) for name in SHARED_KEYS)
 
     @property
     def jobs(self) -> str:
@@ -146,3 +180,11 @@ class QueueKeys:
 
     def idempotency(self, key: str) -> str:
         return self._k(f"idem:{key}")
+
+
+def bulk_state_key(job_id: str) -> str:
+    return f"batchgate:bulk:{job_id}"
+
+
+def bulk_lease_key(job_id: str) -> str:
+    return f"batchgate:bulk:{job_id}:lease"

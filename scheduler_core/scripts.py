@@ -1,9 +1,15 @@
 """Loads the Lua scripts and builds their KEYS/ARGV; parses their replies.
 
 Each script is one file in `lua/` whose header documents KEYS, ARGV, return value and
-error codes. `-- @include NAME` inlines a shared helper file. Scripts are registered with
-redis-py's `register_script`, which runs EVALSHA and falls back to EVAL on NOSCRIPT, for
-sync and asyncio clients alike.
+error codes. `-- @include NAME` inlines the helpers of a shared file that the script uses;
+`-- @render policy` (in `_policy.lua`) becomes the policy's STRATEGIES and LIMITS, rendered
+from scheduler_core/policy.py, their one source. Every queue script receives the queue's shared
+keys first, as KEYS[1..19] in the order of keys.SHARED_KEYS, then its per-call keys; the
+`*_keys` builders below are the one place that builds each script's KEYS list.
+
+Scripts are called through `Scripts`, which registers them with redis-py's
+`register_script`: EVALSHA, falling back to loading the script on NOSCRIPT, for sync and
+asyncio clients alike.
 """
 
 from __future__ import annotations
@@ -17,26 +23,90 @@ from typing import Any
 from redis.exceptions import NoScriptError
 
 from scheduler_core.errors import InvalidRequest, QueueFull
-from scheduler_core.keys import QueueKeys
+from scheduler_core.keys import QueueKeys, bulk_lease_key
+from scheduler_core.policy import LIMITS, Strategy
 
+# Queue scripts, then the bulk job's lease (lua/bulk/, not queue keys). `Scripts` names
+# each by its path with '/' as '_': scripts.bulk_lease_renew.
 SCRIPT_NAMES = ("enqueue", "pop_batch", "complete", "extend_lease", "requeue_expired",
-                "configure", "cancel")
-_INCLUDE = re.compile(r"^-- @include (\S+)\s*$", re.MULTILINE)
+                "configure", "cancel", "dead_letter", "bulk/lease_renew", "bulk/lease_release")
+_INCLUDE = re.compile(r"^-- @include (\S+)[ \t]*\n", re.MULTILINE)
+_RENDER_POLICY = re.compile(r"^-- @render policy[ \t]*$", re.MULTILINE)
+_COMMENT = re.compile(r"--\[\[.*?\]\]|--[^\n]*", re.DOTALL)  # no '--' in the strings
+_DEFINES = re.compile(r"^local (?:function (\w+)|([\w, ]+?) =)", re.MULTILINE)
+
+
+def render(name: str, limits: dict[str, tuple[int, int]] = LIMITS) -> str:
+    """The source of script `name` with its includes inlined and the policy rendered
+    from `limits` (tests pass other limits to show the scripts follow them).
+
+    Only the helpers the script uses (directly or through other helpers) are inlined: a
+    script runs its whole chunk on every call, and each `local function` it defines costs
+    a closure per call. An include file is a sequence of definitions separated by blank
+    lines, each with its comment."""
+    lua = resources.files("scheduler_core") / "lua"
+    text = (lua / f"{name}.lua").read_text()
+    blocks = [block for include in _INCLUDE.findall(text)
+              for block in re.split(r"\n\s*\n", _RENDER_POLICY.sub(
+                  lambda _: _policy_lua(limits), (lua / include).read_text()))]
+    body = _INCLUDE.sub("", text)
+    kept = _used(blocks, body)
+    helpers = "".join(block.strip("\n") + "\n\n" for block in blocks if block in kept)
+    first = _INCLUDE.search(text)
+    return body if first is None else \
+        text[:first.start()] + helpers + body[first.start():].lstrip("\n")
+
+
+def _used(blocks: list[str], body: str) -> set[str]:
+    """The blocks defining a name that `body` or another used block refers to."""
+    names = {block: [n.strip() for m in _DEFINES.findall(block) for n in "".join(m).split(",")]
+             for block in blocks}
+    used: set[str] = set()
+    text = _COMMENT.sub("", body)
+    while True:
+        found = {block for block in blocks if block not in used and any(
+            re.search(rf"\b{re.escape(n)}\b", text) for n in names[block])}
+        if not found:
+            return used
+        used |= found
+        text += "".join(_COMMENT.sub("", block) for block in found)
 
 
 @functools.cache
 def source(name: str) -> str:
-    lua = resources.files("scheduler_core") / "lua"
-    text = (lua / f"{name}.lua").read_text()
-    return _INCLUDE.sub(lambda m: (lua / m.group(1)).read_text(), text)
+    return render(name)
+
+
+def _policy_lua(limits: dict[str, tuple[int, int]]) -> str:
+    """STRATEGIES, LIMITS (configure iterates them) and policy_range: the same ranges as
+    code, so that pop_batch, which runs per batch, builds no table of them."""
+    strategies = ", ".join(f"{s.value} = true" for s in Strategy)
+    bounds = [(field, int(low), int(high)) for field, (low, high) in limits.items()]
+    ranges = ", ".join(f"{field} = {{{low}, {high}}}" for field, low, high in bounds)
+    cases = "".join(f"  if field == '{field}' then return {low}, {high} end\n"
+                    for field, low, high in bounds)
+    return (f"local STRATEGIES = {{{strategies}}}\n\nlocal LIMITS = {{{ranges}}}\n\n"
+            f"local function policy_range(field)\n{cases}  return nil\nend")
 
 
 class Scripts:
-    """The registered scripts of one redis client (sync or asyncio)."""
+    """The registered scripts of one redis client (sync or asyncio): the one way batchgate
+    calls a script, `scripts.pop_batch(keys=pop_keys(queue_keys), args=[...])`."""
+
+    enqueue: Any
+    pop_batch: Any
+    complete: Any
+    extend_lease: Any
+    requeue_expired: Any
+    configure: Any
+    cancel: Any
+    dead_letter: Any
+    bulk_lease_renew: Any
+    bulk_lease_release: Any
 
     def __init__(self, client: Any):
         for name in SCRIPT_NAMES:
-            setattr(self, name, client.register_script(source(name)))
+            setattr(self, name.replace("/", "_"), client.register_script(source(name)))
 
 
 class ScriptPipeline:
@@ -82,8 +152,7 @@ class NewRequest:
 
 def enqueue_call(keys: QueueKeys, producer: str, requests: list[NewRequest],
                  idempotency_ttl_s: int) -> tuple[list[str], list[Any]]:
-    script_keys = [keys.policy, *keys.pending_all, keys.jobs, keys.meta, keys.clock,
-                   keys.marker, keys.stats]
+    script_keys = list(keys.shared)
     args: list[Any] = [producer, len(requests), idempotency_ttl_s]
     for r in requests:
         args += [r.id, r.priority, r.deadline_ms, r.envelope, 1 if r.idempotency_key else 0]
@@ -114,29 +183,33 @@ def retry_after(reply: list[Any], depth: int, limit: int, adding: int) -> float 
     return max(1, depth + adding - limit) / rate
 
 
-def pop_keys(keys: QueueKeys) -> list[str]:
-    return [keys.policy, *keys.pending_all, keys.jobs, keys.meta, keys.owner, keys.inflight,
-            keys.batches, keys.seq, keys.marker, keys.consumers, keys.stats,
-            keys.wait_samples, keys.dead, keys.dead_reason]
+def shared_keys(keys: QueueKeys) -> list[str]:
+    """The KEYS of a script that takes no per-call keys: the queue's shared keys."""
+    return list(keys.shared)
+
+
+pop_keys = requeue_keys = extend_lease_keys = configure_keys = shared_keys
 
 
 def complete_keys(keys: QueueKeys, items: list[tuple[str, str]]) -> list[str]:
     """`items` are (request id, producer) pairs, in the order their results are passed."""
-    script_keys = [keys.inflight, keys.batches, keys.owner, keys.jobs, keys.meta, keys.stats,
-                   keys.e2e_samples, keys.dead, keys.dead_reason, keys.model_samples]
+    script_keys = list(keys.shared)
     for request_id, producer in items:
         script_keys += [keys.result(request_id), keys.inbox(producer)]
     return script_keys
 
 
-def requeue_keys(keys: QueueKeys) -> list[str]:
-    return [keys.inflight, keys.batches, keys.owner, keys.meta, *keys.pending_all,
-            keys.marker, keys.stats, keys.consumers]
-
-
 def cancel_keys(keys: QueueKeys, request_id: str, producer: str) -> list[str]:
-    return [*keys.pending_all, keys.jobs, keys.meta, keys.owner, keys.stats,
-            keys.result(request_id), keys.inbox(producer)]
+    return [*keys.shared, keys.result(request_id), keys.inbox(producer)]
+
+
+def dead_letter_keys(keys: QueueKeys, request_ids: list[str]) -> list[str]:
+    return [*keys.shared, *(keys.result(rid) for rid in request_ids)]
+
+
+def bulk_lease_keys(job_id: str) -> list[str]:
+    """KEYS of bulk/lease_renew and bulk/lease_release."""
+    return [bulk_lease_key(job_id)]
 
 
 def _text(value: Any) -> str:

@@ -15,7 +15,13 @@ from consumer.batch import Batch, parse_pop
 from producer import Producer, RequestFailed
 from scheduler_core.admin import queue_stats
 from scheduler_core.keys import QueueKeys
-from scheduler_core.scripts import Scripts, complete_keys, pop_keys, requeue_keys
+from scheduler_core.scripts import (
+    Scripts,
+    complete_keys,
+    extend_lease_keys,
+    pop_keys,
+    requeue_keys,
+)
 from scheduler_core.wire import decode_result, encode_result
 
 
@@ -183,7 +189,7 @@ def test_stale_consumer_late_completion_is_refused(redis_server, queue):
         time.sleep(0.2)  # the stale consumer hangs past its 100 ms lease
         assert scripts.requeue_expired(keys=requeue_keys(keys), args=[10]) == [1, 2]
         # The stale consumer's heartbeat learns its batch is gone.
-        assert scripts.extend_lease(keys=[keys.inflight, keys.consumers],
+        assert scripts.extend_lease(keys=extend_lease_keys(keys),
                                     args=["stale", stale.id, 1000]) == 0
 
         # Completing after the re-queue, before anyone re-took the requests: refused, and

@@ -29,13 +29,16 @@ from consumer.worker import Batch, Consumer, ConsumerConfig
 from producer import InvalidRequest, Priority, Producer
 from producer.validation import check_deadline, check_idempotency_key, check_timeout
 from scheduler_core.errors import InvalidPolicy
-from scheduler_core.keys import QueueKeys, validate_queue_name
+from scheduler_core.keys import SHARED_KEYS, QueueKeys, validate_queue_name
 from scheduler_core.policy import LIMITS, Policy
 from scheduler_core.scripts import (
     NewRequest,
     cancel_keys,
     complete_keys,
+    configure_keys,
+    dead_letter_keys,
     enqueue_call,
+    extend_lease_keys,
     pop_keys,
     requeue_keys,
     source,
@@ -316,7 +319,7 @@ def test_fuzz_producer_submit():
             assert re.fullmatch(r"[0-9a-f]{32}", rid) and prio in (0, 1, 2)
             assert isinstance(deadline, int) and 0 <= deadline <= 86_400_000
             assert decode_request(envelope) == normalise(value) and flag in (0, 1)
-        assert len(keys) == 9 + sum(args[7::5])
+        assert len(keys) == len(SHARED_KEYS) + sum(args[7::5])
 
     @fuzz("submit")
     @given(batch=cases("submit", case))
@@ -435,24 +438,19 @@ def setup_state(r: redis.Redis) -> None:
     pipe.execute()
 
 
-def dead_letter_keys(ids: list[str]) -> list[str]:
-    return [Q.dead, Q.dead_reason, Q.jobs, Q.meta, *Q.pending_all, Q.clock, Q.marker,
-            Q.stats, *(Q.result(i) for i in ids)]
-
-
 TEMPLATES = {  # a valid call of each script against setup_state: (KEYS, ARGV)
     "enqueue": (enqueue_call(Q, "prod", [NewRequest("n1", 1, 0, ENV, "k1")], 60)[0],
                 ["prod", 1, 60, "n1", 1, 0, ENV, 1]),
     "pop_batch": (pop_keys(Q), ["c1", 1000]),
     "complete": (complete_keys(Q, [("f1", "prod")]), ["7", 60, 1, "f1", "ok", RESULT,
                                                        "1:1500"]),
-    "extend_lease": ([Q.inflight, Q.consumers], ["c1", "7", 1000]),
+    "extend_lease": (extend_lease_keys(Q), ["c1", "7", 1000]),
     "requeue_expired": (requeue_keys(Q), [10]),
-    "configure": ([Q.policy], ["replace", *(x for kv in Policy().to_redis().items()
+    "configure": (configure_keys(Q), ["replace", *(x for kv in Policy().to_redis().items()
                                             for x in kv)]),
     "cancel": (cancel_keys(Q, "r1", "prod"), ["r1", 60, encode_error("r1", "Cancelled", "x"),
                                               "cancelled"]),
-    "dead_letter": (dead_letter_keys(["d1"]), ["retry", 1, "d1"]),
+    "dead_letter": (dead_letter_keys(Q, ["d1"]), ["retry", 1, "d1"]),
 }
 ERROR_FIELDS = {m for path in LUA.glob("*.lua")
                 for m in re.findall(r"\{-3, '(\w+)'\}", path.read_text())} | {"strategy",
@@ -509,7 +507,7 @@ def test_fuzz_lua_script_arguments(debug_redis, name):
 
 
 def test_configure_limits_match_policy_limits():
-    text = (LUA / "configure.lua").read_text()
+    text = source("configure")  # as loaded: LIMITS rendered from scheduler_core.policy
     lua = {name: (int(lo), int(hi)) for name, lo, hi in
            re.findall(r"(\w+) = \{(\d+), (\d+)\}", text)}
     assert lua == LIMITS

@@ -23,13 +23,12 @@ from typing import Any
 import redis
 
 from scheduler_core.errors import BatchgateError, InvalidRequest
+from scheduler_core.keys import bulk_lease_key as lease_key
+from scheduler_core.keys import bulk_state_key as state_key
+from scheduler_core.scripts import Scripts, bulk_lease_keys
 
 JOB_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 FINISHED_TTL_S = 7 * 86_400
-_RENEW = "if redis.call('GET', KEYS[1]) == ARGV[1] then " \
-         "return redis.call('PEXPIRE', KEYS[1], ARGV[2]) else return 0 end"
-_RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then " \
-           "return redis.call('DEL', KEYS[1]) else return 0 end"
 
 
 class BulkError(BatchgateError):
@@ -40,14 +39,6 @@ def check_job_id(job_id: str) -> str:
     if not isinstance(job_id, str) or not JOB_ID.match(job_id):
         raise InvalidRequest("job_id", f"{job_id!r}: use 1-64 letters, digits, '_', '.', '-'")
     return job_id
-
-
-def state_key(job_id: str) -> str:
-    return f"batchgate:bulk:{job_id}"
-
-
-def lease_key(job_id: str) -> str:
-    return f"batchgate:bulk:{job_id}:lease"
 
 
 def count_records(path: Path) -> int:
@@ -180,6 +171,7 @@ class Lease:
         if not 1 <= ttl_s <= 3600:
             raise InvalidRequest("lease_s", f"{ttl_s} is outside [1, 3600]")
         self.client, self.key, self.ttl_ms = client, lease_key(job_id), int(ttl_s * 1000)
+        self._scripts, self._keys = Scripts(client), bulk_lease_keys(job_id)
         self.token = secrets.token_hex(8)
         self.lost = threading.Event()
         self._stop = threading.Event()
@@ -199,7 +191,8 @@ class Lease:
     def _renew(self) -> None:
         while not self._stop.wait(self.ttl_ms / 3000):
             try:
-                if not self.client.eval(_RENEW, 1, self.key, self.token, self.ttl_ms):
+                if not self._scripts.bulk_lease_renew(keys=self._keys,
+                                                      args=[self.token, self.ttl_ms]):
                     self.lost.set()
                     return
             except redis.RedisError:
@@ -210,4 +203,4 @@ class Lease:
         if self._thread is not None:
             self._thread.join(timeout=5)
         with contextlib.suppress(redis.RedisError):  # else it lapses by itself
-            self.client.eval(_RELEASE, 1, self.key, self.token)
+            self._scripts.bulk_lease_release(keys=self._keys, args=[self.token])

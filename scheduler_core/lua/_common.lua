@@ -1,5 +1,5 @@
 -- Shared helpers, inlined by scheduler_core/scripts.py where a script says
--- "-- @include _common.lua". Not a script of its own.
+-- "-- @include _common.lua" (first of its includes). Not a script of its own.
 
 -- Redis server time in microseconds: the only clock batchgate trusts.
 local function now_us()
@@ -41,15 +41,6 @@ end
 local function format_meta(m)
   return m.prio .. ':' .. (m.arrival_s or int(m.arrival)) .. ':' ..
          (m.deadline_s or int(m.deadline)) .. ':' .. int(m.attempts) .. ':' .. m.producer
-end
-
--- batches value: "consumer|id,id,..."
-local function batch_ids(raw)
-  local ids = {}
-  if not raw then return ids end
-  local list = string.match(raw, '|(.*)$') or ''
-  for id in string.gmatch(list, '[^,]+') do ids[#ids + 1] = id end
-  return ids
 end
 
 -- Push recent samples to a capped list: the newest SAMPLES_KEPT stay. Trimmed only once

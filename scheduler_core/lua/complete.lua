@@ -1,24 +1,26 @@
 --[[ complete: record results of (part of) a batch, fenced by the batch id.
 
-KEYS[1]  {bg:q}:inflight      zset   batch id -> lease deadline
-KEYS[2]  {bg:q}:batches       hash   batch id -> "consumer|ids"
-KEYS[3]  {bg:q}:owner         hash   id -> batch id
-KEYS[4]  {bg:q}:jobs          hash   id -> envelope
-KEYS[5]  {bg:q}:meta          hash   id -> meta
-KEYS[6]  {bg:q}:stats         hash   counters
-KEYS[7]  {bg:q}:samples:e2e   list   recent enqueue-to-result times (µs)
-KEYS[8]  {bg:q}:dead          zset   dead-lettered id -> time
-KEYS[9]  {bg:q}:dead:reason   hash   dead-lettered id -> error envelope
-KEYS[10] {bg:q}:samples:model list   recent batches as "size:model_us"
-KEYS[11+2i] {bg:q}:result:<id_i>         result of request i
-KEYS[12+2i] {bg:q}:inbox:<producer_i>    its producer's inbox (any key if it has none)
+KEYS[1..19] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
+            this script uses:
+KEYS[5]  {bg:q}:jobs          hash   id -> envelope
+KEYS[6]  {bg:q}:meta          hash   id -> meta
+KEYS[9]  {bg:q}:stats         hash   counters
+KEYS[10] {bg:q}:inflight      zset   batch id -> lease deadline
+KEYS[11] {bg:q}:owner         hash   id -> batch id
+KEYS[12] {bg:q}:batches       hash   batch id -> "consumer|ids"
+KEYS[15] {bg:q}:dead          zset   dead-lettered id -> time
+KEYS[16] {bg:q}:dead:reason   hash   dead-lettered id -> error envelope
+KEYS[18] {bg:q}:samples:e2e   list   recent enqueue-to-result times (µs)
+KEYS[19] {bg:q}:samples:model list   recent batches as "size:model_us"
+KEYS[20+2i] {bg:q}:result:<id_i>         result of request i (i = 0..n-1)
+KEYS[21+2i] {bg:q}:inbox:<producer_i>    its producer's inbox (any key if it has none)
 
 ARGV[1]  batch id (the fencing token returned by pop_batch)
 ARGV[2]  result TTL, seconds
-ARGV[3]  n, number of results (1..4096)
+ARGV[3]  n, number of results (1..the largest max_batch_size of the policy LIMITS)
 ARGV[4+3i..6+3i] for result i: id, outcome ('ok' | 'err' | 'dead' | 'expired'), result
          envelope; 'expired' (deadline passed, not run) counts as expired, not failed
-ARGV[4+3n] optional: the batch's model run as "size:model_us", pushed to KEYS[10]
+ARGV[4+3n] optional: the batch's model run as "size:model_us", pushed to KEYS[19]
 
 Returns  {accepted, refused, remaining}: results written; results refused because the
          request is not (or no longer) in this batch; requests of the batch still open.
@@ -31,11 +33,26 @@ Errors   {-1}  stale batch: its lease expired and it was re-queued (or it never 
 Work is bounded by n plus the batch's size.
 ]]
 -- @include _common.lua
+-- @include _policy.lua
+-- @include _queue.lua
+
+local jobs = KEYS[5]
+local meta = KEYS[6]
+local stats = KEYS[9]
+local inflight = KEYS[10]
+local owner = KEYS[11]
+local batches = KEYS[12]
+local dead = KEYS[15]
+local dead_reason = KEYS[16]
+local e2e_samples = KEYS[18]
+local model_samples = KEYS[19]
+-- KEYS[20 + 2i], KEYS[21 + 2i]: result:<id> and inbox:<producer> of result i
 
 local batch_id = ARGV[1]
-local ttl, n = int_arg(ARGV[2], 1, 315360000), int_arg(ARGV[3], 1, 4096)
+local _, most_results = policy_range('max_batch_size')  -- a batch's results fit one call
+local ttl, n = int_arg(ARGV[2], 1, 315360000), int_arg(ARGV[3], 1, most_results)
 if not ttl then return {-3, 'result_ttl_s'} end
-if not n or (#ARGV ~= 3 + 3 * n and #ARGV ~= 4 + 3 * n) or #KEYS ~= 10 + 2 * n then
+if not n or (#ARGV ~= 3 + 3 * n and #ARGV ~= 4 + 3 * n) or #KEYS ~= 19 + 2 * n then
   return {-3, 'n'}
 end
 local model_sample = ARGV[4 + 3 * n]
@@ -46,7 +63,7 @@ local outcomes = {ok = true, err = true, dead = true, expired = true}
 for i = 0, n - 1 do
   if not outcomes[ARGV[5 + 3 * i]] then return {-3, 'outcome'} end
 end
-if not redis.call('ZSCORE', KEYS[1], batch_id) then return {-1} end
+if not redis.call('ZSCORE', inflight, batch_id) then return {-1} end
 
 local now = now_us()
 local accepted, refused, failed, expired = 0, 0, 0, 0
@@ -54,8 +71,8 @@ local ids = {}
 for i = 0, n - 1 do ids[i + 1] = ARGV[4 + 3 * i] end
 -- One variadic call per key rather than one per request: the script's cost is mostly
 -- the number of redis.call()s.
-local owners = redis.call('HMGET', KEYS[3], unpack(ids))
-local metas = redis.call('HMGET', KEYS[5], unpack(ids))
+local owners = redis.call('HMGET', owner, unpack(ids))
+local metas = redis.call('HMGET', meta, unpack(ids))
 local done, gone, e2e, inboxes, inbox_order, seen = {}, {}, {}, {}, {}, {}
 for i = 0, n - 1 do
   local id, outcome, envelope = ids[i + 1], ARGV[5 + 3 * i], ARGV[6 + 3 * i]
@@ -64,9 +81,9 @@ for i = 0, n - 1 do
   else
     seen[id] = true
     local m = parse_meta(metas[i + 1])
-    redis.call('SET', KEYS[11 + 2 * i], envelope, 'EX', ttl)
+    store_result(KEYS[20 + 2 * i], envelope, ttl)
     if m and m.producer ~= '' then
-      local inbox = KEYS[12 + 2 * i]
+      local inbox = KEYS[21 + 2 * i]
       if not inboxes[inbox] then
         inboxes[inbox] = {}
         inbox_order[#inbox_order + 1] = inbox
@@ -76,8 +93,7 @@ for i = 0, n - 1 do
     if m then e2e[#e2e + 1] = int(now - m.arrival) end
     done[#done + 1] = id
     if outcome == 'dead' then
-      redis.call('ZADD', KEYS[8], int(now), id)
-      redis.call('HSET', KEYS[9], id, envelope)
+      add_dead_letter(dead, dead_reason, id, now, envelope)
     else
       gone[#gone + 1] = id
     end
@@ -90,46 +106,42 @@ for i = 0, n - 1 do
   end
 end
 for _, inbox in ipairs(inbox_order) do  -- results keep their order within each inbox
-  redis.call('RPUSH', inbox, unpack(inboxes[inbox]))
-  redis.call('EXPIRE', inbox, ttl)
+  deliver_results(inbox, ttl, unpack(inboxes[inbox]))
 end
-if #done > 0 then redis.call('HDEL', KEYS[3], unpack(done)) end
+if #done > 0 then redis.call('HDEL', owner, unpack(done)) end
 if #gone > 0 then
-  redis.call('HDEL', KEYS[4], unpack(gone))
-  redis.call('HDEL', KEYS[5], unpack(gone))
+  redis.call('HDEL', jobs, unpack(gone))
+  redis.call('HDEL', meta, unpack(gone))
 end
 
 local remaining = 0
-local members = batch_ids(redis.call('HGET', KEYS[2], batch_id))
+local members = batch_members(batches, batch_id)
 -- The usual case, every request of the batch answered in this call, needs no owner
 -- lookup: the accepted ids are distinct members of the batch.
 if #members > accepted then
-  for _, owner in ipairs(redis.call('HMGET', KEYS[3], unpack(members))) do
-    if owner == batch_id then remaining = remaining + 1 end
+  for _, holder in ipairs(redis.call('HMGET', owner, unpack(members))) do
+    if holder == batch_id then remaining = remaining + 1 end
   end
 end
-if remaining == 0 then
-  redis.call('ZREM', KEYS[1], batch_id)
-  redis.call('HDEL', KEYS[2], batch_id)
-end
+if remaining == 0 then release_batch(inflight, batches, batch_id) end
 if accepted > 0 then
-  redis.call('HINCRBY', KEYS[6], 'processed', accepted - failed - expired)
-  redis.call('HINCRBY', KEYS[6], 'failed', failed)
-  if expired > 0 then redis.call('HINCRBY', KEYS[6], 'expired', expired) end
+  redis.call('HINCRBY', stats, 'processed', accepted - failed - expired)
+  redis.call('HINCRBY', stats, 'failed', failed)
+  if expired > 0 then redis.call('HINCRBY', stats, 'expired', expired) end
   -- Recent service rate (enqueue's retry-after hint): completions counted over windows of
   -- at least 1 s; rate_mrps = the last window's rate in milli-requests per second. A
   -- window longer than 10 s spanned an idle gap and is not published.
-  local w = redis.call('HMGET', KEYS[6], 'rate_since_us', 'rate_count')
+  local w = redis.call('HMGET', stats, 'rate_since_us', 'rate_count')
   local since, count = tonumber(w[1]), (tonumber(w[2]) or 0) + accepted
   if not since or now - since >= 1000000 then
     if since and now - since <= 10000000 then
-      redis.call('HSET', KEYS[6], 'rate_mrps', int(count * 1e9 / (now - since)))
+      redis.call('HSET', stats, 'rate_mrps', int(count * 1e9 / (now - since)))
     end
-    redis.call('HSET', KEYS[6], 'rate_since_us', int(now), 'rate_count', 0)
+    redis.call('HSET', stats, 'rate_since_us', int(now), 'rate_count', 0)
   else
-    redis.call('HSET', KEYS[6], 'rate_count', count)
+    redis.call('HSET', stats, 'rate_count', count)
   end
 end
-if #e2e > 0 then push_samples(KEYS[7], unpack(e2e)) end
-if model_sample then push_samples(KEYS[10], model_sample) end
+if #e2e > 0 then push_samples(e2e_samples, unpack(e2e)) end
+if model_sample then push_samples(model_samples, model_sample) end
 return {accepted, refused, remaining}

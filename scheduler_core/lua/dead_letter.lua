@@ -1,16 +1,18 @@
 --[[ dead_letter: retry or purge dead-lettered requests (`batchgate dead-letter`).
 
-KEYS[1]  {bg:q}:dead          zset   dead-lettered id -> time (µs)
-KEYS[2]  {bg:q}:dead:reason   hash   id -> error envelope
-KEYS[3]  {bg:q}:jobs          hash   id -> request envelope
-KEYS[4]  {bg:q}:meta          hash   id -> meta
-KEYS[5]  {bg:q}:pending:0     zset   HIGH
-KEYS[6]  {bg:q}:pending:1     zset   NORMAL
-KEYS[7]  {bg:q}:pending:2     zset   LOW
-KEYS[8]  {bg:q}:clock         string last arrival score issued
-KEYS[9]  {bg:q}:marker        zset   wake-up marker for idle consumers
-KEYS[10] {bg:q}:stats         hash   counters (dead_retried, dead_purged)
-KEYS[10+i] {bg:q}:result:<id_i>  the stored result of request i (for i = 1..n)
+KEYS[1..19] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
+            this script uses:
+KEYS[2]  {bg:q}:pending:0     zset   HIGH
+KEYS[3]  {bg:q}:pending:1     zset   NORMAL
+KEYS[4]  {bg:q}:pending:2     zset   LOW
+KEYS[5]  {bg:q}:jobs          hash   id -> request envelope
+KEYS[6]  {bg:q}:meta          hash   id -> meta
+KEYS[7]  {bg:q}:clock         string last arrival score issued
+KEYS[8]  {bg:q}:marker        zset   wake-up marker for idle consumers
+KEYS[9]  {bg:q}:stats         hash   counters (dead_retried, dead_purged)
+KEYS[15] {bg:q}:dead          zset   dead-lettered id -> time (µs)
+KEYS[16] {bg:q}:dead:reason   hash   id -> error envelope
+KEYS[19+i] {bg:q}:result:<id_i>  the stored result of request i (for i = 1..n)
 
 ARGV[1]  action: 'retry' | 'purge'
 ARGV[2]  n, the number of ids (1..1000)
@@ -27,51 +29,60 @@ Errors   {-3, field} malformed argument, nothing written
 Work is bounded by n.
 ]]
 -- @include _common.lua
+-- @include _queue.lua
+
+local pending_high = KEYS[2]
+local pending_normal = KEYS[3]
+local pending_low = KEYS[4]
+local jobs = KEYS[5]
+local meta = KEYS[6]
+local clock = KEYS[7]
+local marker = KEYS[8]
+local stats = KEYS[9]
+local dead = KEYS[15]
+local dead_reason = KEYS[16]
 
 local action = ARGV[1]
 if action ~= 'retry' and action ~= 'purge' then return {-3, 'action'} end
 local n = int_arg(ARGV[2], 1, 1000)
-if not n or #ARGV ~= 2 + n or #KEYS ~= 10 + n then return {-3, 'n'} end
+if not n or #ARGV ~= 2 + n or #KEYS ~= 19 + n then return {-3, 'n'} end
 
+local pending = {pending_high, pending_normal, pending_low}
 local done, skipped = 0, 0
-local now, last = nil, nil
+local arrivals = nil  -- read on the first retry
 for i = 1, n do
   local id = ARGV[2 + i]
-  if not redis.call('ZSCORE', KEYS[1], id) then
+  if not redis.call('ZSCORE', dead, id) then
     skipped = skipped + 1
   elseif action == 'purge' then
-    redis.call('ZREM', KEYS[1], id)
-    redis.call('HDEL', KEYS[2], id)
-    redis.call('HDEL', KEYS[3], id)
-    redis.call('HDEL', KEYS[4], id)
+    redis.call('ZREM', dead, id)
+    redis.call('HDEL', dead_reason, id)
+    redis.call('HDEL', jobs, id)
+    redis.call('HDEL', meta, id)
     done = done + 1
-  elseif id == '' or string.find(id, '[:|,]') or redis.call('HEXISTS', KEYS[3], id) == 0 then
+  elseif id == '' or string.find(id, '[:|,]') or redis.call('HEXISTS', jobs, id) == 0 then
     skipped = skipped + 1
   else
-    if not now then
-      now = now_us()
-      last = tonumber(redis.call('GET', KEYS[8]) or '0') or 0
-    end
-    local m = parse_meta(redis.call('HGET', KEYS[4], id))
+    if not arrivals then arrivals = arrival_clock(clock, now_us()) end
+    local m = parse_meta(redis.call('HGET', meta, id))
     local prio = (m and m.prio) or 1
-    local arrival = math.max(now, last + 1)
-    last = arrival
-    redis.call('HSET', KEYS[4], id, format_meta({prio = prio, arrival = arrival, deadline = 0,
-                                                 attempts = 0, producer = ''}))
-    redis.call('ZADD', KEYS[5 + prio], int(arrival), id)
-    redis.call('ZREM', KEYS[1], id)
-    redis.call('HDEL', KEYS[2], id)
-    redis.call('DEL', KEYS[10 + i])
+    local arrival = arrivals.next()
+    redis.call('HSET', meta, id, format_meta({prio = prio, arrival = arrival, deadline = 0,
+                                              attempts = 0, producer = ''}))
+    redis.call('ZADD', pending[prio + 1], int(arrival), id)
+    redis.call('ZREM', dead, id)
+    redis.call('HDEL', dead_reason, id)
+    redis.call('DEL', KEYS[19 + i])
     done = done + 1
   end
 end
 if done > 0 then
   if action == 'retry' then
-    redis.call('SET', KEYS[8], int(last))
-    redis.call('ZADD', KEYS[9], 0, 'w')
-    redis.call('HINCRBY', KEYS[10], 'dead_retried', done)
+    arrivals.save()
+    wake_consumers(marker)
+    redis.call('HINCRBY', stats, 'dead_retried', done)
   else
-    redis.call('HINCRBY', KEYS[10], 'dead_purged', done)
+    redis.call('HINCRBY', stats, 'dead_purged', done)
   end
 end
 return {done, skipped}

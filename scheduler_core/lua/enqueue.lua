@@ -1,5 +1,7 @@
 --[[ enqueue: add N requests to a queue atomically (all or none).
 
+KEYS[1..19] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
+            this script uses:
 KEYS[1]  {bg:q}:policy      hash   read: strategy, max_batch_size, max_queue_size
 KEYS[2]  {bg:q}:pending:0   zset   HIGH
 KEYS[3]  {bg:q}:pending:1   zset   NORMAL
@@ -9,7 +11,7 @@ KEYS[6]  {bg:q}:meta        hash   id -> meta
 KEYS[7]  {bg:q}:clock       string last arrival score issued
 KEYS[8]  {bg:q}:marker      zset   wake-up marker for idle consumers
 KEYS[9]  {bg:q}:stats       hash   read on rejection: the recent service rate
-KEYS[10..] {bg:q}:idem:<key> string one per request whose idem flag is 1, in order
+KEYS[20..] {bg:q}:idem:<key> string one per request whose idem flag is 1, in order
 
 ARGV[1]  producer id (owner of the inbox results go to; may be empty)
          ids: 1-128 characters from letters, digits, '_', '.', '-'
@@ -31,6 +33,18 @@ Arrival scores come from TIME and are strictly increasing per queue, so ties kee
 arrival order. Work is bounded by n.
 ]]
 -- @include _common.lua
+-- @include _queue.lua
+
+local policy = KEYS[1]
+local pending_high = KEYS[2]
+local pending_normal = KEYS[3]
+local pending_low = KEYS[4]
+local jobs = KEYS[5]
+local meta = KEYS[6]
+local clock = KEYS[7]
+local marker = KEYS[8]
+local stats = KEYS[9]
+local FIRST_IDEM = 20  -- KEYS[20..]: the idempotency keys, in order
 
 local n = int_arg(ARGV[2], 1, 10000)
 if not n or #ARGV ~= 3 + 5 * n then return {-3, 'n'} end
@@ -39,18 +53,19 @@ if not idem_ttl then return {-3, 'idempotency_ttl'} end
 local producer = ARGV[1]
 if producer ~= '' and not valid_id(producer) then return {-3, 'producer'} end
 
-local policy = redis.call('HMGET', KEYS[1], 'strategy', 'max_batch_size', 'max_queue_size')
-local strategy = policy[1] or 'fifo'
-local batch_size = tonumber(policy[2]) or 1
-local limit = tonumber(policy[3]) or 0
+local rules = redis.call('HMGET', policy, 'strategy', 'max_batch_size', 'max_queue_size')
+local strategy = rules[1] or 'fifo'
+local batch_size = tonumber(rules[2]) or 1
+local limit = tonumber(rules[3]) or 0
 
-local depth = {redis.call('ZCARD', KEYS[2]), redis.call('ZCARD', KEYS[3]),
-               redis.call('ZCARD', KEYS[4])}
+local pending = {pending_high, pending_normal, pending_low}
+local depth = {redis.call('ZCARD', pending_high), redis.call('ZCARD', pending_normal),
+               redis.call('ZCARD', pending_low)}
 local total = depth[1] + depth[2] + depth[3]
 
 -- Pass 1: validate, resolve idempotency keys, count what is really new.
 local effective, fresh, seen_keys = {}, 0, {}
-local key_index = 10
+local key_index = FIRST_IDEM
 for i = 0, n - 1 do
   local base = 4 + 5 * i
   local id, prio = ARGV[base], int_arg(ARGV[base + 1], 0, 2)
@@ -67,7 +82,7 @@ for i = 0, n - 1 do
     existing = seen_keys[key] or redis.call('GET', key)
     if not existing then seen_keys[key] = id end
   end
-  if not existing and redis.call('HEXISTS', KEYS[5], id) == 1 then existing = id end
+  if not existing and redis.call('HEXISTS', jobs, id) == 1 then existing = id end
   if existing then
     effective[i + 1] = existing
   else
@@ -78,7 +93,7 @@ end
 if limit > 0 and total + fresh > limit then
   -- The rate complete.lua measured, decayed when no window has closed for over 2 s
   -- (consumers stalled or gone): then it is at most rate_count / time since.
-  local r = redis.call('HMGET', KEYS[9], 'rate_mrps', 'rate_since_us', 'rate_count')
+  local r = redis.call('HMGET', stats, 'rate_mrps', 'rate_since_us', 'rate_count')
   local rate, since = tonumber(r[1]) or 0, tonumber(r[2])
   local idle = since and (now_us() - since) or 0
   if idle > 2000000 then rate = math.min(rate, (tonumber(r[3]) or 0) * 1e9 / idle) end
@@ -87,9 +102,9 @@ end
 
 -- Pass 2: write.
 local now = now_us()
-local last = tonumber(redis.call('GET', KEYS[7]) or '0')
+local arrivals = arrival_clock(clock, now)
 local wake = (strategy == 'fifo')
-key_index = 10
+key_index = FIRST_IDEM
 for i = 0, n - 1 do
   local base = 4 + 5 * i
   local id, prio, deadline_ms = ARGV[base], tonumber(ARGV[base + 1]), tonumber(ARGV[base + 2])
@@ -99,13 +114,12 @@ for i = 0, n - 1 do
     key_index = key_index + 1
   end
   if not effective[i + 1] then
-    local arrival = math.max(now, last + 1)
-    last = arrival
+    local arrival = arrivals.next()
     local deadline = 0
     if deadline_ms > 0 then deadline = now + deadline_ms * 1000 end
-    redis.call('ZADD', KEYS[2 + prio], int(arrival), id)
-    redis.call('HSET', KEYS[5], id, ARGV[base + 3])
-    redis.call('HSET', KEYS[6], id, format_meta({prio = prio, arrival = arrival,
+    redis.call('ZADD', pending[prio + 1], int(arrival), id)
+    redis.call('HSET', jobs, id, ARGV[base + 3])
+    redis.call('HSET', meta, id, format_meta({prio = prio, arrival = arrival,
       deadline = deadline, attempts = 0, producer = producer}))
     if idem_key then redis.call('SET', idem_key, id, 'EX', idem_ttl, 'NX') end
     effective[i + 1] = id
@@ -122,8 +136,8 @@ for i = 0, n - 1 do
     total = total + 1
   end
 end
-redis.call('SET', KEYS[7], int(last))
-if wake then redis.call('ZADD', KEYS[8], 0, 'w') end
+arrivals.save()
+if wake then wake_consumers(marker) end
 
 local reply = {1, fresh, total}
 for i = 1, n do reply[#reply + 1] = effective[i] end

@@ -1,7 +1,9 @@
 --[[ extend_lease: heartbeat a consumer and, if it holds a batch, renew its lease.
 
-KEYS[1]  {bg:q}:inflight    zset  batch id -> lease deadline (µs)
-KEYS[2]  {bg:q}:consumers   zset  consumer -> last heartbeat (µs)
+KEYS[1..19] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
+            this script uses:
+KEYS[10] {bg:q}:inflight    zset  batch id -> lease deadline (µs)
+KEYS[14] {bg:q}:consumers   zset  consumer -> last heartbeat (µs)
 
 ARGV[1]  consumer name
 ARGV[2]  batch id, or '' when the consumer holds none
@@ -13,12 +15,16 @@ Errors   {-3, field} malformed argument
 ]]
 -- @include _common.lua
 
+local inflight = KEYS[10]
+local consumers = KEYS[14]
+
 local lease_ms = int_arg(ARGV[3], 100, 86400000)
 if not lease_ms then return {-3, 'lease_ms'} end
 if #ARGV ~= 3 or ARGV[1] == '' then return {-3, 'consumer'} end
+local consumer, batch_id = ARGV[1], ARGV[2]
 local now = now_us()
-redis.call('ZADD', KEYS[2], int(now), ARGV[1])
-if ARGV[2] == '' then return 1 end
-if not redis.call('ZSCORE', KEYS[1], ARGV[2]) then return 0 end
-redis.call('ZADD', KEYS[1], 'XX', int(now + lease_ms * 1000), ARGV[2])
+redis.call('ZADD', consumers, int(now), consumer)
+if batch_id == '' then return 1 end
+if not redis.call('ZSCORE', inflight, batch_id) then return 0 end
+redis.call('ZADD', inflight, 'XX', int(now + lease_ms * 1000), batch_id)
 return 1

@@ -1,0 +1,57 @@
+-- Helpers that write the queue's state, inlined where a script says
+-- "-- @include _queue.lua" (after _common.lua). Each takes the keys it touches as
+-- arguments: the script names them (KEYS[i]) at the top of its body.
+
+-- Wake an idle consumer: consumers block on the marker (BZPOPMIN) while nothing is due.
+local function wake_consumers(marker)
+  redis.call('ZADD', marker, 0, 'w')
+end
+
+-- Arrival scores: Redis time, strictly increasing per queue, so that ties keep arrival
+-- order. next() issues one; save() stores the last one issued (once per call).
+local function arrival_clock(clock, now)
+  local last = tonumber(redis.call('GET', clock) or '0') or 0
+  local arrivals = {}
+  function arrivals.next()
+    last = math.max(now, last + 1)
+    return last
+  end
+  function arrivals.save()
+    redis.call('SET', clock, int(last))
+  end
+  return arrivals
+end
+
+-- List a request as dead-lettered, with the error envelope that says why; its request
+-- envelope and meta stay in jobs and meta until it is retried or purged.
+local function add_dead_letter(dead, dead_reason, id, now, reason)
+  redis.call('ZADD', dead, int(now), id)
+  redis.call('HSET', dead_reason, id, reason)
+end
+
+-- The request ids of a batch in flight (batches value: "consumer|id,id,...").
+local function batch_members(batches, batch_id)
+  local ids = {}
+  local raw = redis.call('HGET', batches, batch_id)
+  if not raw then return ids end
+  local list = string.match(raw, '|(.*)$') or ''
+  for id in string.gmatch(list, '[^,]+') do ids[#ids + 1] = id end
+  return ids
+end
+
+-- A batch leaves the in-flight set: all of it answered, or its lease expired.
+local function release_batch(inflight, batches, batch_id)
+  redis.call('ZREM', inflight, batch_id)
+  redis.call('HDEL', batches, batch_id)
+end
+
+-- A request's result, fetchable by id (Producer.fetch) for ttl seconds.
+local function store_result(result, envelope, ttl)
+  redis.call('SET', result, envelope, 'EX', ttl)
+end
+
+-- Result envelopes pushed to their producer's inbox, in order; the inbox expires with them.
+local function deliver_results(inbox, ttl, ...)
+  redis.call('RPUSH', inbox, ...)
+  redis.call('EXPIRE', inbox, ttl)
+end

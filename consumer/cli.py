@@ -60,8 +60,10 @@ def install_signal_handlers(consumer: Consumer) -> None:
 @click.option("--lease-ms", type=int, default=10_000, show_default=True,
               help="A batch whose lease is not renewed for this long is re-queued.")
 @click.option("--max-batch-ms", type=int, default=0, show_default=True,
-              help="A batch running longer than this is deemed hung: its lease lapses and "
-                   "another consumer re-runs it. 0 = never.")
+              help="A batch the model runs longer than this is deemed hung: its lease "
+                   "lapses and another consumer re-runs it; lease-ms later, unless the "
+                   "model returned, the process exits with status 3 (to be restarted). "
+                   "0 = never.")
 @click.option("--max-result-bytes", type=click.IntRange(16, 512 << 20),
               default=DEFAULT_MAX_RESULT_BYTES, show_default=True,
               help="A result larger than this (encoded) fails its request with InvalidResult.")

@@ -136,7 +136,7 @@ def requeue_keys(keys: QueueKeys) -> list[str]:
 
 def cancel_keys(keys: QueueKeys, request_id: str, producer: str) -> list[str]:
     return [*keys.pending_all, keys.jobs, keys.meta, keys.owner, keys.stats,
-            keys.result(request_id), keys.inbox(producer)]
+            keys.result(request_id), keys.inbox(producer), keys.policy]
 
 
 def _text(value: Any) -> str:

@@ -79,8 +79,10 @@ def install_signal_handlers(consumer: Consumer) -> None:
                  "re-queued.")
 @env_option("--max-batch-ms", envvar="BATCHGATE_MAX_BATCH_MS", type=int, default=0,
             show_default=True,
-            help="ms, 0 or 100-86400000: a batch running longer than this is deemed hung: "
-                 "its lease lapses and another consumer re-runs it. 0 = never.")
+            help="ms, 0 or 100-86400000: a batch the model runs longer than this is deemed "
+                 "hung: its lease lapses and another consumer re-runs it; lease-ms later, "
+                 "unless the model returned, the process exits with status 3 (to be "
+                 "restarted). 0 = never.")
 @env_option("--max-result-bytes", envvar="BATCHGATE_MAX_RESULT_BYTES",
             type=click.IntRange(16, 512 << 20), default=DEFAULT_MAX_RESULT_BYTES,
             show_default=True,

@@ -1,8 +1,12 @@
-"""The consumer's lease thread: heartbeat, and renew the lease of every batch it holds.
+"""The consumer's lease thread: heartbeat, renew the lease of every batch it holds, and
+watch the queue's stored policy.
 
 It runs beside the consumer loop, not in it, so that a long (CPU-bound) batch keeps its
-lease while the model runs. A batch the model has run for longer than max_batch_ms is
-deemed hung: its lease is no longer renewed, so the sweep re-queues it elsewhere.
+lease while the model runs. A model that has run one batch for longer than max_batch_ms
+is deemed hung, and the consumer lets go of everything it holds: that batch's lease is
+no longer renewed, the batch fetched ahead is given back to the queue at once, and once
+the hung batch's lease has lapsed (max_batch_ms + lease_ms) the process is told to exit:
+Python cannot interrupt a thread stuck in a model, so only a fresh process recovers.
 """
 
 from __future__ import annotations
@@ -11,29 +15,62 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import redis
 
 from consumer.batch import Batch
 from scheduler_core.keys import QueueKeys
-from scheduler_core.scripts import ScriptPipeline, Scripts, extend_lease_keys
+from scheduler_core.scripts import ScriptPipeline, Scripts, extend_lease_keys, requeue_keys
 
 log = logging.getLogger("batchgate.consumer")
 
+EXIT_MODEL_HUNG = 3  # exit status of a consumer whose model hung past max_batch_ms
+RELEASE_LEASE_MS = 100  # extend_lease's shortest lease: a batch let go lapses this soon
+
+
+def _nothing() -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class Held:
+    """Where the lease thread finds what the consumer holds."""
+    current: Callable[[], Batch | None]  # the batch in hand (model, or its completion)
+    in_model: Callable[[], Batch | None]  # the batch the model runs right now
+    fetched: Callable[[], Batch | None] = _nothing  # fetched ahead, waiting for the model
+    completing: Callable[[], list[Batch]] = list  # results on their way to Redis
+
+
+@dataclass(frozen=True)
+class LeaseTimes:
+    lease_ms: int
+    max_batch_ms: int  # 0: never deem the model hung
+
+    @property
+    def interval_s(self) -> float:
+        return min(self.lease_ms / 3000, 1.0)
+
 
 class LeaseKeeper:
-    """Renews, every lease_ms / 3 (at most 1 s), the batch the model runs (`running()`)
-    and those held beside it (`aside()`: fetched ahead, still completing)."""
+    """Every lease_ms / 3 (at most 1 s): heartbeat, renew the leases of what `held`
+    reports, and pass the queue's stored policy (raw hash) to `on_policy`. When the model
+    hangs, `on_hung` is called once the hung batch's lease has lapsed; it should exit."""
 
     def __init__(self, client: redis.Redis, scripts: Scripts, keys: QueueKeys, consumer: str,
-                 lease_ms: int, max_batch_ms: int, running: Callable[[], Batch | None],
-                 aside: Callable[[], list[Batch]]):
+                 times: LeaseTimes, held: Held, on_policy: Callable[[dict[bytes, bytes]], None],
+                 on_hung: Callable[[], None]):
         self._redis, self._scripts, self._keys = client, scripts, keys
-        self._consumer, self._lease_ms, self._max_batch_ms = consumer, lease_ms, max_batch_ms
-        self._running, self._aside = running, aside
+        self._consumer, self._times, self._held = consumer, times, held
+        self._on_policy, self._on_hung = on_policy, on_hung
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="batchgate-lease", daemon=True)
+        self._watched: Batch | None = None  # the batch in the model when last looked
+        self._since = 0.0  # when `_watched` was first seen in the model
+        self._hung = False  # `_watched` ran past max_batch_ms
+        self._warned: Batch | None = None  # the batch whose lost lease was reported
+        self._released: set[str] = set()  # ids of fetched-ahead batches given back
 
     def start(self) -> None:
         self._thread.start()
@@ -43,39 +80,90 @@ class LeaseKeeper:
         self._thread.join(timeout=5)
 
     def _loop(self) -> None:
-        interval = min(self._lease_ms / 3000, 1.0)
-        held: Batch | None = None
-        since, lost = 0.0, False  # when `held` started; its lease lost (or given up)
-        while not self._stop.wait(interval):
-            batch = self._running()
-            if batch is not held:
-                held, since, lost = batch, time.monotonic(), False
-            if batch is not None and self._max_batch_ms and \
-                    time.monotonic() - since > self._max_batch_ms / 1000:
-                if not lost:
-                    lost = True
-                    log.error("batch %s: the model has run for over max_batch_ms=%d; treating "
-                              "it as hung: lease not renewed, the batch will be re-queued",
-                              batch.id, self._max_batch_ms)
-                batch = None  # heartbeat only: the lease lapses, the sweep re-queues it
-            others = [b for b in self._aside() if b is not batch]
+        while not self._stop.wait(self._times.interval_s):
             try:
-                renewed = self._renew([batch, *others])
+                self._tick()
             except redis.RedisError as exc:
                 log.debug("lease renewal failed: %s", exc)
-                continue
-            # Only a batch still running has lost its lease: one completed while the
-            # renewal was in flight is simply no longer in the in-flight set.
-            if batch is not None and not renewed and self._running() is batch and not lost:
-                lost = True
-                log.warning("batch %s: lease lost; its results will be refused", batch.id)
+            except Exception:  # a dead lease thread would lose every batch: carry on
+                log.exception("lease thread: unexpected error")
 
-    def _renew(self, batches: list[Batch | None]) -> bool:
-        """Heartbeat and extend each lease in one round trip (None: heartbeat only);
-        whether the first batch's lease was extended."""
+    def _tick(self) -> None:
+        now = time.monotonic()
+        self._watch_model(now)
+        current = self._held.current()
+        if self._hung and current is self._watched:
+            current = None  # heartbeat only: the hung batch's lease lapses
+        completing = self._held.completing()
+        others = [b for b in completing if b is not current]
+        release: list[Batch] = []
+        fetched = self._held.fetched()
+        if fetched is not None and fetched is not current:
+            if not self._hung:
+                others.append(fetched)
+            elif fetched.id not in self._released:
+                release.append(fetched)  # the model will not get to it: give it back
+        exit_at = self._since + (self._times.max_batch_ms + self._times.lease_ms) / 1000
+        # Once exiting, results still being written get one more lease to land.
+        exiting = self._hung and now >= exit_at and (
+            not completing or now >= exit_at + self._times.lease_ms / 1000)
+        try:
+            self._renew_and_report(current, others, release)
+        finally:
+            if exiting:  # even with Redis away: the model is stuck either way
+                self._on_hung()
+
+    def _renew_and_report(self, current: Batch | None, others: list[Batch],
+                          release: list[Batch]) -> None:
+        renewed, policy = self._renew(current, others, release, sweep=self._hung)
+        if release:
+            self._released.update(b.id for b in release)
+            log.warning("batch %s (fetched ahead) given back to the queue: the model is hung",
+                        ", ".join(b.id for b in release))
+            # Re-queue it as soon as its shortened lease lapses, not at the next sweep.
+            self._stop.wait(2 * RELEASE_LEASE_MS / 1000)
+            self._scripts.requeue_expired(keys=requeue_keys(self._keys), args=[100])
+        # Only a batch still in hand has lost its lease: one completed while the renewal
+        # was in flight is simply no longer in the in-flight set.
+        if current is not None and not renewed and self._held.current() is current \
+                and self._warned is not current:
+            self._warned = current
+            log.warning("batch %s: lease lost; its results will be refused", current.id)
+        try:
+            self._on_policy(policy)
+        except (redis.RedisError, ValueError) as exc:
+            log.warning("could not check the queue's policy: %s", exc)
+
+    def _watch_model(self, now: float) -> None:
+        """Start the hang clock for a new batch in the model; deem it hung past
+        max_batch_ms (a model that returns after all resets the clock)."""
+        batch = self._held.in_model()
+        if batch is not self._watched:
+            self._watched, self._since, self._hung = batch, now, False
+        limit = self._times.max_batch_ms
+        if batch is not None and limit and not self._hung and now - self._since > limit / 1000:
+            self._hung = True
+            log.error("batch %s: the model has run for over max_batch_ms=%d; treating it as "
+                      "hung: lease not renewed, the batch fetched ahead given back, and the "
+                      "process exits (status %d) in lease_ms=%d unless the model returns",
+                      batch.id, limit, EXIT_MODEL_HUNG, self._times.lease_ms)
+
+    def _renew(self, current: Batch | None, others: list[Batch], release: list[Batch],
+               sweep: bool) -> tuple[bool, dict[bytes, bytes]]:
+        """One round trip: heartbeat and extend each lease (`current` None: heartbeat
+        only), shorten the leases of `release`, sweep lapsed leases (while hung the loop
+        cannot), and read the policy. Whether `current`'s lease was extended, and the
+        stored policy."""
         pipe = ScriptPipeline(self._redis)
+        lease = self._times.lease_ms
+        calls: list[tuple[Batch | None, int]] = [(current, lease), *((b, lease) for b in others),
+                                                  *((b, RELEASE_LEASE_MS) for b in release)]
         keys = extend_lease_keys(self._keys)
-        for batch in batches:
-            args: list[Any] = [self._consumer, batch.id if batch else "", self._lease_ms]
+        for batch, ms in calls:
+            args: list[Any] = [self._consumer, batch.id if batch else "", ms]
             pipe.script(self._scripts.extend_lease, keys, args)
-        return int(pipe.execute()[0]) != 0
+        if sweep:
+            pipe.script(self._scripts.requeue_expired, requeue_keys(self._keys), [100])
+        pipe.command("hgetall", self._keys.policy)
+        replies = pipe.execute()
+        return int(replies[0]) != 0, replies[-1]

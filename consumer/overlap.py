@@ -99,11 +99,14 @@ class Overlap:
             return got[1]
         return POP_NOW
 
-    def held(self) -> list[Batch]:
-        """Batches fetched ahead or still completing: the lease thread renews them."""
-        ready = self._prefetcher.ready()
-        aside = self._completer.batches()
-        return [*aside, ready] if ready is not None else aside
+    def fetched(self) -> Batch | None:
+        """The batch fetched ahead, waiting for the model (the lease thread renews it,
+        or gives it back when the model hangs)."""
+        return self._prefetcher.ready()
+
+    def completing(self) -> list[Batch]:
+        """Batches whose results are being written (the lease thread renews them)."""
+        return self._completer.batches()
 
     def close(self) -> None:
         """Write every computed result, then stop both threads."""

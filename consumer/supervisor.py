@@ -16,7 +16,9 @@ process runs one plain `batchgate consumer` child per device and replica.
 - Without --torch-threads, each child gets the host's cores divided by the children.
 - SIGTERM or SIGINT: the supervisor forwards SIGTERM to every child (each finishes the
   batch in hand), waits up to --stop-timeout seconds, kills what is left, and exits 0.
-- Children die with the supervisor (Linux parent-death signal), so none is orphaned.
+- Children die with the supervisor (Linux parent-death signal SIGKILL: a supervisor that
+  was killed cannot wait for a graceful stop, and a child whose model hangs would ignore
+  SIGTERM), so none is orphaned; their batches are re-run as after any crash.
 """
 
 from __future__ import annotations
@@ -154,13 +156,13 @@ def child_commands(ctx: click.Context) -> list[tuple[str, list[str]]]:
 
 
 def _die_with_parent(parent: int) -> None:
-    """In the child, before exec: get SIGTERM when the supervisor dies (Linux)."""
+    """In the child, before exec: get SIGKILL when the supervisor dies (Linux)."""
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         return
     if os.getppid() != parent:
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 @dataclass

@@ -16,7 +16,7 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import redis
@@ -33,10 +33,10 @@ from consumer.batch import (
     parse_pop,
 )
 from consumer.due_timer import DueTimer
-from consumer.lease import LeaseKeeper
+from consumer.lease import EXIT_MODEL_HUNG, Held, LeaseKeeper, LeaseTimes
 from consumer.loader import BatchModel
 from consumer.overlap import Overlap
-from scheduler_core.admin import ensure_policy
+from scheduler_core.admin import ensure_policy, store_policy
 from scheduler_core.connection import DEFAULT_REDIS_URL, Backoff, connect
 from scheduler_core.errors import InvalidRequest
 from scheduler_core.keys import QueueKeys
@@ -60,6 +60,10 @@ from scheduler_core.wire import (
 log = logging.getLogger("batchgate.consumer")
 
 IDLE_BLOCK_S = 1.0  # longest idle block: bounds heartbeat, sweep and shutdown latency
+# Replies to complete.lua that are offered again (the results are kept) rather than
+# dropped: Redis away, or out of memory under `maxmemory` (noeviction) until room is made.
+COMPLETION_RETRIED = (redis.ConnectionError, redis.TimeoutError,
+                      redis.exceptions.OutOfMemoryError)
 # Bound once: a member looked up through its Enum class is slow, and these run per request.
 RUN, OK, FAILED = Outcome.RUN, Outcome.OK, Outcome.FAILED
 
@@ -69,8 +73,10 @@ class ConsumerConfig:
     redis_url: str = DEFAULT_REDIS_URL
     queue: str = "default"
     lease_ms: int = 10_000  # a batch not renewed for this long is re-queued
-    # A batch running longer than this is deemed hung: its lease is no longer renewed, so
-    # another consumer re-runs it (and this one's late results are refused). 0 = never.
+    # A batch the model runs longer than this is deemed hung: its lease is no longer
+    # renewed, the batch fetched ahead is given back, and lease_ms later, unless the model
+    # returned, the process exits with EXIT_MODEL_HUNG (a stuck thread cannot be
+    # interrupted; a supervisor starts a fresh process). 0 = never.
     max_batch_ms: int = 0
     max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES
     # While a backlog waits, fetch the next batch and write the last one's results beside
@@ -108,7 +114,8 @@ class Consumer:
         self.scripts = Scripts(self.redis)
         self.policy: Policy | None = None
         self.stopping = threading.Event()
-        self._current: Batch | None = None  # the batch the model runs
+        self._current: Batch | None = None  # the batch in hand (model, then completion)
+        self._in_model: Batch | None = None  # the batch while the model runs it
         self._last_sweep = 0.0
         self._overlap: Overlap | None = None  # made by run(), which owns its threads
         self._due_timer: DueTimer | None = None  # made by the first idle wait
@@ -129,15 +136,30 @@ class Consumer:
         """Finish the batch in hand, complete it, then leave the loop."""
         self.stopping.set()
 
+    def _exit_hung(self) -> None:
+        """The lease thread's call once a hung model's batch has lapsed (everything else
+        was given back or written): the stuck thread cannot be interrupted, so the
+        process exits and its supervisor (or systemd, Kubernetes) starts a fresh one."""
+        log.error("consumer %s: the model is still hung lease_ms=%d after max_batch_ms=%d; "
+                  "exiting with status %d", self.config.name, self.config.lease_ms,
+                  self.config.max_batch_ms, EXIT_MODEL_HUNG)
+        with contextlib.suppress(redis.RedisError):
+            self.redis.zrem(self.keys.consumers, self.config.name)
+        logging.shutdown()  # flush the log: os._exit skips it
+        os._exit(EXIT_MODEL_HUNG)
+
     def run(self) -> None:
         if self.policy is None:
             self.start()
         if self.config.overlap:
             self._overlap = Overlap(self._fetch, self._finish, self.stopping)
+        held = Held(lambda: self._current, lambda: self._in_model)
+        if self._overlap is not None:
+            held = replace(held, fetched=self._overlap.fetched,
+                           completing=self._overlap.completing)
         lease = LeaseKeeper(self.redis, self.scripts, self.keys, self.config.name,
-                            self.config.lease_ms, self.config.max_batch_ms,
-                            running=lambda: self._current,
-                            aside=self._overlap.held if self._overlap is not None else list)
+                            LeaseTimes(self.config.lease_ms, self.config.max_batch_ms), held,
+                            on_policy=self._policy_seen, on_hung=self._exit_hung)
         lease.start()
         backoff = Backoff(f"consumer {self.config.name}")
         log.info("consumer %s serving queue %r with %s", self.config.name, self.config.queue,
@@ -199,9 +221,50 @@ class Consumer:
         try:
             return parse_pop(reply)
         except LookupError:
-            log.warning("queue %r lost its policy; storing ours again", self.config.queue)
-            self.start()
+            self._restore_policy()
             return POP_NOW
+
+    # -- the queue's policy, as it changes under us ------------------------------------
+    def _restore_policy(self) -> None:
+        """The queue's policy is gone (Redis lost its data): store the one this consumer
+        last ran with, not its flags or the defaults, so that a data loss does not change
+        the rules. If another process stored one first, adopt that."""
+        assert self.policy is not None
+        lost = self.policy
+        stored = store_policy(self.redis, self.config.queue, lost, replace=False)
+        if stored == lost:
+            log.warning("queue %r lost its policy (did Redis lose its data?); stored again "
+                        "the one this consumer last ran with: %s", self.config.queue, lost)
+        self._adopt_policy(stored)
+
+    def _policy_seen(self, raw: dict[bytes, bytes]) -> None:
+        """The lease thread's read of the stored policy, every lease_ms / 3 (at most 1 s)."""
+        if not raw:
+            self._restore_policy()
+        else:
+            self._adopt_policy(Policy.from_redis(raw))
+
+    def _adopt_policy(self, stored: Policy) -> None:
+        """Follow a changed stored policy (pop_batch.lua applies it anyway; result_ttl_s
+        applies from the next completion on); say so, loudly where it contradicts the
+        flags this consumer was started with."""
+        old = self.policy
+        if stored == old or old is None:
+            return
+        self.policy = stored
+        changed = ", ".join(f"{f.name} {getattr(old, f.name)} -> {getattr(stored, f.name)}"
+                            for f in fields(stored)
+                            if getattr(stored, f.name) != getattr(old, f.name))
+        log.warning("queue %r: policy changed (%s); following it", self.config.queue, changed)
+        conflict = stored.differences({k: v for k, v in self.config.policy.items()
+                                       if v is not None})
+        if conflict:
+            detail = ", ".join(f"{k}={have} (flag: {want})"
+                               for k, (have, want) in conflict.items())
+            log.error("queue %r: the stored policy now contradicts this consumer's flags: "
+                      "%s. It follows the stored policy (every consumer of a queue applies "
+                      "the same rules); restart it without these flags or with the new "
+                      "values", self.config.queue, detail)
 
     def _prepare(self, batch: Batch) -> tuple[Answers, list[tuple[Item, Any]]]:
         """Answers known without the model (expired, exhausted, unreadable), and the
@@ -260,7 +323,11 @@ class Consumer:
     def _run_model(self, batch: Batch, runnable: list[tuple[Item, Any]],
                    answered_early: Answers) -> Finished:
         started = time.perf_counter()
-        results = self._run_isolated([payload for _, payload in runnable])
+        self._in_model = batch  # the lease thread's hang clock runs while this is set
+        try:
+            results = self._run_isolated([payload for _, payload in runnable])
+        finally:
+            self._in_model = None
         model_s = time.perf_counter() - started
         if self._overlap is not None:
             self._overlap.ran(len(runnable), model_s)
@@ -290,7 +357,7 @@ class Consumer:
             pipe.script(*self._pop_call())
         try:
             replies = pipe.execute()
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
+        except COMPLETION_RETRIED as exc:
             self._complete_until_done(job.batch, complete, exc)
             return None
         self._check_completion(job.batch, replies[0])
@@ -298,9 +365,11 @@ class Consumer:
 
     def _complete_until_done(self, batch: Batch, complete: tuple[Any, list[str], list[Any]],
                              exc: BaseException) -> None:
-        """Redis went away while the results were on their way: they are computed, so
-        offer them again until Redis answers rather than re-run the batch. complete.lua is
-        fenced, so a resend whose first copy did land is refused, never applied twice."""
+        """Redis went away (or is out of memory) while the results were on their way:
+        they are computed, so offer them again until Redis takes them rather than re-run
+        the batch; the batch stays held, so the lease thread keeps renewing it.
+        complete.lua is fenced, so a resend whose first copy did land is refused, never
+        applied twice."""
         backoff = Backoff(f"consumer {self.config.name} (completing batch {batch.id})")
         script, keys, args = complete
         while True:
@@ -308,7 +377,7 @@ class Consumer:
             try:
                 self._check_completion(batch, script(keys=keys, args=args))
                 break
-            except (redis.ConnectionError, redis.TimeoutError) as again:
+            except COMPLETION_RETRIED as again:
                 exc = again
         backoff.succeeded()
 
@@ -327,8 +396,9 @@ class Consumer:
             results = self.model(payloads)
         except Exception as exc:  # the model's failure is the request's, not ours
             if len(payloads) == 1:
-                log.warning("model raised on a request: %s: %s", type(exc).__name__, exc)
-                return [(False, (type(exc).__name__, str(exc)))]
+                message = _describe(exc)
+                log.warning("model raised on a request: %s: %s", type(exc).__name__, message)
+                return [(False, (type(exc).__name__, message))]
             half = len(payloads) // 2
             return self._run_isolated(payloads[:half]) + self._run_isolated(payloads[half:])
         try:
@@ -405,6 +475,15 @@ class Consumer:
             if batches:
                 log.warning("re-queued %d requests of %d batches whose lease expired",
                             requeued, batches)
+
+
+def _describe(exc: BaseException) -> str:
+    """The exception's message; a model's exception whose __str__ raises must fail its
+    request, not the consumer."""
+    try:
+        return str(exc)
+    except Exception:  # any failure to print is the model's, not ours
+        return "<unprintable>"
 
 
 def check_eviction_policy(client: redis.Redis) -> None:

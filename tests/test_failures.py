@@ -17,10 +17,11 @@ import pytest
 import redis
 from click.testing import CliRunner
 from helpers.failure_support import CountingProducer, executions, start, wait_for
+from helpers.support import alive, configure, started
 
 from batchgate.cli import main as cli
 from producer import Producer, QueueFull, RequestCancelled, RequestFailed
-from scheduler_core.admin import queue_stats
+from scheduler_core.admin import queue_stats, read_policy
 from scheduler_core.deadletter import list_dead
 from scheduler_core.keys import QueueKeys
 
@@ -50,6 +51,26 @@ def test_model_raising_for_one_payload_fails_only_that_request(shared_redis, que
     runs = executions(tmp_path)
     assert runs["5"] == 5
     assert all(1 <= runs[str(i)] <= 5 for i in range(16))
+
+
+def test_a_model_exception_that_cannot_be_printed_fails_only_its_request(
+        shared_redis, queue, start_consumer, tmp_path):
+    """str() of the model's exception raises: the request fails with the type's name and
+    "<unprintable>"; the consumer lives on and its batch-mates are answered, not re-run."""
+    consumer = start(start_consumer, shared_redis.url, queue, "Poison", "--strategy",
+                     "dynamic", "--max-batch-size", "4", "--max-queue-delay-ms", "200",
+                     log=tmp_path)
+    with CountingProducer(shared_redis.url, queue) as p:
+        handles = p.submit_many([{"i": i, "unprintable": i == 2} for i in range(4)])
+        with pytest.raises(RequestFailed, match="<unprintable>") as info:
+            handles[2].result(timeout=15)
+        assert info.value.error_type == "Unprintable"
+        assert [h.result(timeout=15)["echo"]["i"] for i, h in enumerate(handles)
+                if i != 2] == [0, 1, 3]
+        assert all(p.deliveries[h.id] == 1 for h in handles)
+    assert consumer.proc.poll() is None
+    s = stats(shared_redis, queue)
+    assert (s.processed, s.failed, s.requeued) == (3, 1, 0)
 
 
 def test_payload_crashing_the_process_is_dead_lettered(redis_server, queue, start_consumer,
@@ -188,19 +209,86 @@ def test_frozen_consumer_loses_its_lease_and_its_late_results_are_refused(
 
 def test_model_hung_past_max_batch_ms_is_re_run_elsewhere(redis_server, queue,
                                                           start_consumer, tmp_path):
+    """Past --max-batch-ms the lease is no longer renewed; once it has lapsed
+    (max_batch_ms + lease_ms) the hung process exits with status 3 and its batch runs
+    elsewhere."""
     url = redis_server.url
     hung = start(start_consumer, url, queue, "Echo", "--strategy", "fifo", "--lease-ms",
-                 "1000", "--max-batch-ms", "1500", log=tmp_path, sleep_ms=6000)
+                 "1000", "--max-batch-ms", "1500", log=tmp_path, sleep_ms=60_000)
     with CountingProducer(url, queue) as p:
         handle = p.submit({"i": 0})
         _hold_batch(redis_server, queue, 1)
         rescuer = start(start_consumer, url, queue, "Echo", log=tmp_path)
         assert handle.result(timeout=20)["pid"] == rescuer.proc.pid
         assert "treating it as hung" in hung.output()
-        wait_for(lambda: "were refused" in hung.output(), 15, "the late completion")
+        assert hung.proc.wait(timeout=15) == 3  # not the 60 s the model would take
         assert p.deliveries[handle.id] == 1
     s = stats(redis_server, queue)
-    assert (s.processed, s.requeued) == (1, 1)
+    assert (s.processed, s.requeued, s.consumers_alive) == (1, 1, 1)
+
+
+def test_a_hung_model_gives_back_the_batch_fetched_ahead(redis_server, queue,
+                                                         start_consumer, tmp_path):
+    """The model hangs on one payload while the next batch waits, fetched ahead. Past
+    max_batch_ms the consumer lets go of both: the fetched batch goes back to the queue
+    at once, before the process exits (max_batch_ms + lease_ms), and every request is
+    answered by a healthy consumer."""
+    url, r, keys = redis_server.url, redis_server.client(), QueueKeys(queue)
+    hung = start(start_consumer, url, queue, "Poison", "--strategy", "fifo",
+                 "--max-batch-size", "1", "--lease-ms", "3000", "--max-batch-ms", "1000",
+                 log=tmp_path)
+    with CountingProducer(url, queue) as p:
+        handles = p.submit_many([{"i": 0, "hang": True}, *({"i": i} for i in range(1, 21))])
+        _hold_batch(redis_server, queue, 2)  # the hung request and the one fetched ahead
+        wait_for(lambda: r.zscore(keys.pending(1), handles[1].id) is not None, 15,
+                 "the batch fetched ahead to be given back")
+        # ... at max_batch_ms, while the hung one is still held, not at the exit
+        assert hung.proc.poll() is None and r.hexists(keys.owner, handles[0].id)
+        rescuer = start(start_consumer, url, queue, "Echo", log=tmp_path)
+        assert [h.result(timeout=30)["pid"] for h in handles] == [rescuer.proc.pid] * 21
+        assert hung.proc.wait(timeout=15) == 3
+        assert all(p.deliveries[h.id] == 1 for h in handles)
+    assert "given back to the queue" in hung.output()
+
+
+def test_a_payload_hanging_the_model_is_dead_lettered_and_hung_consumers_replaced(
+        redis_server, queue, start_consumer, tmp_path):
+    """Each delivery of the poison hangs one supervised consumer; each exits (status 3)
+    once max_batch_ms + lease_ms have passed and is restarted, so the poison reaches
+    max_attempts and is dead-lettered, and the other requests are all answered."""
+    url = redis_server.url
+    sup = start(start_consumer, url, queue, "Poison", "--replicas", "2", "--max-batch-ms",
+                "1000", "--lease-ms", "1000", ready=False, log=tmp_path)
+    wait_for(lambda: sup.output().count("ready on queue") >= 2, 60, "two ready consumers")
+    with CountingProducer(url, queue) as p:
+        poison = p.submit({"i": "hang", "hang": True})
+        handles = p.submit_many([{"i": i} for i in range(40)])
+        assert [h.result(timeout=60)["echo"]["i"] for h in handles] == list(range(40))
+        with pytest.raises(RequestFailed, match="max_attempts") as info:
+            poison.result(timeout=60)
+        assert info.value.error_type == "DeadLettered"
+        assert all(p.deliveries[h.id] == 1 for h in [poison, *handles])
+    assert executions(tmp_path)["hang"] == 3
+    # The last one may exit just after another consumer's sweep re-queued the poison.
+    wait_for(lambda: sup.output().count("exiting with status 3") == 3, 15, "3 hung exits")
+    s = stats(redis_server, queue)
+    assert (s.processed, s.dead_letters) == (40, 1)
+
+
+def test_children_die_with_a_killed_supervisor_even_mid_batch(redis_server, queue,
+                                                              start_consumer, tmp_path):
+    """SIGKILL of the supervisor: its children are killed too (parent-death signal), not
+    asked to finish the 60 s batch in hand, which a hung model never would."""
+    sup = start(start_consumer, redis_server.url, queue, "Echo", "--replicas", "2",
+                "--strategy", "fifo", "--no-overlap", ready=False, log=tmp_path,
+                sleep_ms=60_000)
+    wait_for(lambda: sup.output().count("ready on queue") >= 2, 60, "two ready consumers")
+    with Producer(redis_server.url, queue) as p:
+        p.submit_many([{"i": i} for i in range(2)])
+        wait_for(lambda: len(executions(tmp_path)) == 2, 15, "both children in a batch")
+    children = [pid for _, pid in started(sup.output())]
+    sup.kill()
+    wait_for(lambda: not any(alive(pid) for pid in children), 10, "the children to die")
 
 
 def test_cpu_bound_model_keeps_its_lease(redis_server, queue, start_consumer, tmp_path):
@@ -469,10 +557,107 @@ def test_consumer_survives_redis_out_of_memory(redis_server, queue, start_consum
     client.config_set("maxmemory", "1mb")  # below what is used: every write gets OOM
     with pytest.raises(redis.exceptions.OutOfMemoryError):
         client.set("probe", "x")
-    time.sleep(2.5)  # the idle consumer's pops (each heartbeats: a write) now fail
+    # The idle consumer's pops (each heartbeats: a write) now fail.
+    wait_for(lambda: "maxmemory" in consumer.output(), 15, "a pop refused for OOM")
     assert consumer.proc.poll() is None, consumer.output()
-    assert "maxmemory" in consumer.output()
     client.config_set("maxmemory", "0")
     with Producer(redis_server.url, queue) as p:
         assert p.submit({"after": "oom"}).result(timeout=20) == {"after": "oom"}
     assert consumer.output().count("Redis unavailable") == 1  # logged once, not per attempt
+
+
+def test_results_computed_while_redis_is_out_of_memory_are_kept(redis_server, queue,
+                                                                start_consumer, tmp_path):
+    """maxmemory reached while a batch runs: complete.lua gets OOM. The results are
+    offered again with backoff (the lease kept), not thrown away and the batch re-run."""
+    url, client = redis_server.url, redis_server.client()
+    consumer = start(start_consumer, url, queue, "Echo", "--strategy", "dynamic",
+                     "--max-batch-size", "8", "--max-queue-delay-ms", "100", "--lease-ms",
+                     "5000", log=tmp_path, sleep_ms=1000)
+    with CountingProducer(url, queue) as p:
+        handles = p.submit_many([{"i": i} for i in range(8)])
+        wait_for(lambda: len(executions(tmp_path)) == 8, 15, "the batch to start")
+        client.config_set("maxmemory", "1mb")
+        wait_for(lambda: "maxmemory" in consumer.output(), 15, "the completion refused")
+        client.config_set("maxmemory", "0")
+        assert [h.result(timeout=20)["echo"]["i"] for h in handles] == list(range(8))
+        assert all(p.deliveries[h.id] == 1 for h in handles)
+    s = stats(redis_server, queue)
+    assert (s.processed, s.requeued) == (8, 0)
+    assert all(n == 1 for n in executions(tmp_path).values())
+
+
+# -- the policy, as it changes under running consumers -----------------------------------
+def test_the_policy_survives_redis_losing_its_data(redis_server, queue, start_consumer):
+    """Redis restarted without persistence: every key is gone. A consumer started
+    without flags stores the policy it last ran with again, not the defaults."""
+    url = redis_server.url
+    configure(url, queue, strategy="dynamic", max_batch_size=8, max_queue_delay_ms=5,
+              max_queue_size=1000, result_ttl_s=60)
+    consumer = start_consumer(url, queue, "--model", "consumer.models:noop")
+    before = read_policy(redis_server.client(), queue)
+    redis_server.restart()
+    client = redis_server.client()
+    assert wait_for(lambda: read_policy(client, queue), 15, "the policy again") == before
+    assert "lost its policy" in consumer.output()
+    with Producer(url, queue) as p:
+        assert p.submit({"after": "loss"}).result(timeout=15) == {"after": "loss"}
+
+
+def _policy_set(url: str, queue: str, *args: str) -> None:
+    out = CliRunner().invoke(cli, ["policy", "set", "--redis-url", url, "--queue", queue,
+                                   *args])
+    assert out.exit_code == 0, out.output
+
+
+def test_consumers_follow_a_changed_policy_and_flag_a_conflict_loudly(shared_redis, queue,
+                                                                      start_consumer):
+    url = shared_redis.url
+    flagged = start_consumer(url, queue, "--model", "consumer.models:noop", "--strategy",
+                             "dynamic")
+    plain = start_consumer(url, queue, "--model", "consumer.models:noop")
+    _policy_set(url, queue, "--strategy", "fifo")
+    wait_for(lambda: "contradicts this consumer's flags" in flagged.output(), 15,
+             "the flagged consumer to object")
+    assert "strategy=fifo (flag: dynamic)" in flagged.output()
+    wait_for(lambda: "policy changed (strategy dynamic -> fifo" in plain.output(), 15,
+             "the other consumer to notice")
+    assert "contradicts" not in plain.output()
+    with Producer(url, queue) as p:  # both keep serving, under the stored policy
+        assert p.submit({"i": 1}).result(timeout=15) == {"i": 1}
+    assert flagged.proc.poll() is None and plain.proc.poll() is None
+
+
+def test_running_consumers_apply_a_changed_result_ttl_s(shared_redis, queue, start_consumer):
+    url, r, keys = shared_redis.url, shared_redis.client(), QueueKeys(queue)
+    consumer = start_consumer(url, queue, "--model", "consumer.models:noop")
+    with Producer(url, queue) as p:
+        first = p.submit({"i": 0})
+        first.result(timeout=15)
+        assert r.ttl(keys.result(first.id)) > 60  # the default, 600 s
+        _policy_set(url, queue, "--result-ttl-s", "5")
+
+        def stored_for_5_s() -> bool:
+            handle = p.submit({"i": 1})
+            handle.result(timeout=15)
+            return 0 < r.ttl(keys.result(handle.id)) <= 5
+
+        # The consumer re-reads the policy every min(lease_ms / 3, 1 s).
+        wait_for(stored_for_5_s, 15, "a result stored for the new result_ttl_s", 0.1)
+    assert "result_ttl_s 600 -> 5" in consumer.output()
+
+
+def test_cancelled_and_expired_results_get_the_queue_result_ttl_s(shared_redis, queue):
+    """Results a producer (or the gateway: the same script) writes itself, for a cancel
+    or a passed deadline, expire after the queue's result_ttl_s, not the producer's."""
+    url, r, keys = shared_redis.url, shared_redis.client(), QueueKeys(queue)
+    configure(url, queue, result_ttl_s=5)  # and no consumer: requests stay waiting
+    with Producer(url, queue) as p:
+        assert p.config.result_ttl_s == 600
+        cancelled = p.submit({"i": 0})
+        assert cancelled.cancel() == "cancelled"
+        expired = p.submit({"i": 1}, deadline_ms=1)
+        with pytest.raises(RequestFailed):
+            expired.result(timeout=15)
+    for handle in (cancelled, expired):
+        assert 0 < r.ttl(keys.result(handle.id)) <= 5

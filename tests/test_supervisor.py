@@ -5,14 +5,13 @@ all and exits 0."""
 from __future__ import annotations
 
 import os
-import re
 import signal
 import sys
 import time
 import types
 
 from click.testing import CliRunner
-from helpers.support import wait_for
+from helpers.support import alive, started, wait_for
 
 from batchgate.cli import main
 from consumer.cli import consumer_command
@@ -21,22 +20,6 @@ from producer import Priority, Producer
 from scheduler_core.admin import queue_stats
 from scheduler_core.compat import usable_cores
 from scheduler_core.keys import QueueKeys
-
-STARTED = re.compile(r"consumer (\d+)(?: \([^)]*\))? started \(pid (\d+)\)")
-
-
-def started(output: str) -> list[tuple[int, int]]:
-    """(slot, pid) of every child start, in order."""
-    return [(int(slot), int(pid)) for slot, pid in STARTED.findall(output)]
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:  # a zombie is not alive
-        return f.read().split(") ")[-1][0] != "Z"
 
 
 def test_replicas_restart_a_killed_child_and_stop_on_sigterm(shared_redis, queue,

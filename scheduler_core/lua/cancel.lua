@@ -2,6 +2,7 @@
 
 KEYS[1..19] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
             this script uses:
+KEYS[1]  {bg:q}:policy        hash  its result_ttl_s, when set, overrides ARGV[2]
 KEYS[2]  {bg:q}:pending:0     zset  HIGH
 KEYS[3]  {bg:q}:pending:1     zset  NORMAL
 KEYS[4]  {bg:q}:pending:2     zset  LOW
@@ -13,7 +14,7 @@ KEYS[20] {bg:q}:result:<id>   string
 KEYS[21] {bg:q}:inbox:<producer>  list, the producer's inbox (any key if none)
 
 ARGV[1]  request id
-ARGV[2]  result TTL, seconds
+ARGV[2]  result TTL, seconds, if the queue has no policy
 ARGV[3]  the result envelope to store and deliver ('Cancelled' or 'DeadlineExceeded')
 ARGV[4]  the stats counter to count it under ('cancelled' | 'expired')
 
@@ -24,6 +25,7 @@ Errors   {-3, field} malformed argument
 -- @include _common.lua
 -- @include _queue.lua
 
+local policy = KEYS[1]
 local pending_high = KEYS[2]
 local pending_normal = KEYS[3]
 local pending_low = KEYS[4]
@@ -37,8 +39,11 @@ local inbox = KEYS[21]
 if ARGV[4] ~= 'cancelled' and ARGV[4] ~= 'expired' then return {-3, 'counter'} end
 if not int_arg(ARGV[2], 1, 315360000) then return {-3, 'result_ttl_s'} end
 if #ARGV ~= 4 or #KEYS ~= 21 then return {-3, 'args'} end
+-- The queue's current result_ttl_s, as the consumers use it, not the caller's copy.
+local ttl = int_arg(redis.call('HGET', policy, 'result_ttl_s'), 1, 315360000)
+  or tonumber(ARGV[2])
 
-local id, ttl, envelope, counter = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4]
+local id, envelope, counter = ARGV[1], ARGV[3], ARGV[4]
 if redis.call('HEXISTS', owner, id) == 1 then return 2 end
 for _, pending in ipairs({pending_high, pending_normal, pending_low}) do
   if redis.call('ZREM', pending, id) == 1 then

@@ -66,9 +66,17 @@ class Busy(_Base):
             n += 1
 
 
+class Unprintable(Exception):
+    """An exception with no message to give: str() of it raises."""
+
+    def __str__(self) -> str:
+        raise RuntimeError("this exception cannot be printed")
+
+
 class Poison(_Base):
-    """Raises for payloads with "raise": true; kills the whole process (os._exit) for
-    payloads with "crash": true, unless the file `cured` exists."""
+    """Raises for payloads with "raise": true (Unprintable for "unprintable": true); kills
+    the whole process (os._exit) for payloads with "crash": true, unless the file `cured`
+    exists; hangs (a call that never returns in a test's time) for "hang": true."""
 
     def __init__(self, log: str = "", sleep_ms: float = 0.0, cured: str = ""):
         super().__init__(log, sleep_ms)
@@ -81,6 +89,10 @@ class Poison(_Base):
             os._exit(17)
         if payload.get("raise"):
             raise ValueError(f"poison payload {payload.get('i')}")
+        if payload.get("unprintable"):
+            raise Unprintable()
+        if payload.get("hang"):
+            time.sleep(3600)
 
 
 class Big(_Base):

@@ -4,6 +4,8 @@ Redis-side evidence (snapshots, stats, queue-wait samples) and polling."""
 from __future__ import annotations
 
 import json
+import os
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -114,3 +116,20 @@ def wait_samples_ms(client: redis.Redis, queue: str) -> list[float]:
     oldest pop first."""
     raw = client.lrange(QueueKeys(queue).wait_samples, 0, -1)
     return [int(x) / 1000 for x in reversed(raw)]
+
+
+STARTED = re.compile(r"consumer (\d+)(?: \([^)]*\))? started \(pid (\d+)\)")
+
+
+def started(output: str) -> list[tuple[int, int]]:
+    """(slot, pid) of every child start a supervisor logged, in order."""
+    return [(int(slot), int(pid)) for slot, pid in STARTED.findall(output)]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is not alive
+        return f.read().split(") ")[-1][0] != "Z"

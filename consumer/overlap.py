@@ -11,7 +11,7 @@ fetch (`Prefetcher.lead_s`), two helper threads take that work off the model's p
   the model starts it as soon as it is free. Timed to the end, not the start: a batch
   popped early holds its requests, and a HIGH request arriving after that pop waits for
   it. Popped at most a fetch time early, a HIGH request waits no longer than it would
-  behind a batch popped at the model's end (the seed's bound: t(max_batch) + t(1)).
+  behind a batch popped at the model's end: t(max_batch) + t(1) at worst.
 - Completer: encodes the finished batch's results and runs complete.lua while the model
   runs the next batch. At most two batches queue for it, so a slow Redis holds the model
   back rather than letting results pile up in memory; it is flushed before the consumer

@@ -220,7 +220,7 @@ class AsyncProducer(ProducerBase[AsyncHandle]):
                 await asyncio.sleep(backoff.failed(exc))
                 continue
             for raw in popped[1] if popped else ():
-                if raw:  # b"" is close()'s wake-up
+                if raw:  # an empty item is a wake-up marker (Producer.close's), no result
                     self._deliver(raw)
             if time.monotonic() >= next_sweep and (self._sweeper is None
                                                    or self._sweeper.done()):

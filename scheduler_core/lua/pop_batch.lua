@@ -1,6 +1,6 @@
 --[[ pop_batch: apply the queue's strategy and, if a batch is due, move it in flight.
 
-This is where the scheduling rules live (SEED-EN.md sections 1-2):
+This is where the scheduling rules live (docs/scheduling.md explains them):
   fifo      oldest requests across all priorities, up to max_batch_size, never waits.
   dynamic   oldest across all priorities; released when max_batch_size wait, or when the
             oldest has waited max_queue_delay_ms; never earlier.

@@ -36,7 +36,7 @@ from consumer.due_timer import DueTimer
 from consumer.lease import LeaseKeeper
 from consumer.loader import BatchModel
 from consumer.overlap import Overlap
-from scheduler_core.admin import ensure_policy
+from scheduler_core.admin import ensure_policy, read_policy
 from scheduler_core.connection import DEFAULT_REDIS_URL, Backoff, connect
 from scheduler_core.errors import InvalidRequest
 from scheduler_core.keys import QueueKeys
@@ -89,6 +89,10 @@ class ConsumerConfig:
                 or not (self.max_batch_ms == 0 or 100 <= self.max_batch_ms <= 86_400_000):
             raise InvalidRequest("max_batch_ms",
                                  f"{self.max_batch_ms!r}: use 0 (off) or [100, 86400000]")
+        if isinstance(self.max_result_bytes, bool) or not isinstance(self.max_result_bytes, int) \
+                or not 16 <= self.max_result_bytes <= 512 << 20:
+            raise InvalidRequest("max_result_bytes",
+                                 f"{self.max_result_bytes!r} is outside [16, {512 << 20}]")
         if not isinstance(self.overlap, bool):
             raise InvalidRequest("overlap", f"{self.overlap!r} is not true or false")
         if not self.name:
@@ -405,6 +409,17 @@ class Consumer:
             if batches:
                 log.warning("re-queued %d requests of %d batches whose lease expired",
                             requeued, batches)
+            self._refresh_policy()
+
+    def _refresh_policy(self) -> None:
+        """Follow `batchgate policy set`: pop_batch.lua reads the stored policy itself, but
+        result_ttl_s is passed by this process to complete.lua."""
+        try:
+            policy = read_policy(self.redis, self.config.queue)
+        except ValueError:  # altered by hand (pop_batch.lua refuses it too)
+            return
+        if policy is not None:
+            self.policy = policy
 
 
 def check_eviction_policy(client: redis.Redis) -> None:

@@ -18,13 +18,15 @@ CONNECT_TIMEOUT_S = 5.0
 log = logging.getLogger("batchgate")
 
 
-def _options() -> dict[str, Any]:
-    return {
+def _options(url: str) -> dict[str, Any]:
+    options: dict[str, Any] = {
         "socket_timeout": SOCKET_TIMEOUT_S,
         "socket_connect_timeout": CONNECT_TIMEOUT_S,
-        "socket_keepalive": True,
         "health_check_interval": 30,
     }
+    if not url.startswith("unix:"):  # a unix socket connection takes no keepalive
+        options["socket_keepalive"] = True
+    return options
 
 
 def connect(url: str = DEFAULT_REDIS_URL) -> redis.Redis:
@@ -34,7 +36,7 @@ def connect(url: str = DEFAULT_REDIS_URL) -> redis.Redis:
         url,
         retry=Retry(ExponentialWithJitterBackoff(cap=1.0, base=0.05), 3),
         retry_on_error=[redis.ConnectionError, redis.TimeoutError],
-        **_options(),
+        **_options(url),
     )
 
 
@@ -45,7 +47,7 @@ def connect_async(url: str = DEFAULT_REDIS_URL) -> redis.asyncio.Redis:
         url,
         retry=AsyncRetry(ExponentialWithJitterBackoff(cap=1.0, base=0.05), 3),
         retry_on_error=[redis.ConnectionError, redis.TimeoutError],
-        **_options(),
+        **_options(url),
     )
 
 

@@ -170,3 +170,26 @@ def test_an_enqueue_resent_while_its_request_runs_is_not_added_again(
     assert executions(tmp_path) == {"once": 1}
     assert p.deliveries[handle.id] == 1
     assert queue_stats(client, queue).processed == 1
+
+
+def test_latency_sample_lists_stay_bounded(shared_redis, queue, start_consumer):
+    """The queue-wait, end-to-end and model-time samples `stats` reads are capped lists:
+    at most 10,000 entries kept (plus at most 500 between trims), newest first."""
+    client, keys = shared_redis.client(), QueueKeys(queue)
+    kept, slack = 10_000, 500
+    for key, filler in ((keys.wait_samples, b"7"), (keys.e2e_samples, b"7"),
+                        (keys.model_samples, b"1:7")):
+        client.lpush(key, *[filler] * (kept + slack))
+    start_consumer(shared_redis.url, queue, "--model", "consumer.models:noop",
+                   "--strategy", "dynamic", "--max-batch-size", "4",
+                   "--max-queue-delay-ms", "100")
+    with Producer(shared_redis.url, queue) as p:
+        for h in p.submit_many([{"i": i} for i in range(4)]):
+            h.result(timeout=15)
+    wait_for(lambda: client.llen(keys.model_samples) <= kept, 15, "the last sample")
+    for key, filler in ((keys.wait_samples, b"7"), (keys.e2e_samples, b"7"),
+                        (keys.model_samples, b"1:7")):
+        assert client.llen(key) == kept, key
+        assert client.lindex(key, 0) != filler and client.lindex(key, -1) == filler, key
+    stats = queue_stats(client, queue)
+    assert stats.queue_wait_ms["samples"] == stats.end_to_end_ms["samples"] == kept

@@ -91,6 +91,19 @@ def test_policy_set_accepts_exactly_the_documented_range(shared_redis, queue):
     assert done.exit_code == 2 and "--strategy" in done.output
 
 
+def test_policy_set_takes_flags_only_not_the_consumer_environment(shared_redis, queue):
+    """A consumer host's environment must not change a queue's policy by accident."""
+    configure(shared_redis.url, queue, strategy="dynamic", max_batch_size=16)
+    env = {"BATCHGATE_STRATEGY": "fifo", "BATCHGATE_MAX_BATCH_SIZE": "7",
+           "BATCHGATE_AGING_MS": "1", "BATCHGATE_RESULT_TTL_S": "9"}
+    done = CliRunner().invoke(cli, ["policy", "set", "--redis-url", shared_redis.url,
+                                    "--queue", queue, "--max-queue-delay-ms", "20"], env=env)
+    assert done.exit_code == 0, done.output
+    stored = read_policy(shared_redis.client(), queue)
+    assert (stored.strategy.value, stored.max_batch_size, stored.max_queue_delay_ms,
+            stored.aging_ms, stored.result_ttl_s) == ("dynamic", 16, 20, 5000, 600)
+
+
 # -- consumer settings ------------------------------------------------------------------
 @pytest.mark.parametrize(("field", "value", "ok"), cases(CONSUMER_RANGES) + [
     ("max_batch_ms", 0, True), ("max_batch_ms", 1, False), ("max_batch_ms", 99, False),

@@ -5,6 +5,7 @@ cancelled, and recovery takes about lease_ms + one sweep interval."""
 
 from __future__ import annotations
 
+import signal
 import time
 
 import pytest
@@ -24,11 +25,11 @@ def lease_lapsed(client, queue: str) -> bool:
 
 
 def doomed_batch(server, queue, start_consumer, model, lease_ms, payloads,
-                 priority="normal"):
-    """Submit `payloads` to a consumer that starts running them (for a minute): returns
+                 priority="normal", delay_ms=60_000):
+    """Submit `payloads` to a consumer that starts running them (for `delay_ms`): returns
     (that consumer, the producer, the handles)."""
     doomed = model.start(start_consumer, server.url, queue, "--lease-ms", str(lease_ms),
-                         delay_ms=60_000, stamp=True)
+                         delay_ms=delay_ms, stamp=True)
     p = Producer(server.url, queue)
     handles = p.submit_many(payloads, priority=priority)
     wait_for(lambda: model.batches(doomed.proc.pid), what="the batch to start")
@@ -88,15 +89,18 @@ def test_a_requeued_request_goes_to_the_head_of_its_level(shared_redis, queue,
 
 
 def test_a_requeued_request_can_be_cancelled(shared_redis, queue, start_consumer, tmp_path):
+    """Its consumer frozen (SIGSTOP) past the lease, the request is re-queued: waiting
+    again, so cancellable; the frozen consumer's late result, once it wakes up, is refused
+    and the request stays cancelled."""
     lease_ms = 300
     configure(shared_redis.url, queue, strategy="fifo")
     model = RecordingModel(tmp_path)
-    doomed, p, [handle] = doomed_batch(shared_redis, queue, start_consumer, model, lease_ms,
-                                       [{"crashed": 0}])
-    doomed.kill()
+    stale, p, [handle] = doomed_batch(shared_redis, queue, start_consumer, model, lease_ms,
+                                      [{"crashed": 0}], delay_ms=1500)
+    stale.signal(signal.SIGSTOP)
     with p:
         client = shared_redis.client()
-        assert handle.cancel() == "running"  # in the dead consumer's batch
+        assert handle.cancel() == "running"  # in the frozen consumer's batch
         wait_for(lambda: lease_lapsed(client, queue), what="the lease to lapse")
         # The sweep any live consumer runs puts it back: waiting again, so cancellable.
         keys = QueueKeys(queue)
@@ -105,8 +109,10 @@ def test_a_requeued_request_can_be_cancelled(shared_redis, queue, start_consumer
         assert handle.cancel() == "cancelled"
         with pytest.raises(RequestCancelled):
             handle.result(timeout=5)
-        survivor = model.start(start_consumer, shared_redis.url, queue)
-        assert p.submit({"after": 1}).result(timeout=15) == {"after": 1}
-    assert model.batches(survivor.proc.pid)[0]["payloads"] == [{"after": 1}]  # never re-run
+        stale.signal(signal.SIGCONT)
+        wait_for(lambda: "results were refused" in stale.output(), what="the late result")
+        assert p.fetch(handle.id).error_type == "Cancelled"
+        assert p.submit({"after": 1}).result(timeout=15)["payload"] == {"after": 1}
+    assert model.payloads().count({"crashed": 0}) == 1  # never re-run
     stats = queue_stats(client, queue)
     assert (stats.requeued, stats.cancelled, stats.processed) == (1, 1, 1)

@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Any
 
-from helpers.support import RecordingModel, configure, wait_for
+from helpers.support import RecordingModel, configure, wait_for, wait_samples_ms
 
 from producer import Producer
 from scheduler_core.keys import QueueKeys
@@ -178,3 +178,18 @@ def test_promoted_requests_keep_their_arrival_time(shared_redis, queue, start_co
             h.result(timeout=15)
     assert [b["payloads"] for b in model.batches()] == [
         [blocker], [{"l": 0}, {"n": 0}, {"h": 0}, {"h": 1}]]
+
+
+def test_an_idle_consumer_wakes_up_when_a_request_would_age(shared_redis, queue,
+                                                            start_consumer):
+    """A lone NORMAL request not due for a minute (max_queue_delay_ms): the consumer
+    sleeps until it would age (docs/scheduling.md, rule 3), not until its own due time nor
+    for its whole idle block (1 s), and serves it as HIGH after aging_ms."""
+    aging_ms = 200
+    configure(shared_redis.url, queue, strategy="priority", max_batch_size=BATCH,
+              max_queue_delay_ms=60_000, aging_ms=aging_ms)
+    start_consumer(shared_redis.url, queue, "--model", "consumer.models:noop")
+    with Producer(shared_redis.url, queue) as p:
+        assert p.submit({"n": 0}).result(timeout=10) == {"n": 0}
+    (waited_ms,) = wait_samples_ms(shared_redis.client(), queue)  # by Redis' clock
+    assert aging_ms <= waited_ms <= aging_ms + SLACK_S * 1000, waited_ms

@@ -92,6 +92,19 @@ def test_tiny_text_is_a_seeded_classifier_returning_probabilities():
     assert tiny_text(classes=3, seed=1)([tokens(4)])[0] != pytest.approx(results[0][:3])
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
+def test_tiny_text_on_a_gpu_matches_the_cpu():
+    spy = Spy()
+    runner = TorchRunner(spy, device="cuda")
+    assert all(p.device.type == "cuda" for p in runner.module.parameters())
+    payloads = [tokens(3), tokens(40, start=9)]
+    assert spy.calls[-1][0] == (32, 16)  # warmed up on the GPU
+    got = runner(payloads)
+    assert spy.calls[-1][0] == (2, 40)
+    for a, b in zip(got, tiny_text()(payloads), strict=True):
+        assert a == pytest.approx(b, abs=1e-4)
+
+
 def test_tiny_text_through_a_consumer(shared_redis, queue, start_consumer):
     """The built-in torch model served by `batchgate consumer`: the same numbers as in
     process; an over-long input fails alone, its batch-mates are answered."""

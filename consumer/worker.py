@@ -95,6 +95,10 @@ class ConsumerConfig:
                 or not (self.max_batch_ms == 0 or 100 <= self.max_batch_ms <= 86_400_000):
             raise InvalidRequest("max_batch_ms",
                                  f"{self.max_batch_ms!r}: use 0 (off) or [100, 86400000]")
+        if isinstance(self.max_result_bytes, bool) or not isinstance(self.max_result_bytes, int) \
+                or not 16 <= self.max_result_bytes <= 512 << 20:
+            raise InvalidRequest("max_result_bytes",
+                                 f"{self.max_result_bytes!r} is outside [16, {512 << 20}]")
         if not isinstance(self.overlap, bool):
             raise InvalidRequest("overlap", f"{self.overlap!r} is not true or false")
         if not self.name:

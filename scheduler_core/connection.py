@@ -24,13 +24,15 @@ DEFAULT_MAX_CONNECTIONS = 8
 log = logging.getLogger("batchgate")
 
 
-def _options() -> dict[str, Any]:
-    return {
+def _options(url: str) -> dict[str, Any]:
+    options: dict[str, Any] = {
         "socket_timeout": SOCKET_TIMEOUT_S,
         "socket_connect_timeout": CONNECT_TIMEOUT_S,
-        "socket_keepalive": True,
         "health_check_interval": 30,
     }
+    if not url.startswith("unix:"):  # a unix socket connection takes no keepalive
+        options["socket_keepalive"] = True
+    return options
 
 
 def connect(url: str = DEFAULT_REDIS_URL,
@@ -42,7 +44,7 @@ def connect(url: str = DEFAULT_REDIS_URL,
         url, max_connections=_pool_size(max_connections), timeout=None,
         retry=Retry(ExponentialWithJitterBackoff(cap=1.0, base=0.05), 3),
         retry_on_error=[redis.ConnectionError, redis.TimeoutError],
-        **_options(),
+        **_options(url),
     )
     return redis.Redis.from_pool(pool)
 
@@ -56,7 +58,7 @@ def connect_async(url: str = DEFAULT_REDIS_URL,
         url, max_connections=_pool_size(max_connections), timeout=None,
         retry=AsyncRetry(ExponentialWithJitterBackoff(cap=1.0, base=0.05), 3),
         retry_on_error=[redis.ConnectionError, redis.TimeoutError],
-        **_options(),
+        **_options(url),
     )
     return redis.asyncio.Redis.from_pool(pool)
 

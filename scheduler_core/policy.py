@@ -87,7 +87,11 @@ class Policy:
     @classmethod
     def build(cls, strategy: Strategy | str | None = None, **overrides: int | None) -> Policy:
         """A policy from optional values: None means the default (fifo's batch size is 1)."""
-        strat = Strategy(strategy) if strategy is not None else cls.strategy
+        try:
+            strat = Strategy(strategy) if strategy is not None else cls.strategy
+        except ValueError:
+            cls(strategy=strategy)  # type: ignore[arg-type] # InvalidPolicy naming the field
+            raise
         values = {k: v for k, v in overrides.items() if v is not None}
         if strat is Strategy.FIFO:
             values.setdefault("max_batch_size", DEFAULT_FIFO_BATCH_SIZE)

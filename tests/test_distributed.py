@@ -146,10 +146,11 @@ def test_a_hung_consumer_loses_its_batch_and_its_late_results_are_refused(
 def test_a_batch_longer_than_the_lease_is_not_requeued_while_its_consumer_lives(
         shared_redis, queue, start_consumer, tmp_path):
     """The lease is renewed from another thread while the model runs; a second consumer
-    sweeping for expired leases must not take the batch away."""
+    sweeping for expired leases must not take the batch away. (A 1 s lease, renewed every
+    333 ms, for a 3 s batch: a stall of the lease thread under 0.6 s loses nothing.)"""
     model = RecordingModel(tmp_path)
     procs = [model.start(start_consumer, shared_redis.url, queue, "--strategy", "fifo",
-                         "--lease-ms", "300", delay_ms=1500, ready=False) for _ in range(2)]
+                         "--lease-ms", "1000", delay_ms=3000, ready=False) for _ in range(2)]
     for proc in procs:
         proc.wait_ready()
     with Producer(shared_redis.url, queue) as p:

@@ -9,12 +9,18 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
-from helpers.processes import free_port
-from helpers.servers import ServerProcess
-from helpers.support import configure
+import pytest
 
-from scheduler_core.admin import queue_stats
+# The examples need the gateway extra (FastAPI) and flask: skipped where absent.
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("flask")
+
+from helpers.processes import free_port  # noqa: E402
+from helpers.servers import ServerProcess  # noqa: E402
+from helpers.support import configure  # noqa: E402
+
+from scheduler_core.admin import queue_stats  # noqa: E402
 
 
 def app_env(redis_url: str, queue: str) -> dict[str, str]:

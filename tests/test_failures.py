@@ -381,12 +381,13 @@ def test_sigterm_during_a_backlog_leaves_nothing_in_flight(redis_server, queue,
 
 
 def test_a_batch_fetched_ahead_keeps_its_lease(shared_redis, queue, start_consumer, tmp_path):
-    """A batch fetched while the model runs waits for it; with a model 4x longer than
-    the lease, its lease must be renewed too, or a second consumer would re-queue it."""
+    """A batch fetched while the model runs waits for it; with a model 2.5x longer than
+    the lease, its lease must be renewed too, or a second consumer would re-queue it. (A
+    1 s lease renewed every 333 ms: a stall of the lease thread under 0.6 s loses nothing.)"""
     url = shared_redis.url
     for _ in range(2):
-        start(start_consumer, url, queue, "Echo", "--strategy", "fifo", "--lease-ms", "300",
-              "--max-batch-size", "2", log=tmp_path, sleep_ms=1200)
+        start(start_consumer, url, queue, "Echo", "--strategy", "fifo", "--lease-ms", "1000",
+              "--max-batch-size", "2", log=tmp_path, sleep_ms=2500)
     with CountingProducer(url, queue) as p:
         handles = p.submit_many([{"i": i} for i in range(8)])
         assert [h.result(timeout=30)["echo"]["i"] for h in handles] == list(range(8))
@@ -399,7 +400,7 @@ def test_a_batch_fetched_ahead_keeps_its_lease(shared_redis, queue, start_consum
 def test_a_crash_re_runs_the_batch_fetched_ahead_too(redis_server, queue, start_consumer,
                                                      tmp_path, flag, requeued):
     """SIGKILL while the first batch of a backlog runs. With the overlap (the default) the
-    next batch was fetched at once (no model time known yet) and is lost with it: both
+    next batch is fetched at once (no model time known yet) and is lost with it: both
     are re-queued and answered by another consumer. --no-overlap holds only the one."""
     url = redis_server.url
     consumer = start(start_consumer, url, queue, "Echo", "--strategy", "fifo",
@@ -408,7 +409,10 @@ def test_a_crash_re_runs_the_batch_fetched_ahead_too(redis_server, queue, start_
     with CountingProducer(url, queue) as p:
         handles = p.submit_many([{"i": i} for i in range(8)])
         wait_for(lambda: len(executions(tmp_path)) == 2, 15, "the first batch to start")
-        time.sleep(0.3)
+        # The kill lands once the consumer holds what it will hold: the batch it runs, and
+        # with the overlap the one fetched ahead (in flight too, its lease renewed).
+        wait_for(lambda: stats(redis_server, queue).in_flight_requests == requeued, 15,
+                 "the batch fetched ahead")
         consumer.signal(signal.SIGKILL)
         consumer.proc.wait(timeout=5)
         start(start_consumer, url, queue, "Echo", log=tmp_path, sleep_ms=10)

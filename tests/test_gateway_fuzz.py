@@ -11,11 +11,18 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
-import schemathesis
-from helpers.processes import ConsumerProcess, free_port
-from helpers.servers import ServerProcess, gateway_args
 from hypothesis import HealthCheck, Phase, settings
-from schemathesis.checks import not_a_server_error, positive_data_acceptance
+
+# The gateway extra and schemathesis: skipped, like the other extras' tests, where absent.
+pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+schemathesis = pytest.importorskip("schemathesis")
+checks = pytest.importorskip("schemathesis.checks")
+not_a_server_error = checks.not_a_server_error
+positive_data_acceptance = checks.positive_data_acceptance
+
+from helpers.processes import ConsumerProcess, free_port  # noqa: E402
+from helpers.servers import ServerProcess, gateway_args  # noqa: E402
 
 TOKEN = "fuzz-token"
 EXAMPLES = int(os.environ.get("BATCHGATE_FUZZ_EXAMPLES", "15"))

@@ -33,6 +33,7 @@ LAZY_COMMANDS = {
     "dead-letter": "batchgate.deadletter_cli:dead_letter_group",
     "gateway": "producer.gateway.cli:gateway_command",
     "simulate": "batchgate.simulate:simulate_command",
+    "profile": "batchgate.profile_model:profile_command",
 }
 
 

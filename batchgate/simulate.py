@@ -4,13 +4,13 @@ A discrete-event simulation of N consumers on one queue. Requests arrive (Poisso
 bursty, or from a trace file); whenever a consumer is free it pops at once, and the
 batch is whatever `scheduler_core.rules.decide` (pop_batch.lua's twin: the same rules,
 no copy of them here) says. A popped batch of b occupies its consumer for the per-batch
-scheduler overhead plus the cost model t(b) = A + B·b; its requests' results are seen when
-it ends. While every consumer is busy, requests queue. A consumer told "nothing due for
-W µs" sleeps until then or until something changes (an arrival, another consumer
+overhead plus the cost model t(b) = A + B·b; its requests' results are seen a transport
+time later (submit to queue and result back to the producer, which occupies no
+consumer). While every consumer is busy, requests queue. A consumer told "nothing due
+for W µs" sleeps until then or until something changes (an arrival, another consumer
 finishing), as a real one sleeps until its due timer or a wake-up.
 
-Not modelled: deadlines, failures and retries, max_queue_size, the network between
-producer and Redis (the overhead stands for what a batch costs besides the model).
+Not modelled: deadlines, failures and retries, max_queue_size.
 
     from batchgate.simulate import CostModel, SimConfig, poisson_arrivals, simulate
     result = simulate(SimConfig(Policy(), CostModel(5, 0.5), consumers=2),
@@ -20,9 +20,11 @@ producer and Redis (the overhead stands for what a batch costs besides the model
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 import re
 import time
+from collections.abc import Iterator, MutableSequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +41,9 @@ from scheduler_core.rules import Batch, Request, Wait, apply, decide
 # The gap between two batches of one consumer at saturation, p50 (docs/benchmarks.md,
 # "Saturation: the scheduler's cost between batches").
 DEFAULT_OVERHEAD_MS = 0.14
+# submit -> enqueue (0.65 ms) plus model end -> result seen (0.57 ms), p50 at light load
+# (docs/benchmarks.md, "Light load: the latency floor").
+DEFAULT_TRANSPORT_MS = 1.22
 # A wait of 0 that is not a batch (pop_batch.lua gives one while a promotion is pending):
 # a consumer pops again after a round trip; never less than this.
 MIN_REPOLL_US = 100
@@ -87,15 +92,17 @@ class SimConfig:
     cost: CostModel = field(default_factory=lambda: CostModel(5.0, 0.5))
     consumers: int = 2
     overhead_ms: float = DEFAULT_OVERHEAD_MS  # per batch, besides the model
+    transport_ms: float = DEFAULT_TRANSPORT_MS  # per request: to the queue and back
 
     def __post_init__(self) -> None:
         if isinstance(self.consumers, bool) or not isinstance(self.consumers, int) or \
                 not 1 <= self.consumers <= 4096:
             raise InvalidRequest("consumers", f"must be an integer in [1, 4096], got "
                                               f"{self.consumers!r}")
-        if not (isinstance(self.overhead_ms, (int, float)) and 0 <= self.overhead_ms <= 60_000):
-            raise InvalidRequest("overhead_ms", f"must be within [0, 60000] ms, got "
-                                                f"{self.overhead_ms!r}")
+        for name in ("overhead_ms", "transport_ms"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and 0 <= value <= 60_000):
+                raise InvalidRequest(name, f"must be within [0, 60000] ms, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -132,12 +139,13 @@ def simulate(config: SimConfig, times: list[float], prios: list[int]) -> SimResu
     policy = config.policy
     cost = [config.cost.us(b) for b in range(policy.max_batch_size + 1)]
     overhead = round(config.overhead_ms * 1000)
+    transport = round(config.transport_ms * 1000)
     repoll = max(overhead, MIN_REPOLL_US)
-    levels: list[list[Request]] = [[], [], []]
+    levels = [_Level(), _Level(), _Level()]
     done = [0] * n  # when each request's result is seen (µs)
     histogram = [0] * (policy.max_batch_size + 1)
     free_at: list[int] = []  # heap: when each busy consumer finishes
-    idle, timer, model_us = config.consumers, math.inf, 0
+    idle, timer, model_us, waiting = config.consumers, math.inf, 0, 0
     i, next_arrival = 0, (arrival[0] if n else math.inf)
     push, pop = heapq.heappush, heapq.heappop
     while True:
@@ -151,31 +159,91 @@ def simulate(config: SimConfig, times: list[float], prios: list[int]) -> SimResu
         if next_arrival == now:  # scores are unique, as Redis' arrival clock makes them
             prio = prios[i]
             levels[prio].append(Request(now, i, prio))
+            waiting += 1
             i += 1
             next_arrival = arrival[i] if i < n else math.inf
         if not idle:
             continue  # every consumer busy: the request waits
         timer = math.inf
-        while idle:  # pop at once, as long as batches are due and consumers free
+        while idle and waiting:  # pop at once, while batches are due and consumers free
             decision = decide(levels, now, policy)
             apply(levels, decision)
             if type(decision) is Batch:
                 size = len(decision.picked)
                 end = now + overhead + cost[size]
+                seen = end + transport
                 for p in decision.picked:
-                    done[p.request.id] = end  # type: ignore[index]
+                    done[p.request.id] = seen  # type: ignore[index]
                 push(free_at, end)
                 idle -= 1
+                waiting -= size
                 histogram[size] += 1
                 model_us += cost[size]
-                if not decision.remaining:
-                    break
             else:
                 if type(decision) is Wait:
                     timer = now + (decision.wait_us or repoll)
                 break
     return _result(config, arrival, prios, done, histogram, model_us,
                    time.perf_counter() - started)
+
+
+class _Level(MutableSequence[Request]):
+    """A pending level whose head leaves in O(1) and where requests near the head are
+    inserted and removed in O(distance from it), as in a zset. On a plain list each pop
+    would move the whole backlog: quadratic once a simulated queue is overloaded."""
+
+    __slots__ = ("items", "start")
+
+    def __init__(self) -> None:
+        self.items: list[Any] = []  # items[:start] are gone (None)
+        self.start = 0
+
+    def __len__(self) -> int:
+        return len(self.items) - self.start
+
+    def __iter__(self) -> Iterator[Request]:
+        return itertools.islice(self.items, self.start, None)
+
+    def __getitem__(self, k: Any) -> Any:
+        if type(k) is slice:
+            if k.start is None and k.step is None and k.stop is not None and k.stop >= 0:
+                return self.items[self.start:self.start + k.stop]  # level[:n], the usual
+            lo, hi, step = k.indices(len(self))
+            return self.items[self.start + lo:self.start + hi:step]
+        return self.items[self.start + (k if k >= 0 else len(self) + k)]
+
+    def __setitem__(self, k: Any, value: Any) -> None:
+        raise NotImplementedError  # decide and apply never replace in place
+
+    def __delitem__(self, k: Any) -> None:
+        items, start = self.items, self.start
+        if isinstance(k, slice):  # apply: the batch leaves the head
+            lo, hi, _ = k.indices(len(self))
+            if lo != 0:
+                raise NotImplementedError
+            items[start:start + hi] = [None] * hi
+            self.start = start + hi
+            if self.start > 4096 and self.start > len(items) // 2:
+                del items[:self.start]
+                self.start = 0
+        elif k < len(self) // 2:  # near the head: shift the requests before it
+            items[start + 1:start + k + 1] = items[start:start + k]
+            items[start] = None
+            self.start = start + 1
+        else:
+            del items[start + k]
+
+    def insert(self, k: int, value: Request) -> None:
+        start = self.start
+        if start and k < len(self) // 2:  # room before the head: shift the requests before
+            self.items[start - 1:start + k - 1] = self.items[start:start + k]
+            self.items[start + k - 1] = value
+            self.start = start - 1
+        else:
+            self.items.insert(start + k, value)
+
+    def append(self, value: Request) -> None:
+        self.items.append(value)
 
 
 def _arrival_scores(times: list[float]) -> list[int]:
@@ -294,7 +362,8 @@ def render(result: SimResult, config: SimConfig, workload: str) -> str:
     p = config.policy
     lines = [
         f"{result.requests:,} requests ({workload}), {config.consumers} consumer(s), "
-        f"t(b) = {config.cost}, overhead {config.overhead_ms:g} ms per batch",
+        f"t(b) = {config.cost}, overhead {config.overhead_ms:g} ms per batch, transport "
+        f"{config.transport_ms:g} ms per request",
         f"policy: {p.strategy}, max_batch_size {p.max_batch_size}, max_queue_delay_ms "
         f"{p.max_queue_delay_ms}, aging_ms {p.aging_ms}",
         "",
@@ -346,20 +415,24 @@ def render(result: SimResult, config: SimConfig, workload: str) -> str:
 @click.option("--overhead-ms", type=float, default=DEFAULT_OVERHEAD_MS, show_default=True,
               help="Scheduler time per batch besides the model, ms (default: the measured gap "
                    "between batches at saturation).")
+@click.option("--transport-ms", type=float, default=DEFAULT_TRANSPORT_MS, show_default=True,
+              help="Latency per request outside queue and model (submit to enqueue, model "
+                   "end to result seen), ms; occupies no consumer (default: measured at light "
+                   "load).")
 @click.option("--seed", type=int, default=1, show_default=True,
               help="Random seed of the arrivals (that of batchgate bench gives its requests).")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 def simulate_command(strategy: str | None, max_batch_size: int | None,
                      max_queue_delay_ms: int | None, aging_ms: int | None, arrivals: str,
                      rate: float, duration_s: float, mix: str, trace: Path | None,
-                     consumers: int, cost_ms: str, overhead_ms: float, seed: int,
-                     as_json: bool) -> None:
+                     consumers: int, cost_ms: str, overhead_ms: float, transport_ms: float,
+                     seed: int, as_json: bool) -> None:
     """Predict latency per priority, throughput, batch sizes and utilisation of a queue
     policy on a workload, by a discrete-event simulation of the scheduling rules (no
     Redis, no model: about a million requests in seconds)."""
     policy = Policy.build(strategy, max_batch_size=max_batch_size,
                           max_queue_delay_ms=max_queue_delay_ms, aging_ms=aging_ms)
-    config = SimConfig(policy, CostModel.parse(cost_ms), consumers, overhead_ms)
+    config = SimConfig(policy, CostModel.parse(cost_ms), consumers, overhead_ms, transport_ms)
     if trace is not None:
         times, prios = read_trace(trace)
         workload = f"trace {trace.name}"

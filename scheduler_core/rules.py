@@ -22,8 +22,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import MutableSequence, Sequence
 from operator import attrgetter
 from typing import NamedTuple
 
@@ -56,8 +55,7 @@ class Promotion(NamedTuple):
     target: int  # level after it
 
 
-@dataclass(frozen=True)
-class Batch:
+class Batch(NamedTuple):
     picked: tuple[Picked, ...]
     remaining: int  # requests still waiting after this batch, all levels
     promoted: tuple[Promotion, ...] = ()
@@ -79,16 +77,14 @@ class Batch:
         return [p.request for p in self.picked if p.state == EXHAUSTED]
 
 
-@dataclass(frozen=True)
-class Wait:
+class Wait(NamedTuple):
     """Nothing is due for `wait_us` µs (0: already due once a promotion limit lets it)."""
 
     wait_us: int
     promoted: tuple[Promotion, ...] = ()
 
 
-@dataclass(frozen=True)
-class Nothing:
+class Nothing(NamedTuple):
     """No request waits at any level."""
 
     promoted: tuple[Promotion, ...] = ()
@@ -134,31 +130,26 @@ def decide(levels: Levels, now_us: int, policy: Policy) -> Decision:
         chosen = _take(heads, (1,), size)
     else:  # LOW when nothing else waits
         chosen = _take(heads, (2,), size)
-    # isolate_retried: a re-delivered request runs alone; the batch ends before it.
-    for i, (request, _) in enumerate(chosen):
-        if request.attempts > 0:
-            del chosen[max(i, 1):]
+    picked = []
+    for r, level in chosen:
+        if r.attempts and picked:  # isolate_retried: a re-delivered request runs alone,
+            break  # the batch ends before it
+        state = EXHAUSTED if r.attempts >= policy.max_attempts else \
+            EXPIRED if 0 < r.deadline_us <= now_us else RUN
+        picked.append(Picked(r, level, state))
+        if r.attempts:
             break
-    picked = tuple(Picked(r, level, _state(r, now_us, policy.max_attempts))
-                   for r, level in chosen)
-    return Batch(picked, total - len(picked), promoted)
-
-
-def _state(request: Request, now_us: int, max_attempts: int) -> str:
-    if request.attempts >= max_attempts:
-        return EXHAUSTED
-    if 0 < request.deadline_us <= now_us:
-        return EXPIRED
-    return RUN
+    return Batch(tuple(picked), total - len(picked), promoted)
 
 
 def _take(heads: list[Sequence[Request]], levels: tuple[int, ...],
           n: int) -> list[tuple[Request, int]]:
     """The n oldest of the given levels' heads, merged by arrival (a tie goes to the lower
     level, as the script's merge)."""
-    if len(levels) == 1:
-        return [(r, levels[0]) for r in heads[levels[0]][:n]]
-    merged = sorted(((r, level) for level in levels for r in heads[level]),
+    waiting = [level for level in levels if heads[level]]
+    if len(waiting) <= 1:
+        return [(r, level) for level in waiting for r in heads[level][:n]]
+    merged = sorted(((r, level) for level in waiting for r in heads[level]),
                     key=lambda c: (c[0].arrival_us, c[1]))  # stable: keeps a level's order
     return merged[:n]
 
@@ -197,9 +188,9 @@ def _promote(levels: Levels, now: int, aging: int, size: int
     return heads, counts, promoted
 
 
-def apply(levels: list[list[Request]], decision: Decision) -> None:
-    """Make the decision's writes on list levels (sorted as decide expects): the aging
-    moves, then the batch leaves the head of its levels."""
+def apply(levels: Sequence[MutableSequence[Request]], decision: Decision) -> None:
+    """Make the decision's writes on the levels (lists, or any mutable sequence sorted as
+    decide expects): the aging moves, then the batch leaves the head of its levels."""
     for request, source, target in decision.promoted:
         level = levels[source]
         del level[bisect.bisect_left(level, request)]

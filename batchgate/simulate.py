@@ -165,7 +165,9 @@ def simulate(config: SimConfig, times: list[float], prios: list[int]) -> SimResu
         if not idle:
             continue  # every consumer busy: the request waits
         timer = math.inf
-        while idle and waiting:  # pop at once, while batches are due and consumers free
+        # Pop at once while consumers are free and batches due (with nothing waiting,
+        # decide would say Nothing).
+        while idle and waiting:
             decision = decide(levels, now, policy)
             apply(levels, decision)
             if type(decision) is Batch:

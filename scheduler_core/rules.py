@@ -130,10 +130,12 @@ def decide(levels: Levels, now_us: int, policy: Policy) -> Decision:
         chosen = _take(heads, (1,), size)
     else:  # LOW when nothing else waits
         chosen = _take(heads, (2,), size)
+    # isolate_retried: a re-delivered request runs alone, the batch ends before it;
+    # commit: each request's state.
     picked = []
     for r, level in chosen:
-        if r.attempts and picked:  # isolate_retried: a re-delivered request runs alone,
-            break  # the batch ends before it
+        if r.attempts and picked:
+            break
         state = EXHAUSTED if r.attempts >= policy.max_attempts else \
             EXPIRED if 0 < r.deadline_us <= now_us else RUN
         picked.append(Picked(r, level, state))

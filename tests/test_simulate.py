@@ -171,3 +171,28 @@ def test_the_simulators_level_behaves_as_a_list():
             assert list(level) == model and level[:5] == model[:5]
             assert level[len(model) // 2:len(model) // 2 + 3] == \
                 model[len(model) // 2:len(model) // 2 + 3]
+
+
+def test_simcheck_simulates_the_benchmarks_sleep_model_runs():
+    """batchgate/bench/simcheck.py pairs each sleep-model run of a results.json with the
+    simulation of the same requests, and skips what it cannot simulate."""
+    pytest.importorskip("hdrh")
+    from batchgate.bench.run import spec_dict
+    from batchgate.bench.simcheck import compare, render
+    from batchgate.bench.spec import RunSpec
+
+    workload = Workload("poisson", rate=200, duration_s=2, seed=3, model="synthetic")
+    measured = {"throughput_rps": 200.0, "batch_mean": 8.0, "overloaded": False,
+                "latency_ms": {c: {"p50": 40.0, "p99": 60.0}
+                               for c in ("all", "high", "normal", "low")}}
+    runs = [{"label": system, "spec": spec_dict(RunSpec("grid", system, model, workload, 2)),
+             "summary": measured}
+            for system, model in (("batchgate", "synthetic"), ("rq", "synthetic"),
+                                  ("batchgate", "noop"))]
+    rows = compare({"runs": runs})
+    assert [r["system"] for r in rows] == ["batchgate"]
+    expected = simulate(SimConfig(Policy.build("dynamic", aging_ms=1000), CostModel(5, 0.5),
+                                  2), *workload.schedule())
+    assert rows[0]["all_p99"] == (60.0, expected.latency_ms["all"]["p99"])
+    assert rows[0]["mean_batch"] == (8.0, expected.mean_batch)
+    assert "λ=200" in render(rows)

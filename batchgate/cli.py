@@ -32,6 +32,8 @@ LAZY_COMMANDS = {
     "bulk": "producer.bulk.cli:bulk_group",
     "dead-letter": "batchgate.deadletter_cli:dead_letter_group",
     "gateway": "producer.gateway.cli:gateway_command",
+    "simulate": "batchgate.simulate:simulate_command",
+    "profile": "batchgate.profile_model:profile_command",
 }
 
 

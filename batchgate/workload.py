@@ -4,6 +4,7 @@ priorities and payloads, identical for every system and strategy given the same 
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +41,16 @@ class Workload:
     def arrivals(self) -> tuple[list[float], list[int], list[Any]]:
         """(offsets in s, priorities 0-2, payloads), sorted by offset."""
         rng = random.Random(self.seed)
+        times, prios = self._schedule(rng, MIX)
+        return times, prios, [self._payload(rng, i) for i in range(len(times))]
+
+    def schedule(self, mix: Sequence[float] = MIX) -> tuple[list[float], list[int]]:
+        """(offsets in s, priorities 0-2) without payloads, drawn with `mix` as the weights
+        of HIGH, NORMAL, LOW: with the default mix, those of arrivals()."""
+        return self._schedule(random.Random(self.seed), mix)
+
+    def _schedule(self, rng: random.Random, mix: Sequence[float]
+                  ) -> tuple[list[float], list[int]]:
         times = [0.0] * self.count if self.kind == "backlog" else self._poisson(rng)
         if self.kind == "bursty":
             start = min(self.burst_every_s / 2, self.duration_s / 3)
@@ -50,8 +61,7 @@ class Workload:
             times.sort()
         elif self.kind not in ("poisson", "backlog"):
             raise ValueError(f"unknown workload kind {self.kind!r}")
-        prios = rng.choices((0, 1, 2), weights=MIX, k=len(times))
-        return times, prios, [self._payload(rng, i) for i in range(len(times))]
+        return times, rng.choices((0, 1, 2), weights=mix, k=len(times))
 
     def _poisson(self, rng: random.Random) -> list[float]:
         times: list[float] = []

@@ -2,10 +2,11 @@
 
 The same workload (batchgate.workload.Workload, same seed) is replayed open-loop by a task of
 the event loop; requests wait in three in-memory queues (one per priority level, ordered
-by arrival); N worker tasks apply exactly the rules of scheduler_core/lua/pop_batch.lua
-(fifo, dynamic, priority with aging) and run the model in a thread pool of N threads, so
-the event loop stays free while a batch runs. "Result seen" is stamped by a callback on
-the event loop after the batch ends: the hop a waiting request handler would take.
+by arrival); N worker tasks decide batches with scheduler_core.rules.decide, the Python
+twin of scheduler_core/lua/pop_batch.lua (fifo, dynamic, priority with aging), and run
+the model in a thread pool of N threads, so the event loop stays free while a batch runs.
+"Result seen" is stamped by a callback on the event loop after the batch ends: the hop a
+waiting request handler would take.
 
 What this costs compared with batchgate is what distribution costs: no Redis round
 trips, no serialisation, no second process, but also no sharing across hosts and no
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import bisect
 import contextlib
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +29,8 @@ import orjson
 from batchgate.bench.spec import RunSpec, empty_record
 from batchgate.workload import MODELS, Workload
 from consumer.loader import load_model
+from scheduler_core.policy import Policy, Strategy
+from scheduler_core.rules import Batch, Request, Wait, apply, decide
 
 
 class Req:
@@ -37,88 +39,33 @@ class Req:
     def __init__(self, idx: int, prio: int, arrival: float, payload: Any):
         self.idx, self.prio, self.arrival, self.payload = idx, prio, arrival, payload
 
-    def __lt__(self, other: Req) -> bool:
-        return (self.arrival, self.idx) < (other.arrival, other.idx)
-
-
-def _arrival(req: Req) -> float:
-    return req.arrival
-
 
 class Rules:
-    """pop_batch.lua in Python. Times are time.monotonic() seconds."""
+    """The in-process queue: three levels in memory; scheduler_core.rules.decide (the
+    Python twin of pop_batch.lua) decides each batch. Times are time.monotonic() seconds."""
 
     def __init__(self, strategy: str, max_batch_size: int, max_queue_delay_ms: int,
                  aging_ms: int):
-        self.strategy = strategy
-        self.size = max_batch_size
-        self.delay = max_queue_delay_ms / 1000
-        self.aging = aging_ms / 1000
-        self.levels: list[list[Req]] = [[], [], []]
+        self.policy = Policy(strategy=Strategy(strategy), max_batch_size=max_batch_size,
+                             max_queue_delay_ms=max_queue_delay_ms, aging_ms=aging_ms)
+        self.levels: list[list[Request]] = [[], [], []]
+        self.waiting: dict[str | int, Req] = {}
 
     def add(self, req: Req) -> None:
-        self.levels[req.prio].append(req)  # arrivals come in time order
+        self.waiting[req.idx] = req
+        # Arrivals come in time order, so appending keeps each level sorted.
+        self.levels[req.prio].append(Request(round(req.arrival * 1e6), req.idx, req.prio))
 
     def total(self) -> int:
-        return sum(len(level) for level in self.levels)
-
-    def _age(self, now: float) -> None:
-        """LOW waiting >= aging -> NORMAL level; NORMAL level waiting >= 2 x aging, or
-        >= aging if it was NORMAL to begin with -> HIGH level (at most 2 x max_batch_size
-        of each kind per call, as the script)."""
-        limit = 2 * self.size
-        low, normal, high = self.levels[2], self.levels[1], self.levels[0]
-        cut1, cut2 = now - self.aging, now - 2 * self.aging
-        k = min(limit, bisect.bisect_right(low, cut1, key=_arrival))
-        for req in low[:k]:
-            bisect.insort(normal, req)
-        del low[:k]
-        i2 = bisect.bisect_right(normal, cut2, key=_arrival)
-        i1 = bisect.bisect_right(normal, cut1, key=_arrival)
-        promote = normal[:min(i2, limit)] + [r for r in normal[i2:min(i1, i2 + limit)]
-                                             if r.prio <= 1]
-        if promote:
-            gone = {id(r) for r in promote}
-            normal[:] = [r for r in normal if id(r) not in gone]
-            for req in promote:
-                bisect.insort(high, req)
-
-    def _take(self, levels: tuple[int, ...], n: int) -> list[Req]:
-        """The n oldest of the given levels, merged by arrival."""
-        chosen = sorted(((r, level) for level in levels for r in self.levels[level][:n]),
-                        key=lambda c: (c[0].arrival, c[0].idx))[:n]
-        for level in levels:
-            del self.levels[level][:sum(1 for _, lv in chosen if lv == level)]
-        return [r for r, _ in chosen]
+        return len(self.waiting)
 
     def collect(self, now: float) -> tuple[list[Req], float | None]:
         """(batch, None) or ([], seconds until something falls due; None if empty)."""
-        if self.strategy == "priority" and self.aging > 0:
-            self._age(now)
-        count = [len(level) for level in self.levels]
-        total = sum(count)
-        if total == 0:
-            return [], None
-        if self.strategy == "fifo":
-            return self._take((0, 1, 2), self.size), None
-        if self.strategy == "dynamic":
-            first = min(level[0].arrival for level in self.levels if level)
-            if total < self.size and now - first < self.delay:
-                return [], first + self.delay - now
-            return self._take((0, 1, 2), self.size), None
-        if count[0]:
-            return self._take((0,), self.size), None
-        if count[1]:
-            first = self.levels[1][0].arrival
-            if count[1] < self.size and now - first < self.delay:
-                due = first + self.delay
-                if self.aging > 0:
-                    due = min(due, first + self.aging)
-                    if count[2]:
-                        due = min(due, self.levels[2][0].arrival + self.aging)
-                return [], max(0.0, due - now)
-            return self._take((1,), self.size), None
-        return self._take((2,), self.size), None
+        decision = decide(self.levels, round(now * 1e6), self.policy)
+        apply(self.levels, decision)
+        if isinstance(decision, Batch):
+            return [self.waiting.pop(p.request.id) for p in decision.picked], None
+        return [], decision.wait_us / 1e6 if isinstance(decision, Wait) else None
 
 
 async def run(spec: RunSpec) -> tuple[dict[str, list[Any]], float, bool]:

@@ -1,0 +1,206 @@
+"""The batch decision of `lua/pop_batch.lua` as a pure function: `decide(levels, now_us,
+policy)`.
+
+Given the requests waiting at each level (HIGH, NORMAL, LOW), the time and the queue's
+policy, it says what one `pop_batch.lua` call would do: a Batch (which requests, from
+which level, which of them are run, answered as expired or dead-lettered), Wait (nothing
+due for `wait_us`) or Nothing (no request waits), together with the aging promotions
+the call makes on the way. It is the script's twin, step by step (promote_aged, choose,
+isolate_retried, commit's states); tests/test_rules.py holds the two together on random
+queue states against a real Redis. `batchgate simulate` and the benchmark's in-process
+baseline decide with it, so the rules have one Python copy.
+
+Out of scope, as they come only from hand-written keys: members whose id no producer
+makes (the script dead-letters them) and members without meta.
+
+A level is a sequence of Request sorted as Redis keeps a pending zset: by arrival, then
+id. `decide` reads O(max_batch_size) of each level (plus a bisection when aging is on)
+and never modifies them; `apply` makes the decision's writes on lists.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections.abc import MutableSequence, Sequence
+from operator import attrgetter
+from typing import NamedTuple
+
+from scheduler_core.policy import Policy, Strategy
+
+RUN, EXPIRED, EXHAUSTED = "run", "expired", "exhausted"  # the script's item states
+_arrival = attrgetter("arrival_us")
+
+
+class Request(NamedTuple):
+    """A waiting request as pop_batch.lua sees it: its pending score and its meta.
+    Fields in sort order: tuples compare by arrival, then id, as a zset orders members."""
+
+    arrival_us: int  # the pending score (Redis time at enqueue, µs)
+    id: str | int
+    priority: int  # as submitted (meta); its level may be higher after aging
+    deadline_us: int = 0  # 0: none
+    attempts: int = 0  # deliveries so far; > 0 means re-delivered after a crash or hang
+
+
+class Picked(NamedTuple):
+    request: Request
+    level: int  # the level it was taken from
+    state: str  # RUN, EXPIRED (past its deadline) or EXHAUSTED (dead-lettered)
+
+
+class Promotion(NamedTuple):
+    request: Request
+    source: int  # level before the call
+    target: int  # level after it
+
+
+class Batch(NamedTuple):
+    picked: tuple[Picked, ...]
+    remaining: int  # requests still waiting after this batch, all levels
+    promoted: tuple[Promotion, ...] = ()
+
+    @property
+    def ids(self) -> list[str | int]:
+        return [p.request.id for p in self.picked]
+
+    @property
+    def run(self) -> list[Request]:
+        return [p.request for p in self.picked if p.state == RUN]
+
+    @property
+    def expired(self) -> list[Request]:
+        return [p.request for p in self.picked if p.state == EXPIRED]
+
+    @property
+    def dead_lettered(self) -> list[Request]:
+        return [p.request for p in self.picked if p.state == EXHAUSTED]
+
+
+class Wait(NamedTuple):
+    """Nothing is due for `wait_us` µs (0: already due once a promotion limit lets it)."""
+
+    wait_us: int
+    promoted: tuple[Promotion, ...] = ()
+
+
+class Nothing(NamedTuple):
+    """No request waits at any level."""
+
+    promoted: tuple[Promotion, ...] = ()
+
+
+Decision = Batch | Wait | Nothing
+Levels = Sequence[Sequence[Request]]
+NOTHING = Nothing()
+
+
+def decide(levels: Levels, now_us: int, policy: Policy) -> Decision:
+    """What pop_batch.lua does with this queue state at `now_us` under `policy`."""
+    size, delay = policy.max_batch_size, policy.max_queue_delay_ms * 1000
+    aging = policy.aging_ms * 1000 if policy.strategy is Strategy.PRIORITY else 0
+    promoted: tuple[Promotion, ...] = ()
+    if aging:
+        heads, counts, promoted = _promote(levels, now_us, aging, size)
+    else:
+        heads = [level[:size] for level in levels]
+        counts = [len(level) for level in levels]
+    total = counts[0] + counts[1] + counts[2]
+    if total == 0:
+        return NOTHING
+    strategy = policy.strategy
+    if strategy is Strategy.FIFO:
+        chosen = _take(heads, (0, 1, 2), size)
+    elif strategy is Strategy.DYNAMIC:  # all levels as one: full, or the oldest is due
+        first = min(head[0].arrival_us for head in heads if head)
+        if total < size and now_us - first < delay:
+            return Wait(max(0, first + delay - now_us), promoted)
+        chosen = _take(heads, (0, 1, 2), size)
+    elif counts[0]:  # priority: HIGH at once
+        chosen = _take(heads, (0,), size)
+    elif counts[1]:  # NORMAL by the dynamic rule; LOW waits behind it
+        first = heads[1][0].arrival_us
+        if counts[1] < size and now_us - first < delay:
+            due = first + delay
+            if aging:  # or until a request would be promoted
+                due = min(due, first + aging)
+                if counts[2]:
+                    due = min(due, heads[2][0].arrival_us + aging)
+            return Wait(max(0, due - now_us), promoted)
+        chosen = _take(heads, (1,), size)
+    else:  # LOW when nothing else waits
+        chosen = _take(heads, (2,), size)
+    # isolate_retried: a re-delivered request runs alone, the batch ends before it;
+    # commit: each request's state.
+    picked = []
+    for r, level in chosen:
+        if r.attempts and picked:
+            break
+        state = EXHAUSTED if r.attempts >= policy.max_attempts else \
+            EXPIRED if 0 < r.deadline_us <= now_us else RUN
+        picked.append(Picked(r, level, state))
+        if r.attempts:
+            break
+    return Batch(tuple(picked), total - len(picked), promoted)
+
+
+def _take(heads: list[Sequence[Request]], levels: tuple[int, ...],
+          n: int) -> list[tuple[Request, int]]:
+    """The n oldest of the given levels' heads, merged by arrival (a tie goes to the lower
+    level, as the script's merge)."""
+    waiting = [level for level in levels if heads[level]]
+    if len(waiting) <= 1:
+        return [(r, level) for level in waiting for r in heads[level][:n]]
+    merged = sorted(((r, level) for level in waiting for r in heads[level]),
+                    key=lambda c: (c[0].arrival_us, c[1]))  # stable: keeps a level's order
+    return merged[:n]
+
+
+def _promote(levels: Levels, now: int, aging: int, size: int
+             ) -> tuple[list[Sequence[Request]], list[int], tuple[Promotion, ...]]:
+    """promote_aged: the first `size` requests and the count of each level once aged
+    requests have moved up, and the moves. Each query takes at most 2 x size, in the
+    script's order: LOW -> NORMAL; then NORMAL (the moved LOW included) that waited
+    2 x aging -> HIGH; then NORMAL that waited aging -> HIGH if submitted NORMAL or HIGH
+    (those submitted LOW count against the limit but stay)."""
+    high, normal, low = levels
+    limit = 2 * size
+    cut1, cut2 = now - aging, now - 2 * aging
+    k2 = min(limit, bisect.bisect_right(low, cut1, key=_arrival))
+    i1 = bisect.bisect_right(normal, cut1, key=_arrival)
+    if not k2 and not i1:  # nothing has waited aging_ms (the common case)
+        return [level[:size] for level in levels], [len(level) for level in levels], ()
+    up1 = list(low[:k2])  # LOW -> NORMAL
+    i2 = bisect.bisect_right(normal, cut2, key=_arrival)
+    twice = sorted([*normal[:min(i2, limit)], *(r for r in up1 if r.arrival_us <= cut2)])
+    del twice[limit:]
+    window = sorted([*normal[i2:min(i1, i2 + limit)], *(r for r in up1 if r.arrival_us > cut2)])
+    once = [r for r in window[:limit] if r.priority <= 1]
+    up0 = sorted(twice + once)  # -> HIGH
+    gone = set(up0)
+    from_low = {r.id for r in up1}
+    rest_normal = itertools.islice((r for r in normal if r not in gone), size)
+    heads = [sorted([*high[:size], *up0])[:size],
+             sorted([*rest_normal, *(r for r in up1 if r not in gone)])[:size],
+             low[k2:k2 + size]]
+    counts = [len(high) + len(up0), len(normal) + k2 - len(up0), len(low) - k2]
+    promoted = tuple(
+        [Promotion(r, 2, 1) for r in up1 if r not in gone]
+        + [Promotion(r, 2 if r.id in from_low else 1, 0) for r in up0])
+    return heads, counts, promoted
+
+
+def apply(levels: Sequence[MutableSequence[Request]], decision: Decision) -> None:
+    """Make the decision's writes on the levels (lists, or any mutable sequence sorted as
+    decide expects): the aging moves, then the batch leaves the head of its levels."""
+    for request, source, target in decision.promoted:
+        level = levels[source]
+        del level[bisect.bisect_left(level, request)]
+        bisect.insort(levels[target], request)
+    if isinstance(decision, Batch):
+        taken = [0, 0, 0]
+        for p in decision.picked:
+            taken[p.level] += 1
+        for level, n in enumerate(taken):
+            if n:
+                del levels[level][:n]

@@ -1,0 +1,225 @@
+"""scheduler_core.rules.decide is pop_batch.lua's twin: on thousands of random queue states
+and policies (every strategy, aging, deadlines, re-delivered requests, max_attempts) the
+function and the script, run on a real Redis, make the same decision: the same batch
+(ids, levels, states, what remains), the same wait, the same aging moves.
+
+The script reads the clock itself (Redis TIME) and notes it as the consumer's heartbeat;
+the function decides at exactly that time. Each case is built relative to a TIME read just
+before the script runs, many requests within NEAR_US of a threshold (the delay, aging,
+2 x aging, a deadline), where the µs that pass until the script runs decide the outcome.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+import uuid
+from dataclasses import dataclass
+
+import pytest
+
+from scheduler_core.keys import QueueKeys
+from scheduler_core.policy import Policy, Strategy
+from scheduler_core.rules import (
+    EXHAUSTED,
+    EXPIRED,
+    RUN,
+    Batch,
+    Nothing,
+    Promotion,
+    Request,
+    Wait,
+    apply,
+    decide,
+)
+from scheduler_core.scripts import Scripts, pop_keys
+
+CASES = 4000
+NEAR_US = 2000  # a pipelined script call takes ~0.1-1 ms after the TIME read
+DELAYS_MS = (0, 300, 1000, 2500)
+AGINGS_MS = (0, 400, 1000, 1500)
+SIZES = (1, 2, 3, 4, 8, 32)
+
+
+@dataclass
+class Case:
+    policy: Policy
+    levels: list[list[Request]]
+
+
+def random_case(rng: random.Random, t0: int) -> Case:
+    # A third of the cases are partial batches, mostly young and without HIGH: waits.
+    partial = rng.random() < 0.35
+    strategy = rng.choice([Strategy.DYNAMIC, Strategy.PRIORITY] if partial else list(Strategy))
+    size = rng.choice(SIZES[3:] if partial else SIZES)
+    policy = Policy(strategy=strategy, max_batch_size=size,
+                    max_queue_delay_ms=rng.choice(DELAYS_MS[1:] if partial else DELAYS_MS),
+                    aging_ms=rng.choice(AGINGS_MS), max_attempts=rng.randint(1, 4))
+    thresholds = [t for t in (policy.max_queue_delay_ms, policy.aging_ms,
+                              2 * policy.aging_ms) if t > 0]
+    n = rng.randint(1, size - 1) if partial else rng.choice((0, 1, 2, 3, 5, 10, 20, 40, 80))
+    weights = (0, 6, 3) if partial else (1, 6, 3)
+    span_ms = (1.2 * policy.max_queue_delay_ms if partial
+               else rng.choice((0.5, 1, 2, 4)) * max(thresholds, default=1000))  # of the ages
+    levels: list[list[Request]] = [[], [], []]
+    taken: set[int] = set()
+    for _ in range(n):
+        prio = rng.choices((0, 1, 2), weights=weights)[0]
+        level = prio if rng.random() < 0.8 else rng.randint(0, prio)  # aged before
+        arrival = t0 - age_us(rng, thresholds, span_ms)
+        while arrival in taken:  # Redis' arrival clock makes scores unique per queue
+            arrival = t0 - age_us(rng, thresholds, span_ms)
+        taken.add(arrival)
+        deadline = rng.choice((0, 0, 0, t0 + rng.randint(-NEAR_US, NEAR_US),
+                               t0 - rng.randint(1, 5_000_000), t0 + rng.randint(1, 5_000_000)))
+        attempts = 0 if rng.random() < 0.75 else rng.randint(1, policy.max_attempts + 1)
+        levels[level].append(Request(arrival, uuid.UUID(int=rng.getrandbits(128)).hex[:12],
+                                     prio, deadline, attempts))
+    for level in levels:
+        level.sort()
+    return Case(policy, levels)
+
+
+def age_us(rng: random.Random, thresholds: list[int], span_ms: float) -> int:
+    """An age in µs up to span_ms, a fifth of them within NEAR_US of a threshold."""
+    if thresholds and rng.random() < 0.2:
+        return max(0, rng.choice(thresholds) * 1000 + rng.randint(-NEAR_US, NEAR_US))
+    return rng.randint(0, int(span_ms * 1000))
+
+
+def meta(r: Request) -> str:
+    return f"{r.priority}:{r.arrival_us}:{r.deadline_us}:{r.attempts}:prod"
+
+
+def run_case(client, scripts: Scripts, rng: random.Random) -> tuple[Case, list, int, int,
+                                                                   list[list[str]]]:
+    """Build the case's state through the real keys (as enqueue.lua writes them, aged and
+    re-delivered ones as aging and requeue_expired.lua leave them), run pop_batch.lua;
+    (case, reply, TIME before, TIME after, pending ids per level after)."""
+    sec, usec = client.time()
+    t0 = sec * 1_000_000 + usec
+    case = random_case(rng, t0)
+    keys = QueueKeys(f"rules-{uuid.uuid4().hex[:12]}")
+    pipe = client.pipeline(transaction=False)
+    pipe.hset(keys.policy, mapping=case.policy.to_redis())
+    for level, requests in enumerate(case.levels):
+        if requests:
+            pipe.zadd(keys.pending(level), {r.id: r.arrival_us for r in requests})
+            pipe.hset(keys.meta, mapping={r.id: meta(r) for r in requests})
+            pipe.hset(keys.jobs, mapping={r.id: b'{"v":1}' for r in requests})
+    pipe.evalsha(scripts.pop_batch.sha, len(keys.shared), *pop_keys(keys), "c1", 60_000)
+    pipe.zscore(keys.consumers, "c1")  # the script's clock: it notes the consumer's pop
+    for level in range(3):
+        pipe.zrange(keys.pending(level), 0, -1)
+    pipe.delete(*keys.shared)
+    replies = pipe.execute()
+    reply, now = replies[-6], int(replies[-5])
+    after = [[x.decode() for x in ids] for ids in replies[-4:-1]]
+    return case, reply, t0, now, after
+
+
+def ids_after(case: Case, decision) -> list[list[str]]:
+    levels = [list(level) for level in case.levels]
+    apply(levels, decision)
+    return [[r.id for r in level] for level in levels]
+
+
+def test_decide_makes_the_decisions_of_pop_batch_lua(shared_redis):
+    client = shared_redis.client()
+    scripts = Scripts(client)
+    scripts.pop_batch(keys=pop_keys(QueueKeys("rules-load")), args=["c", 60_000])  # load it
+    rng = random.Random(20261130)
+    seen = {"batch": 0, "wait": 0, "aging wait": 0, "nothing": 0, EXPIRED: 0, EXHAUSTED: 0,
+            "promoted": 0, "isolated": 0, "borderline": 0}
+    started = time.monotonic()
+    for i in range(CASES):
+        case, reply, t0, now, after = run_case(client, scripts, rng)
+        where = f"case {i}: {case.policy}, levels {case.levels}, reply {reply}"
+        assert t0 <= now, where
+        expected = decide(case.levels, now, case.policy)
+        # Cases the µs between the TIME read and the script decided.
+        seen["borderline"] += expected != decide(case.levels, t0, case.policy)
+        if int(reply[0]) == 0:
+            wait = int(reply[1])
+            if wait == -1:
+                assert isinstance(expected, Nothing), where
+                seen["nothing"] += 1
+            else:
+                assert isinstance(expected, Wait) and expected.wait_us == wait, where
+                seen["wait"] += 1
+                seen["aging wait"] += case.policy.strategy is Strategy.PRIORITY and \
+                    case.policy.aging_ms > 0
+        else:
+            assert int(reply[1]) == now, where
+            assert isinstance(expected, Batch), where
+            items = [reply[k:k + 7] for k in range(4, len(reply), 7)]
+            got = [(x[0].decode(), x[5].decode(), int(x[6])) for x in items]
+            assert got == [(p.request.id, p.state, p.level) for p in expected.picked], where
+            assert int(reply[3]) == expected.remaining, where
+            assert [int(x[3]) for x in items] == [p.request.attempts + 1
+                                                  for p in expected.picked], where
+            seen["batch"] += 1
+            seen[EXPIRED] += len(expected.expired)
+            seen[EXHAUSTED] += len(expected.dead_lettered)
+            seen["isolated"] += any(p.request.attempts for p in expected.picked)
+        assert after == ids_after(case, expected), where  # the aging moves and the pops
+        seen["promoted"] += len(expected.promoted)
+    took = time.monotonic() - started
+    # Every outcome is exercised, many times over.
+    print(seen, f"{took:.1f} s")
+    assert min(seen.values()) >= 50, seen
+    assert took < 60, took
+
+
+# -- the rules by example ---------------------------------------------------------------
+def req(ms: int, rid: str, prio: int = 1, **kw: int) -> Request:
+    return Request(ms * 1000, rid, prio, **kw)
+
+
+def test_a_redelivered_request_runs_alone_and_ends_the_batch_before_it():
+    policy = Policy(strategy=Strategy.FIFO, max_batch_size=8)
+    levels = [[], [req(1, "a"), req(2, "b"), req(3, "c", attempts=1), req(4, "d")], []]
+    first = decide(levels, 10_000, policy)
+    assert isinstance(first, Batch) and first.ids == ["a", "b"] and first.remaining == 2
+    apply(levels, first)
+    second = decide(levels, 10_000, policy)
+    assert isinstance(second, Batch) and second.ids == ["c"]
+
+
+def test_expired_and_exhausted_requests_are_answered_not_run():
+    policy = Policy(strategy=Strategy.DYNAMIC, max_batch_size=2, max_attempts=2)
+    levels = [[], [req(1, "late", deadline_us=5_000), req(2, "ok", deadline_us=50_000)], []]
+    batch = decide(levels, 10_000, policy)
+    assert isinstance(batch, Batch)
+    assert [p.state for p in batch.picked] == [EXPIRED, RUN]
+    dead = decide([[req(1, "x", attempts=2)], [], []], 100_000, policy)  # its window is over
+    assert isinstance(dead, Batch) and [r.id for r in dead.dead_lettered] == ["x"]
+
+
+def test_normal_waits_for_its_window_or_its_promotion():
+    policy = Policy(strategy=Strategy.PRIORITY, max_batch_size=4, max_queue_delay_ms=50,
+                    aging_ms=30)
+    levels = [[], [req(100, "n")], [req(105, "l", prio=2)]]
+    wait = decide(levels, 110_000, policy)  # n is promoted at 130 ms, before its window ends
+    assert isinstance(wait, Wait) and wait.wait_us == 20_000
+    moved = decide(levels, 130_000, policy)
+    assert isinstance(moved, Batch) and moved.ids == ["n"] and moved.picked[0].level == 0
+    assert moved.promoted == (Promotion(levels[1][0], 1, 0),)
+
+
+def test_thresholds_are_reached_at_equality():
+    """A window of exactly max_queue_delay_ms is due, a wait of exactly aging_ms promotes,
+    a deadline equal to now has passed (the script compares with < and <=, so)."""
+    policy = Policy(strategy=Strategy.PRIORITY, max_batch_size=4, max_queue_delay_ms=50,
+                    aging_ms=100)
+    assert isinstance(decide([[], [req(0, "n")], []], 49_999, policy), Wait)
+    assert isinstance(decide([[], [req(0, "n")], []], 50_000, policy), Batch)
+    aged = decide([[], [], [req(0, "l", prio=2)]], 100_000, policy)
+    assert isinstance(aged, Batch) and aged.picked[0].level == 1
+    expired = decide([[req(0, "h", prio=0, deadline_us=7_000)], [], []], 7_000, policy)
+    assert isinstance(expired, Batch) and expired.picked[0].state == EXPIRED
+
+
+@pytest.mark.parametrize("strategy", list(Strategy))
+def test_an_empty_queue_is_nothing(strategy):
+    assert isinstance(decide([[], [], []], 0, Policy(strategy=strategy)), Nothing)

@@ -1,0 +1,198 @@
+"""`batchgate simulate`: the simulated queue serves requests as the rules and the cost model
+say (small traces whose every latency is known), and the command's output and errors."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from batchgate.cli import main
+from batchgate.simulate import (
+    CostModel,
+    SimConfig,
+    _Level,
+    parse_mix,
+    poisson_arrivals,
+    read_trace,
+    simulate,
+)
+from batchgate.workload import Workload
+from scheduler_core.errors import InvalidRequest
+from scheduler_core.policy import Policy, Strategy
+
+
+def run(strategy: Strategy, times_ms: list[float], prios: list[int], cost: str = "10",
+        consumers: int = 1, **policy: int):
+    config = SimConfig(Policy(strategy=strategy, **policy), CostModel.parse(cost), consumers,
+                       overhead_ms=0, transport_ms=0)
+    return simulate(config, [t / 1000 for t in times_ms], prios)
+
+
+def test_fifo_serves_each_request_in_its_model_time_while_it_keeps_up():
+    result = run(Strategy.FIFO, [10.0 * k for k in range(100)], [1] * 100, cost="5")
+    assert result.latency_ms["all"] == {"p50": 5.0, "p95": 5.0, "p99": 5.0, "max": 5.0}
+    assert result.mean_batch == 1 and result.batch_histogram == {1: 100}
+    assert result.utilisation == pytest.approx(500 / 995, abs=1e-4)  # 100 x 5 ms over 995 ms
+
+
+def test_a_partial_dynamic_batch_leaves_when_its_oldest_has_waited_the_delay():
+    result = run(Strategy.DYNAMIC, [0, 10, 20], [1, 0, 2], cost="5+1*b", max_batch_size=32,
+                 max_queue_delay_ms=50)
+    # popped at 50 ms, t(3) = 8 ms: results at 58 ms
+    assert [result.latency_ms[p]["max"] for p in ("normal", "high", "low")] == [58, 48, 38]
+    assert result.batch_histogram == {3: 1}
+
+
+def test_a_full_batch_leaves_at_once_and_busy_consumers_queue_the_rest():
+    # 96 requests at t=0 (Redis scores them 1 µs apart), batches of 32, two consumers.
+    result = run(Strategy.DYNAMIC, [0.0] * 96, [1] * 96, cost="10", consumers=2,
+                 max_batch_size=32, max_queue_delay_ms=1000)
+    assert result.batch_histogram == {32: 3}
+    assert result.latency_ms["all"]["p50"] == pytest.approx(10.0, abs=0.1)
+    assert result.latency_ms["all"]["max"] == pytest.approx(20.0, abs=0.1)  # waited for one
+
+
+def test_priority_serves_high_first_normal_by_its_window_low_when_nothing_else_waits():
+    result = run(Strategy.PRIORITY, [0, 1, 2, 3], [2, 1, 0, 2], cost="10", max_batch_size=8,
+                 max_queue_delay_ms=50, aging_ms=0)
+    ms = {p: result.latency_ms[p]["max"] for p in ("high", "normal", "low")}
+    # LOW at 0 runs at once (nothing else waits), until 10 ms; then HIGH (until 20 ms);
+    # NORMAL is due at 51 ms (until 61 ms) and the second LOW waits behind it (until 71 ms).
+    assert ms == {"high": 18.0, "normal": 60.0, "low": 68.0}
+    assert result.latency_ms["low"]["p50"] == 10.0
+
+
+def test_aging_lifts_low_out_of_a_steady_normal_load():
+    """LOW waits while NORMAL keeps the only consumer busy, until aging_ms lifts it."""
+    normal = [float(k) for k in range(0, 3000)]  # one NORMAL per ms, t(b) = 1 ms per item
+    times, prios = [0.5, *normal], [2, *[1] * len(normal)]
+    order = sorted(range(len(times)), key=lambda k: times[k])
+    result = run(Strategy.PRIORITY, [times[k] for k in order], [prios[k] for k in order],
+                 cost="0+1.05*b", max_batch_size=4, max_queue_delay_ms=5, aging_ms=500)
+    assert 500 <= result.latency_ms["low"]["max"] < 520  # served once it reaches NORMAL
+    without = run(Strategy.PRIORITY, [times[k] for k in order], [prios[k] for k in order],
+                  cost="0+1.05*b", max_batch_size=4, max_queue_delay_ms=5, aging_ms=0)
+    assert without.latency_ms["low"]["max"] > 2000
+
+
+def test_the_workload_is_the_benchmarks():
+    times, prios, _ = Workload("poisson", rate=300, duration_s=3, seed=4).arrivals()
+    assert poisson_arrivals(300, 3, seed=4) == (times, prios)
+    assert poisson_arrivals(300, 3, (0, 1, 0), seed=4)[1] == [1] * len(times)
+
+
+def test_cost_model_and_mix_parse_or_name_the_field():
+    assert CostModel.parse("5 + 0.5*b") == CostModel(5.0, 0.5)
+    assert CostModel.parse("0.5b") == CostModel(0.0, 0.5)
+    assert CostModel.parse("12") == CostModel(12.0, 0.0)
+    assert parse_mix("high=1, low=3") == (1.0, 0.0, 3.0)
+    for bad in ("5+b*0.5", "-1+2*b", "", "5+0.5*x"):
+        with pytest.raises(InvalidRequest) as info:
+            CostModel.parse(bad)
+        assert info.value.field == "cost_ms"
+    for bad in ("urgent=1", "high=-1", "high=0,normal=0", "high"):
+        with pytest.raises(InvalidRequest) as info:
+            parse_mix(bad)
+        assert info.value.field == "mix"
+    with pytest.raises(InvalidRequest, match=r"\[1, 4096\]"):
+        SimConfig(consumers=0)
+
+
+def test_trace_file(tmp_path: Path):
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text('{"t": 0.2, "priority": "low"}\n\n{"t": 0.1}\n{"t": 0, "priority": 0}\n')
+    assert read_trace(trace) == ([0.0, 0.1, 0.2], [0, 1, 2])
+    trace.write_text('{"t": 0.1}\n{"t": -1}\n')
+    with pytest.raises(InvalidRequest, match=r"trace.jsonl:2: \"t\""):
+        read_trace(trace)
+    trace.write_text('{"t": 1, "priority": "urgent"}\n')
+    with pytest.raises(InvalidRequest, match="trace line 1"):
+        read_trace(trace)
+
+
+def test_command_prints_the_documented_json(tmp_path: Path):
+    result = CliRunner().invoke(main, ["simulate", "--strategy", "dynamic", "--rate", "400",
+                                       "--duration-s", "2", "--consumers", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output)
+    assert {"throughput_rps", "mean_batch", "utilisation", "latency_ms"} <= out.keys()
+    assert set(out["latency_ms"]) == {"all", "high", "normal", "low"}
+    for summary in out["latency_ms"].values():
+        assert set(summary) == {"p50", "p95", "p99", "max"}
+        assert 50 <= summary["p99"] <= 100  # the 50 ms window plus t(b)
+    assert sum(out["batch_histogram"].values()) == out["batches"]
+    assert out["throughput_rps"] == pytest.approx(400, rel=0.1)
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"t": 0, "priority": "high"}\n')
+    text = CliRunner().invoke(main, ["simulate", "--trace", str(trace), "--cost-ms", "7"])
+    assert text.exit_code == 0, text.output
+    # t(1) + the default overhead per batch and transport per request
+    assert "high" in text.output and "8.36" in text.output
+
+
+def test_command_names_the_bad_option():
+    result = CliRunner().invoke(main, ["simulate", "--cost-ms", "fast"])
+    assert result.exit_code == 2 and "cost_ms" in result.output
+    result = CliRunner().invoke(main, ["simulate", "--max-batch-size", "0"])
+    assert result.exit_code == 2 and "max_batch_size" in result.output
+    result = CliRunner().invoke(main, ["simulate", "--transport-ms", "-1"])
+    assert result.exit_code == 2 and "transport_ms" in result.output
+
+
+def test_the_simulators_level_behaves_as_a_list():
+    """_Level (O(1) pops from the head) against a plain list, on random edits as decide
+    and apply make them."""
+    rng = random.Random(3)
+    level, model = _Level(), []
+    for step in range(20_000):
+        op = rng.random()
+        if op < 0.6 or not model:
+            item = (step, rng.random())
+            level.append(item)
+            model.append(item)
+        elif op < 0.7:
+            n = rng.randint(1, min(len(model), 10))
+            del level[:n]
+            del model[:n]
+        elif op < 0.85:
+            k = rng.randrange(len(model))
+            del level[k]
+            del model[k]
+        else:
+            k, item = rng.randint(0, len(model)), (step, -1.0)
+            level.insert(k, item)
+            model.insert(k, item)
+        assert len(level) == len(model)
+        if step % 97 == 0:
+            assert list(level) == model and level[:5] == model[:5]
+            assert level[len(model) // 2:len(model) // 2 + 3] == \
+                model[len(model) // 2:len(model) // 2 + 3]
+
+
+def test_simcheck_simulates_the_benchmarks_sleep_model_runs():
+    """batchgate/bench/simcheck.py pairs each sleep-model run of a results.json with the
+    simulation of the same requests, and skips what it cannot simulate."""
+    pytest.importorskip("hdrh")
+    from batchgate.bench.run import spec_dict
+    from batchgate.bench.simcheck import compare, render
+    from batchgate.bench.spec import RunSpec
+
+    workload = Workload("poisson", rate=200, duration_s=2, seed=3, model="synthetic")
+    measured = {"throughput_rps": 200.0, "batch_mean": 8.0, "overloaded": False,
+                "latency_ms": {c: {"p50": 40.0, "p99": 60.0}
+                               for c in ("all", "high", "normal", "low")}}
+    runs = [{"label": system, "spec": spec_dict(RunSpec("grid", system, model, workload, 2)),
+             "summary": measured}
+            for system, model in (("batchgate", "synthetic"), ("rq", "synthetic"),
+                                  ("batchgate", "noop"))]
+    rows = compare({"runs": runs})
+    assert [r["system"] for r in rows] == ["batchgate"]
+    expected = simulate(SimConfig(Policy.build("dynamic", aging_ms=1000), CostModel(5, 0.5),
+                                  2), *workload.schedule())
+    assert rows[0]["all_p99"] == (60.0, expected.latency_ms["all"]["p99"])
+    assert rows[0]["mean_batch"] == (8.0, expected.mean_batch)
+    assert "λ=200" in render(rows)

@@ -122,8 +122,12 @@ def decide(levels: Levels, now_us: int, policy: Policy) -> Decision:
         first = heads[1][0].arrival_us
         if counts[1] < size and now_us - first < delay:
             due = first + delay
-            if aging:  # or until a request would be promoted
-                due = min(due, first + aging)
+            if aging:  # or until the next promotion (see pop_batch.lua)
+                due = min(due, first + 2 * aging)
+                cut = now_us - aging
+                younger = next((r.arrival_us for r in heads[1] if r.arrival_us > cut), None)
+                if younger is not None:
+                    due = min(due, younger + aging)
                 if counts[2]:
                     due = min(due, heads[2][0].arrival_us + aging)
             return Wait(max(0, due - now_us), promoted)

@@ -223,3 +223,16 @@ def test_thresholds_are_reached_at_equality():
 @pytest.mark.parametrize("strategy", list(Strategy))
 def test_an_empty_queue_is_nothing(strategy):
     assert isinstance(decide([[], [], []], 0, Policy(strategy=strategy)), Nothing)
+
+
+def test_a_request_aged_from_low_waits_for_its_next_promotion_not_zero():
+    """A LOW request promoted to NORMAL moves up again at 2 x aging_ms: until then the
+    consumer sleeps (it used to be told "due in 0" and poll without pause)."""
+    policy = Policy(strategy=Strategy.PRIORITY, max_batch_size=4, max_queue_delay_ms=5000,
+                    aging_ms=1000)
+    levels = [[], [req(0, "l", prio=2)], []]  # in NORMAL since 1,000 ms
+    wait = decide(levels, 1_200_000, policy)
+    assert isinstance(wait, Wait) and wait.wait_us == 800_000
+    levels[1].append(req(500, "n"))  # submitted NORMAL: moves up at 1,500 ms
+    wait = decide(levels, 1_200_000, policy)
+    assert isinstance(wait, Wait) and wait.wait_us == 300_000

@@ -164,7 +164,13 @@ local function choose(rules, count, total, now)
     if count[2] < batch_size and now - first < delay then
       local due = first + delay
       if aging > 0 then
-        due = math.min(due, first + aging)
+        -- Until the next promotion. A NORMAL request that waited aging_ms already was
+        -- submitted LOW (promote_aged moved the others): it moves up at 2 x aging_ms.
+        -- One that has not moves up at aging_ms.
+        due = math.min(due, first + 2 * aging)
+        local younger = redis.call('ZRANGEBYSCORE', pending_normal, '(' .. int(now - aging),
+                                   '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
+        if younger[1] then due = math.min(due, tonumber(younger[2]) + aging) end
         if count[3] > 0 then due = math.min(due, oldest(2) + aging) end
       end
       return nil, {0, math.max(0, due - now)}

@@ -20,6 +20,8 @@ from scheduler_core.wire import CANCELLED, DEADLINE, DEFAULT_MAX_PAYLOAD_BYTES, 
 
 MAX_DEADLINE_MS = 86_400_000  # 24 h
 MAX_BATCH_SUBMIT = 10_000  # requests per submit_many call (one atomic script call)
+# Checked with fullmatch (`$` alone also matches before a final "\n"). The gateway's schema
+# uses the pattern as is: in JSON Schema (and pydantic's engine) `$` is the end of input.
 IDEMPOTENCY_KEY = re.compile(r"^[A-Za-z0-9_.:-]{1,200}$")
 DEFAULT_IDEMPOTENCY_TTL_S = 86_400
 
@@ -62,7 +64,7 @@ def check_timeout(timeout: Any) -> float | None:
 def check_idempotency_key(key: Any) -> str | None:
     if key is None:
         return None
-    if not isinstance(key, str) or not IDEMPOTENCY_KEY.match(key):
+    if not isinstance(key, str) or not IDEMPOTENCY_KEY.fullmatch(key):
         raise InvalidRequest(
             "idempotency_key",
             f"{key!r} must be 1-200 characters from letters, digits, '_', '.', ':' and '-'",

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 
 from scheduler_core.errors import InvalidRequest
 
+# Checked with fullmatch: `$` alone also matches before a final "\n", so "q\n" would pass.
 QUEUE_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 MAX_QUEUE_NAME = 128
 
@@ -58,7 +59,7 @@ SHARED_KEYS = ("policy", "pending_high", "pending_normal", "pending_low", "jobs"
 
 
 def validate_queue_name(name: object, field: str = "queue") -> str:
-    if not isinstance(name, str) or not QUEUE_NAME.match(name):
+    if not isinstance(name, str) or not QUEUE_NAME.fullmatch(name):
         raise InvalidRequest(
             field,
             f"{name!r} is not a valid queue name: 1-{MAX_QUEUE_NAME} characters from "

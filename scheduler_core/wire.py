@@ -23,6 +23,7 @@ from scheduler_core.errors import (
     InvalidRequest,
     RequestCancelled,
     RequestFailed,
+    RequestLost,
 )
 
 WIRE_VERSION = 1
@@ -34,6 +35,11 @@ INT_MIN, INT_MAX = -(2**63), 2**64 - 1  # what orjson encodes
 # Error types with a dedicated exception on the producer side.
 DEADLINE = "DeadlineExceeded"
 CANCELLED = "Cancelled"
+LOST = "RequestLost"  # never stored: a producer's verdict on a request Redis no longer knows
+LOST_MESSAGE = ("Redis no longer knows it: not waiting, not in flight, no result, not "
+                "dead-lettered. Redis lost it (restarted without persistence, flushed, or "
+                "failed over to a replica that lacked it), or its result expired "
+                "(result_ttl_s) before it was collected; submit it again if it should run")
 
 
 class Outcome(str, Enum):
@@ -148,7 +154,14 @@ class Result:
             return DeadlineExceeded(self.id, self.message, self.error_type)
         if self.error_type == CANCELLED:
             return RequestCancelled(self.id, self.message, self.error_type)
+        if self.error_type == LOST:
+            return RequestLost(self.id, self.message, self.error_type)
         return RequestFailed(self.id, self.message, self.error_type)
+
+
+def lost_result(request_id: str) -> Result:
+    """The outcome of a request that Redis no longer knows (RequestLost)."""
+    return Result(id=request_id, ok=False, error_type=LOST, message=LOST_MESSAGE)
 
 
 def decode_result(data: bytes) -> Result:

@@ -214,7 +214,7 @@ def build_router(auth: Any | None) -> APIRouter:
     @router.get("/requests/{request_id}", responses=STATE_RESPONSES,
                 summary="A request's state and result", response_model=RequestState)
     async def get_request(request_id: RequestId, request: Request) -> Response:
-        state = await _gateway(request).lookup(request_id) if ID.match(request_id) else None
+        state = await _gateway(request).lookup(request_id) if ID.fullmatch(request_id) else None
         if state is None:
             raise not_found(request_id)
         return state_response(state)
@@ -227,7 +227,7 @@ def build_router(auth: Any | None) -> APIRouter:
     }, summary="Cancel a request that has not started", response_model=RequestState)
     async def cancel(request_id: RequestId, request: Request) -> Response:
         gateway = _gateway(request)
-        if not ID.match(request_id):
+        if not ID.fullmatch(request_id):
             raise not_found(request_id)
         outcome = await gateway.cancel(request_id)
         state = await gateway.lookup(request_id)

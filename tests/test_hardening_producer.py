@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
+import threading
 
+import orjson
 import pytest
 from helpers.processes import BATCHGATE
 from helpers.support import configure, wait_for
 
 from producer import AsyncProducer, Producer, RequestFailed, RequestLost
 from producer.base import LOST_CHECK_AFTER_S, POLL_S
+from producer.bulk.engine import BulkSpec, run_bulk
 from producer.bulk.state import check_job_id
 from scheduler_core import errors
 from scheduler_core.errors import InvalidRequest
@@ -111,6 +114,39 @@ def test_a_request_still_known_is_not_taken_for_lost(redis_server, queue, start_
     with Producer(redis_server.url, queue) as producer:
         handles = producer.submit_many([{"i": i} for i in range(4)])  # ~6 s one by one
         assert [h.result(timeout=30) for h in handles] == [{"i": i} for i in range(4)]
+
+
+def test_a_bulk_job_submits_its_lost_requests_again(redis_server, queue, start_consumer,
+                                                   tmp_path, caplog):
+    """The queue's keys vanish while a bulk job's window waits (no consumer yet): the lines'
+    handles fail with RequestLost and the job submits them again, it does not record
+    them as failed."""
+    lines = 8
+    (tmp_path / "in.jsonl").write_bytes(b"".join(orjson.dumps({"i": i}) + b"\n"
+                                                 for i in range(1, lines + 1)))
+    spec = BulkSpec(job_id=f"lost-{queue}", input=str(tmp_path / "in.jsonl"),
+                    output=str(tmp_path / "out.jsonl"), redis_url=redis_server.url,
+                    queue=queue, window=4, lease_s=5)
+    client = redis_server.client()
+    keys = QueueKeys(queue)
+    outcome: list = []
+    job = threading.Thread(target=lambda: outcome.append(run_bulk(spec)))
+    job.start()
+    try:
+        wait_for(lambda: client.zcard(keys.pending_low) == 4, 15, "the window queued")
+        client.delete(*client.scan_iter(match=keys.tag.replace("{", "\\{")
+                                         .replace("}", "\\}") + "*"))
+        # The job waits on its lines in order: the first is found gone and submitted
+        # again; the producer finds the others lost meanwhile.
+        wait_for(lambda: "no longer exist in Redis" in caplog.text, lost_within(1.0),
+                 "the producer finding the requests lost")
+        start_consumer(redis_server.url, queue, "--model", "consumer.models:noop")
+    finally:
+        job.join(60)
+    final = outcome[0]
+    assert (final.state, final.done, final.errors) == ("done", lines, 0)
+    records = [orjson.loads(x) for x in (tmp_path / "out.jsonl").read_bytes().splitlines()]
+    assert [r["result"]["i"] for r in records] == list(range(1, lines + 1))
 
 
 def test_an_idempotency_key_whose_result_expired_runs_again(redis_server, queue,

@@ -81,6 +81,7 @@ HEALTH_TIMEOUT_S = 2.0
 PARSE_IN_THREAD_BYTES = 64 << 10
 PARSE_THREADS = 2
 PREPARED = "batchgate.payload"  # scope key: the EncodedPayload, or its InvalidRequest
+LONG_NUMBER = re.compile(rb"[0-9]{19}")  # orjson reads integers past 64 bits as floats
 # What `batchgate gateway --workers N` hands its worker processes (app_from_env).
 WORKER_ENV = {"redis_url": "BATCHGATE_REDIS_URL", "queue": "BATCHGATE_QUEUE",
               "token": "BATCHGATE_GATEWAY_TOKEN",
@@ -311,8 +312,8 @@ class SubmitParser:
 
     def parse(self, body: bytes) -> tuple[EncodedPayload | InvalidRequest | None, bytes]:
         try:
-            submitted = json.loads(body)  # as the app would: NaN and big integers are
-        except json.JSONDecodeError:      # then refused with the field that holds them
+            submitted = _loads(body)
+        except json.JSONDecodeError:
             return None, b"{"  # the app answers: body: JSON decode error
         except Exception:  # not UTF-8, nested past the recursion limit
             return None, b"\xff"  # the app answers: body: There was an error parsing ...
@@ -333,6 +334,19 @@ class SubmitParser:
 
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _loads(body: bytes) -> Any:
+    """`json.loads(body)`, as the app reads a body (NaN and integers past 64 bits are then
+    refused with the field that holds them), through orjson where it reads the same, 2-3x
+    faster (the parse holds the GIL): orjson refuses what json accepts beyond RFC 8259
+    (NaN, a BOM, lone surrogates), and reads integers of 19 digits or more as floats."""
+    if not LONG_NUMBER.search(body):
+        try:
+            return orjson.loads(body)
+        except orjson.JSONDecodeError:
+            pass
+    return json.loads(body)
 
 
 async def _invalid(request: Request, exc: Exception) -> Response:
@@ -428,7 +442,7 @@ def create_app(redis_url: str = DEFAULT_REDIS_URL, queue: str = "default",
     app.add_exception_handler(redis.TimeoutError, _redis_down)
     app.add_exception_handler(redis.exceptions.OutOfMemoryError, _redis_full)  # noeviction
     app.add_exception_handler(redis.exceptions.ReadOnlyError, _redis_down)  # failover
-    # Outermost first: metrics count every answer, the guard's own included.
+    # The last added is the outermost: metrics count every answer, the guard's included.
     app.add_middleware(RequestGuard, token=token, max_body_bytes=max_body_bytes,
                        request_timeout_s=request_timeout_s,
                        prepare={("POST", SUBMIT_PATH): parser})

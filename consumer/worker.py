@@ -36,7 +36,7 @@ from consumer.due_timer import DueTimer
 from consumer.lease import EXIT_MODEL_HUNG, Held, LeaseKeeper, LeaseTimes
 from consumer.loader import BatchModel
 from consumer.overlap import Overlap
-from scheduler_core.admin import ensure_policy, store_policy
+from scheduler_core.admin import ensure_policy, store_policy, unknown_requests
 from scheduler_core.connection import DEFAULT_REDIS_URL, Backoff, connect
 from scheduler_core.errors import InvalidRequest
 from scheduler_core.keys import QueueKeys
@@ -430,11 +430,28 @@ class Consumer:
 
     def _check_completion(self, batch: Batch, reply: list[Any]) -> None:
         if int(reply[0]) == -1:
-            log.warning("batch %s: lease expired and the batch was re-queued; its results "
-                        "were refused (another consumer answers it)", batch.id)
+            self._log_refused(batch)
         elif int(reply[1]) > 0:
             log.warning("batch %s: %d results refused (no longer in this batch)", batch.id,
                         int(reply[1]))
+
+    def _log_refused(self, batch: Batch) -> None:
+        """Say why a batch's results were refused: its lease lapsed and it was re-queued
+        (another consumer answers it), or Redis no longer knows its requests."""
+        try:
+            lost = unknown_requests(self.redis, self.keys, [item.id for item in batch.items])
+        except redis.RedisError as exc:
+            log.warning("batch %s: its results were refused (lease expired, or Redis lost "
+                        "the batch; could not check which: %s)", batch.id, exc)
+            return
+        if lost:
+            log.warning("batch %s: its results were refused: %d of its %d requests no longer "
+                        "exist (Redis lost them? restarted without persistence, or "
+                        "flushed); nobody will answer them", batch.id, len(lost),
+                        len(batch.items))
+        else:
+            log.warning("batch %s: lease expired and the batch was re-queued; its results "
+                        "were refused (another consumer answers it)", batch.id)
 
     # -- waiting --------------------------------------------------------------------
     def _idle(self, idle: Idle) -> Next:

@@ -79,7 +79,7 @@ async def submit_job(item: Item, request: Request) -> dict[str, str]:
 async def get_job(job_id: str, request: Request) -> dict[str, Any]:
     # Any process or replica can answer: the state is in Redis.
     found = await request_state_async(request.app.state.redis, QUEUE, job_id) \
-        if JOB_ID.match(job_id) else None
+        if JOB_ID.fullmatch(job_id) else None
     if found is None:
         raise HTTPException(404, f"no job {job_id!r} (unknown, or its result expired)")
     result = found.result

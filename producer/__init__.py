@@ -15,6 +15,7 @@ from scheduler_core.errors import (
     QueueFull,
     RequestCancelled,
     RequestFailed,
+    RequestLost,
 )
 from scheduler_core.policy import Priority
 from scheduler_core.wire import Result
@@ -30,5 +31,6 @@ __all__ = [
     "QueueFull",
     "RequestCancelled",
     "RequestFailed",
+    "RequestLost",
     "Result",
 ]

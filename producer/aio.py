@@ -76,6 +76,7 @@ class AsyncHandle:
         return self._result.unwrap()
 
     async def cancel(self) -> CancelOutcome:
+        """As `Handle.cancel`, awaitable."""
         return await self._producer._cancel(self, deadline=False)
 
 
@@ -248,8 +249,10 @@ class AsyncProducer(ProducerBase[AsyncHandle]):
                 replies = [exc] * len(chunk)
             self._expired(chunk, replies, calls)
         for chunk in poll:
+            pipe = self._redis.pipeline(transaction=True)
+            checked = self._poll_reads(pipe, chunk)
             try:
-                self._stored(chunk, await self._redis.mget(self._result_keys(chunk)))
+                self._polled(chunk, checked, await pipe.execute())
             except redis.RedisError:
                 return
 

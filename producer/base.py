@@ -28,17 +28,23 @@ from scheduler_core.scripts import (
     enqueue_call,
     enqueue_reply,
 )
-from scheduler_core.wire import Result, decode_result
+from scheduler_core.wire import Result, decode_result, lost_result
 
 log = logging.getLogger("batchgate.producer")
 
-CancelOutcome = Literal["cancelled", "running", "finished"]
-CANCEL_OUTCOMES: dict[int, CancelOutcome] = {1: "cancelled", 2: "running", 0: "finished"}
+CancelOutcome = Literal["cancelled", "running", "finished", "lost"]
+CANCEL_OUTCOMES: dict[int, CancelOutcome] = {1: "cancelled", 2: "running", 0: "finished",
+                                             3: "lost"}
 # Lost-inbox fallback (a result popped from the inbox whose reply never arrived, an inbox
 # expired): the listener checks `result:<id>` of a handle POLL_S after its submit, then at
 # doubling ages, at most POLL_MAX_S apart, many ids per MGET.
 POLL_S = 1.0
 POLL_MAX_S = 30.0
+# From this age on, the same poll also asks whether Redis still knows the request (in
+# jobs: waiting, in flight or dead-lettered), in the same MULTI as the result: one that is
+# nowhere and has no result was lost by Redis (or its result expired), and its handle
+# fails with RequestLost. Younger handles skip the check: it is not needed on the hot path.
+LOST_CHECK_AFTER_S = 2.0
 SWEEP_CHUNK = 500  # handles per MGET or cancel pipeline in a sweep
 
 # Coalescing: submits that wait while enqueue calls are in flight travel together in the
@@ -240,13 +246,35 @@ class ProducerBase(Generic[H]):
                 poll.append(h)
         return _chunks(expire), _chunks(poll)
 
-    def _result_keys(self, handles: list[H]) -> list[str]:
-        return [self.keys.result(h.id) for h in handles]
+    def _poll_reads(self, pipe: Any, handles: list[H]) -> list[H]:
+        """Queue on `pipe` (a MULTI, sync or asyncio) the reads of a poll of `handles`:
+        whether Redis still knows those old enough to check (see LOST_CHECK_AFTER_S),
+        then all their stored results. Returns the handles checked."""
+        now = time.monotonic()
+        checked = [h for h in handles if now - h._accepted_at >= LOST_CHECK_AFTER_S]
+        for h in checked:
+            pipe.hexists(self.keys.jobs, h.id)
+        pipe.mget([self.keys.result(h.id) for h in handles])
+        return checked
 
-    def _stored(self, handles: list[H], raws: list[bytes | None]) -> None:
+    def _polled(self, handles: list[H], checked: list[H], replies: list[Any]) -> None:
+        """Resolve the handles with a stored result, and as lost those Redis no longer
+        knows. One MULTI: a request that completes between the reads cannot be taken for
+        lost (the result is stored as the request leaves jobs, atomically)."""
+        *known, raws = replies
+        stored = {}
         for handle, raw in zip(handles, raws, strict=True):
             if raw is not None:
+                stored[handle.id] = raw
                 self._resolve_all(handle, decode_result(raw))
+        lost = [h for h, exists in zip(checked, known, strict=True)
+                if not exists and h.id not in stored]
+        if lost:
+            log.warning("%d requests (%s, ...) no longer exist in Redis (lost, or their "
+                        "result expired): their handles fail with RequestLost", len(lost),
+                        lost[0].id)
+        for handle in lost:
+            self._resolve_all(handle, lost_result(handle.id))
 
     def _expire_calls(self, handles: list[H]) -> list[tuple[list[str], list[Any], bytes]]:
         return [self._cancel_call(h.id, deadline=True) for h in handles]
@@ -269,6 +297,8 @@ class ProducerBase(Generic[H]):
         outcome = CANCEL_OUTCOMES[int(reply)]
         if outcome == "cancelled":
             self._resolve_all(handle, decode_result(envelope))
+        elif outcome == "lost":
+            self._resolve_all(handle, lost_result(handle.id))
         return outcome
 
     def _resolve_stored(self, handle: H, result: Result | None) -> bool:

@@ -120,7 +120,8 @@ class Handle:
         """The model's result for this request.
 
         Raises RequestFailed (the model raised, or the request was dead-lettered),
-        DeadlineExceeded (not run before its deadline_ms), RequestCancelled, or
+        DeadlineExceeded (not run before its deadline_ms), RequestCancelled, RequestLost
+        (Redis no longer knows the request: it lost it, or its result expired), or
         TimeoutError if nothing arrived within `timeout` seconds (the request stays queued).
         """
         timeout = check_timeout(timeout)
@@ -147,8 +148,9 @@ class Handle:
 
     def cancel(self) -> CancelOutcome:
         """Remove the request if it is still waiting: 'cancelled' (it will never run, its
-        result is RequestCancelled), 'running' (already in a batch: it will complete), or
-        'finished' (it already has a result)."""
+        result is RequestCancelled), 'running' (already in a batch: it will complete),
+        'finished' (it already has a result, or was dead-lettered), or 'lost' (Redis no
+        longer knows it: lost, or its result expired; the handle fails with RequestLost)."""
         return self._producer._cancel(self, deadline=False)
 
 
@@ -378,8 +380,10 @@ class Producer(ProducerBase[Handle]):
                 replies = [exc] * len(chunk)
             self._expired(chunk, replies, calls)
         for chunk in poll:
+            pipe = self._redis.pipeline(transaction=True)
+            checked = self._poll_reads(pipe, chunk)
             try:
-                self._stored(chunk, self._redis.mget(self._result_keys(chunk)))
+                self._polled(chunk, checked, pipe.execute())
             except redis.RedisError:
                 return  # polled again at the next sweep
 

@@ -20,7 +20,9 @@ from scheduler_core.wire import CANCELLED, DEADLINE, DEFAULT_MAX_PAYLOAD_BYTES, 
 
 MAX_DEADLINE_MS = 86_400_000  # 24 h
 MAX_BATCH_SUBMIT = 10_000  # requests per submit_many call (one atomic script call)
-IDEMPOTENCY_KEY = re.compile(r"[A-Za-z0-9_.:-]{1,200}")  # fullmatch, not `$` (lets "k\n" in)
+# Checked with fullmatch (`$` alone also matches before a final "\n"). The gateway's schema
+# uses the pattern as is: in JSON Schema (and pydantic's engine) `$` is the end of input.
+IDEMPOTENCY_KEY = re.compile(r"^[A-Za-z0-9_.:-]{1,200}$")
 DEFAULT_IDEMPOTENCY_TTL_S = 86_400
 
 

@@ -189,6 +189,18 @@ def read_lookup(request_id: str, replies: list[Any]) -> Found | None:
     return None
 
 
+def unknown_requests(client: redis.Redis, keys: QueueKeys, request_ids: list[str]) -> list[str]:
+    """The ids Redis no longer knows: not in jobs (waiting, in flight, dead-lettered) and
+    without a stored result. Lost with Redis' data, or their result expired. One MULTI."""
+    pipe = client.pipeline(transaction=True)
+    for request_id in request_ids:
+        pipe.hexists(keys.jobs, request_id)
+        pipe.exists(keys.result(request_id))
+    replies = pipe.execute()
+    return [rid for rid, job, result in zip(request_ids, replies[::2], replies[1::2],
+                                            strict=True) if not job and not result]
+
+
 def request_state(client: redis.Redis, queue: str, request_id: str) -> Found | None:
     """Where request `request_id` of `queue` is (see read_lookup)."""
     pipe = client.pipeline(transaction=True)

@@ -53,3 +53,10 @@ class DeadlineExceeded(RequestFailed):
 
 class RequestCancelled(RequestFailed):
     """The request was cancelled by its producer before it ran."""
+
+
+class RequestLost(RequestFailed):
+    """Redis no longer knows the request: it is not waiting, not in flight, has no result
+    and is not dead-lettered. Redis lost it (restarted without persistence, flushed, a
+    failover to a replica that lacked it), or its result expired (`result_ttl_s`) before it
+    was collected. Nothing will answer it: submit it again if it should run."""

@@ -46,7 +46,8 @@ from dataclasses import dataclass
 
 from scheduler_core.errors import InvalidRequest
 
-QUEUE_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,128}")  # fullmatch: `$` would let "q\n" in
+# Checked with fullmatch: `$` alone also matches before a final "\n", so "q\n" would pass.
+QUEUE_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 MAX_QUEUE_NAME = 128
 
 # The queue's shared keys, as every script receives them (KEYS[1..19], this order) and

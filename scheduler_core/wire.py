@@ -23,6 +23,7 @@ from scheduler_core.errors import (
     InvalidRequest,
     RequestCancelled,
     RequestFailed,
+    RequestLost,
 )
 
 WIRE_VERSION = 1
@@ -34,6 +35,11 @@ INT_MIN, INT_MAX = -(2**63), 2**64 - 1  # what orjson encodes
 # Error types with a dedicated exception on the producer side.
 DEADLINE = "DeadlineExceeded"
 CANCELLED = "Cancelled"
+LOST = "RequestLost"  # never stored: a producer's verdict on a request Redis no longer knows
+LOST_MESSAGE = ("Redis no longer knows it: not waiting, not in flight, no result, not "
+                "dead-lettered. Redis lost it (restarted without persistence, flushed, or "
+                "failed over to a replica that lacked it), or its result expired "
+                "(result_ttl_s) before it was collected; submit it again if it should run")
 
 
 class Outcome(str, Enum):
@@ -88,13 +94,32 @@ def _dumps(value: Any, field: str, max_bytes: int) -> bytes:
         data = orjson.dumps(value)
     except orjson.JSONEncodeError as exc:  # e.g. a str with lone surrogates (not UTF-8)
         raise InvalidRequest(field, f"cannot be encoded as JSON: {exc}") from None
+    return _within(data, field, max_bytes)
+
+
+def _within(data: bytes, field: str, max_bytes: int) -> bytes:
     if len(data) > max_bytes:
         raise InvalidRequest(field, f"{len(data)} bytes encoded, over the limit of {max_bytes}")
     return data
 
 
+@dataclass(frozen=True)
+class EncodedPayload:
+    """A payload checked and encoded ahead of its submit (`encode_payload`); producers
+    send its bytes as they are. The gateway encodes large bodies' payloads in a thread, so
+    that their checks do not hold up its event loop."""
+
+    data: bytes
+
+
+def encode_payload(payload: Any, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> EncodedPayload:
+    """Check and encode `payload` (InvalidRequest naming the culprit, as `encode_request`)."""
+    return EncodedPayload(_dumps(payload, "payload", max_bytes))
+
+
 def encode_request(payload: Any, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> bytes:
-    body = _dumps(payload, "payload", max_bytes)
+    body = _within(payload.data, "payload", max_bytes) if isinstance(payload, EncodedPayload) \
+        else _dumps(payload, "payload", max_bytes)
     return b'{"v":%d,"payload":%s}' % (WIRE_VERSION, body)
 
 
@@ -148,7 +173,14 @@ class Result:
             return DeadlineExceeded(self.id, self.message, self.error_type)
         if self.error_type == CANCELLED:
             return RequestCancelled(self.id, self.message, self.error_type)
+        if self.error_type == LOST:
+            return RequestLost(self.id, self.message, self.error_type)
         return RequestFailed(self.id, self.message, self.error_type)
+
+
+def lost_result(request_id: str) -> Result:
+    """The outcome of a request that Redis no longer knows (RequestLost)."""
+    return Result(id=request_id, ok=False, error_type=LOST, message=LOST_MESSAGE)
 
 
 def decode_result(data: bytes) -> Result:

@@ -50,7 +50,7 @@ from producer.bulk.state import (
 )
 from producer.sync import Handle, Producer
 from scheduler_core.connection import DEFAULT_REDIS_URL, connect
-from scheduler_core.errors import InvalidRequest, QueueFull, RequestFailed
+from scheduler_core.errors import InvalidRequest, QueueFull, RequestFailed, RequestLost
 from scheduler_core.keys import QueueKeys
 from scheduler_core.policy import Priority
 
@@ -284,6 +284,9 @@ class BulkRunner:
             try:
                 value = slot.handle.result(timeout=timeout)
                 slot.record = {"line": slot.line, "ok": True, "result": value}
+            except RequestLost:  # vanished, as the producer found (see _vanished)
+                self._resubmit(slot)
+                timeout = WAIT_STEP_S
             except RequestFailed as exc:
                 message = str(exc).removeprefix(
                     f"request {exc.request_id} failed: {exc.error_type}: ")

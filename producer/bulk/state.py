@@ -27,7 +27,7 @@ from scheduler_core.keys import bulk_lease_key as lease_key
 from scheduler_core.keys import bulk_state_key as state_key
 from scheduler_core.scripts import Scripts, bulk_lease_keys
 
-JOB_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+JOB_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")  # fullmatch: `$` matches before a final "\n"
 FINISHED_TTL_S = 7 * 86_400
 
 
@@ -36,7 +36,7 @@ class BulkError(BatchgateError):
 
 
 def check_job_id(job_id: str) -> str:
-    if not isinstance(job_id, str) or not JOB_ID.match(job_id):
+    if not isinstance(job_id, str) or not JOB_ID.fullmatch(job_id):
         raise InvalidRequest("job_id", f"{job_id!r}: use 1-64 letters, digits, '_', '.', '-'")
     return job_id
 

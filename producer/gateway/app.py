@@ -10,6 +10,9 @@ per process, opened and closed with the app's lifespan. Endpoints:
     GET    /healthz                     Redis reachable? (never needs a token)
     GET    /metrics                     Prometheus metrics (never needs a token)
 
+Before the app sees a request, guard.py checks its token, its body's size and the time
+its body takes; large submit bodies are parsed and checked in a thread (SubmitParser).
+
 Needs the `gateway` extra (fastapi, uvicorn, prometheus_client).
 """
 
@@ -17,10 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
+import logging
 import math
 import os
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
@@ -36,7 +42,15 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from producer.aio import AsyncProducer
-from producer.gateway.metrics import GatewayMetrics, MetricsMiddleware
+from producer.gateway.guard import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_REQUEST_TIMEOUT_S,
+    REQUEST_TIMEOUT_ENV,
+    RequestGuard,
+    Scope,
+    header,
+)
+from producer.gateway.metrics import SUBMIT_PATH, GatewayMetrics, MetricsMiddleware
 from producer.gateway.schemas import (
     HTTP_STATUS,
     REQUEST_ID_PATTERN,
@@ -52,11 +66,27 @@ from scheduler_core.connection import DEFAULT_REDIS_URL, connect, connect_async
 from scheduler_core.errors import InvalidRequest, QueueFull, RequestFailed
 from scheduler_core.keys import QueueKeys
 from scheduler_core.scripts import Scripts, cancel_keys
+from scheduler_core.wire import (
+    DEFAULT_MAX_PAYLOAD_BYTES,
+    EncodedPayload,
+    encode_payload,
+    lost_result,
+)
+
+log = logging.getLogger("batchgate.gateway")
 
 HEALTH_TIMEOUT_S = 2.0
+# Submit bodies from this size on are parsed and their payload checked and encoded in a
+# thread (at most PARSE_THREADS at once), not on the event loop.
+PARSE_IN_THREAD_BYTES = 64 << 10
+PARSE_THREADS = 2
+PREPARED = "batchgate.payload"  # scope key: the EncodedPayload, or its InvalidRequest
+LONG_NUMBER = re.compile(rb"[0-9]{19}")  # orjson reads integers past 64 bits as floats
 # What `batchgate gateway --workers N` hands its worker processes (app_from_env).
 WORKER_ENV = {"redis_url": "BATCHGATE_REDIS_URL", "queue": "BATCHGATE_QUEUE",
-              "token": "BATCHGATE_GATEWAY_TOKEN"}
+              "token": "BATCHGATE_GATEWAY_TOKEN",
+              "max_body_bytes": "BATCHGATE_GATEWAY_MAX_BODY_BYTES",
+              "request_timeout_s": REQUEST_TIMEOUT_ENV}
 DEFAULT_RETRY_AFTER_S = 1.0
 # No pattern on the path: a malformed id is as unknown as a well-formed one nobody
 # submitted, and answers 404 like it (a 422 would suggest the request exists).
@@ -181,6 +211,8 @@ def build_router(auth: Any | None) -> APIRouter:
         202: {"model": RequestState, "description": "Accepted (wait=false), or still queued "
                                                     "or running after timeout_s."},
         404: _problem("Not used by this endpoint."),
+        408: _problem("The body did not arrive within --request-timeout-s of the headers."),
+        413: _problem("The body is over --max-body-bytes."),
         429: {"model": QueueFullProblem, "description": "QueueFull: retry after Retry-After "
                                                         "seconds.",
               "headers": {"Retry-After": {"schema": {"type": "integer"}}}},
@@ -188,10 +220,13 @@ def build_router(auth: Any | None) -> APIRouter:
     async def submit(body: SubmitRequest, request: Request) -> Response:
         gateway = _gateway(request)
         request.scope["batchgate.wait"] = body.wait
+        prepared = request.scope.pop(PREPARED, None)  # a large body's payload (SubmitParser)
+        if isinstance(prepared, InvalidRequest):
+            raise prepared
         try:
             handle = await gateway.producer.submit(
-                body.payload, priority=body.priority, deadline_ms=body.deadline_ms,
-                idempotency_key=body.idempotency_key)
+                body.payload if prepared is None else prepared, priority=body.priority,
+                deadline_ms=body.deadline_ms, idempotency_key=body.idempotency_key)
         except QueueFull as exc:
             retry = exc.retry_after_s or DEFAULT_RETRY_AFTER_S
             raise ApiError(429, "queue_full", str(exc), depth=exc.depth, limit=exc.limit,
@@ -208,13 +243,15 @@ def build_router(auth: Any | None) -> APIRouter:
             pass  # still waiting, or failed/expired/cancelled: its stored state says which
         finally:
             metrics.waiting.dec()
-        state = await gateway.lookup(handle.id)
-        return state_response(state or RequestState(id=handle.id, status="queued"))
+        state = await gateway.lookup(handle.id)  # one MULTI: a request that exists is seen
+        # Accepted, yet Redis no longer knows it (lost with its data, or its result
+        # expired): it failed (RequestLost), rather than 202 with a Location that 404s.
+        return state_response(state or RequestState.from_result(lost_result(handle.id)))
 
     @router.get("/requests/{request_id}", responses=STATE_RESPONSES,
                 summary="A request's state and result", response_model=RequestState)
     async def get_request(request_id: RequestId, request: Request) -> Response:
-        state = await _gateway(request).lookup(request_id) if ID.match(request_id) else None
+        state = await _gateway(request).lookup(request_id) if ID.fullmatch(request_id) else None
         if state is None:
             raise not_found(request_id)
         return state_response(state)
@@ -227,7 +264,7 @@ def build_router(auth: Any | None) -> APIRouter:
     }, summary="Cancel a request that has not started", response_model=RequestState)
     async def cancel(request_id: RequestId, request: Request) -> Response:
         gateway = _gateway(request)
-        if not ID.match(request_id):
+        if not ID.fullmatch(request_id):
             raise not_found(request_id)
         outcome = await gateway.cancel(request_id)
         state = await gateway.lookup(request_id)
@@ -246,6 +283,70 @@ def build_router(auth: Any | None) -> APIRouter:
         return json_response(200, result.to_dict())
 
     return router
+
+
+class SubmitParser:
+    """Prepares large `POST /v1/requests` bodies off the event loop (a RequestGuard hook):
+    in a thread, parses the JSON, checks and encodes its payload (the producer's checks,
+    which walk every value), and hands the app the body with `"payload": null` and the
+    EncodedPayload (or its InvalidRequest) in the scope. The app then parses a few bytes.
+
+    A body that is not a JSON object is replaced by a small one that fails the same way, so
+    the app answers as it always does (one error shape, one place)."""
+
+    def __init__(self, max_payload_bytes: int):
+        self.max_payload_bytes = max_payload_bytes
+        self.executor = ThreadPoolExecutor(PARSE_THREADS, thread_name_prefix="batchgate-parse")
+
+    async def __call__(self, scope: Scope, body: bytes) -> bytes:
+        content_type = (header(scope, b"content-type") or b"").partition(b";")[0].strip()
+        maintype, _, subtype = content_type.lower().partition(b"/")
+        if len(body) < PARSE_IN_THREAD_BYTES or maintype != b"application" or not (
+                subtype == b"json" or subtype.endswith(b"+json")):
+            return body  # small, or not parsed as JSON by the app anyway
+        prepared, body = await asyncio.get_running_loop().run_in_executor(
+            self.executor, self.parse, body)
+        if prepared is not None:
+            scope[PREPARED] = prepared
+        return body
+
+    def parse(self, body: bytes) -> tuple[EncodedPayload | InvalidRequest | None, bytes]:
+        try:
+            submitted = _loads(body)
+        except json.JSONDecodeError:
+            return None, b"{"  # the app answers: body: JSON decode error
+        except Exception:  # not UTF-8, nested past the recursion limit
+            return None, b"\xff"  # the app answers: body: There was an error parsing ...
+        if not isinstance(submitted, dict):
+            return None, b"[]"  # the app answers: body: Input should be a valid dictionary
+        # Other fields keep their values (they are validated by the app); unknown ones are
+        # refused for their name, whatever their value.
+        rest = {name: value if name in SubmitRequest.model_fields else None
+                for name, value in submitted.items() if name != "payload"}
+        prepared: EncodedPayload | InvalidRequest | None = None
+        if "payload" in submitted:
+            try:
+                prepared = encode_payload(submitted["payload"], self.max_payload_bytes)
+            except InvalidRequest as exc:
+                prepared = exc
+            rest["payload"] = None
+        return prepared, json.dumps(rest).encode()
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _loads(body: bytes) -> Any:
+    """`json.loads(body)`, as the app reads a body (NaN and integers past 64 bits are then
+    refused with the field that holds them), through orjson where it reads the same, 2-3x
+    faster (the parse holds the GIL): orjson refuses what json accepts beyond RFC 8259
+    (NaN, a BOM, lone surrogates), and reads integers of 19 digits or more as floats."""
+    if not LONG_NUMBER.search(body):
+        try:
+            return orjson.loads(body)
+        except orjson.JSONDecodeError:
+            pass
+    return json.loads(body)
 
 
 async def _invalid(request: Request, exc: Exception) -> Response:
@@ -277,7 +378,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
         return json_response(422, {"error": "invalid_request", "field": "body",
                                    "message": f"body: {exc.detail}"})
     if exc.status_code == 405:  # Allow: every method of the path, not only the first route's
-        methods = {method for route in request.app.routes
+        methods = {method for route in request.app.state.routes()
                    if isinstance(route, APIRoute) and route.path_regex.match(request.url.path)
                    for method in route.methods}
         return json_response(405, {"error": "method_not_allowed", "message": str(exc.detail)},
@@ -302,10 +403,14 @@ async def _redis_full(_request: Request, exc: Exception) -> Response:
 
 
 def create_app(redis_url: str = DEFAULT_REDIS_URL, queue: str = "default",
-               token: str | None = None) -> FastAPI:
-    """The gateway for `queue`; with `token`, /v1/* needs `Authorization: Bearer <token>`."""
+               token: str | None = None, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S) -> FastAPI:
+    """The gateway for `queue`; with `token`, /v1/* needs `Authorization: Bearer <token>`.
+    Bodies over `max_body_bytes`, or not received within `request_timeout_s` of their
+    headers, are refused (413, 408) before the app reads them."""
     QueueKeys(queue)  # validate the name now, not on the first request
     metrics = GatewayMetrics()
+    parser = SubmitParser(DEFAULT_MAX_PAYLOAD_BYTES)  # the AsyncProducer's payload limit
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -313,12 +418,22 @@ def create_app(redis_url: str = DEFAULT_REDIS_URL, queue: str = "default",
         try:
             yield
         finally:
+            parser.close()
             await app.state.gateway.close()
 
+    # No trailing-slash redirects: their Location would be built from the Host header.
     app = FastAPI(title="batchgate gateway", version="1", lifespan=lifespan,
+                  redirect_slashes=False,
                   description=f"Submit inference requests to batchgate queue `{queue}`.")
     app.state.metrics = metrics
-    app.include_router(build_router(bearer_auth(token) if token else None))
+    router = build_router(bearer_auth(token) if token else None)
+    app.include_router(router)
+
+    def routes() -> Iterator[Any]:
+        """Every route with a path (FastAPI may keep an included router's routes apart)."""
+        return (route for route in (*router.routes, *app.router.routes)
+                if hasattr(route, "path_regex"))
+    app.state.routes = routes
     app.add_exception_handler(RequestValidationError, _invalid)
     app.add_exception_handler(InvalidRequest, _invalid)
     app.add_exception_handler(ApiError, _api_error)
@@ -327,16 +442,25 @@ def create_app(redis_url: str = DEFAULT_REDIS_URL, queue: str = "default",
     app.add_exception_handler(redis.TimeoutError, _redis_down)
     app.add_exception_handler(redis.exceptions.OutOfMemoryError, _redis_full)  # noeviction
     app.add_exception_handler(redis.exceptions.ReadOnlyError, _redis_down)  # failover
-    app.add_middleware(MetricsMiddleware, metrics=metrics)
+    # The last added is the outermost: metrics count every answer, the guard's included.
+    app.add_middleware(RequestGuard, token=token, max_body_bytes=max_body_bytes,
+                       request_timeout_s=request_timeout_s,
+                       prepare={("POST", SUBMIT_PATH): parser})
+    app.add_middleware(MetricsMiddleware, metrics=metrics, routes=routes)
+    health = {"ok": True}
 
     @app.get("/healthz", response_model=Health, summary="Redis reachable?",
              responses={503: {"model": Health, "description": "Redis is unreachable."}})
     async def healthz(request: Request) -> Response:
+        """No token needed, so no detail given: the kind of error only (the gateway logs
+        what Redis answered when it stops answering)."""
         try:
             await asyncio.wait_for(_gateway(request).redis.ping(), HEALTH_TIMEOUT_S)
         except (redis.RedisError, OSError, asyncio.TimeoutError) as exc:
-            return json_response(503, {"status": "unavailable", "redis": str(exc) or
-                                       type(exc).__name__})
+            if health.pop("ok", False):
+                log.warning("healthz: Redis unavailable: %s", str(exc) or type(exc).__name__)
+            return json_response(503, {"status": "unavailable", "redis": type(exc).__name__})
+        health["ok"] = True
         return json_response(200, {"status": "ok", "redis": "ok"})
 
     @app.get("/metrics", include_in_schema=False)
@@ -349,6 +473,11 @@ def create_app(redis_url: str = DEFAULT_REDIS_URL, queue: str = "default",
 
 def app_from_env() -> FastAPI:
     """The app of one `batchgate gateway --workers N` worker process."""
-    return create_app(os.environ.get(WORKER_ENV["redis_url"], DEFAULT_REDIS_URL),
-                      os.environ.get(WORKER_ENV["queue"], "default"),
-                      token=os.environ.get(WORKER_ENV["token"]) or None)
+    env = os.environ
+    return create_app(env.get(WORKER_ENV["redis_url"], DEFAULT_REDIS_URL),
+                      env.get(WORKER_ENV["queue"], "default"),
+                      token=env.get(WORKER_ENV["token"]) or None,
+                      max_body_bytes=int(env.get(WORKER_ENV["max_body_bytes"],
+                                                 DEFAULT_MAX_BODY_BYTES)),
+                      request_timeout_s=float(env.get(WORKER_ENV["request_timeout_s"],
+                                                      DEFAULT_REQUEST_TIMEOUT_S)))

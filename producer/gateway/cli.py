@@ -12,11 +12,17 @@ import os
 import click
 import redis
 
+from producer.gateway.guard import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_REQUEST_TIMEOUT_S,
+    REQUEST_TIMEOUT_ENV,
+)
 from scheduler_core.compat import connect_checked
 from scheduler_core.options import queue_option, redis_url_option
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
+PROTOCOL = "producer.gateway.protocol:HeaderTimeoutProtocol"
 
 
 @click.command("gateway")
@@ -30,7 +36,23 @@ DEFAULT_PORT = 8000
               help="Port to listen on. Env: BATCHGATE_GATEWAY_PORT.")
 @click.option("--token", envvar="BATCHGATE_GATEWAY_TOKEN", default=None,
               help="Require `Authorization: Bearer TOKEN` on /v1/* (not on /healthz and "
-                   "/metrics). Env: BATCHGATE_GATEWAY_TOKEN [default: no auth].")
+                   "/metrics), checked before the body is read. Env: "
+                   "BATCHGATE_GATEWAY_TOKEN [default: no auth].")
+@click.option("--max-body-bytes", envvar="BATCHGATE_GATEWAY_MAX_BODY_BYTES",
+              type=click.IntRange(1024, 1 << 30), default=DEFAULT_MAX_BODY_BYTES,
+              show_default=True,
+              help="Largest request body, in bytes: a larger one is "
+                   "answered 413 as soon as it is known (Content-Length) or crosses the "
+                   "limit (chunked), and its connection closed. The default is twice the "
+                   "1 MiB payload limit plus 64 KiB. Env: BATCHGATE_GATEWAY_MAX_BODY_BYTES.")
+@click.option("--request-timeout-s", envvar=REQUEST_TIMEOUT_ENV,
+              type=click.FloatRange(0.1, 3600), default=DEFAULT_REQUEST_TIMEOUT_S,
+              show_default=True,
+              help="Seconds a client has to send a request's headers (from "
+                   "connecting, or from their first byte on a kept-alive connection) and "
+                   "again its body (from the headers); past either the request is "
+                   "answered 408 and its connection closed. Env: "
+                   "BATCHGATE_GATEWAY_REQUEST_TIMEOUT_S.")
 @click.option("--access-log/--no-access-log", default=True, show_default=True,
               help="Log one line per HTTP request.")
 @click.option("--workers", envvar="BATCHGATE_GATEWAY_WORKERS", type=click.IntRange(1, 64),
@@ -38,7 +60,8 @@ DEFAULT_PORT = 8000
               help="Serve from this many processes (uvicorn workers) sharing the port, each "
                    "with its own AsyncProducer. Env: BATCHGATE_GATEWAY_WORKERS.")
 def gateway_command(redis_url: str, queue: str, host: str, port: int, token: str | None,
-                    access_log: bool, workers: int) -> None:
+                    max_body_bytes: int, request_timeout_s: float, access_log: bool,
+                    workers: int) -> None:
     """Serve an HTTP API for QUEUE: submit, fetch a result, cancel, stats, health and
     Prometheus /metrics. OpenAPI spec at /openapi.json, interactive docs at /docs."""
     try:
@@ -51,16 +74,21 @@ def gateway_command(redis_url: str, queue: str, host: str, port: int, token: str
     # Fail now on a Redis too old; an unreachable one may come up later (see /healthz).
     with contextlib.suppress(redis.ConnectionError, redis.TimeoutError):
         connect_checked(redis_url).close()
-    app = create_app(redis_url, queue, token=token or None)  # validates before serving
+    app = create_app(redis_url, queue, token=token or None, max_body_bytes=max_body_bytes,
+                     request_timeout_s=request_timeout_s)  # validates before serving
     level = logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
     click.echo(f"batchgate gateway for queue {queue!r} on http://{host}:{port} "
                f"(auth: {'bearer token' if token else 'none'}, workers: {workers})", err=True)
-    options = {"host": host, "port": port, "access_log": access_log,
+    options = {"host": host, "port": port, "access_log": access_log, "http": PROTOCOL,
                "log_level": level if level in ("debug", "info", "warning", "error") else "info"}
+    # The protocol (slow headers) reads its timeout here, in every process.
+    os.environ[REQUEST_TIMEOUT_ENV] = repr(request_timeout_s)
     if workers == 1:
         uvicorn.run(app, **options)
         return
     # Each worker process builds its own app (and AsyncProducer) from these variables.
     os.environ.update({WORKER_ENV["redis_url"]: redis_url, WORKER_ENV["queue"]: queue,
-                       WORKER_ENV["token"]: token or ""})
+                       WORKER_ENV["token"]: token or "",
+                       WORKER_ENV["max_body_bytes"]: str(max_body_bytes),
+                       WORKER_ENV["request_timeout_s"]: repr(request_timeout_s)})
     uvicorn.run("producer.gateway.app:app_from_env", factory=True, workers=workers, **options)

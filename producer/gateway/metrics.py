@@ -1,7 +1,9 @@
 """Prometheus metrics of the HTTP gateway, served at `/metrics`.
 
 - `batchgate_gateway_requests_total{endpoint,method,status}`: HTTP requests answered;
-  `endpoint` is the route template (e.g. `/v1/requests/{request_id}`), `unmatched` otherwise.
+  `endpoint` is the route template (e.g. `/v1/requests/{request_id}`), `unmatched` otherwise;
+  `method` one of METHODS, `other` otherwise; `status` the HTTP status code. Every label
+  comes from a fixed set, whatever clients send: the exposition cannot grow without bound.
 - `batchgate_gateway_request_seconds{endpoint,method}`: time to answer, all endpoints.
 - `batchgate_gateway_submit_seconds{wait,status}`: `POST /v1/requests`, from receipt to
   answer (with wait=true this includes queueing and the model).
@@ -11,6 +13,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from prometheus_client import (
@@ -26,6 +29,7 @@ from prometheus_client import (
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                    10.0, 30.0, 60.0, 120.0, 300.0)
 SUBMIT_PATH = "/v1/requests"
+METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 
 
 class GatewayMetrics:
@@ -55,9 +59,18 @@ class GatewayMetrics:
 class MetricsMiddleware:
     """Pure ASGI middleware: counts and times every HTTP request by route template."""
 
-    def __init__(self, app: Any, metrics: GatewayMetrics):
+    def __init__(self, app: Any, metrics: GatewayMetrics, routes: Callable[[], Iterable[Any]]):
         self.app = app
         self.metrics = metrics
+        self.routes = routes  # the app's, for requests answered before routing (guard.py)
+
+    def endpoint(self, scope: dict[str, Any]) -> str:
+        """The route template of the request's path, or "unmatched"."""
+        path = getattr(scope.get("route"), "path", None)
+        if path:
+            return path
+        return next((route.path for route in self.routes()
+                     if route.path_regex.match(scope["path"])), "unmatched")
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -76,9 +89,8 @@ class MetricsMiddleware:
             await self.app(scope, receive, send_status)
         finally:
             elapsed = time.perf_counter() - start
-            route = scope.get("route")
-            endpoint = getattr(route, "path", None) or "unmatched"
-            method = scope["method"]
+            endpoint = self.endpoint(scope)
+            method = scope["method"] if scope["method"] in METHODS else "other"
             self.metrics.requests.labels(endpoint, method, str(status)).inc()
             self.metrics.request_seconds.labels(endpoint, method).observe(elapsed)
             if endpoint == SUBMIT_PATH and method == "POST":

@@ -45,6 +45,20 @@ local function release_batch(inflight, batches, batch_id)
   redis.call('HDEL', batches, batch_id)
 end
 
+-- The result key of request `id`, {bg:q}:result:<id>, made from the queue's policy key
+-- {bg:q}:policy: for an id the script only learns inside Redis (an idempotency key's
+-- value), which its caller could not pass in KEYS. It carries the queue's hash tag, so
+-- it lives in the cluster slot of the declared keys.
+local function result_key_of(policy, id)
+  return string.sub(policy, 1, -7) .. 'result:' .. id
+end
+
+-- Whether Redis still knows request `id`: waiting, in flight or dead-lettered (its
+-- envelope is in jobs), or finished with its result not yet expired.
+local function request_known(jobs, result, id)
+  return redis.call('HEXISTS', jobs, id) == 1 or redis.call('EXISTS', result) == 1
+end
+
 -- A request's result, fetchable by id (Producer.fetch) for ttl seconds.
 local function store_result(result, envelope, ttl)
   redis.call('SET', result, envelope, 'EX', ttl)

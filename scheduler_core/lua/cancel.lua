@@ -19,7 +19,9 @@ ARGV[3]  the result envelope to store and deliver ('Cancelled' or 'DeadlineExcee
 ARGV[4]  the stats counter to count it under ('cancelled' | 'expired')
 
 Returns  1 cancelled (result delivered), 2 already in a batch (it will run),
-         0 not waiting (finished, expired or unknown)
+         0 finished (it has a result, or it is dead-lettered),
+         3 unknown: not waiting, not in flight, no result, not dead-lettered (Redis lost
+           it, or its result expired)
 Errors   {-3, field} malformed argument
 ]]
 -- @include _common.lua
@@ -56,4 +58,5 @@ for _, pending in ipairs({pending_high, pending_normal, pending_low}) do
     return 1
   end
 end
+if not request_known(jobs, result, id) then return 3 end
 return 0

@@ -12,6 +12,8 @@ KEYS[7]  {bg:q}:clock       string last arrival score issued
 KEYS[8]  {bg:q}:marker      zset   wake-up marker for idle consumers
 KEYS[9]  {bg:q}:stats       hash   read on rejection: the recent service rate
 KEYS[20..] {bg:q}:idem:<key> string one per request whose idem flag is 1, in order
+read, not passed: {bg:q}:result:<id> of the id an idempotency key names (the caller cannot
+         know it; same hash tag, so the slot of the keys above)
 
 ARGV[1]  producer id (owner of the inbox results go to; may be empty)
          ids: 1-128 characters from letters, digits, '_', '.', '-'
@@ -22,7 +24,9 @@ ARGV[4+5i..8+5i] for request i: id, priority (0|1|2), deadline_ms
 Integer arguments are plain decimal digits ('1.5', 'nan', '1e3' are malformed).
 
 Returns  {1, added, depth_after, id_1 .. id_n}  where id_i is the id now holding request
-         i: its own, or the earlier request's id when its idempotency key was seen before.
+         i: its own, or the earlier request's id when its idempotency key was seen before
+         and Redis still knows that request (waiting, in flight, dead-lettered, or with a
+         result); a key whose request is gone (result expired, data lost) is taken over.
          An id that is already queued or in flight is not added again, so a client may
          resend an enqueue whose reply it lost.
 Errors   {-1, depth, max_queue_size, adding, rate_mrps}  queue full, nothing written;
@@ -79,8 +83,17 @@ for i = 0, n - 1 do
     local key = KEYS[key_index]
     key_index = key_index + 1
     if not key then return {-3, 'idempotency_key'} end
-    existing = seen_keys[key] or redis.call('GET', key)
-    if not existing then seen_keys[key] = id end
+    existing = seen_keys[key]
+    if not existing then
+      existing = redis.call('GET', key)
+      -- A key whose request Redis no longer knows (its result expired, or Redis lost
+      -- it) is free: the resubmission runs again instead of following a request that
+      -- will never answer.
+      if existing and not request_known(jobs, result_key_of(policy, existing), existing) then
+        existing = false
+      end
+      if not existing then seen_keys[key] = id end
+    end
   end
   if not existing and redis.call('HEXISTS', jobs, id) == 1 then existing = id end
   if existing then
@@ -121,7 +134,7 @@ for i = 0, n - 1 do
     redis.call('HSET', jobs, id, ARGV[base + 3])
     redis.call('HSET', meta, id, format_meta({prio = prio, arrival = arrival,
       deadline = deadline, attempts = 0, producer = producer}))
-    if idem_key then redis.call('SET', idem_key, id, 'EX', idem_ttl, 'NX') end
+    if idem_key then redis.call('SET', idem_key, id, 'EX', idem_ttl) end  -- free or stale
     effective[i + 1] = id
     -- Wake an idle consumer only when its next decision may have changed: the request
     -- is due at once (HIGH, or LOW with nothing ahead), it fills a batch, or it is the

@@ -18,7 +18,7 @@ text_string_to_metric_families = pytest.importorskip(
 from helpers.processes import BATCHGATE, RedisServer  # noqa: E402
 from helpers.servers import ServerProcess, gateway_factory  # noqa: E402
 
-from producer import Producer  # noqa: E402
+from producer import DeadlineExceeded, Producer  # noqa: E402
 from scheduler_core.admin import store_policy  # noqa: E402
 from scheduler_core.keys import QueueKeys  # noqa: E402
 from scheduler_core.policy import Policy  # noqa: E402
@@ -185,6 +185,27 @@ def test_deadline_wait_timeout_and_cancel_without_consumers(shared_redis, queue,
 
         stats = http.get("/v1/stats").json()
         assert stats["cancelled"] == 2 and stats["expired"] == 1
+
+
+def test_a_get_after_the_deadline_answers_expired_though_no_consumer_popped_it(
+        shared_redis, queue, start_gateway):
+    """The status follows the state: a queued request past its deadline_ms is expired (504)
+    when asked about, not reported queued until some consumer pops it. Its producer is
+    told too."""
+    gateway = start_gateway(shared_redis.url, queue)
+    with client(gateway) as http, Producer(shared_redis.url, queue) as producer:
+        handle = producer.submit({"x": 1}, deadline_ms=300)
+        queued = http.post("/v1/requests", json={"payload": 2, "deadline_ms": 300})
+        assert queued.status_code == 202
+        assert http.get(f"/v1/requests/{handle.id}").json()["status"] == "queued"
+        time.sleep(0.5)  # past both deadlines (300 ms), no consumer
+        for request_id in (handle.id, queued.json()["id"]):
+            late = http.get(f"/v1/requests/{request_id}")
+            assert late.status_code == 504, late.json()
+            assert late.json()["error"]["type"] == "DeadlineExceeded"
+        with pytest.raises(DeadlineExceeded):
+            handle.result(timeout=5)
+        assert http.get("/v1/stats").json()["expired"] == 2
 
 
 def test_cancel_too_late_is_409(shared_redis, queue, start_consumer, start_gateway):

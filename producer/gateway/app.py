@@ -143,6 +143,9 @@ class Gateway:
     async def lookup(self, request_id: str) -> RequestState | None:
         """The request's state from Redis (any producer's request of this queue)."""
         found = await request_state_async(self.redis, self.keys.queue, request_id)
+        if found is not None and found.status == "queued" \
+                and await self._expire_if_due(request_id):
+            found = await request_state_async(self.redis, self.keys.queue, request_id)
         if found is None:
             return None
         if found.result is not None:
@@ -150,13 +153,30 @@ class Gateway:
         return RequestState(id=request_id, status=found.status)  # type: ignore[arg-type]
 
     async def cancel(self, request_id: str) -> int:
-        """1 cancelled, 2 running (it will complete), 0 not waiting."""
+        """1 cancelled, 2 running (it will complete), 0 not waiting, 3 unknown to Redis."""
         meta = await self.redis.hget(self.keys.meta, request_id)
+        return await self._cancel(request_id, meta, deadline=False)
+
+    async def _expire_if_due(self, request_id: str) -> bool:
+        """Expire a queued request whose deadline_ms has passed, as its producer would:
+        consumers see it only when they pop it, and its status must follow its deadline
+        whoever asks. Whether it was expired now."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hget(self.keys.meta, request_id)
+        pipe.time()
+        meta, (seconds, micros) = await pipe.execute()
+        fields = meta.decode().split(":") if meta is not None else []
+        deadline_us = int(fields[2]) if len(fields) == 5 and fields[2].isdigit() else 0
+        if not 0 < deadline_us <= seconds * 1_000_000 + micros:  # Redis' clock, as the Lua
+            return False
+        return await self._cancel(request_id, meta, deadline=True) == 1
+
+    async def _cancel(self, request_id: str, meta: bytes | None, deadline: bool) -> int:
         owner = self.producer.id
         fields = meta.decode().split(":") if meta is not None else []
         if len(fields) == 5 and fields[4]:  # the inbox of the producer that submitted it
             owner = fields[4]
-        envelope, counter = cancel_envelope(request_id, deadline=False)
+        envelope, counter = cancel_envelope(request_id, deadline=deadline)
         reply = await self.scripts.cancel(
             keys=cancel_keys(self.keys, request_id, owner),
             args=[request_id, self.producer.config.result_ttl_s, envelope, counter])

@@ -174,7 +174,8 @@ def test_coalesced_submits_keep_their_own_all_or_nothing(redis_server, queue):
     calls = evalsha_calls(admin)
     asyncio.run(many())
     assert admin.zcard(f"{{bg:{queue}}}:pending:2") == 1000
-    assert evalsha_calls(admin) - calls <= 10  # not one round trip per submit
+    # not one round trip per submit (how many calls the 1,000 share depends on timing)
+    assert evalsha_calls(admin) - calls <= 50
 
 
 def test_concurrent_submits_with_one_idempotency_key(shared_redis, queue, start_consumer):

@@ -176,7 +176,6 @@ def nest(depth: int) -> object:
 
 SUBMITS = [  # (submit keyword arguments, accepted, the field, words in the message)
     ({"deadline_ms": 0}, False, "deadline_ms", "[1, 86400000]"),
-    ({"deadline_ms": 1}, True, "", ""),
     ({"deadline_ms": 86_400_000}, True, "", ""),
     ({"deadline_ms": 86_400_001}, False, "deadline_ms", "[1, 86400000]"),
     ({"priority": -1}, False, "priority", "0-2"),
@@ -198,6 +197,9 @@ SUBMITS = [  # (submit keyword arguments, accepted, the field, words in the mess
     ({"payload": -(2**63) - 1}, False, "payload", "64 bits"),
     ({"payload": 2**64 - 1}, True, "", ""),
     ({"payload": 2**64}, False, "payload", "64 bits"),
+    # Last: its producer expires it within a second, which would change the queue's keys
+    # under a later row's nothing-written comparison.
+    ({"deadline_ms": 1}, True, "", ""),
 ]
 
 

@@ -2,7 +2,7 @@
 
 All keys of a queue share the hash tag `{bg:<queue>}`, so they live in one cluster slot
 and one Lua script may touch them all. Every key a script touches is passed in KEYS: the
-queue's shared keys first, as KEYS[1..19] in the order of SHARED_KEYS in every script,
+queue's shared keys first, as KEYS[1..23] in the order of SHARED_KEYS in every script,
 then the script's per-call keys (result:<id>, inbox:<producer>, idem:<key>).
 
 | key                         | type   | holds                                                     |
@@ -26,6 +26,10 @@ then the script's per-call keys (result:<id>, inbox:<producer>, idem:<key>).
 |                             |        | (each list is trimmed back to 10,000 at 10,500 entries)   |
 | `{bg:q}:dead`               | zset   | dead-lettered ids -> time (µs); envelope kept in jobs     |
 | `{bg:q}:dead:reason`        | hash   | dead-lettered id -> reason                                |
+| `{bg:q}:deadlines`         | zset   | pending id -> its deadline (µs), for requests with one    |
+| `{bg:q}:delayed`           | zset   | id -> arrival (µs): past its deadline, runs when idle     |
+| `{bg:q}:arrivals`          | hash   | epoch second -> requests enqueued (the measured rate)     |
+| `{bg:q}:cost_model`        | hash   | the fitted model time A + B·b (µs) and where it came from |
 | `{bg:q}:result:<id>`        | string | result envelope, expires after result_ttl_s               |
 | `{bg:q}:inbox:<producer>`   | list   | result envelopes for one Producer instance, expires       |
 | `{bg:q}:idem:<key>`         | string | idempotency key -> request id, expires                    |
@@ -50,12 +54,13 @@ from scheduler_core.errors import InvalidRequest
 QUEUE_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 MAX_QUEUE_NAME = 128
 
-# The queue's shared keys, as every script receives them (KEYS[1..19], this order) and
+# The queue's shared keys, as every script receives them (KEYS[1..23], this order) and
 # names them at the top of its body (`local pending_high = KEYS[2]`); QueueKeys has a
 # property of each name. A script's per-call keys come after them.
 SHARED_KEYS = ("policy", "pending_high", "pending_normal", "pending_low", "jobs", "meta",
                "clock", "marker", "stats", "inflight", "owner", "batches", "seq", "consumers",
-               "dead", "dead_reason", "wait_samples", "e2e_samples", "model_samples")
+               "dead", "dead_reason", "wait_samples", "e2e_samples", "model_samples",
+               "deadlines", "delayed", "arrivals", "cost_model")
 
 
 def validate_queue_name(name: object, field: str = "queue") -> str:
@@ -107,7 +112,7 @@ class QueueKeys:
 
     @functools.cached_property
     def shared(self) -> tuple[str, ...]:
-        """KEYS[1..19] of every script: the keys of SHARED_KEYS, in that order."""
+        """KEYS[1..23] of every script: the keys of SHARED_KEYS, in that order."""
         return tuple(getattr(self, name) for name in SHARED_KEYS)
 
     @property
@@ -172,6 +177,22 @@ class QueueKeys:
     @property
     def dead_reason(self) -> str:
         return self._k("dead:reason")
+
+    @property
+    def deadlines(self) -> str:
+        return self._k("deadlines")
+
+    @property
+    def delayed(self) -> str:
+        return self._k("delayed")
+
+    @property
+    def arrivals(self) -> str:
+        return self._k("arrivals")
+
+    @property
+    def cost_model(self) -> str:
+        return self._k("cost_model")
 
     def result(self, request_id: str) -> str:
         return self._k(f"result:{request_id}")

@@ -32,7 +32,7 @@ NAMED_KEY = re.compile(r"^local (\w+) = KEYS\[(\d+)\]\s*(?:--.*)?$", re.MULTILIN
 @pytest.mark.parametrize("name", QUEUE_SCRIPTS)
 def test_script_names_the_shared_keys_in_the_one_order(name):
     header, body = (LUA / f"{name}.lua").read_text().split("]]", 1)
-    assert "KEYS[1..19] the queue's shared keys" in header
+    assert f"KEYS[1..{len(SHARED_KEYS)}] the queue's shared keys" in header
     named = NAMED_KEY.findall(body)
     assert named, "the script names its keys at the top of its body"
     for local, index in named:
@@ -48,7 +48,7 @@ def test_script_names_the_shared_keys_in_the_one_order(name):
 def test_every_keys_builder_starts_with_the_shared_keys():
     q = QueueKeys("order")
     shared = [getattr(q, name) for name in SHARED_KEYS]
-    assert list(q.shared) == shared and len(shared) == 19
+    assert list(q.shared) == shared and len(shared) == 23
     for keys in (pop_keys(q), requeue_keys(q), extend_lease_keys(q), configure_keys(q)):
         assert keys == shared
     assert enqueue_call(q, "p", [], 60)[0] == shared

@@ -1,6 +1,6 @@
 --[[ complete: record results of (part of) a batch, fenced by the batch id.
 
-KEYS[1..19] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
+KEYS[1..23] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
             this script uses:
 KEYS[5]  {bg:q}:jobs          hash   id -> envelope
 KEYS[6]  {bg:q}:meta          hash   id -> meta
@@ -12,8 +12,8 @@ KEYS[15] {bg:q}:dead          zset   dead-lettered id -> time
 KEYS[16] {bg:q}:dead:reason   hash   dead-lettered id -> error envelope
 KEYS[18] {bg:q}:samples:e2e   list   recent enqueue-to-result times (µs)
 KEYS[19] {bg:q}:samples:model list   recent batches as "size:model_us"
-KEYS[20+2i] {bg:q}:result:<id_i>         result of request i (i = 0..n-1)
-KEYS[21+2i] {bg:q}:inbox:<producer_i>    its producer's inbox (any key if it has none)
+KEYS[24+2i] {bg:q}:result:<id_i>         result of request i (i = 0..n-1)
+KEYS[25+2i] {bg:q}:inbox:<producer_i>    its producer's inbox (any key if it has none)
 
 ARGV[1]  batch id (the fencing token returned by pop_batch)
 ARGV[2]  result TTL, seconds
@@ -46,13 +46,13 @@ local dead = KEYS[15]
 local dead_reason = KEYS[16]
 local e2e_samples = KEYS[18]
 local model_samples = KEYS[19]
--- KEYS[20 + 2i], KEYS[21 + 2i]: result:<id> and inbox:<producer> of result i
+-- KEYS[24 + 2i], KEYS[25 + 2i]: result:<id> and inbox:<producer> of result i
 
 local batch_id = ARGV[1]
 local _, most_results = policy_range('max_batch_size')  -- a batch's results fit one call
 local ttl, n = int_arg(ARGV[2], 1, 315360000), int_arg(ARGV[3], 1, most_results)
 if not ttl then return {-3, 'result_ttl_s'} end
-if not n or (#ARGV ~= 3 + 3 * n and #ARGV ~= 4 + 3 * n) or #KEYS ~= 19 + 2 * n then
+if not n or (#ARGV ~= 3 + 3 * n and #ARGV ~= 4 + 3 * n) or #KEYS ~= 23 + 2 * n then
   return {-3, 'n'}
 end
 local model_sample = ARGV[4 + 3 * n]
@@ -81,9 +81,9 @@ for i = 0, n - 1 do
   else
     seen[id] = true
     local m = parse_meta(metas[i + 1])
-    store_result(KEYS[20 + 2 * i], envelope, ttl)
+    store_result(KEYS[24 + 2 * i], envelope, ttl)
     if m and m.producer ~= '' then
-      local inbox = KEYS[21 + 2 * i]
+      local inbox = KEYS[25 + 2 * i]
       if not inboxes[inbox] then
         inboxes[inbox] = {}
         inbox_order[#inbox_order + 1] = inbox

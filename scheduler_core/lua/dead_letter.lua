@@ -1,6 +1,6 @@
 --[[ dead_letter: retry or purge dead-lettered requests (`batchgate dead-letter`).
 
-KEYS[1..19] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
+KEYS[1..23] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
             this script uses:
 KEYS[2]  {bg:q}:pending:0     zset   HIGH
 KEYS[3]  {bg:q}:pending:1     zset   NORMAL
@@ -12,7 +12,7 @@ KEYS[8]  {bg:q}:marker        zset   wake-up marker for idle consumers
 KEYS[9]  {bg:q}:stats         hash   counters (dead_retried, dead_purged)
 KEYS[15] {bg:q}:dead          zset   dead-lettered id -> time (µs)
 KEYS[16] {bg:q}:dead:reason   hash   id -> error envelope
-KEYS[19+i] {bg:q}:result:<id_i>  the stored result of request i (for i = 1..n)
+KEYS[23+i] {bg:q}:result:<id_i>  the stored result of request i (for i = 1..n)
 
 ARGV[1]  action: 'retry' | 'purge'
 ARGV[2]  n, the number of ids (1..1000)
@@ -45,7 +45,7 @@ local dead_reason = KEYS[16]
 local action = ARGV[1]
 if action ~= 'retry' and action ~= 'purge' then return {-3, 'action'} end
 local n = int_arg(ARGV[2], 1, 1000)
-if not n or #ARGV ~= 2 + n or #KEYS ~= 19 + n then return {-3, 'n'} end
+if not n or #ARGV ~= 2 + n or #KEYS ~= 23 + n then return {-3, 'n'} end
 
 local pending = {pending_high, pending_normal, pending_low}
 local done, skipped = 0, 0
@@ -72,7 +72,7 @@ for i = 1, n do
     redis.call('ZADD', pending[prio + 1], int(arrival), id)
     redis.call('ZREM', dead, id)
     redis.call('HDEL', dead_reason, id)
-    redis.call('DEL', KEYS[19 + i])
+    redis.call('DEL', KEYS[23 + i])
     done = done + 1
   end
 end

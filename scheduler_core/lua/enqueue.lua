@@ -1,6 +1,6 @@
 --[[ enqueue: add N requests to a queue atomically (all or none).
 
-KEYS[1..19] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
+KEYS[1..23] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
             this script uses:
 KEYS[1]  {bg:q}:policy      hash   read: strategy, max_batch_size, max_queue_size
 KEYS[2]  {bg:q}:pending:0   zset   HIGH
@@ -11,7 +11,7 @@ KEYS[6]  {bg:q}:meta        hash   id -> meta
 KEYS[7]  {bg:q}:clock       string last arrival score issued
 KEYS[8]  {bg:q}:marker      zset   wake-up marker for idle consumers
 KEYS[9]  {bg:q}:stats       hash   read on rejection: the recent service rate
-KEYS[20..] {bg:q}:idem:<key> string one per request whose idem flag is 1, in order
+KEYS[24..] {bg:q}:idem:<key> string one per request whose idem flag is 1, in order
 read, not passed: {bg:q}:result:<id> of the id an idempotency key names (the caller cannot
          know it; same hash tag, so the slot of the keys above)
 
@@ -48,7 +48,7 @@ local meta = KEYS[6]
 local clock = KEYS[7]
 local marker = KEYS[8]
 local stats = KEYS[9]
-local FIRST_IDEM = 20  -- KEYS[20..]: the idempotency keys, in order
+local FIRST_IDEM = 24  -- KEYS[24..]: the idempotency keys, in order
 
 local n = int_arg(ARGV[2], 1, 10000)
 if not n or #ARGV ~= 3 + 5 * n then return {-3, 'n'} end

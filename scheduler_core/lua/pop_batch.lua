@@ -10,7 +10,7 @@ This is where the scheduling rules live (docs/scheduling.md explains them):
             Aging: a request that has waited aging_ms moves up one level, 2 x aging_ms two
             levels, so NORMAL and LOW are served even under sustained HIGH load.
 
-KEYS[1..19] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
+KEYS[1..23] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
             this script uses:
 KEYS[1]  {bg:q}:policy      hash  read; each field within policy LIMITS
 KEYS[2]  {bg:q}:pending:0   zset  HIGH    (score = arrival, µs)

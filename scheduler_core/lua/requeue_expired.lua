@@ -3,7 +3,7 @@ queues (any live consumer runs this sweep). A request keeps its arrival time, so
 back to the head of its original priority; pop_batch dead-letters it once it has been
 delivered max_attempts times.
 
-KEYS[1..19] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
+KEYS[1..23] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
             this script uses:
 KEYS[2]  {bg:q}:pending:0   zset  HIGH
 KEYS[3]  {bg:q}:pending:1   zset  NORMAL

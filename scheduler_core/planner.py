@@ -161,12 +161,14 @@ class Plan:
 
 
 class _Search:
-    def __init__(self, load: Load, target: Target, costs: Costs, max_consumers: int):
+    def __init__(self, load: Load, target: Target, costs: Costs, max_consumers: int,
+                 verify: bool = True):
         if isinstance(max_consumers, bool) or not isinstance(max_consumers, int) \
                 or not 1 <= max_consumers <= MAX_CONSUMERS:
             raise InvalidRequest("max_consumers", f"must be an integer in [1, "
                                                   f"{MAX_CONSUMERS}], got {max_consumers!r}")
         self.load, self.target, self.costs, self.max = load, target, costs, max_consumers
+        self.verify = verify
         self.simulations = 0
 
     def fewest(self, policy: Policy) -> int:
@@ -209,7 +211,7 @@ class _Search:
             # The leaders are simulated again on a longer run, and ranked by that.
             verified: list[tuple[int, Option]] = []
             for i, option in _leaders(meeting, VERIFIED):
-                checked = self.run(option.policy, n, verify=True)
+                checked = self.run(option.policy, n, verify=True) if self.verify else option
                 if checked.meets:
                     verified.append((i, checked))
                 else:
@@ -235,7 +237,7 @@ class _Search:
         if not tried:  # not even carried: the consumers the best capacity would take
             policy = min(candidates, key=lambda p: (self.fewest(p), candidates.index(p)))
             n = min(self.fewest(policy), MAX_CONSUMERS)
-            option = self.run(policy, n, verify=True)
+            option = self.run(policy, n, verify=self.verify)
             return Plan(False, option, [], _ceil(option.result.latency_ms["all"]["p99"]),
                         _ceil(option.result.latency_ms["high"]["p99"])
                         if self.target.slo_high_p99_ms is not None else None,
@@ -244,7 +246,7 @@ class _Search:
         # Within 5% of the best reachable, the fewest consumers, then the lowest ratio.
         near = [o for o in tried if o.ratio <= best_ratio * 1.05]
         pick = min(near, key=lambda o: (o.consumers, o.ratio))
-        option = self.run(pick.policy, pick.consumers, verify=True)
+        option = self.run(pick.policy, pick.consumers, verify=True) if self.verify else pick
         high = option.result.latency_ms["high"]["p99"]
         return Plan(False, option, [], _ceil(option.result.latency_ms["all"]["p99"]),
                     _ceil(high) if self.target.slo_high_p99_ms is not None else None,
@@ -304,30 +306,31 @@ def plan(load: Load, target: Target, costs: Costs, max_consumers: int = 64,
 
 
 def consumers_for(policy: Policy, load: Load, target: Target, costs: Costs,
-                  max_consumers: int = 256) -> Plan:
+                  max_consumers: int = 256, verify: bool = True) -> Plan:
     """How many consumers `policy` needs to meet `target` at `load` (the planner's answer
     for one policy; infeasible: those that reach the closest target)."""
-    return _Search(load, target, costs, max_consumers).search([policy])
+    return _Search(load, target, costs, max_consumers, verify).search([policy])
 
 
 RATE_STEP = 1.05  # recommended_consumers caches answers per 5% band of arrival rate
 
 
 @functools.lru_cache(maxsize=256)
-def _recommended(rate_band: int, policy: Policy, target: Target, costs: Costs,
-                 requests: int) -> int | None:
-    rate = RATE_STEP ** rate_band
-    answer = consumers_for(policy, Load(rate, requests=requests), target, costs)
-    return answer.best.consumers if answer.best is not None else None
+def _recommended(rate_band: int, policy: Policy, target: Target, costs: Costs) -> int:
+    rate = min(RATE_STEP ** rate_band, 10_000_000.0)
+    answer = consumers_for(policy, Load(rate), target, costs, verify=False)
+    assert answer.best is not None  # a single policy is always simulated
+    return answer.best.consumers
 
 
 def recommended_consumers(rate: float, policy: Policy, target: Target, costs: Costs,
-                          requests: int = DEFAULT_REQUESTS) -> int:
-    """The consumers `policy` needs at `rate` requests/s to meet `target`; 0 without
-    arrivals. Rates are rounded up to a 5% band, and answers cached per band, policy,
-    target and cost, so that stats and metric scrapes stay cheap."""
+                          waiting: int = 0) -> int:
+    """The consumers `policy` needs at `rate` requests/s to meet `target` (where no count
+    does: those that come closest). Without arrivals: 1 while requests wait or run, else
+    0. Rates are rounded up to a 5% band, and answers cached per band, policy, target and
+    cost, so that stats and metric scrapes stay cheap (one search: a few simulations of
+    DEFAULT_REQUESTS requests)."""
     if rate <= 0:
-        return 0
+        return 1 if waiting > 0 else 0
     band = math.ceil(math.log(rate) / math.log(RATE_STEP) - 1e-9)
-    answer = _recommended(band, policy, target, costs, requests)
-    return answer if answer is not None else 0
+    return _recommended(band, policy, target, costs)

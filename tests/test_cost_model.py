@@ -97,3 +97,9 @@ def test_a_running_consumer_keeps_the_stored_fit_current(shared_redis, queue,
     # The sleep model takes 2 + 1·b ms; sleeps overrun by a fraction of a ms.
     assert model.b_us == pytest.approx(1000, abs=250)
     assert model.a_us == pytest.approx(2000, abs=1500)
+
+
+def test_a_bad_refit_interval_is_refused_naming_it():
+    result = CliRunner().invoke(main, ["consumer", "--redis-url", "redis://127.0.0.1:1/0",
+                                       "--cost-refit-s", "0.05"])
+    assert result.exit_code == 2 and "cost_refit_s" in result.output, result.output

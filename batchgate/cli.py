@@ -89,7 +89,7 @@ def stats_command(redis_url: str, queue: str, slo_p99_ms: float | None, as_json:
         click.echo(orjson.dumps(stats, option=orjson.OPT_INDENT_2).decode())
         return
     for key, value in stats.items():
-        click.echo(f"{key:>20}: {value}")
+        click.echo(f"{key:>21}: {value}")
 
 
 @main.group("policy")

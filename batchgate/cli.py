@@ -34,6 +34,7 @@ LAZY_COMMANDS = {
     "gateway": "producer.gateway.cli:gateway_command",
     "simulate": "batchgate.simulate:simulate_command",
     "profile": "batchgate.profile_model:profile_command",
+    "plan": "batchgate.plan:plan_command",
 }
 
 
@@ -71,17 +72,24 @@ def main(log_level: str) -> None:
 @main.command("stats")
 @redis_url_option
 @queue_option
+@click.option("--slo-p99-ms", type=click.FloatRange(0, 86_400_000, min_open=True),
+              default=None,
+              help="Target p99 latency, ms, for recommended_consumers [default: the "
+                   "policy's slo_p99_ms].")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def stats_command(redis_url: str, queue: str, as_json: bool) -> None:
-    """Depth per priority, in-flight, consumers alive, throughput counters, latencies."""
-    from scheduler_core.admin import queue_stats
+def stats_command(redis_url: str, queue: str, slo_p99_ms: float | None, as_json: bool) -> None:
+    """Depth per priority, in-flight, consumers alive, throughput counters, latencies, and
+    recommended_consumers (the planner's count for the measured arrival rate)."""
+    from scheduler_core.admin import queue_stats, scaling_signal
 
-    stats = queue_stats(connect_checked(redis_url), queue).to_dict()
+    client = connect_checked(redis_url)
+    stats = queue_stats(client, queue).to_dict()
+    stats.update(scaling_signal(client, queue, slo_p99_ms))
     if as_json:
         click.echo(orjson.dumps(stats, option=orjson.OPT_INDENT_2).decode())
         return
     for key, value in stats.items():
-        click.echo(f"{key:>20}: {value}")
+        click.echo(f"{key:>21}: {value}")
 
 
 @main.group("policy")

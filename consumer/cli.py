@@ -92,14 +92,18 @@ def install_signal_handlers(consumer: Consumer) -> None:
             help="While a backlog waits, fetch the next batch and write the last one's "
                  "results while the model runs. --no-overlap: one batch at a time (a "
                  "crash then re-runs only the batch in hand). In the variable: true/false.")
+@env_option("--cost-refit-s", envvar="BATCHGATE_COST_REFIT_S",
+            type=click.FloatRange(0, 86_400), default=5.0, show_default=True,
+            help="Every this many seconds, refit the queue's stored cost model t(b) = A + "
+                 "B·b from the live model times of its batches (0 = never; 0.1-86400).")
 @env_option("--name", envvar="BATCHGATE_CONSUMER_NAME", default="",
             help="Consumer name shown in stats [default: host:pid:random].")
 @policy_options(env=True)
 @supervisor_options
 def consumer_command(redis_url: str, queue: str, model_spec: str, model_arg: tuple[str, ...],
                      device: str | None, torch_threads: int | None, lease_ms: int,
-                     max_batch_ms: int, max_result_bytes: int, overlap: bool, name: str,
-                     **kwargs: Any) -> None:
+                     max_batch_ms: int, max_result_bytes: int, overlap: bool,
+                     cost_refit_s: float, name: str, **kwargs: Any) -> None:
     """Pop batches from QUEUE and run MODEL on them until SIGTERM/SIGINT.
 
     The first consumer of a queue stores its policy; later ones adopt it, and one started
@@ -111,7 +115,8 @@ def consumer_command(redis_url: str, queue: str, model_spec: str, model_arg: tup
     policy = policy_values(kwargs)
     config = ConsumerConfig(redis_url=redis_url, queue=queue, lease_ms=lease_ms,
                             max_batch_ms=max_batch_ms, max_result_bytes=max_result_bytes,
-                            overlap=overlap, policy=policy, name=name)
+                            overlap=overlap, cost_refit_s=cost_refit_s, policy=policy,
+                            name=name)
     model_kwargs = parse_model_args(model_arg)
     flags = dict.fromkeys(model_kwargs, "--model-arg")
     if device is not None:

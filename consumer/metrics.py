@@ -10,12 +10,19 @@ them at http://HOST:PORT/metrics (needs `prometheus_client`, the `metrics` extra
 | `batchgate_consumer_model_seconds`          | histogram | queue                       |
 | `batchgate_consumer_requests_total`         | counter   | queue, outcome              |
 | `batchgate_consumer_redis_up`               | gauge     | queue                       |
+| `batchgate_queue_arrival_rate`              | gauge     | queue                       |
+| `batchgate_recommended_consumers`           | gauge     | queue                       |
 
 Depth and in-flight are read from Redis at scrape time (the whole queue, every consumer).
 The rest describe this consumer's batches: queue wait is enqueue to pop by Redis' clock,
 labelled with the priority the request was served at (aging may promote it); batch size
 counts the requests the model ran; outcome is ok, failed, expired (deadline passed before
 it ran) or dead_letter.
+
+Arrival rate (requests/s over the last 10 s) and recommended consumers (the planner's
+count for the queue's current policy at that rate and the policy's `slo_p99_ms`:
+scheduler_core.admin.scaling_signal) are also read at scrape time; recommended consumers
+is left out while the queue has no target or no cost model.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from prometheus_client.registry import Collector
 
 from consumer.batch import Answers, Batch
 from consumer.worker import Consumer
+from scheduler_core.admin import scaling_signal
 from scheduler_core.keys import QueueKeys
 from scheduler_core.policy import Priority
 from scheduler_core.wire import Outcome
@@ -77,6 +85,35 @@ class DepthCollector(Collector):
         yield in_flight
 
 
+class ScalingCollector(Collector):
+    """The autoscaling signal, computed at each scrape (the planner caches its answers)."""
+
+    def __init__(self, client: redis.Redis, queue: str):
+        self.client, self.queue = client, queue
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            signal = scaling_signal(self.client, self.queue)
+        except redis.RedisError as exc:
+            log.debug("metrics scrape cannot read Redis: %s", exc)
+            return
+        except Exception:  # metrics must never stop the consumer
+            log.exception("recommended_consumers failed")
+            return
+        rate = GaugeMetricFamily("batchgate_queue_arrival_rate",
+                                 "Requests enqueued per second, over the last 10 s.",
+                                 labels=["queue"])
+        rate.add_metric([self.queue], signal["arrival_rate_rps"])
+        yield rate
+        if signal["recommended_consumers"] is not None:
+            recommended = GaugeMetricFamily(
+                "batchgate_recommended_consumers", "Consumers the planner says the queue's "
+                "policy needs to meet its slo_p99_ms at the measured arrival rate.",
+                labels=["queue"])
+            recommended.add_metric([self.queue], signal["recommended_consumers"])
+            yield recommended
+
+
 class ConsumerMetrics:
     """The consumer's batch observer: called once per batch, before its completion."""
 
@@ -85,6 +122,7 @@ class ConsumerMetrics:
         self.queue = queue
         self.registry = registry or CollectorRegistry()
         self.registry.register(DepthCollector(client, queue))
+        self.registry.register(ScalingCollector(client, queue))
         self.wait = Histogram("batchgate_consumer_queue_wait_seconds",
                               "Enqueue to pop, per priority served at.", ["queue", "priority"],
                               buckets=WAIT_BUCKETS, registry=self.registry)

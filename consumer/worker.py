@@ -36,6 +36,7 @@ from consumer.due_timer import DueTimer
 from consumer.lease import EXIT_MODEL_HUNG, Held, LeaseKeeper, LeaseTimes
 from consumer.loader import BatchModel
 from consumer.overlap import Overlap
+from consumer.refit import CostRefit
 from scheduler_core.admin import ensure_policy, store_policy, unknown_requests
 from scheduler_core.connection import DEFAULT_REDIS_URL, Backoff, connect
 from scheduler_core.errors import InvalidRequest
@@ -82,6 +83,9 @@ class ConsumerConfig:
     # While a backlog waits, fetch the next batch and write the last one's results beside
     # the model (consumer/overlap.py). Off: one batch at a time, nothing held ahead.
     overlap: bool = True
+    # Every this many seconds, refit the queue's stored cost model from the live model
+    # samples (consumer/refit.py). 0 = never.
+    cost_refit_s: float = 5.0
     # Policy values given explicitly (None = adopt the queue's stored policy or default).
     policy: dict[str, Any] = field(default_factory=dict)
     name: str = ""
@@ -101,6 +105,11 @@ class ConsumerConfig:
                                  f"{self.max_result_bytes!r} is outside [16, {512 << 20}]")
         if not isinstance(self.overlap, bool):
             raise InvalidRequest("overlap", f"{self.overlap!r} is not true or false")
+        if isinstance(self.cost_refit_s, bool) \
+                or not isinstance(self.cost_refit_s, (int, float)) \
+                or not (self.cost_refit_s == 0 or 0.1 <= self.cost_refit_s <= 86_400):
+            raise InvalidRequest("cost_refit_s",
+                                 f"{self.cost_refit_s!r}: use 0 (off) or [0.1, 86400] s")
         if not self.name:
             object.__setattr__(self, "name", f"{socket.gethostname()}:{os.getpid()}:"
                                              f"{uuid.uuid4().hex[:6]}")
@@ -165,6 +174,10 @@ class Consumer:
                             LeaseTimes(self.config.lease_ms, self.config.max_batch_ms), held,
                             on_policy=self._policy_seen, on_hung=self._exit_hung)
         lease.start()
+        refit = CostRefit(self.redis, self.keys, self.config.cost_refit_s) \
+            if self.config.cost_refit_s else None
+        if refit is not None:
+            refit.start()
         backoff = Backoff(f"consumer {self.config.name}")
         log.info("consumer %s serving queue %r with %s", self.config.name, self.config.queue,
                  self.policy)
@@ -200,6 +213,8 @@ class Consumer:
             if self._due_timer is not None:
                 self._due_timer.close()
             lease.stop()
+            if refit is not None:
+                refit.stop()
             with contextlib.suppress(redis.RedisError):
                 self.redis.zrem(self.keys.consumers, self.config.name)
             log.info("consumer %s stopped after %d batches, %d requests", self.config.name,

@@ -146,6 +146,56 @@ def queue_stats(client: redis.Redis, queue: str) -> QueueStats:
     )
 
 
+# -- an autoscaling signal -------------------------------------------------------------
+def slo_of(raw_policy: dict[Any, Any]) -> float | None:
+    """The policy hash's `slo_p99_ms` field, if it holds a positive number."""
+    for key, value in raw_policy.items():
+        if (key.decode() if isinstance(key, bytes) else key) == "slo_p99_ms":
+            try:
+                slo = float(value)
+            except ValueError:
+                return None
+            return slo if 0 < slo <= 86_400_000 else None
+    return None
+
+
+def scaling_signal(client: redis.Redis, queue: str,
+                   slo_p99_ms: float | None = None) -> dict[str, Any]:
+    """What `recommended_consumers` rests on, and its value: the measured arrival rate
+    (scheduler_core.load), the target (`slo_p99_ms` given, else the policy's field), the
+    stored cost model, and the planner's consumer count for the queue's current policy
+    (scheduler_core.planner.recommended_consumers). None where an input is missing: no
+    policy, no target, or no cost model yet."""
+    from scheduler_core.cost_model import read_cost_model
+    from scheduler_core.load import DEFAULT_WINDOW_S, arrival_rate
+    from scheduler_core.planner import Costs, Target, recommended_consumers
+    from scheduler_core.simulation import ModelTime
+
+    keys = QueueKeys(queue)
+    raw = client.hgetall(keys.policy)
+    slo = slo_p99_ms if slo_p99_ms is not None else slo_of(raw)
+    rate = arrival_rate(client, keys)
+    model = read_cost_model(client, keys)
+    out: dict[str, Any] = {"arrival_rate_rps": rate, "arrival_window_s": DEFAULT_WINDOW_S,
+                           "slo_p99_ms": slo,
+                           "cost_model": model.to_dict() if model is not None else None,
+                           "recommended_consumers": None}
+    if raw and slo is not None and model is not None:
+        pipe = client.pipeline(transaction=False)
+        for key in keys.pending_all:
+            pipe.zcard(key)
+        pipe.hlen(keys.owner)
+        waiting = sum(pipe.execute())
+        try:
+            policy = Policy.from_redis(raw)
+        except (ValueError, InvalidPolicy):
+            return out  # a policy this version cannot simulate
+        costs = Costs(ModelTime(model.base_ms, model.per_item_ms))
+        out["recommended_consumers"] = recommended_consumers(rate, policy, Target(slo), costs,
+                                                             waiting)
+    return out
+
+
 # -- where a request is ----------------------------------------------------------------
 def status_of(result: Result) -> str:
     """done, expired (deadline passed before it ran), cancelled, or failed."""

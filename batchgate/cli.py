@@ -34,6 +34,7 @@ LAZY_COMMANDS = {
     "gateway": "producer.gateway.cli:gateway_command",
     "simulate": "batchgate.simulate:simulate_command",
     "profile": "batchgate.profile_model:profile_command",
+    "exporter": "batchgate.exporter:exporter_command",
 }
 
 

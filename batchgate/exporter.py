@@ -124,7 +124,11 @@ def read_queue(client: redis.Redis, queue: str, now_us: int, samples: int) -> Qu
 
 
 def _ints(raw: Any) -> list[int]:
-    return sorted(int(x) for x in raw if x.isdigit())
+    raw = list(raw)
+    try:
+        return sorted(map(int, raw))
+    except ValueError:  # a hand-written entry: skip what is not a number
+        return sorted(int(x) for x in raw if x.isdigit())
 
 
 class Families:

@@ -176,7 +176,8 @@ class Families:
                                                                  else "."), labels=q)
                        for knob, (name, div) in POLICY_GAUGES.items()}
 
-    def add(self, queue: str, now_us: int, r: QueueReading) -> None:
+    def add(self, queue: str, now_us: int, r: QueueReading,
+            policy: Policy | None = None) -> None:
         for level, count in zip(Priority, r.depth, strict=True):
             self.depth.add_metric([queue, level.name.lower()], count)
         self.oldest.add_metric([queue], max(0, now_us - min(r.oldest_us)) / 1e6
@@ -195,8 +196,7 @@ class Families:
             if values:  # no samples, no quantile (not a misleading 0)
                 for q in QUANTILES:
                     family.add_metric([queue, f"{q:g}"], quantile(values, q) / 1e6)
-        if r.policy:
-            policy = Policy.from_redis(r.policy)
+        if policy is not None:
             self.policy_info.add_metric([queue, policy.strategy.value], 1)
             for knob, (_, div) in POLICY_GAUGES.items():
                 self.policy[knob].add_metric([queue], getattr(policy, knob) / div)
@@ -235,6 +235,18 @@ class QueueCollector:
                        "(--max-queues)", len(names), len(kept))
         return kept, len(names) - len(kept)
 
+    def policy(self, queue: str, reading: QueueReading) -> Policy | None:
+        """The queue's stored policy; None if it has none, or one that does not parse
+        (written by hand or by a newer version: the rest of the queue is still exported)."""
+        if not reading.policy:
+            return None
+        try:
+            return Policy.from_redis(reading.policy)
+        except ValueError as exc:  # InvalidPolicy too
+            self._warn(f"policy:{queue}", "queue %r: stored policy not exported: %s", queue,
+                       exc)
+            return None
+
     def _warn(self, key: str, message: str, *args: Any) -> None:
         with self._lock:
             if key in self._warned:
@@ -257,8 +269,8 @@ class QueueCollector:
             now_us = now_s * 1_000_000 + now_frac
             names, left_out = self.queues()
             for name in names:
-                families.add(name, now_us, read_queue(self.client, name, now_us,
-                                                      self.config.samples))
+                reading = read_queue(self.client, name, now_us, self.config.samples)
+                families.add(name, now_us, reading, self.policy(name, reading))
         except redis.RedisError as exc:
             log.warning("scrape cannot read Redis: %s", exc)
             up.add_metric([], 0)

@@ -12,6 +12,7 @@ from helpers.support import wait_for
 
 from producer import Priority, Producer
 from scheduler_core.errors import RequestFailed
+from scheduler_core.keys import QueueKeys
 from scheduler_core.registry import register_queue
 
 pytest.importorskip("prometheus_client")
@@ -99,9 +100,13 @@ def test_registry_filter_cap_and_redis_down(redis_server, start_exporter):
     client = redis.Redis.from_url(redis_server.url)
     for name in ("qa", "qb", "qc"):
         register_queue(client, name)
+    client.zadd("batchgate:queues", {"not a queue {name}": 1})  # skipped, with a warning
+    # a policy written by hand that does not parse: the queue is exported without it
+    client.hset(QueueKeys("qc").policy, mapping={"strategy": "fifo", "max_batch_size": "x"})
     every = scrape(start_exporter(redis_server.url))
     assert {dict(labels)["queue"] for name, labels in every
             if name == "batchgate_queue_depth"} == {"qa", "qb", "qc"}
+    assert value(every, "batchgate_queue_policy_info", queue="qc", strategy="fifo") == 0
 
     # --queue: only those, registered or not
     only = scrape(start_exporter(redis_server.url, "--queue", "qb", "--queue", "unregistered"))

@@ -17,15 +17,10 @@ the consumer records nothing and pays nothing (`tracer_for` returns None).
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from consumer.batch import Batch, Item
 from scheduler_core.tracing import AVAILABLE, extract
-
-log = logging.getLogger("batchgate.tracing")
-
-EXPORTERS = ("none", "console")  # --otel-exporter
 
 
 class BatchTracer:

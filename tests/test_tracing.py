@@ -234,3 +234,50 @@ with Producer({shared_redis.url!r}, {queue!r}) as producer:
                              env=without_otel, ready=False)
     assert refused.proc.wait(30) == 2
     assert "pip install 'batchgate[otel]'" in refused.output()
+
+
+# A user's model module that installs its own TracerProvider (spans to a file).
+PROVIDER_MODEL = '''
+import os
+
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SimpleSpanProcessor
+
+provider = TracerProvider()
+provider.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter(
+    out=open(os.environ["SPANS_FILE"], "a"), formatter=lambda s: s.to_json(indent=None) + "\\n")))
+trace.set_tracer_provider(provider)
+
+
+def model(payloads):
+    return payloads
+'''
+
+
+def test_consumer_uses_the_provider_its_model_installs_and_none_without(
+        shared_redis, queue, start_consumer, tmp_path):
+    tracer, _ = in_memory()
+    (tmp_path / "traced_model.py").write_text(PROVIDER_MODEL)
+    spans_file = tmp_path / "spans.jsonl"
+    own = start_consumer(shared_redis.url, queue, "--model", "traced_model:model",
+                         cwd=str(tmp_path), env={"SPANS_FILE": str(spans_file)})
+    with Producer(shared_redis.url, queue) as producer, \
+            tracer.start_as_current_span("request") as span:
+        assert producer.submit({"x": 1}).result(timeout=30) == {"x": 1}
+
+    def batch_spans() -> list[dict[str, Any]]:
+        text = spans_file.read_text() if spans_file.exists() else ""
+        return [s for s in console_spans(text) if s["name"] == "batchgate batch"]
+    (batch,) = wait_for(batch_spans, 15, "the batch span in the model's exporter")
+    assert [link["context"]["trace_id"] for link in batch["links"]] == \
+        [f"0x{span.get_span_context().trace_id:032x}"]
+    own.stop()
+
+    # no --otel-exporter and no provider installed: nothing recorded, nothing printed
+    plain = start_consumer(shared_redis.url, queue, "--model", "consumer.models:noop")
+    with Producer(shared_redis.url, queue) as producer, \
+            tracer.start_as_current_span("request"):
+        assert producer.submit({"x": 2}).result(timeout=30) == {"x": 2}
+    plain.stop()
+    assert console_spans(plain.output()) == []

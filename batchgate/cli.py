@@ -35,6 +35,7 @@ LAZY_COMMANDS = {
     "simulate": "batchgate.simulate:simulate_command",
     "profile": "batchgate.profile_model:profile_command",
     "plan": "batchgate.plan:plan_command",
+    "exporter": "batchgate.exporter:exporter_command",
 }
 
 

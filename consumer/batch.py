@@ -25,6 +25,7 @@ class Item:
     producer: str
     state: Outcome  # RUN, or settled at the pop: EXPIRED or DEAD_LETTER
     level: int
+    trace: dict[str, str] | None = None  # the producer's trace context, when traced
 
 
 @dataclass
@@ -35,6 +36,7 @@ class Batch:
     remaining: int = 0  # requests still pending after this pop
     # (answers known before the model runs, [(item, decoded payload)]), once decoded
     prepared: tuple[Answers, list[tuple[Item, Any]]] | None = field(default=None, repr=False)
+    span: Any = field(default=None, repr=False)  # its open span, when traced (tracing.py)
 
 
 @dataclass(frozen=True)

@@ -98,12 +98,18 @@ def install_signal_handlers(consumer: Consumer) -> None:
                  "B·b from the live model times of its batches (0 = never; 0.1-86400).")
 @env_option("--name", envvar="BATCHGATE_CONSUMER_NAME", default="",
             help="Consumer name shown in stats [default: host:pid:random].")
+@env_option("--otel-exporter", envvar="BATCHGATE_OTEL_EXPORTER", default="none",
+            show_default=True, type=click.Choice(["none", "console"]),
+            help="OpenTelemetry spans of each batch (needs the otel extra): console = one "
+                 "JSON line per span on stdout; none = to the TracerProvider the model "
+                 "module installed, if any, else nowhere.")
 @policy_options(env=True)
 @supervisor_options
 def consumer_command(redis_url: str, queue: str, model_spec: str, model_arg: tuple[str, ...],
                      device: str | None, torch_threads: int | None, lease_ms: int,
                      max_batch_ms: int, max_result_bytes: int, overlap: bool,
-                     cost_refit_s: float, name: str, **kwargs: Any) -> None:
+                     cost_refit_s: float, name: str, otel_exporter: str,
+                     **kwargs: Any) -> None:
     """Pop batches from QUEUE and run MODEL on them until SIGTERM/SIGINT.
 
     The first consumer of a queue stores its policy; later ones adopt it, and one started
@@ -122,6 +128,13 @@ def consumer_command(redis_url: str, queue: str, model_spec: str, model_arg: tup
     if device is not None:
         model_kwargs["device"], flags["device"] = device, "--device"
     threads = limit_torch_threads(torch_threads)
+    if otel_exporter == "console":
+        from consumer.tracing import install_console_provider
+
+        try:
+            install_console_provider()
+        except ValueError as exc:
+            raise click.UsageError(str(exc)) from None
     # Settle the policy before loading the model: a conflict should fail fast.
     consumer = Consumer(model=_unloaded, config=config)
     require_redis_version(consumer.redis)
@@ -133,6 +146,9 @@ def consumer_command(redis_url: str, queue: str, model_spec: str, model_arg: tup
         serve_metrics(consumer, metrics_port)
     consumer.model = load_model(model_spec, model_kwargs, flags)
     limit_torch_threads(threads)  # torch may have been imported by the model only now
+    from consumer.tracing import tracer_for
+
+    consumer.tracer = tracer_for(queue)  # after the model, which may install a provider
     if consumer.stopping.is_set():
         return
     freeze_startup_heap()

@@ -3,26 +3,20 @@ them at http://HOST:PORT/metrics (needs `prometheus_client`, the `metrics` extra
 
 | metric                                      | type      | labels                      |
 |---------------------------------------------|-----------|-----------------------------|
-| `batchgate_queue_depth`                     | gauge     | queue, priority             |
-| `batchgate_queue_in_flight_requests`        | gauge     | queue                       |
 | `batchgate_consumer_queue_wait_seconds`     | histogram | queue, priority             |
 | `batchgate_consumer_batch_size`             | histogram | queue                       |
 | `batchgate_consumer_model_seconds`          | histogram | queue                       |
 | `batchgate_consumer_requests_total`         | counter   | queue, outcome              |
 | `batchgate_consumer_redis_up`               | gauge     | queue                       |
-| `batchgate_queue_arrival_rate`              | gauge     | queue                       |
-| `batchgate_recommended_consumers`           | gauge     | queue                       |
 
-Depth and in-flight are read from Redis at scrape time (the whole queue, every consumer).
-The rest describe this consumer's batches: queue wait is enqueue to pop by Redis' clock,
+Every figure is this consumer's own, so sums across consumers do not double count; the
+queue-wide ones (depth, in flight, consumers alive, the queue's counters, arrival rate,
+recommended consumers) come from
+`batchgate exporter` (batchgate/exporter.py), once per queue. The histograms and counter
+describe this consumer's batches: queue wait is enqueue to pop by Redis' clock,
 labelled with the priority the request was served at (aging may promote it); batch size
 counts the requests the model ran; outcome is ok, failed, expired (deadline passed before
 it ran) or dead_letter.
-
-Arrival rate (requests/s over the last 10 s) and recommended consumers (the planner's
-count for the queue's current policy at that rate and the policy's `slo_p99_ms`:
-scheduler_core.admin.scaling_signal) are also read at scrape time; recommended consumers
-is left out while the queue has no target or no cost model.
 """
 
 from __future__ import annotations
@@ -37,8 +31,6 @@ from prometheus_client.registry import Collector
 
 from consumer.batch import Answers, Batch
 from consumer.worker import Consumer
-from scheduler_core.admin import scaling_signal
-from scheduler_core.keys import QueueKeys
 from scheduler_core.policy import Priority
 from scheduler_core.wire import Outcome
 
@@ -51,67 +43,23 @@ MODEL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 
 
-class DepthCollector(Collector):
-    """Queue depth per priority and requests in flight, read from Redis at each scrape."""
-
-    def __init__(self, client: redis.Redis, queue: str):
-        self.client, self.queue, self.keys = client, queue, QueueKeys(queue)
-
-    def collect(self) -> Iterator[Metric]:
-        up = GaugeMetricFamily("batchgate_consumer_redis_up",
-                               "1 if the last scrape could read the queue from Redis.",
-                               labels=["queue"])
-        try:
-            pipe = self.client.pipeline(transaction=False)
-            for key in self.keys.pending_all:
-                pipe.zcard(key)
-            pipe.hlen(self.keys.owner)
-            *depths, owned = pipe.execute()
-        except redis.RedisError as exc:
-            log.debug("metrics scrape cannot read Redis: %s", exc)
-            up.add_metric([self.queue], 0)
-            yield up
-            return
-        up.add_metric([self.queue], 1)
-        yield up
-        depth = GaugeMetricFamily("batchgate_queue_depth", "Requests waiting, per priority.",
-                                  labels=["queue", "priority"])
-        for level, count in zip(Priority, depths, strict=True):
-            depth.add_metric([self.queue, level.name.lower()], count)
-        yield depth
-        in_flight = GaugeMetricFamily("batchgate_queue_in_flight_requests",
-                                      "Requests in a batch being run.", labels=["queue"])
-        in_flight.add_metric([self.queue], owned)
-        yield in_flight
-
-
-class ScalingCollector(Collector):
-    """The autoscaling signal, computed at each scrape (the planner caches its answers)."""
+class RedisUpCollector(Collector):
+    """Whether this consumer reaches Redis: one PING at each scrape."""
 
     def __init__(self, client: redis.Redis, queue: str):
         self.client, self.queue = client, queue
 
     def collect(self) -> Iterator[Metric]:
+        up = GaugeMetricFamily("batchgate_consumer_redis_up",
+                               "1 if this consumer's scrape-time PING reached Redis.",
+                               labels=["queue"])
         try:
-            signal = scaling_signal(self.client, self.queue)
+            self.client.ping()
+            up.add_metric([self.queue], 1)
         except redis.RedisError as exc:
-            log.debug("metrics scrape cannot read Redis: %s", exc)
-            return
-        except Exception:  # metrics must never stop the consumer
-            log.exception("recommended_consumers failed")
-            return
-        rate = GaugeMetricFamily("batchgate_queue_arrival_rate",
-                                 "Requests enqueued per second, over the last 10 s.",
-                                 labels=["queue"])
-        rate.add_metric([self.queue], signal["arrival_rate_rps"])
-        yield rate
-        if signal["recommended_consumers"] is not None:
-            recommended = GaugeMetricFamily(
-                "batchgate_recommended_consumers", "Consumers the planner says the queue's "
-                "policy needs to meet its slo_p99_ms at the measured arrival rate.",
-                labels=["queue"])
-            recommended.add_metric([self.queue], signal["recommended_consumers"])
-            yield recommended
+            log.debug("metrics scrape cannot reach Redis: %s", exc)
+            up.add_metric([self.queue], 0)
+        yield up
 
 
 class ConsumerMetrics:
@@ -121,8 +69,7 @@ class ConsumerMetrics:
                  registry: CollectorRegistry | None = None):
         self.queue = queue
         self.registry = registry or CollectorRegistry()
-        self.registry.register(DepthCollector(client, queue))
-        self.registry.register(ScalingCollector(client, queue))
+        self.registry.register(RedisUpCollector(client, queue))
         self.wait = Histogram("batchgate_consumer_queue_wait_seconds",
                               "Enqueue to pop, per priority served at.", ["queue", "priority"],
                               buckets=WAIT_BUCKETS, registry=self.registry)

@@ -54,6 +54,7 @@ from scheduler_core.wire import (
     DEFAULT_MAX_RESULT_BYTES,
     Outcome,
     decode_request,
+    decode_request_traced,
     encode_error,
     encode_result,
 )
@@ -137,6 +138,8 @@ class Consumer:
         # Optional: called once per batch as on_batch(batch, ran, model_us, outcomes), e.g.
         # consumer.metrics.ConsumerMetrics. It must not raise.
         self.observer: Any = None
+        # Optional: consumer.tracing.BatchTracer, which records each batch's spans.
+        self.tracer: Any = None
 
     # -- lifecycle ------------------------------------------------------------------
     def start(self) -> Policy:
@@ -290,10 +293,15 @@ class Consumer:
         runnable items with their decoded payloads."""
         early: Answers = {}
         runnable: list[tuple[Item, Any]] = []
+        traced = self.tracer is not None
         for item in batch.items:
             if item.state is RUN:
                 try:
-                    runnable.append((item, decode_request(item.envelope or b"")))
+                    if traced:
+                        payload, item.trace = decode_request_traced(item.envelope or b"")
+                    else:
+                        payload = decode_request(item.envelope or b"")
+                    runnable.append((item, payload))
                 except ValueError as exc:
                     early[item.id] = (Outcome.DEAD_LETTER, encode_error(
                         item.id, "MalformedRequest", f"stored request is unreadable: {exc}"))
@@ -342,16 +350,29 @@ class Consumer:
     def _run_model(self, batch: Batch, runnable: list[tuple[Item, Any]],
                    answered_early: Answers) -> Finished:
         started = time.perf_counter()
+        started_ns = time.time_ns() if self.tracer is not None else 0
         self._in_model = batch  # the lease thread's hang clock runs while this is set
         try:
             results = self._run_isolated([payload for _, payload in runnable])
         finally:
             self._in_model = None
         model_s = time.perf_counter() - started
+        if self.tracer is not None:
+            self._trace_model(batch, runnable, results, started_ns)
         if self._overlap is not None:
             self._overlap.ran(len(runnable), model_s)
         return Finished(batch, {}, [item for item, _ in runnable], results, int(model_s * 1e6),
                         answered_early=answered_early)
+
+    def _trace_model(self, batch: Batch, runnable: list[tuple[Item, Any]],
+                     results: list[tuple[bool, Any]], started_ns: int) -> None:
+        try:
+            batch.span = self.tracer.model_ran(
+                batch, [item for item, _ in runnable],
+                self.policy.strategy.value if self.policy else "", started_ns, time.time_ns(),
+                sum(1 for ok, _ in results if not ok))
+        except Exception:  # tracing must never stop the consumer
+            log.exception("tracing failed")
 
     def _hand_over(self, job: Finished, overlap: Overlap | None) -> None:
         if overlap is not None:
@@ -362,6 +383,23 @@ class Consumer:
     def _finish(self, job: Finished, pop_next: bool = False) -> list[Any] | None:
         """Encode and write a batch's answers; with pop_next, pop the next batch in the
         same round trip and return its raw reply."""
+        span = job.batch.span if job.last else None
+        if span is None:
+            return self._write(job, pop_next)
+        job.batch.span = None
+        error: BaseException | None = None
+        try:
+            return self._write(job, pop_next)
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            try:
+                self.tracer.completed(span, error)
+            except Exception:  # tracing must never stop the consumer
+                log.exception("tracing failed")
+
+    def _write(self, job: Finished, pop_next: bool) -> list[Any] | None:
         outcomes = dict(job.outcomes)
         for item, (ok, value) in zip(job.runnable, job.results, strict=True):
             outcomes[item.id] = self._encode(item.id, ok, value)

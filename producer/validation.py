@@ -92,6 +92,7 @@ class ProducerConfig:
 def build_requests(config: ProducerConfig, payloads: Iterable[Any], priority: Any,
                    deadline_ms: Any, idempotency_keys: list[str | None] | None = None,
                    ) -> list[NewRequest]:
+    from scheduler_core.tracing import current_trace
     from scheduler_core.wire import encode_request
 
     level = int(Priority.parse(priority))
@@ -103,10 +104,11 @@ def build_requests(config: ProducerConfig, payloads: Iterable[Any], priority: An
         raise InvalidRequest("payloads", f"{len(payloads)} requests, over the limit of "
                                          f"{MAX_BATCH_SUBMIT} per call")
     keys = idempotency_keys or [None] * len(payloads)
+    trace = current_trace()  # the caller's span, if any: carried to the consumer's spans
     requests = []
     for index, (payload, key) in enumerate(zip(payloads, keys, strict=True)):
         try:
-            envelope = encode_request(payload, config.max_payload_bytes)
+            envelope = encode_request(payload, config.max_payload_bytes, trace)
         except InvalidRequest as exc:
             if len(payloads) == 1:
                 raise

@@ -1,14 +1,15 @@
 """The autoscaling signal: the measured arrival rate, and `recommended_consumers` in
-`stats --json` and in a running consumer's metrics."""
+`stats --json` and in the exporter's metrics."""
 
 from __future__ import annotations
 
 import json
+import subprocess
 import urllib.request
 
 import pytest
 from click.testing import CliRunner
-from helpers.processes import free_port
+from helpers.processes import BATCHGATE, free_port
 from helpers.support import wait_for
 
 from batchgate.cli import main
@@ -96,25 +97,37 @@ def test_stats_refuses_a_bad_target(shared_redis, queue):
     assert result.exit_code == 2 and "--slo-p99-ms" in result.output
 
 
-def test_a_consumer_exports_recommended_consumers(shared_redis, queue, start_consumer):
+def test_the_exporter_serves_recommended_consumers(shared_redis, queue):
+    """Queue-wide figures come from `batchgate exporter`, once per queue, with no consumer."""
     parser = pytest.importorskip("prometheus_client.parser")
     client, keys = shared_redis.client(), QueueKeys(queue)
+    client.hset(keys.policy, mapping=Policy.build("dynamic", max_batch_size=32,
+                                                  max_queue_delay_ms=10).to_redis())
     port = free_port()
-    start_consumer(shared_redis.url, queue, "--strategy", "dynamic", "--max-batch-size", "32",
-                   "--max-queue-delay-ms", "10", "--metrics-port", str(port))
+    exporter = subprocess.Popen([BATCHGATE, "exporter", "--redis-url", shared_redis.url,
+                                 "--queue", queue, "--host", "127.0.0.1", "--port", str(port)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def scrape() -> dict[str, float]:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
-            text = reply.read().decode()
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+                text = r.read().decode()
+        except OSError:
+            return {}
         return {s.name: s.value for family in parser.text_string_to_metric_families(text)
                 for s in family.samples if s.labels.get("queue") == queue}
 
-    assert "batchgate_recommended_consumers" not in scrape()  # no target, no cost model
-    client.hset(keys.policy, "slo_p99_ms", "60")
-    write_cost_model(client, keys, CostModel(5000, 500, source="profile"))
-    set_rate(client, queue, 2000, ahead_s=30)
-    expected = stats(shared_redis.url, queue)["recommended_consumers"]
-    assert expected >= 2
-    metrics = wait_for(lambda: (m := scrape()).get("batchgate_queue_arrival_rate") == 2000
-                       and m, what="the arrival rate in the metrics")
-    assert metrics["batchgate_recommended_consumers"] == expected
+    try:
+        first = wait_for(lambda: scrape() or None, what="the exporter to answer")
+        assert "batchgate_recommended_consumers" not in first  # no target, no cost model
+        client.hset(keys.policy, "slo_p99_ms", "60")
+        write_cost_model(client, keys, CostModel(5000, 500, source="profile"))
+        set_rate(client, queue, 2000, ahead_s=30)
+        expected = stats(shared_redis.url, queue)["recommended_consumers"]
+        assert expected >= 2
+        metrics = wait_for(lambda: (m := scrape()).get("batchgate_queue_arrival_rate") == 2000
+                           and m, what="the arrival rate in the metrics")
+        assert metrics["batchgate_recommended_consumers"] == expected
+    finally:
+        exporter.kill()
+        exporter.wait()

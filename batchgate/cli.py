@@ -34,6 +34,8 @@ LAZY_COMMANDS = {
     "gateway": "producer.gateway.cli:gateway_command",
     "simulate": "batchgate.simulate:simulate_command",
     "profile": "batchgate.profile_model:profile_command",
+    "top": "batchgate.top:top_command",
+    "dashboard": "batchgate.dashboard.cli:dashboard_command",
 }
 
 
@@ -115,6 +117,7 @@ def policy_set(redis_url: str, queue: str, **kwargs: Any) -> None:
     their next batch on. Switching --strategy without --max-batch-size also resets
     max_batch_size to the new strategy's default (fifo: 1, others: 32)."""
     from scheduler_core.admin import read_policy, store_policy
+    from scheduler_core.registry import register_queue
 
     client = connect_checked(redis_url)
     values = {k: v for k, v in policy_values(kwargs).items() if v is not None}
@@ -125,6 +128,7 @@ def policy_set(redis_url: str, queue: str, **kwargs: Any) -> None:
         del merged["max_batch_size"]  # Policy.build supplies the new strategy's default
     merged.update(values)
     stored = store_policy(client, queue, Policy.build(**merged), replace=True)
+    register_queue(client, queue)
     if current is not None and stored.max_batch_size != current.max_batch_size \
             and "max_batch_size" not in values:
         click.echo(f"max_batch_size: {current.max_batch_size} -> {stored.max_batch_size}, "

@@ -14,14 +14,17 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
 import redis
 
 from consumer.batch import Batch
 from scheduler_core.keys import QueueKeys
+from scheduler_core.registry import REGISTER_EVERY_S, register_queue
 from scheduler_core.scripts import ScriptPipeline, Scripts, extend_lease_keys, requeue_keys
 
 log = logging.getLogger("batchgate.consumer")
@@ -43,6 +46,17 @@ class Held:
     completing: Callable[[], list[Batch]] = list  # results on their way to Redis
 
 
+INFO_TTL_MS = 30_000  # `{bg:q}:consumer:<name>` outlives the last heartbeat this long
+FAILURES_KEPT = 100  # `{bg:q}:failures` keeps the newest this many
+
+
+@dataclass(frozen=True)
+class Report:
+    """What the lease thread publishes with each heartbeat, for dashboards."""
+    about: Callable[[], dict[str, str]]  # host, pid, device, batches, current batch...
+    failures: deque[dict[str, Any]]  # failed requests not yet written (drained here)
+
+
 @dataclass(frozen=True)
 class LeaseTimes:
     lease_ms: int
@@ -60,10 +74,12 @@ class LeaseKeeper:
 
     def __init__(self, client: redis.Redis, scripts: Scripts, keys: QueueKeys, consumer: str,
                  times: LeaseTimes, held: Held, on_policy: Callable[[dict[bytes, bytes]], None],
-                 on_hung: Callable[[], None]):
+                 on_hung: Callable[[], None], report: Report | None = None):
         self._redis, self._scripts, self._keys = client, scripts, keys
         self._consumer, self._times, self._held = consumer, times, held
         self._on_policy, self._on_hung = on_policy, on_hung
+        self._report = report
+        self._registered_at = float("-inf")  # last registration in batchgate:queues
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="batchgate-lease", daemon=True)
         self._watched: Batch | None = None  # the batch in the model when last looked
@@ -90,6 +106,12 @@ class LeaseKeeper:
 
     def _tick(self) -> None:
         now = time.monotonic()
+        if now - self._registered_at >= REGISTER_EVERY_S:
+            self._registered_at = now
+            try:
+                register_queue(self._redis, self._keys.queue)
+            except redis.ResponseError as exc:  # an ACL limited to the queue's keys
+                log.debug("queue registry not updated: %s", exc)
         self._watch_model(now)
         current = self._held.current()
         if self._hung and current is self._watched:
@@ -134,6 +156,20 @@ class LeaseKeeper:
         except (redis.RedisError, ValueError) as exc:
             log.warning("could not check the queue's policy: %s", exc)
 
+    def _publish(self, pipe: ScriptPipeline) -> None:
+        """Add to the heartbeat's round trip: this consumer's info hash, and the failed
+        requests seen since the last tick (pushed onto the queue's failures list)."""
+        assert self._report is not None
+        info = self._keys.consumer_info(self._consumer)
+        pipe.command("hset", info, None, None, self._report.about())
+        pipe.command("pexpire", info, INFO_TTL_MS)
+        failed: list[bytes] = []
+        while self._report.failures:
+            failed.append(orjson.dumps(self._report.failures.popleft()))
+        if failed:
+            pipe.command("lpush", self._keys.failures, *failed)
+            pipe.command("ltrim", self._keys.failures, 0, FAILURES_KEPT - 1)
+
     def _watch_model(self, now: float) -> None:
         """Start the hang clock for a new batch in the model; deem it hung past
         max_batch_ms (a model that returns after all resets the clock)."""
@@ -164,6 +200,8 @@ class LeaseKeeper:
             pipe.script(self._scripts.extend_lease, keys, args)
         if sweep:
             pipe.script(self._scripts.requeue_expired, requeue_keys(self._keys), [100])
+        if self._report is not None:
+            self._publish(pipe)
         pipe.command("hgetall", self._keys.policy)
         replies = pipe.execute()
         return int(replies[0]) != 0, replies[-1]

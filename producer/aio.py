@@ -24,6 +24,7 @@ from scheduler_core import connection
 from scheduler_core.compat import require_redis_version_async
 from scheduler_core.connection import Backoff, dedicated
 from scheduler_core.policy import Priority
+from scheduler_core.registry import register_queue_async
 from scheduler_core.scripts import Scripts
 from scheduler_core.wire import Result, decode_result
 
@@ -186,8 +187,19 @@ class AsyncProducer(ProducerBase[AsyncHandle]):
             self._sends.add(task)
             task.add_done_callback(self._sends.discard)
 
+    async def _register(self) -> None:
+        """Once per producer, before its first enqueue: one ZADD. A refusal (an ACL
+        limited to the queue's keys) does not stop the submit."""
+        self._registered = True
+        try:
+            await register_queue_async(self._redis, self.config.queue)
+        except redis.ResponseError as exc:
+            log.debug("queue registry not updated: %s", exc)
+
     async def _send(self, batch: list[Submission]) -> None:
         try:
+            if not self._registered:
+                await self._register()
             keys, args = self._batch_call(batch)
             if not self._settle(batch, await self._scripts.enqueue(keys=keys, args=args)):
                 pipe = self._redis.pipeline(transaction=False)

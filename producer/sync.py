@@ -33,6 +33,7 @@ from scheduler_core.connection import (
     dedicated,
 )
 from scheduler_core.policy import Priority
+from scheduler_core.registry import register_queue
 from scheduler_core.scripts import Scripts
 from scheduler_core.wire import Result, decode_result
 
@@ -294,8 +295,19 @@ class Producer(ProducerBase[Handle]):
                 self._hand_off()
         return sub.outcome()
 
+    def _register(self) -> None:
+        """Once per producer, before its first enqueue: one ZADD. A refusal (an ACL
+        limited to the queue's keys) does not stop the submit."""
+        self._registered = True
+        try:
+            register_queue(self._redis, self.config.queue)
+        except redis.ResponseError as exc:
+            log.debug("queue registry not updated: %s", exc)
+
     def _send(self, batch: list[Submission]) -> None:
         try:
+            if not self._registered:
+                self._register()
             keys, args = self._batch_call(batch)
             if not self._settle(batch, self._scripts.enqueue(keys=keys, args=args)):
                 pipe = self._redis.pipeline(transaction=False)

@@ -1,0 +1,205 @@
+"""`batchgate dashboard`: its HTTP API against a real Redis, and the page in a real,
+headless Chromium (Debian's, driven by Playwright) with a real consumer."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+from helpers.processes import BATCHGATE, ConsumerProcess, free_port
+from helpers.servers import ServerProcess
+from helpers.support import wait_for
+
+from producer import Producer
+from scheduler_core.keys import QueueKeys
+
+pytest.importorskip("fastapi")
+
+TOKEN = "s3cret-token"
+CHROMIUM = next((p for p in (os.environ.get("BATCHGATE_CHROMIUM"), shutil.which("chromium"),
+                             "/usr/bin/chromium") if p and os.path.exists(p)), None)
+SCREENSHOT = Path(__file__).resolve().parents[1] / "docs" / "img" / "dashboard.png"
+
+
+def start_dashboard(redis_url: str, *extra: str) -> ServerProcess:
+    port = free_port()
+    return ServerProcess([BATCHGATE, "dashboard", "--redis-url", redis_url, "--port", str(port),
+                          *extra], port, ready_path="/api/config")
+
+
+@pytest.fixture
+def dashboards() -> Iterator:
+    started: list[ServerProcess] = []
+
+    def start(redis_url: str, *extra: str) -> ServerProcess:
+        server = start_dashboard(redis_url, *extra)
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.close()
+
+
+def dead_letter(redis_url: str, client, queue: str, payload) -> str:
+    """A request dead-lettered the way max_attempts does it: submitted with no consumer
+    running, its delivery count then set to the limit (3), so the next pop gives up."""
+    with Producer(redis_url, queue) as producer:
+        handle = producer.submit(payload)
+        request_id = handle.id
+    keys = QueueKeys(queue)
+    prio, arrival, deadline, _, owner = client.hget(keys.meta, request_id).decode().split(":", 4)
+    client.hset(keys.meta, request_id, f"{prio}:{arrival}:{deadline}:3:{owner}")
+    return request_id
+
+
+def events(url: str, count: int) -> list[dict]:
+    """The first `count` data messages of the server-sent event stream."""
+    out = []
+    with httpx.stream("GET", url + "/events", timeout=10) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                out.append(orjson.loads(line[6:]))
+                if len(out) == count:
+                    break
+    return out
+
+
+def test_the_feed_lists_every_registered_queue_and_actions_need_the_token(
+        shared_redis, queue, start_consumer, dashboards):
+    other = queue + "-b"
+    start_consumer(shared_redis.url, queue, "--model", "consumer.models:noop")
+    with Producer(shared_redis.url, other) as producer:
+        producer.submit({"i": 1})  # no consumer on this one: it waits
+    client = shared_redis.client()
+    dead = dead_letter(shared_redis.url, client, queue + "-d", {"i": "dead"})
+    read_only = dashboards(shared_redis.url)
+    feed = events(read_only.url, 2)
+    names = {s["queue"] for s in feed[-1]["queues"]}
+    assert {queue, other, queue + "-d"} <= names
+    by_name = {s["queue"]: s for s in feed[-1]["queues"]}
+    assert by_name[other]["depth"]["normal"] == 1
+    assert by_name[queue]["consumers"][0]["host"]
+    assert by_name[queue + "-d"]["depth"]["normal"] == 1  # not popped: no consumer there
+    # Read-only: every action is refused, and nothing changes.
+    for path, body in (("dead-letters/retry", {"ids": [dead]}), ("dead-letters/purge",
+                                                                  {"all": True}),
+                       ("policy", {"max_batch_size": 4})):
+        answer = httpx.post(f"{read_only.url}/api/queues/{queue}/{path}", json=body,
+                            headers={"Authorization": f"Bearer {TOKEN}"})
+        assert answer.status_code == 403 and "--token" in answer.json()["error"]
+    assert client.hget(QueueKeys(queue).policy, "max_batch_size") == b"32"
+
+    with_token = dashboards(shared_redis.url, "--token", TOKEN)
+    url = f"{with_token.url}/api/queues/{queue}/policy"
+    assert httpx.post(url, json={"max_batch_size": 4}).status_code == 401
+    assert httpx.post(url, json={"max_batch_size": 4},
+                      headers={"Authorization": "Bearer wrong-token"}).status_code == 401
+    bad = httpx.post(url, json={"max_batch_size": 0},
+                     headers={"Authorization": f"Bearer {TOKEN}"})
+    assert bad.status_code == 400 and bad.json()["field"] == "max_batch_size"
+    good = httpx.post(url, json={"max_batch_size": 4},
+                      headers={"Authorization": f"Bearer {TOKEN}"})
+    assert good.status_code == 200 and good.json()["policy"]["max_batch_size"] == 4
+    assert client.hget(QueueKeys(queue).policy, "max_batch_size") == b"4"
+
+
+def test_the_page_works_behind_a_path_prefix(shared_redis, queue, dashboards):
+    with Producer(shared_redis.url, queue) as producer:
+        producer.submit({"i": 1})
+    server = dashboards(shared_redis.url, "--root-path", "/bg")
+    page = httpx.get(server.url + "/bg/")
+    assert page.status_code == 200
+    # Every URL in the page is relative: it resolves under the prefix.
+    for ref in ('href="static/dashboard.css"', 'src="static/dashboard.js"'):
+        assert ref in page.text
+    assert "http" not in page.text.replace('charset="utf-8"', "")
+    assert httpx.get(server.url + "/bg/static/dashboard.js").status_code == 200
+    script = httpx.get(server.url + "/bg/static/dashboard.js").text
+    assert 'fetch("api/config")' in script and 'new EventSource("events")' in script
+    assert "//" not in "".join(line.split("//")[0] for line in script.splitlines()
+                               if "http" in line.split("//")[0])  # no absolute URL
+    snap = httpx.get(server.url + "/bg/api/snapshot").json()
+    assert queue in {s["queue"] for s in snap["queues"]}
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed (apt-get install "
+                    "chromium; CI installs it): the browser test needs a real browser")
+def test_the_page_shows_depth_live_and_retries_a_dead_letter(shared_redis, queue,
+                                                              dashboards, tmp_path):
+    sync_api = pytest.importorskip("playwright.sync_api")
+    client = shared_redis.client()
+    dead = dead_letter(shared_redis.url, client, queue, {"i": "dead"})
+    server = dashboards(shared_redis.url, "--token", TOKEN, "--queue", queue)
+    consumer = None
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM,
+                                     args=["--no-sandbox", "--disable-gpu"])
+        try:
+            page = browser.new_page(viewport={"width": 1200, "height": 1100})
+            page.goto(server.url + "/")
+            card = page.locator(f"section.queue[data-queue='{queue}']")
+            normal = card.locator("[data-f='depth.normal']")
+            sync_api.expect(normal).to_have_text("1", timeout=10_000)  # the one to die
+
+            # Submitted with no consumer: the page shows the depth rise, without reload.
+            with Producer(shared_redis.url, queue) as producer:
+                handles = [producer.submit({"i": i}, priority="high") for i in range(40)]
+                sync_api.expect(card.locator("[data-f='depth.high']")).to_have_text(
+                    "40", timeout=5_000)
+                # Drained by a real consumer (4 per batch, 0.5 s each): it falls, live.
+                consumer = ConsumerProcess(shared_redis.url, queue, "--model",
+                                           "consumer.models:synthetic", "--model-arg",
+                                           "base_ms=500", "--max-batch-size", "4",
+                                           "--device", "cpu").wait_ready()
+                depths, shot = [], os.environ.get("BATCHGATE_SCREENSHOT")
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline:
+                    depth = int(card.locator("[data-f='depth.high']").inner_text())
+                    if not depths or depths[-1] != depth:
+                        depths.append(depth)
+                    if shot and 0 < depth <= 24:  # docs/img/dashboard.png: a busy queue
+                        page.screenshot(path=shot, full_page=True)
+                        shot = None
+                    if depth == 0:
+                        break
+                    time.sleep(0.05)
+                # Several steps down to 0 seen in one page load: updated without reload.
+                assert depths[-1] == 0 and len(depths) >= 4, depths
+                assert depths == sorted(depths, reverse=True), depths
+                row = card.locator(".consumers tbody tr")
+                sync_api.expect(row).to_have_count(1, timeout=10_000)
+                sync_api.expect(row).to_contain_text("cpu")  # its --device
+                for handle in handles:
+                    handle.result(timeout=30)
+
+            # The dead letter: listed, retried with the token after the confirmation.
+            row = card.locator(f".dead tbody tr[data-id='{dead}']")
+            sync_api.expect(row).to_have_count(1, timeout=10_000)
+            page.fill("#token", TOKEN)
+            questions: list[str] = []
+
+            def answer(dialog) -> None:
+                questions.append(dialog.message)
+                dialog.accept()
+
+            page.on("dialog", answer)
+            row.locator("button.retry").click()
+            sync_api.expect(row).to_have_count(0, timeout=10_000)
+            assert questions == [f"Retry request {dead} of queue {queue}?"]
+            sync_api.expect(page.locator("#notice")).to_contain_text('"retried":1')
+            sync_api.expect(card.locator("[data-f='dead_letters']")).to_have_text("0")
+        finally:
+            browser.close()
+            if consumer is not None:
+                consumer.close()
+    assert client.zcard(QueueKeys(queue).dead) == 0
+    wait_for(lambda: client.exists(QueueKeys(queue).result(dead)), 15,
+             "the retried request's result")

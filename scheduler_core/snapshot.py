@@ -6,7 +6,7 @@ per-second rates (Redis keeps counters, not rates).
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from typing import Any
 
 import orjson
@@ -112,15 +112,17 @@ def snapshot_all(client: redis.Redis, only: list[str] | None = None) -> list[dic
 
 
 class Rates:
-    """Per-second rates from successive snapshots of the same queues (kept per viewer).
+    """Per-second rates from successive snapshots of the same queues (kept per viewer),
+    over the last `window_s` seconds of snapshots (or since the first one).
 
     completed/s counts requests answered (processed, failed, expired, cancelled);
     arrived/s is derived: completed plus the change in what waits or runs (depth, in
     flight, dead letters), so it counts requests as they enter the queue.
     """
 
-    def __init__(self) -> None:
-        self._last: dict[str, tuple[float, int, int, int, dict[str, int]]] = {}
+    def __init__(self, window_s: float = 5.0) -> None:
+        self.window_s = window_s
+        self._seen: dict[str, deque[tuple[float, int, int, int, dict[str, int]]]] = {}
 
     @staticmethod
     def _held(snap: dict[str, Any]) -> int:
@@ -131,10 +133,12 @@ class Rates:
         """Add "rates" (None on the first sight of a queue) and each consumer's
         "batches_per_s" to `snap`; returns it."""
         queue, now = snap["queue"], snap["time_s"]
-        per_consumer = {c["name"]: c["batches"] for c in snap["consumers"]}
-        last = self._last.get(queue)
-        self._last[queue] = (now, snap["completed"], self._held(snap), snap["batches"],
-                             per_consumer)
+        seen = self._seen.setdefault(queue, deque())
+        while len(seen) > 1 and now - seen[1][0] >= self.window_s:
+            seen.popleft()  # keep one sample at least window_s old
+        last = seen[0] if seen else None
+        seen.append((now, snap["completed"], self._held(snap), snap["batches"],
+                     {c["name"]: c["batches"] for c in snap["consumers"]}))
         for consumer in snap["consumers"]:
             consumer["batches_per_s"] = None
         snap["rates"] = None
@@ -154,4 +158,3 @@ class Rates:
             if before is not None and consumer["batches"] >= before:
                 consumer["batches_per_s"] = (consumer["batches"] - before) / span
         return snap
-

@@ -154,3 +154,21 @@ def test_top_exits_cleanly_on_ctrl_c(redis_server, queue, signal_name):
     out, err = proc.communicate(timeout=15)
     assert proc.returncode == 0, err
     assert "Traceback" not in err and queue in out
+
+
+def test_rates_are_counted_over_the_window():
+    def snap(t: float, completed: int, depth: int, batches: int) -> dict:
+        return {"queue": "q", "time_s": t, "completed": completed, "batches": batches,
+                "depth": {"high": 0, "normal": depth, "low": 0}, "in_flight_requests": 0,
+                "dead_letters": 0, "consumers": [{"name": "c", "batches": batches}]}
+    rates = Rates(window_s=5.0)
+    assert rates.update(snap(100.0, 0, 0, 0))["rates"] is None
+    rates.update(snap(102.0, 10, 5, 2))
+    # At t=106 the sample of t=100 is 6 s old, t=102 only 4: rates over 106-100 = 6 s.
+    got = rates.update(snap(106.0, 40, 2, 8))
+    assert got["rates"]["completed_per_s"] == 40 / 6
+    assert got["rates"]["arrived_per_s"] == (40 + 2) / 6  # answered + still waiting
+    assert got["consumers"][0]["batches_per_s"] == 8 / 6
+    # At t=108: t=102 is now the newest sample at least 5 s old.
+    got = rates.update(snap(108.0, 50, 0, 10))
+    assert got["rates"]["interval_s"] == 6.0 and got["rates"]["completed_per_s"] == 40 / 6

@@ -3,6 +3,7 @@
 "use strict";
 
 const HISTORY = 240; // depth points kept per queue (2 minutes at the default 0.5 s)
+const FAILURES_SHOWN = 8;
 const COLORS = ["#d9480f", "#1971c2", "#868e96"]; // high, normal, low
 const state = { config: null, cards: new Map(), history: new Map(), shown: new Map() };
 
@@ -179,7 +180,8 @@ function render(snap) {
   replaceIfChanged(card, "consumers", card.querySelector(".consumers tbody"),
     snap.consumers.map((c) => [c.name, c.host, c.device || "–",
       `${c.heartbeat_age_s.toFixed(1)} s ago`,
-      c.batch ? `${c.batch} (${c.batch_size})` : "idle", fmt(c.batches_per_s)]),
+      c.batch ? (c.batch_size ? `${c.batch} (${c.batch_size} requests)` : c.batch) : "idle",
+      fmt(c.batches_per_s)]),
     (row) => el("tr", {}, ...row.map((v) => el("td", {}, v))));
 
   card.querySelector(".dead-total").textContent = `(${snap.dead.total})`;
@@ -202,7 +204,7 @@ function render(snap) {
     });
 
   replaceIfChanged(card, "failures", card.querySelector(".failures"),
-    snap.recent_failures.map((f) => [new Date(f.at_ms).toISOString().slice(11, 19),
+    snap.recent_failures.slice(0, FAILURES_SHOWN).map((f) => [new Date(f.at_ms).toISOString().slice(11, 19),
                                      f.id, `${f.type}: ${f.message}`]),
     (row) => el("li", {}, `${row[0]} ${row[1]} — ${row[2]}`));
 

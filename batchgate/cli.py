@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import sys
@@ -128,7 +129,8 @@ def policy_set(redis_url: str, queue: str, **kwargs: Any) -> None:
         del merged["max_batch_size"]  # Policy.build supplies the new strategy's default
     merged.update(values)
     stored = store_policy(client, queue, Policy.build(**merged), replace=True)
-    register_queue(client, queue)
+    with contextlib.suppress(redis.ResponseError):  # an ACL limited to the queue's keys
+        register_queue(client, queue)
     if current is not None and stored.max_batch_size != current.max_batch_size \
             and "max_batch_size" not in values:
         click.echo(f"max_batch_size: {current.max_batch_size} -> {stored.max_batch_size}, "

@@ -8,6 +8,7 @@ strips it, or --root-path / X-Forwarded-Prefix for one that does not).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import time
 from collections.abc import AsyncIterator
@@ -172,7 +173,8 @@ def create_app(client: redis.Redis, token: str | None = None, interval_s: float 
             merged: dict[str, Any] = current.to_dict() if current else {}
             merged.update(body)
             stored = store_policy(client, queue, Policy.build(**merged), replace=True)
-            register_queue(client, queue)
+            with contextlib.suppress(redis.ResponseError):  # an ACL limited to the queue
+                register_queue(client, queue)
             return {"policy": stored.to_dict()}
         return await act(request, queue, work)
 

@@ -182,14 +182,14 @@ function render(snap) {
       `${c.heartbeat_age_s.toFixed(1)} s ago`,
       c.batch ? (c.batch_size ? `${c.batch} (${c.batch_size} requests)` : c.batch) : "idle",
       fmt(c.batches_per_s)]),
-    (row) => el("tr", {}, ...row.map((v) => el("td", {}, v))));
+    (row) => el("tr", {}, ...row.map((v) => el("td", { title: v }, v))));
 
   card.querySelector(".dead-total").textContent = `(${snap.dead.total})`;
   replaceIfChanged(card, "dead", card.querySelector(".dead tbody"),
     snap.dead.shown.map((d) => [d.id, `${d.error_type}: ${d.message}`, fmt(d.attempts),
                                 d.payload_preview || ""]),
     (row) => {
-      const tr = el("tr", { "data-id": row[0] }, ...row.map((v) => el("td", {}, v)));
+      const tr = el("tr", { "data-id": row[0] }, ...row.map((v) => el("td", { title: v }, v)));
       const cell = el("td", {});
       if (state.config.actions) {
         cell.append(

@@ -79,15 +79,19 @@ def test_the_feed_lists_every_registered_queue_and_actions_need_the_token(
     with Producer(shared_redis.url, other) as producer:
         producer.submit({"i": 1})  # no consumer on this one: it waits
     client = shared_redis.client()
-    dead = dead_letter(shared_redis.url, client, queue + "-d", {"i": "dead"})
+    dead = dead_letter(shared_redis.url, client, queue, {"i": "dead"})
+    wait_for(lambda: client.zcard(QueueKeys(queue).dead) == 1, 15, "the dead letter")
     read_only = dashboards(shared_redis.url)
-    feed = events(read_only.url, 2)
+    feed = events(read_only.url, 3)
     names = {s["queue"] for s in feed[-1]["queues"]}
-    assert {queue, other, queue + "-d"} <= names
+    assert {queue, other} <= names
     by_name = {s["queue"]: s for s in feed[-1]["queues"]}
     assert by_name[other]["depth"]["normal"] == 1
     assert by_name[queue]["consumers"][0]["host"]
-    assert by_name[queue + "-d"]["depth"]["normal"] == 1  # not popped: no consumer there
+    assert [d["id"] for d in by_name[queue]["dead"]["shown"]] == [dead]
+    # Updates every --interval (0.5 s): well within a second, with slack for a busy host.
+    gaps = [b["at"] - a["at"] for a, b in zip(feed, feed[1:], strict=False)]
+    assert min(gaps) > 0 and min(gaps) < 1.0, gaps
     # Read-only: every action is refused, and nothing changes.
     for path, body in (("dead-letters/retry", {"ids": [dead]}), ("dead-letters/purge",
                                                                   {"all": True}),
@@ -96,19 +100,28 @@ def test_the_feed_lists_every_registered_queue_and_actions_need_the_token(
                             headers={"Authorization": f"Bearer {TOKEN}"})
         assert answer.status_code == 403 and "--token" in answer.json()["error"]
     assert client.hget(QueueKeys(queue).policy, "max_batch_size") == b"32"
+    assert client.zcard(QueueKeys(queue).dead) == 1
 
     with_token = dashboards(shared_redis.url, "--token", TOKEN)
+    auth = {"Authorization": f"Bearer {TOKEN}"}
     url = f"{with_token.url}/api/queues/{queue}/policy"
     assert httpx.post(url, json={"max_batch_size": 4}).status_code == 401
     assert httpx.post(url, json={"max_batch_size": 4},
                       headers={"Authorization": "Bearer wrong-token"}).status_code == 401
-    bad = httpx.post(url, json={"max_batch_size": 0},
-                     headers={"Authorization": f"Bearer {TOKEN}"})
+    bad = httpx.post(url, json={"max_batch_size": 0}, headers=auth)
     assert bad.status_code == 400 and bad.json()["field"] == "max_batch_size"
-    good = httpx.post(url, json={"max_batch_size": 4},
-                      headers={"Authorization": f"Bearer {TOKEN}"})
+    unknown = httpx.post(url, json={"batch": 3}, headers=auth)
+    assert unknown.status_code == 400 and unknown.json()["field"] == "batch"
+    assert client.hget(QueueKeys(queue).policy, "max_batch_size") == b"32"  # nothing written
+    good = httpx.post(url, json={"max_batch_size": 4}, headers=auth)
     assert good.status_code == 200 and good.json()["policy"]["max_batch_size"] == 4
     assert client.hget(QueueKeys(queue).policy, "max_batch_size") == b"4"
+    purge_url = f"{with_token.url}/api/queues/{queue}/dead-letters/purge"
+    assert httpx.post(purge_url, json={"ids": []}, headers=auth).status_code == 400
+    assert httpx.post(purge_url, json={"ids": [dead]}, headers=auth).json() == {
+        "purged": 1, "skipped": 0}
+    assert client.zcard(QueueKeys(queue).dead) == 0
+    assert not client.hexists(QueueKeys(queue).jobs, dead)
 
 
 def test_the_page_works_behind_a_path_prefix(shared_redis, queue, dashboards):
@@ -128,6 +141,12 @@ def test_the_page_works_behind_a_path_prefix(shared_redis, queue, dashboards):
                                if "http" in line.split("//")[0])  # no absolute URL
     snap = httpx.get(server.url + "/bg/api/snapshot").json()
     assert queue in {s["queue"] for s in snap["queues"]}
+    # A proxy that keeps its prefix and says so in X-Forwarded-Prefix, no --root-path.
+    plain = dashboards(shared_redis.url)
+    answer = httpx.get(plain.url + "/proxy/api/config",
+                       headers={"X-Forwarded-Prefix": "/proxy"})
+    assert answer.status_code == 200 and "actions" in answer.json()
+    assert httpx.get(plain.url + "/api/config").status_code == 200  # one that strips it
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed (apt-get install "
@@ -196,10 +215,19 @@ def test_the_page_shows_depth_live_and_retries_a_dead_letter(shared_redis, queue
             assert questions == [f"Retry request {dead} of queue {queue}?"]
             sync_api.expect(page.locator("#notice")).to_contain_text('"retried":1')
             sync_api.expect(card.locator("[data-f='dead_letters']")).to_have_text("0")
+
+            # The policy, changed from the page: confirmed, then shown as stored.
+            card.locator(".policy-edit summary").click()
+            card.locator(".policy-form input[name='max_batch_size']").fill("8")
+            card.locator(".policy-form button[type='submit']").click()
+            sync_api.expect(card.locator(".policy-line")).to_contain_text("batch ≤ 8",
+                                                                          timeout=10_000)
+            assert questions[-1] == f"Change the policy of queue {queue}?"
         finally:
             browser.close()
             if consumer is not None:
                 consumer.close()
     assert client.zcard(QueueKeys(queue).dead) == 0
+    assert client.hget(QueueKeys(queue).policy, "max_batch_size") == b"8"
     wait_for(lambda: client.exists(QueueKeys(queue).result(dead)), 15,
              "the retried request's result")

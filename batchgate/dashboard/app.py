@@ -46,7 +46,10 @@ class Feed:
         self._body = b""
 
     def _read(self) -> bytes:
-        snaps = [self._rates.update(s) for s in snapshot_all(self._client, self._only)]
+        try:
+            snaps = [self._rates.update(s) for s in snapshot_all(self._client, self._only)]
+        except redis.RedisError as exc:  # the page says so, and keeps what it shows
+            return orjson.dumps({"error": f"cannot read Redis: {exc}", "at": time.time()})
         return orjson.dumps({"queues": snaps, "at": time.time()})
 
     async def latest(self) -> bytes:

@@ -217,6 +217,10 @@ function render(snap) {
 }
 
 function update(data) {
+  if (data.error) {
+    setStatus(data.error, true);
+    return;
+  }
   const main = document.getElementById("queues");
   const cards = data.queues.map(render);
   if (!cards.length) {

@@ -231,3 +231,14 @@ def test_the_page_shows_depth_live_and_retries_a_dead_letter(shared_redis, queue
     assert client.hget(QueueKeys(queue).policy, "max_batch_size") == b"8"
     wait_for(lambda: client.exists(QueueKeys(queue).result(dead)), 15,
              "the retried request's result")
+
+
+def test_the_feed_says_when_redis_cannot_be_read(redis_server, queue, dashboards):
+    with Producer(redis_server.url, queue) as producer:
+        producer.submit({"i": 1})
+    server = dashboards(redis_server.url, "--queue", queue)
+    assert events(server.url, 1)[0]["queues"][0]["queue"] == queue
+    redis_server.close()
+    message = events(server.url, 2)[-1]  # the first may be the one read before
+    assert message["error"].startswith("cannot read Redis") and "queues" not in message
+    assert server.proc.poll() is None  # still serving: the page shows the error

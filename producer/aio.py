@@ -188,18 +188,19 @@ class AsyncProducer(ProducerBase[AsyncHandle]):
             task.add_done_callback(self._sends.discard)
 
     async def _register(self) -> None:
-        """Once per producer, before its first enqueue: one ZADD. A refusal (an ACL
-        limited to the queue's keys) does not stop the submit."""
-        self._registered = True
+        """Once per producer, after its first accepted enqueue (a refused one writes
+        nothing): one ZADD, in a task of its own beside the submits. Its failure never
+        fails a submit."""
         try:
             await register_queue_async(self._redis, self.config.queue)
-        except redis.ResponseError as exc:
+        except redis.ResponseError as exc:  # an ACL limited to the queue's keys
+            log.debug("queue registry not updated: %s", exc)
+        except (redis.RedisError, OSError) as exc:  # tried again at the next submit
+            self._registered = False
             log.debug("queue registry not updated: %s", exc)
 
     async def _send(self, batch: list[Submission]) -> None:
         try:
-            if not self._registered:
-                await self._register()
             keys, args = self._batch_call(batch)
             if not self._settle(batch, await self._scripts.enqueue(keys=keys, args=args)):
                 pipe = self._redis.pipeline(transaction=False)
@@ -210,6 +211,11 @@ class AsyncProducer(ProducerBase[AsyncHandle]):
             self._fail(batch, exc)
         finally:
             self._in_flight -= 1
+            if not self._registered and any(sub.ids for sub in batch):
+                self._registered = True
+                task = asyncio.get_running_loop().create_task(self._register())
+                self._sends.add(task)  # close() waits for it, as for the sends
+                task.add_done_callback(self._sends.discard)
             for sub in batch:
                 if sub.waiter is not None and not sub.waiter.done():
                     if sub.ids is not None:

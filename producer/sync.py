@@ -295,19 +295,22 @@ class Producer(ProducerBase[Handle]):
                 self._hand_off()
         return sub.outcome()
 
-    def _register(self) -> None:
-        """Once per producer, before its first enqueue: one ZADD. A refusal (an ACL
-        limited to the queue's keys) does not stop the submit."""
-        self._registered = True
+    def _register(self, batch: list[Submission]) -> None:
+        """Once per producer, after its first accepted enqueue (a refused one writes
+        nothing): one ZADD. Its failure never fails the submit, which is done."""
+        if self._registered or not any(sub.ids for sub in batch):
+            return
         try:
             register_queue(self._redis, self.config.queue)
-        except redis.ResponseError as exc:
+            self._registered = True
+        except redis.ResponseError as exc:  # an ACL limited to the queue's keys
+            self._registered = True
+            log.debug("queue registry not updated: %s", exc)
+        except redis.RedisError as exc:  # tried again at the next submit
             log.debug("queue registry not updated: %s", exc)
 
     def _send(self, batch: list[Submission]) -> None:
         try:
-            if not self._registered:
-                self._register()
             keys, args = self._batch_call(batch)
             if not self._settle(batch, self._scripts.enqueue(keys=keys, args=args)):
                 pipe = self._redis.pipeline(transaction=False)
@@ -317,6 +320,7 @@ class Producer(ProducerBase[Handle]):
         except BaseException as exc:  # each of its callers gets the error
             self._fail(batch, exc)
         finally:
+            self._register(batch)
             for sub in batch:
                 if sub.waiter.locked():  # not if its caller was interrupted (_abandon)
                     sub.waiter.release()

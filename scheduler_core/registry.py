@@ -5,7 +5,7 @@ queue without KEYS or SCAN.
 Who registers a queue (a plain ZADD GT, outside any queue's hash tag, so it works on a
 Redis Cluster too):
 - a consumer, at start and then every REGISTER_EVERY_S from its lease thread;
-- a producer, once, at its first submit;
+- a producer, once, after its first accepted submit;
 - `batchgate policy set`.
 
 A queue is dropped from the registry by `known_queues` when it has not been seen for
@@ -41,6 +41,13 @@ def register_queue(client: redis.Redis, queue: str) -> None:
 async def register_queue_async(client: redis.asyncio.Redis, queue: str) -> None:
     """`register_queue` for an asyncio client."""
     await client.zadd(QUEUES_KEY, {validate_queue_name(queue): _now_ms()}, gt=True)
+
+
+def forget_queues(client: redis.Redis, queues: list[str]) -> None:
+    """Remove `queues` from the registry (after deleting their keys); a consumer or
+    producer still using one registers it again."""
+    if queues:
+        client.zrem(QUEUES_KEY, *queues)
 
 
 def _lasting_keys(queue: str) -> list[str]:

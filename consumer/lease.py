@@ -46,7 +46,7 @@ class Held:
     completing: Callable[[], list[Batch]] = list  # results on their way to Redis
 
 
-INFO_TTL_MS = 30_000  # `{bg:q}:consumer:<name>` outlives the last heartbeat this long
+INFO_TTL_S = 30  # `{bg:q}:consumer:<name>` outlives the last heartbeat this long
 FAILURES_KEPT = 100  # `{bg:q}:failures` keeps the newest this many
 
 
@@ -134,6 +134,8 @@ class LeaseKeeper:
         finally:
             if exiting:  # even with Redis away: the model is stuck either way
                 self._on_hung()
+        if self._report is not None:
+            self._publish()
 
     def _renew_and_report(self, current: Batch | None, others: list[Batch],
                           release: list[Batch]) -> None:
@@ -156,19 +158,25 @@ class LeaseKeeper:
         except (redis.RedisError, ValueError) as exc:
             log.warning("could not check the queue's policy: %s", exc)
 
-    def _publish(self, pipe: ScriptPipeline) -> None:
-        """Add to the heartbeat's round trip: this consumer's info hash, and the failed
-        requests seen since the last tick (pushed onto the queue's failures list)."""
+    def _publish(self) -> None:
+        """This consumer's info hash, and the failed requests seen since the last tick
+        (pushed onto the queue's failures list), for dashboards: a round trip of its own,
+        so that a refusal (an ACL without these commands) never touches the lease."""
         assert self._report is not None
         info = self._keys.consumer_info(self._consumer)
-        pipe.command("hset", info, None, None, self._report.about())
-        pipe.command("pexpire", info, INFO_TTL_MS)
-        failed: list[bytes] = []
+        failed: list[dict[str, Any]] = []
         while self._report.failures:
-            failed.append(orjson.dumps(self._report.failures.popleft()))
+            failed.append(self._report.failures.popleft())
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.hset(info, mapping=self._report.about())
+        pipe.expire(info, INFO_TTL_S)
         if failed:
-            pipe.command("lpush", self._keys.failures, *failed)
-            pipe.command("ltrim", self._keys.failures, 0, FAILURES_KEPT - 1)
+            pipe.lpush(self._keys.failures, *(orjson.dumps(f) for f in failed))
+            pipe.ltrim(self._keys.failures, 0, FAILURES_KEPT - 1)
+        try:
+            pipe.execute()
+        except redis.RedisError as exc:
+            log.debug("consumer info not published: %s", exc)
 
     def _watch_model(self, now: float) -> None:
         """Start the hang clock for a new batch in the model; deem it hung past
@@ -200,8 +208,6 @@ class LeaseKeeper:
             pipe.script(self._scripts.extend_lease, keys, args)
         if sweep:
             pipe.script(self._scripts.requeue_expired, requeue_keys(self._keys), [100])
-        if self._report is not None:
-            self._publish(pipe)
         pipe.command("hgetall", self._keys.policy)
         replies = pipe.execute()
         return int(replies[0]) != 0, replies[-1]

@@ -172,3 +172,24 @@ def test_rates_are_counted_over_the_window():
     # At t=108: t=102 is now the newest sample at least 5 s old.
     got = rates.update(snap(108.0, 50, 0, 10))
     assert got["rates"]["interval_s"] == 6.0 and got["rates"]["completed_per_s"] == 40 / 6
+
+
+def test_without_access_to_the_registry_everything_else_works(redis_server, queue,
+                                                             start_consumer):
+    from test_security import acl_rule
+
+    admin = redis_server.client()
+    rule = [r for r in acl_rule() if r != "~batchgate:queues"]  # the documented one, less it
+    admin.execute_command("ACL", "SETUSER", "no-registry", "reset", *rule)
+    url = f"redis://no-registry:s3cret-pw@127.0.0.1:{redis_server.port}/0"
+    consumer = start_consumer(url, queue, "--model", "consumer.models:synthetic",
+                              "--model-arg", "base_ms=1")
+    with Producer(url, queue) as producer:
+        assert producer.submit({"i": 1}).result(timeout=15) == {"i": 1}
+        with pytest.raises(Exception, match="synthetic failure"):
+            producer.submit({"fail": True}).result(timeout=15)
+    assert known_queues(admin) == []  # not registered: NOPERM on batchgate:queues
+    # The consumer's own figures are still published (its info hash, its failures).
+    wait_for(lambda: queue_snapshot(admin, queue)["recent_failures"], 10, "the failure")
+    assert queue_snapshot(admin, queue)["consumers"][0]["host"]
+    assert consumer.proc.poll() is None and "Traceback" not in consumer.output()

@@ -38,7 +38,8 @@ def _number(raw: Any) -> int | float | str:
 
 def queue_snapshot(client: redis.Redis, queue: str, dead_shown: int = DEAD_SHOWN,
                    failures_shown: int = FAILURES_SHOWN) -> dict[str, Any]:
-    """One queue's figures as plain JSON-ready data (see docs/dashboard.md)."""
+    """One queue's figures as plain JSON-ready data (see docs/dashboard.md). With
+    dead_shown=0 / failures_shown=0 those lists are not read (the totals still are)."""
     keys = QueueKeys(queue)
     stats = queue_stats(client, queue).to_dict()
     pipe = client.pipeline(transaction=False)
@@ -47,7 +48,7 @@ def queue_snapshot(client: redis.Redis, queue: str, dead_shown: int = DEAD_SHOWN
     pipe.hgetall(keys.batches)
     pipe.hgetall(keys.stats)
     pipe.lrange(keys.model_samples, 0, BATCH_SAMPLES_READ - 1)
-    pipe.lrange(keys.failures, 0, failures_shown - 1)
+    pipe.lrange(keys.failures, 0, failures_shown - 1) if failures_shown else pipe.echo("")
     (now_s, now_frac), beats, batches, counters, model, failures = pipe.execute()
     now_us = now_s * 1_000_000 + now_frac
 
@@ -84,9 +85,10 @@ def queue_snapshot(client: redis.Redis, queue: str, dead_shown: int = DEAD_SHOWN
     # The adaptive delay (max_queue_delay_ms=auto) where the queue has one: any stats
     # field naming a delay, as stored.
     adaptive = {k: _number(v) for k, v in raw_counters.items() if "delay" in k}
-    total_dead, dead = list_dead(client, queue, limit=dead_shown)
+    total_dead, dead = (list_dead(client, queue, limit=dead_shown) if dead_shown
+                        else (stats["dead_letters"], []))
     recent_failures = []
-    for raw in failures:
+    for raw in failures if failures_shown else []:
         try:
             recent_failures.append(orjson.loads(raw))
         except orjson.JSONDecodeError:

@@ -242,3 +242,18 @@ def test_the_feed_says_when_redis_cannot_be_read(redis_server, queue, dashboards
     message = events(server.url, 2)[-1]  # the first may be the one read before
     assert message["error"].startswith("cannot read Redis") and "queues" not in message
     assert server.proc.poll() is None  # still serving: the page shows the error
+
+
+def test_the_page_ships_in_the_wheel():
+    """Everything the page loads is package data (pyproject.toml), in one flat folder."""
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    data = tomllib.loads((root / "pyproject.toml").read_text())
+    assert "dashboard/static/*" in data["tool"]["setuptools"]["package-data"]["batchgate"]
+    static = root / "batchgate" / "dashboard" / "static"
+    assert {p.name for p in static.iterdir()} == {"index.html", "dashboard.js",
+                                                   "dashboard.css"}
+    page = (static / "index.html").read_text() + (static / "dashboard.js").read_text()
+    assert "https://" not in page and "http://" not in page.replace(
+        "http://www.w3.org/2000/svg", "")  # no CDN: nothing loaded from elsewhere

@@ -193,3 +193,14 @@ def test_without_access_to_the_registry_everything_else_works(redis_server, queu
     wait_for(lambda: queue_snapshot(admin, queue)["recent_failures"], 10, "the failure")
     assert queue_snapshot(admin, queue)["consumers"][0]["host"]
     assert consumer.proc.poll() is None and "Traceback" not in consumer.output()
+
+
+def test_a_lean_snapshot_skips_the_lists(redis_server, queue):
+    """What an exporter polling often asks for: the figures without the listings."""
+    client = redis_server.client()
+    with Producer(redis_server.url, queue) as producer:
+        producer.submit(1)
+    client.lpush(QueueKeys(queue).failures, b'{"id": "x"}')
+    full, lean = queue_snapshot(client, queue), queue_snapshot(client, queue, 0, 0)
+    assert full["recent_failures"] == [{"id": "x"}] and lean["recent_failures"] == []
+    assert lean["dead"] == {"total": 0, "shown": []} and lean["depth"] == full["depth"]

@@ -204,3 +204,7 @@ def test_a_lean_snapshot_skips_the_lists(redis_server, queue):
     full, lean = queue_snapshot(client, queue), queue_snapshot(client, queue, 0, 0)
     assert full["recent_failures"] == [{"id": "x"}] and lean["recent_failures"] == []
     assert lean["dead"] == {"total": 0, "shown": []} and lean["depth"] == full["depth"]
+    # An adaptive delay (max_queue_delay_ms=auto) shows where the queue's stats hold one.
+    assert full["adaptive_delay"] == {}
+    client.hset(QueueKeys(queue).stats, "adaptive_delay_us", 1234)
+    assert queue_snapshot(client, queue)["adaptive_delay"] == {"adaptive_delay_us": 1234}

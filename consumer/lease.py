@@ -106,12 +106,6 @@ class LeaseKeeper:
 
     def _tick(self) -> None:
         now = time.monotonic()
-        if now - self._registered_at >= REGISTER_EVERY_S:
-            self._registered_at = now
-            try:
-                register_queue(self._redis, self._keys.queue)
-            except redis.ResponseError as exc:  # an ACL limited to the queue's keys
-                log.debug("queue registry not updated: %s", exc)
         self._watch_model(now)
         current = self._held.current()
         if self._hung and current is self._watched:
@@ -136,6 +130,12 @@ class LeaseKeeper:
                 self._on_hung()
         if self._report is not None:
             self._publish()
+        if now - self._registered_at >= REGISTER_EVERY_S:
+            self._registered_at = now
+            try:
+                register_queue(self._redis, self._keys.queue)
+            except redis.RedisError as exc:  # e.g. an ACL limited to the queue's keys
+                log.debug("queue registry not updated: %s", exc)
 
     def _renew_and_report(self, current: Batch | None, others: list[Batch],
                           release: list[Batch]) -> None:

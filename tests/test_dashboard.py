@@ -257,3 +257,33 @@ def test_the_page_ships_in_the_wheel():
     page = (static / "index.html").read_text() + (static / "dashboard.js").read_text()
     assert "https://" not in page and "http://" not in page.replace(
         "http://www.w3.org/2000/svg", "")  # no CDN: nothing loaded from elsewhere
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed (apt-get install "
+                    "chromium; CI installs it): the browser test needs a real browser")
+def test_the_page_under_a_prefix_is_read_only_without_a_token(shared_redis, queue,
+                                                               dashboards):
+    sync_api = pytest.importorskip("playwright.sync_api")
+    client = shared_redis.client()
+    dead_letter(shared_redis.url, client, queue, {"i": "dead"})
+    server = dashboards(shared_redis.url, "--root-path", "/bg", "--queue", queue)
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM,
+                                     args=["--no-sandbox", "--disable-gpu"])
+        try:
+            page = browser.new_page()
+            requested: list[str] = []
+            page.on("request", lambda request: requested.append(request.url))
+            page.goto(server.url + "/bg/")
+            card = page.locator(f"section.queue[data-queue='{queue}']")
+            sync_api.expect(card.locator("[data-f='depth.normal']")).to_have_text(
+                "1", timeout=10_000)
+            sync_api.expect(page.locator("#mode")).to_have_text("read-only")
+            assert not page.locator("#token").is_visible()
+            for action in (".retry-all", ".purge-all", ".policy-edit"):
+                assert not card.locator(action).is_visible(), action
+            # Everything the page loaded came from under the prefix, nothing from elsewhere.
+            assert requested and all(u.startswith(server.url + "/bg/") for u in requested), \
+                requested
+        finally:
+            browser.close()

@@ -114,9 +114,9 @@ def test_a_consumer_that_stops_leaves_no_info_behind(redis_server, queue, start_
 
 def test_top_shows_a_busy_queue_and_exits(redis_server, queue, start_consumer):
     start_consumer(redis_server.url, queue, "--model", "consumer.models:synthetic",
-                   "--model-arg", "base_ms=100", "--max-batch-size", "2")
+                   "--model-arg", "base_ms=200", "--max-batch-size", "2")
     with Producer(redis_server.url, queue) as producer:
-        for i in range(30):
+        for i in range(200):  # 20 s of work: still busy however slowly top starts
             producer.submit({"i": i}, priority="low")
         out = subprocess.run([BATCHGATE, "top", "--redis-url", redis_server.url,
                               "--iterations", "2", "--interval", "0.5"],

@@ -110,6 +110,8 @@ def test_the_feed_lists_every_registered_queue_and_actions_need_the_token(
                       headers={"Authorization": "Bearer wrong-token"}).status_code == 401
     bad = httpx.post(url, json={"max_batch_size": 0}, headers=auth)
     assert bad.status_code == 400 and bad.json()["field"] == "max_batch_size"
+    text = httpx.post(url, json={"max_batch_size": "abc"}, headers=auth)
+    assert text.status_code == 400 and text.json()["field"] == "max_batch_size"
     unknown = httpx.post(url, json={"batch": 3}, headers=auth)
     assert unknown.status_code == 400 and unknown.json()["field"] == "batch"
     assert client.hget(QueueKeys(queue).policy, "max_batch_size") == b"32"  # nothing written

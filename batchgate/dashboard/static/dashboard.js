@@ -65,8 +65,8 @@ function policyForm(card, queue) {
   for (const name of fields) {
     const input = name === "strategy"
       ? el("select", { name }, ...state.config.strategies.map((s) => el("option", { value: s }, s)))
-      : el("input", { name, type: "number", min: state.config.limits[name][0],
-                      max: state.config.limits[name][1] });
+      : el("input", { name, type: "text", inputmode: "numeric", size: 10,
+                      title: `${state.config.limits[name][0]}–${state.config.limits[name][1]}` });
     form.append(el("label", {}, name, input));
   }
   form.append(el("button", { type: "submit" }, "apply"));
@@ -75,7 +75,9 @@ function policyForm(card, queue) {
     const body = {};
     for (const name of fields) {
       const value = form.elements[name].value;
-      if (value !== "") body[name] = name === "strategy" ? value : Number(value);
+      // Numbers as numbers; anything else (a future "auto") as typed, for the server to judge.
+      if (value !== "") body[name] = name === "strategy" || !/^-?\d+$/.test(value) ? value
+        : Number(value);
     }
     if (await act(queue, "policy", body, `Change the policy of queue ${queue}?`)) {
       form.dataset.filled = "";

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import sys
@@ -36,6 +37,8 @@ LAZY_COMMANDS = {
     "profile": "batchgate.profile_model:profile_command",
     "plan": "batchgate.plan:plan_command",
     "exporter": "batchgate.exporter:exporter_command",
+    "top": "batchgate.top:top_command",
+    "dashboard": "batchgate.dashboard.cli:dashboard_command",
 }
 
 
@@ -124,6 +127,7 @@ def policy_set(redis_url: str, queue: str, **kwargs: Any) -> None:
     their next batch on. Switching --strategy without --max-batch-size also resets
     max_batch_size to the new strategy's default (fifo: 1, others: 32)."""
     from scheduler_core.admin import read_policy, store_policy
+    from scheduler_core.registry import register_queue
 
     client = connect_checked(redis_url)
     values = {k: v for k, v in policy_values(kwargs).items() if v is not None}
@@ -134,6 +138,8 @@ def policy_set(redis_url: str, queue: str, **kwargs: Any) -> None:
         del merged["max_batch_size"]  # Policy.build supplies the new strategy's default
     merged.update(values)
     stored = store_policy(client, queue, Policy.build(**merged), replace=True)
+    with contextlib.suppress(redis.ResponseError):  # an ACL limited to the queue's keys
+        register_queue(client, queue)
     if current is not None and stored.max_batch_size != current.max_batch_size \
             and "max_batch_size" not in values:
         click.echo(f"max_batch_size: {current.max_batch_size} -> {stored.max_batch_size}, "

@@ -137,6 +137,7 @@ def consumer_command(redis_url: str, queue: str, model_spec: str, model_arg: tup
             raise click.UsageError(str(exc)) from None
     # Settle the policy before loading the model: a conflict should fail fast.
     consumer = Consumer(model=_unloaded, config=config)
+    consumer.info["device"] = device or ""
     require_redis_version(consumer.redis)
     consumer.start()
     install_signal_handlers(consumer)

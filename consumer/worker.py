@@ -16,6 +16,7 @@ import socket
 import threading
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -33,7 +34,7 @@ from consumer.batch import (
     parse_pop,
 )
 from consumer.due_timer import DueTimer
-from consumer.lease import EXIT_MODEL_HUNG, Held, LeaseKeeper, LeaseTimes
+from consumer.lease import EXIT_MODEL_HUNG, Held, LeaseKeeper, LeaseTimes, Report
 from consumer.loader import BatchModel
 from consumer.overlap import Overlap
 from consumer.refit import CostRefit
@@ -42,6 +43,7 @@ from scheduler_core.connection import DEFAULT_REDIS_URL, Backoff, connect
 from scheduler_core.errors import InvalidRequest
 from scheduler_core.keys import QueueKeys
 from scheduler_core.policy import Policy
+from scheduler_core.registry import register_queue
 from scheduler_core.scripts import (
     ScriptPipeline,
     Scripts,
@@ -135,6 +137,11 @@ class Consumer:
         self._due_timer: DueTimer | None = None  # made by the first idle wait
         self.batches_done = 0
         self.requests_done = 0
+        # What the lease thread publishes for dashboards (`{bg:q}:consumer:<name>`); the
+        # CLI adds "device". Failed requests wait in `failures` for its next tick.
+        self.info: dict[str, str] = {"host": socket.gethostname(), "pid": str(os.getpid()),
+                                     "device": "", "started_ms": str(int(time.time() * 1000))}
+        self.failures: deque[dict[str, Any]] = deque(maxlen=100)
         # Optional: called once per batch as on_batch(batch, ran, model_us, outcomes), e.g.
         # consumer.metrics.ConsumerMetrics. It must not raise.
         self.observer: Any = None
@@ -146,6 +153,8 @@ class Consumer:
         """Check Redis and settle the queue's policy (PolicyConflict if ours differs)."""
         self.policy = ensure_policy(self.redis, self.config.queue, self.config.policy)
         check_eviction_policy(self.redis)
+        with contextlib.suppress(redis.ResponseError):  # an ACL limited to the queue's keys
+            register_queue(self.redis, self.config.queue)
         return self.policy
 
     def stop(self) -> None:
@@ -175,7 +184,8 @@ class Consumer:
                            completing=self._overlap.completing)
         lease = LeaseKeeper(self.redis, self.scripts, self.keys, self.config.name,
                             LeaseTimes(self.config.lease_ms, self.config.max_batch_ms), held,
-                            on_policy=self._policy_seen, on_hung=self._exit_hung)
+                            on_policy=self._policy_seen, on_hung=self._exit_hung,
+                            report=Report(self._about, self.failures))
         lease.start()
         refit = CostRefit(self.redis, self.keys, self.config.cost_refit_s) \
             if self.config.cost_refit_s else None
@@ -220,8 +230,16 @@ class Consumer:
                 refit.stop()
             with contextlib.suppress(redis.RedisError):
                 self.redis.zrem(self.keys.consumers, self.config.name)
+                self.redis.delete(self.keys.consumer_info(self.config.name))
             log.info("consumer %s stopped after %d batches, %d requests", self.config.name,
                      self.batches_done, self.requests_done)
+
+    def _about(self) -> dict[str, str]:
+        current = self._current
+        return {**self.info, "batches": str(self.batches_done),
+                "requests": str(self.requests_done),
+                "batch": current.id if current is not None else "",
+                "batch_size": str(len(current.items)) if current is not None else "0"}
 
     # -- one step -------------------------------------------------------------------
     def _pop_call(self) -> tuple[Any, list[str], list[Any]]:
@@ -440,11 +458,18 @@ class Consumer:
 
     def _encode(self, request_id: str, ok: bool, value: Any) -> tuple[Outcome, bytes]:
         if not ok:
+            self._failed(request_id, value[0], value[1])
             return FAILED, encode_error(request_id, value[0], value[1])
         try:
             return OK, encode_result(request_id, value, self.config.max_result_bytes)
         except InvalidRequest as exc:
+            self._failed(request_id, "InvalidResult", str(exc))
             return FAILED, encode_error(request_id, "InvalidResult", str(exc))
+
+    def _failed(self, request_id: str, error_type: str, message: str) -> None:
+        self.failures.append({"id": request_id, "type": str(error_type),
+                              "message": str(message)[:200], "consumer": self.config.name,
+                              "at_ms": int(time.time() * 1000)})
 
     def _run_isolated(self, payloads: list[Any]) -> list[tuple[bool, Any]]:
         """Run the model; if it raises, split the batch to isolate the failing payloads,

@@ -24,6 +24,7 @@ from scheduler_core import connection
 from scheduler_core.compat import require_redis_version_async
 from scheduler_core.connection import Backoff, dedicated
 from scheduler_core.policy import Priority
+from scheduler_core.registry import register_queue_async
 from scheduler_core.scripts import Scripts
 from scheduler_core.wire import Result, decode_result
 
@@ -186,6 +187,18 @@ class AsyncProducer(ProducerBase[AsyncHandle]):
             self._sends.add(task)
             task.add_done_callback(self._sends.discard)
 
+    async def _register(self) -> None:
+        """Once per producer, after its first accepted enqueue (a refused one writes
+        nothing): one ZADD, in a task of its own beside the submits. Its failure never
+        fails a submit."""
+        try:
+            await register_queue_async(self._redis, self.config.queue)
+        except redis.ResponseError as exc:  # an ACL limited to the queue's keys
+            log.debug("queue registry not updated: %s", exc)
+        except (redis.RedisError, OSError) as exc:  # tried again at the next submit
+            self._registered = False
+            log.debug("queue registry not updated: %s", exc)
+
     async def _send(self, batch: list[Submission]) -> None:
         try:
             keys, args = self._batch_call(batch)
@@ -198,6 +211,11 @@ class AsyncProducer(ProducerBase[AsyncHandle]):
             self._fail(batch, exc)
         finally:
             self._in_flight -= 1
+            if not self._registered and any(sub.ids for sub in batch):
+                self._registered = True
+                task = asyncio.get_running_loop().create_task(self._register())
+                self._sends.add(task)  # close() waits for it, as for the sends
+                task.add_done_callback(self._sends.discard)
             for sub in batch:
                 if sub.waiter is not None and not sub.waiter.done():
                     if sub.ids is not None:

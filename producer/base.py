@@ -125,6 +125,7 @@ class ProducerBase(Generic[H]):
         self._on_result = on_result
         self._pending: deque[Submission] = deque()
         self._in_flight = 0
+        self._registered = False  # the queue in the registry (scheduler_core/registry.py)
 
     def _prepare(self, payloads: Iterable[Any], priority: Any, deadline_ms: Any,
                  idempotency_keys: list[str | None] | None,

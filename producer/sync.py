@@ -33,6 +33,7 @@ from scheduler_core.connection import (
     dedicated,
 )
 from scheduler_core.policy import Priority
+from scheduler_core.registry import register_queue
 from scheduler_core.scripts import Scripts
 from scheduler_core.wire import Result, decode_result
 
@@ -294,6 +295,20 @@ class Producer(ProducerBase[Handle]):
                 self._hand_off()
         return sub.outcome()
 
+    def _register(self, batch: list[Submission]) -> None:
+        """Once per producer, after its first accepted enqueue (a refused one writes
+        nothing): one ZADD. Its failure never fails the submit, which is done."""
+        if self._registered or not any(sub.ids for sub in batch):
+            return
+        try:
+            register_queue(self._redis, self.config.queue)
+            self._registered = True
+        except redis.ResponseError as exc:  # an ACL limited to the queue's keys
+            self._registered = True
+            log.debug("queue registry not updated: %s", exc)
+        except redis.RedisError as exc:  # tried again at the next submit
+            log.debug("queue registry not updated: %s", exc)
+
     def _send(self, batch: list[Submission]) -> None:
         try:
             keys, args = self._batch_call(batch)
@@ -305,6 +320,7 @@ class Producer(ProducerBase[Handle]):
         except BaseException as exc:  # each of its callers gets the error
             self._fail(batch, exc)
         finally:
+            self._register(batch)
             for sub in batch:
                 if sub.waiter.locked():  # not if its caller was interrupted (_abandon)
                     sub.waiter.release()

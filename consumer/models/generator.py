@@ -3,7 +3,8 @@ token by token with a KV cache, a batch at a time (the `generate` extra).
 
 Its weights are built from a seed: nothing is downloaded, so THE TEXT IS MEANINGLESS, but
 the compute is real — the same kernels, cache and per-token loop as a trained GPT-2 of
-this size, so a request asking for 256 new tokens costs about 16x one asking for 16.
+this size, so a request asking for 256 new tokens costs 16x or more one asking for 16
+(each step also reads a longer cache; docs/benchmarks.md has the measurement).
 `checkpoint=PATH` loads a user's own GPT-2 checkpoint instead (a directory written by
 `save_pretrained`, read with `local_files_only=True`).
 

@@ -179,6 +179,22 @@ def test_the_factory_builds_the_seeded_model_from_its_arguments():
         generator(vocab=100)
 
 
+def test_an_empty_batch_runs_nothing():
+    model = tiny()
+    forwards = count_forwards(model.model)
+    assert model([]) == [] and model([], costs=[]) == []
+    assert forwards == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
+def test_the_generator_runs_on_a_gpu():
+    model = tiny(device="cuda", warmup_batches=(1, 4))
+    assert all(p.device.type == "cuda" for p in model.model.parameters())
+    results = model(PAYLOADS)
+    assert [r["new_tokens"] for r in results] == [12, 30, 5, 21]
+    assert all(0 <= t < 512 for r in results for t in r["tokens"])
+
+
 def test_the_generator_through_a_consumer(shared_redis, queue, start_consumer):
     """Served by `batchgate consumer` as the CLI starts it: the same tokens as in process,
     batched; a bad payload fails alone, naming its field."""

@@ -192,6 +192,8 @@ class Generator:
     def __call__(self, payloads: list[Any],
                  costs: list[int] | None = None) -> list[dict[str, Any]]:
         requests = self.requests(payloads, costs)  # all validated before anything runs
+        if not requests:
+            return []
         prompts, budgets = [r[0] for r in requests], [r[1] for r in requests]
         results = []
         for tokens in self.generate(prompts, budgets):

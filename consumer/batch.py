@@ -25,6 +25,8 @@ class Item:
     producer: str
     state: Outcome  # RUN, or settled at the pop: EXPIRED or DEAD_LETTER
     level: int
+    cost: int = 1  # as enqueued: capped to max_cost under over_cost=truncate
+    requested: int = 1  # the cost its producer asked for (> cost when capped)
 
 
 @dataclass
@@ -79,9 +81,9 @@ def parse_pop(reply: list[Any]) -> Batch | Idle:
         raise InvalidRequest(reply[1].decode(), "rejected by pop_batch")
     items = []
     state_of, run = POPPED_STATES.get, Outcome.RUN  # an Enum lookup per item is slow
-    for i in range(4, len(reply), 7):
-        rid, env, arrival, attempts, producer, state, level = reply[i:i + 7]
+    for i in range(4, len(reply), 9):
+        rid, env, arrival, attempts, producer, state, level, cost, requested = reply[i:i + 9]
         items.append(Item(rid.decode(), env, int(arrival), int(attempts),
                           producer.decode(errors="replace"),  # hand-written meta
-                          state_of(state, run), int(level)))
+                          state_of(state, run), int(level), int(cost), int(requested)))
     return Batch(str(head), int(reply[1]), items, remaining=int(reply[3]))

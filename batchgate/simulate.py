@@ -4,11 +4,17 @@ A discrete-event simulation of N consumers on one queue. Requests arrive (Poisso
 bursty, or from a trace file); whenever a consumer is free it pops at once, and the
 batch is whatever `scheduler_core.rules.decide` (pop_batch.lua's twin: the same rules,
 no copy of them here) says. A popped batch of b occupies its consumer for the per-batch
-overhead plus the cost model t(b) = A + B·b; its requests' results are seen a transport
+overhead plus the cost model t(b) = A + B·b (or, with request costs, A + B·Σcost under
+cost_mode sum, A + B·b·max cost under padded); its requests' results are seen a transport
 time later (submit to queue and result back to the producer, which occupies no
 consumer). While every consumer is busy, requests queue. A consumer told "nothing due
 for W µs" sleeps until then or until something changes (an arrival, another consumer
 finishing), as a real one sleeps until its due timer or a wake-up.
+
+Requests may carry costs (`--cost-mix 16:80,256:20`); the policy's cost settings then
+apply as pop_batch.lua applies them, requests above max_cost are refused (counted, not
+run) or capped (over_cost=truncate), and the result reports latency per cost and the
+padding waste Σ(max − cost) / Σ max over the batches.
 
 Not modelled: deadlines, failures and retries, max_queue_size.
 
@@ -22,10 +28,11 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import random
 import re
 import time
 from collections.abc import Iterator, MutableSequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +42,7 @@ import orjson
 from batchgate.workload import MIX, PRIORITIES, Workload
 from scheduler_core.errors import InvalidRequest
 from scheduler_core.options import POLICY_KNOBS
-from scheduler_core.policy import Policy, Priority
+from scheduler_core.policy import MAX_REQUEST_COST, Policy, Priority
 from scheduler_core.rules import Batch, Request, Wait, apply, decide
 
 # The gap between two batches of one consumer at saturation, p50 (docs/benchmarks.md,
@@ -50,20 +57,24 @@ MIN_REPOLL_US = 100
 MAX_REQUESTS = 20_000_000  # about 2 GB of Python objects at the peak
 PERCENTILES = (50, 95, 99)
 _NUMBER = r"(\d+(?:\.\d*)?|\.\d+)"
-_COST = re.compile(rf"^(?:{_NUMBER}(?:\+{_NUMBER}\*?b)?|{_NUMBER}\*?b)$")
+_COST = re.compile(rf"^(?:{_NUMBER}(?:\+{_NUMBER}\*?([bc]))?|{_NUMBER}\*?([bc]))$")
+_COST_MIX = re.compile(r"^\s*(\d+)\s*:\s*(\d+(?:\.\d*)?)\s*$")
 
 Arrivals = tuple[list[float], list[int]]  # (offsets in s, sorted; priorities 0-2)
 
 
 @dataclass(frozen=True)
 class CostModel:
-    """t(b) = base_ms + per_item_ms × b, a model call on a batch of b."""
+    """t(b) = base_ms + per_item_ms × b, a model call on a batch of b; or, per unit of
+    request cost, base_ms + per_cost_ms × c where c is the batch's Σcost (cost_mode sum)
+    or b × its largest cost (padded: what a padded tensor computes)."""
 
     base_ms: float
     per_item_ms: float = 0.0
+    per_cost_ms: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("base_ms", "per_item_ms"):
+        for name in ("base_ms", "per_item_ms", "per_cost_ms"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and 0 <= value <= 3_600_000):
                 raise InvalidRequest("cost_ms", f"{name} must be within [0, 3600000] ms, "
@@ -71,18 +82,27 @@ class CostModel:
 
     @classmethod
     def parse(cls, text: str) -> CostModel:
-        """"A+B*b" ("5+0.5*b", "5", "0.5*b"; spaces ignored), in ms."""
+        """"A+B*b" ("5+0.5*b", "5", "0.5*b"; spaces ignored), in ms; "A+B*c" per unit of
+        cost (c: Σcost, or b × max cost under cost_mode padded)."""
         m = _COST.match(text.replace(" ", ""))
         if not m:
-            raise InvalidRequest("cost_ms", f"{text!r} is not A+B*b (e.g. 5+0.5*b, 5, 0.5*b; "
-                                            "ms for a batch of b)")
-        base, per, per_alone = m.groups()
-        return cls(float(base or 0), float(per or per_alone or 0))
+            raise InvalidRequest("cost_ms", f"{text!r} is not A+B*b or A+B*c (e.g. 5+0.5*b, "
+                                            "5, 0.5*b, 2+0.01*c; ms for a batch of b)")
+        base, per, var, per_alone, var_alone = m.groups()
+        slope = float(per or per_alone or 0)
+        if (var or var_alone) == "c":
+            return cls(float(base or 0), 0.0, slope)
+        return cls(float(base or 0), slope)
 
-    def us(self, batch: int) -> int:
-        return round((self.base_ms + self.per_item_ms * batch) * 1000)
+    def us(self, batch: int, cost_units: int = 0) -> int:
+        """µs for a batch of `batch` requests whose cost is `cost_units` (Σcost or b × max
+        cost, as the policy's cost_mode counts)."""
+        return round((self.base_ms + self.per_item_ms * batch + self.per_cost_ms * cost_units)
+                     * 1000)
 
     def __str__(self) -> str:
+        if self.per_cost_ms:
+            return f"{self.base_ms:g}+{self.per_cost_ms:g}*c ms"
         return f"{self.base_ms:g}+{self.per_item_ms:g}*b ms"
 
 
@@ -117,6 +137,13 @@ class SimResult:
     counts: dict[str, int]  # requests per priority
     batch_histogram: dict[int, int]  # batch size -> batches
     wall_s: float  # how long the simulation took
+    # With request costs: latency per cost (as submitted), the padding waste
+    # Σ(max - cost) / Σ max over the batches, requests refused over max_cost, and those
+    # whose cost max_cost capped.
+    latency_by_cost: dict[int, dict[str, float | None]] = field(default_factory=dict)
+    padding_waste: float = 0.0
+    rejected: int = 0
+    truncated: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {"throughput_rps": self.throughput_rps, "mean_batch": self.mean_batch,
@@ -124,20 +151,31 @@ class SimResult:
                 "requests": self.requests, "counts": self.counts, "batches": self.batches,
                 "span_s": self.span_s,
                 "batch_histogram": {str(k): v for k, v in self.batch_histogram.items()},
-                "wall_s": self.wall_s}
+                "latency_by_cost_ms": {str(k): v for k, v in self.latency_by_cost.items()},
+                "padding_waste": self.padding_waste, "rejected": self.rejected,
+                "truncated": self.truncated, "wall_s": self.wall_s}
 
 
-def simulate(config: SimConfig, times: list[float], prios: list[int]) -> SimResult:
-    """Run the queue on these arrivals (offsets in s, sorted; priorities 0-2)."""
+def simulate(config: SimConfig, times: list[float], prios: list[int],
+             costs: list[int] | None = None) -> SimResult:
+    """Run the queue on these arrivals (offsets in s, sorted; priorities 0-2; costs, each
+    >= 1, as submitted: None for all 1)."""
     started = time.perf_counter()
     n = len(times)
     if n != len(prios):
         raise InvalidRequest("arrivals", f"{n} times but {len(prios)} priorities")
+    if costs is not None and len(costs) != n:
+        raise InvalidRequest("costs", f"{n} times but {len(costs)} costs")
     if n > MAX_REQUESTS:
         raise InvalidRequest("arrivals", f"{n} requests; at most {MAX_REQUESTS:,}")
     arrival = _arrival_scores(times)
     policy = config.policy
     cost = [config.cost.us(b) for b in range(policy.max_batch_size + 1)]
+    # Costs as enqueue.lua stores them: capped (truncate) or refused (reject) over max_cost.
+    stored, refused, capped = _stored_costs(policy, costs, n)
+    padded = policy.cost_mode == "padded"
+    per_cost = config.cost.per_cost_ms > 0
+    pad_total = pad_waste = 0
     overhead = round(config.overhead_ms * 1000)
     transport = round(config.transport_ms * 1000)
     repoll = max(overhead, MIN_REPOLL_US)
@@ -158,8 +196,12 @@ def simulate(config: SimConfig, times: list[float], prios: list[int]) -> SimResu
             idle += 1
         if next_arrival == now:  # scores are unique, as Redis' arrival clock makes them
             prio = prios[i]
-            levels[prio].append(Request(now, i, prio))
-            waiting += 1
+            if stored is None:
+                levels[prio].append(Request(now, i, prio))
+                waiting += 1
+            elif stored[i]:  # 0: refused at enqueue (over max_cost)
+                levels[prio].append(Request(now, i, prio, cost=stored[i]))
+                waiting += 1
             i += 1
             next_arrival = arrival[i] if i < n else math.inf
         if not idle:
@@ -172,7 +214,15 @@ def simulate(config: SimConfig, times: list[float], prios: list[int]) -> SimResu
             apply(levels, decision)
             if type(decision) is Batch:
                 size = len(decision.picked)
-                end = now + overhead + cost[size]
+                model = cost[size]
+                if stored is not None:
+                    batch_costs = [p.request.cost for p in decision.picked]
+                    top = max(batch_costs)
+                    pad_total += size * top
+                    pad_waste += size * top - sum(batch_costs)
+                    if per_cost:
+                        model = config.cost.us(size, size * top if padded else sum(batch_costs))
+                end = now + overhead + model
                 seen = end + transport
                 for p in decision.picked:
                     done[p.request.id] = seen  # type: ignore[index]
@@ -180,13 +230,30 @@ def simulate(config: SimConfig, times: list[float], prios: list[int]) -> SimResu
                 idle -= 1
                 waiting -= size
                 histogram[size] += 1
-                model_us += cost[size]
+                model_us += model
             else:
                 if type(decision) is Wait:
                     timer = now + (decision.wait_us or repoll)
                 break
-    return _result(config, arrival, prios, done, histogram, model_us,
-                   time.perf_counter() - started)
+    result = _result(config, arrival, prios, done, histogram, model_us,
+                     time.perf_counter() - started, costs, stored if refused else None)
+    if costs is None:
+        return result
+    return replace(result, padding_waste=round(pad_waste / pad_total, 4) if pad_total else 0.0,
+                   rejected=refused, truncated=capped)
+
+
+def _stored_costs(policy: Policy, costs: list[int] | None, n: int
+                  ) -> tuple[list[int] | None, int, int]:
+    """Each request's cost as stored (0: refused over max_cost), refused, capped."""
+    if costs is None:
+        return None, 0, 0
+    cap = policy.max_cost
+    if not cap:
+        return list(costs), 0, 0
+    if policy.over_cost == "truncate":
+        return [min(c, cap) for c in costs], 0, sum(c > cap for c in costs)
+    return [c if c <= cap else 0 for c in costs], sum(c > cap for c in costs), 0
 
 
 class _Level(MutableSequence[Request]):
@@ -258,12 +325,20 @@ def _arrival_scores(times: list[float]) -> list[int]:
 
 
 def _result(config: SimConfig, arrival: list[int], prios: list[int], done: list[int],
-            histogram: list[int], model_us: int, wall_s: float) -> SimResult:
+            histogram: list[int], model_us: int, wall_s: float,
+            costs: list[int] | None = None, stored: list[int] | None = None) -> SimResult:
+    ran = [k for k, c in enumerate(stored) if c] if stored is not None else None
+    if ran is not None:  # the refused never ran: latency and throughput are of the rest
+        arrival, prios, done = ([v[k] for k in ran] for v in (arrival, prios, done))
+        costs = [costs[k] for k in ran] if costs is not None else None
     n = len(arrival)
     latency = [d - a for d, a in zip(done, arrival, strict=True)]
     by_prio: list[list[int]] = [[], [], []]
     for lat, prio in zip(latency, prios, strict=True):
         by_prio[prio].append(lat)
+    by_cost: dict[int, list[int]] = {}
+    for lat, c in zip(latency, costs or (), strict=False):
+        by_cost.setdefault(c, []).append(lat)
     span_us = (max(done) - arrival[0]) if n else 0
     batches = sum(histogram)
     return SimResult(
@@ -275,7 +350,8 @@ def _result(config: SimConfig, arrival: list[int], prios: list[int], done: list[
                     **{PRIORITIES[p]: _summary(by_prio[p]) for p in range(3)}},
         counts={PRIORITIES[p]: len(by_prio[p]) for p in range(3)},
         batch_histogram={b: k for b, k in enumerate(histogram) if k},
-        wall_s=round(wall_s, 3))
+        wall_s=round(wall_s, 3),
+        latency_by_cost={c: _summary(by_cost[c]) for c in sorted(by_cost)})
 
 
 def _summary(latency_us: list[int]) -> dict[str, float | None]:
@@ -327,10 +403,40 @@ def parse_mix(text: str) -> tuple[float, float, float]:
     return high, normal, low
 
 
+def parse_cost_mix(text: str) -> list[tuple[int, float]]:
+    """"16:80,256:20" (cost:percent, or any weights) -> [(16, 80.0), (256, 20.0)]."""
+    mix = []
+    for part in text.split(","):
+        m = _COST_MIX.match(part)
+        if not m or not 1 <= int(m.group(1)) <= MAX_REQUEST_COST:
+            raise InvalidRequest("cost_mix", f"{part.strip()!r}: use COST:WEIGHT,... with "
+                                             f"costs in [1, {MAX_REQUEST_COST}], e.g. "
+                                             "16:80,256:20")
+        mix.append((int(m.group(1)), float(m.group(2))))
+    if sum(w for _, w in mix) <= 0:
+        raise InvalidRequest("cost_mix", "the weights add up to 0")
+    return mix
+
+
+def draw_costs(n: int, mix: list[tuple[int, float]], seed: int = 1) -> list[int]:
+    """n costs drawn from the mix, seeded (a stream of their own: the arrivals of a seed
+    stay those of batchgate bench)."""
+    rng = random.Random(f"costs-{seed}")
+    values, weights = zip(*mix, strict=True)
+    return rng.choices(values, weights=weights, k=n)
+
+
 def read_trace(path: Path) -> Arrivals:
     """A JSONL trace: one {"t": seconds since the start, "priority": "high"|"normal"|"low"
     or 0-2 (optional, default normal)} per line, in any order."""
-    rows: list[tuple[float, int]] = []
+    return read_trace_costs(path)[:2]  # type: ignore[return-value]
+
+
+def read_trace_costs(path: Path) -> tuple[list[float], list[int], list[int] | None]:
+    """read_trace, with each line's optional "cost" (an integer >= 1, default 1); costs is
+    None when no line has one."""
+    rows: list[tuple[float, int, int]] = []
+    any_cost = False
     with path.open("rb") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
@@ -344,13 +450,19 @@ def read_trace(path: Path) -> Arrivals:
                 raise InvalidRequest("trace", f"{path}:{number}: \"t\" must be seconds in "
                                               f"[0, 1e9), got {t!r}")
             prio = Priority.parse(row.get("priority", "normal"), f"trace line {number}")
-            rows.append((float(t), int(prio)))
+            c = row.get("cost", 1)
+            if isinstance(c, bool) or not isinstance(c, int) or not 1 <= c <= MAX_REQUEST_COST:
+                raise InvalidRequest("trace", f"{path}:{number}: \"cost\" must be an integer "
+                                              f"in [1, {MAX_REQUEST_COST}], got {c!r}")
+            any_cost = any_cost or "cost" in row
+            rows.append((float(t), int(prio), c))
             if len(rows) > MAX_REQUESTS:
                 raise InvalidRequest("trace", f"more than {MAX_REQUESTS:,} requests")
     if not rows:
         raise InvalidRequest("trace", f"{path} has no requests")
     rows.sort(key=lambda r: r[0])
-    return [t for t, _ in rows], [p for _, p in rows]
+    return ([t for t, _, _ in rows], [p for _, p, _ in rows],
+            [c for _, _, c in rows] if any_cost else None)
 
 
 # -- the command --------------------------------------------------------------------------
@@ -367,7 +479,10 @@ def render(result: SimResult, config: SimConfig, workload: str) -> str:
         f"t(b) = {config.cost}, overhead {config.overhead_ms:g} ms per batch, transport "
         f"{config.transport_ms:g} ms per request",
         f"policy: {p.strategy}, max_batch_size {p.max_batch_size}, max_queue_delay_ms "
-        f"{p.max_queue_delay_ms}, aging_ms {p.aging_ms}",
+        f"{p.max_queue_delay_ms}, aging_ms {p.aging_ms}" + (
+            f", max_cost {p.max_cost} ({p.over_cost}), max_batch_cost {p.max_batch_cost} "
+            f"({p.cost_mode}), cost_buckets {p.cost_buckets or '-'}"
+            if result.latency_by_cost else ""),
         "",
         f"throughput {result.throughput_rps:,.1f} req/s   mean batch {result.mean_batch}   "
         f"utilisation {result.utilisation:.1%}   ({result.batches:,} batches over "
@@ -380,6 +495,14 @@ def render(result: SimResult, config: SimConfig, workload: str) -> str:
         cells = "".join(f"{'-' if s[k] is None else f'{s[k]:.2f}':>10}"
                         for k in ("p50", "p95", "p99", "max"))
         lines.append(f"{name:<10}{cells}{count:>11,}")
+    for c, s in result.latency_by_cost.items():
+        cells = "".join(f"{'-' if s[k] is None else f'{s[k]:.2f}':>10}"
+                        for k in ("p50", "p95", "p99", "max"))
+        lines.append(f"{'cost ' + str(c):<10}{cells}")
+    if result.latency_by_cost:
+        lines += ["", f"padding waste {result.padding_waste:.1%} (sum of max - cost over sum "
+                      f"of max, per batch)   refused over max_cost {result.rejected:,}   "
+                      f"capped {result.truncated:,}"]
     lines += ["", "batch size   batches   share"]
     lo = 1
     while lo <= p.max_batch_size:  # bins up to a power of two: 1, 2, 3-4, 5-8, ...
@@ -398,6 +521,14 @@ def render(result: SimResult, config: SimConfig, workload: str) -> str:
 @_policy_option("--max-batch-size")
 @_policy_option("--max-queue-delay-ms")
 @_policy_option("--aging-ms")
+@_policy_option("--max-cost")
+@_policy_option("--over-cost")
+@_policy_option("--max-batch-cost")
+@_policy_option("--cost-mode")
+@_policy_option("--cost-buckets")
+@click.option("--cost-mix", default=None,
+              help="Request costs as COST:WEIGHT,..., e.g. 16:80,256:20 (80% cost 16, 20% "
+                   "cost 256) [default: every request costs 1; a --trace line's \"cost\"].")
 @click.option("--arrivals", type=click.Choice(["poisson", "bursty"]), default="poisson",
               show_default=True, help="Poisson at --rate; bursty adds 50 requests within "
               "100 ms every 2 s.")
@@ -413,7 +544,9 @@ def render(result: SimResult, config: SimConfig, workload: str) -> str:
 @click.option("--consumers", type=int, default=2, show_default=True,
               help="Consumer processes, 1-4096.")
 @click.option("--cost-ms", default="5+0.5*b", show_default=True,
-              help="The model's time for a batch of b, A+B*b ms (batchgate profile fits it).")
+              help="The model's time for a batch of b, A+B*b ms (batchgate profile fits it), "
+                   "or per unit of cost, A+B*c: c = sum of the costs, or b x largest cost "
+                   "with --cost-mode padded.")
 @click.option("--overhead-ms", type=float, default=DEFAULT_OVERHEAD_MS, show_default=True,
               help="Scheduler time per batch besides the model, ms (default: the measured gap "
                    "between batches at saturation).")
@@ -425,7 +558,10 @@ def render(result: SimResult, config: SimConfig, workload: str) -> str:
               help="Random seed of the arrivals (that of batchgate bench gives its requests).")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 def simulate_command(strategy: str | None, max_batch_size: int | None,
-                     max_queue_delay_ms: int | None, aging_ms: int | None, arrivals: str,
+                     max_queue_delay_ms: int | None, aging_ms: int | None,
+                     max_cost: int | None, over_cost: str | None, max_batch_cost: int | None,
+                     cost_mode: str | None, cost_buckets: str | None, cost_mix: str | None,
+                     arrivals: str,
                      rate: float, duration_s: float, mix: str, trace: Path | None,
                      consumers: int, cost_ms: str, overhead_ms: float, transport_ms: float,
                      seed: int, as_json: bool) -> None:
@@ -433,10 +569,14 @@ def simulate_command(strategy: str | None, max_batch_size: int | None,
     policy on a workload, by a discrete-event simulation of the scheduling rules (no
     Redis, no model: about a million requests in seconds)."""
     policy = Policy.build(strategy, max_batch_size=max_batch_size,
-                          max_queue_delay_ms=max_queue_delay_ms, aging_ms=aging_ms)
+                          max_queue_delay_ms=max_queue_delay_ms, aging_ms=aging_ms,
+                          max_cost=max_cost, over_cost=over_cost, max_batch_cost=max_batch_cost,
+                          cost_mode=cost_mode, cost_buckets=cost_buckets)
     config = SimConfig(policy, CostModel.parse(cost_ms), consumers, overhead_ms, transport_ms)
+    mix_of_costs = parse_cost_mix(cost_mix) if cost_mix is not None else None
+    costs: list[int] | None = None
     if trace is not None:
-        times, prios = read_trace(trace)
+        times, prios, costs = read_trace_costs(trace)
         workload = f"trace {trace.name}"
     else:
         weights = parse_mix(mix)
@@ -444,7 +584,10 @@ def simulate_command(strategy: str | None, max_batch_size: int | None,
         workload = f"{arrivals} {rate:g}/s for {duration_s:g} s, mix {mix}, seed {seed}"
     if not times:
         raise click.UsageError("no requests arrive: raise --rate or --duration-s")
-    result = simulate(config, times, prios)
+    if mix_of_costs is not None:
+        costs = draw_costs(len(times), mix_of_costs, seed)
+        workload += f", costs {cost_mix}"
+    result = simulate(config, times, prios, costs)
     if as_json:
         click.echo(orjson.dumps(result.to_dict(), option=orjson.OPT_INDENT_2).decode())
     else:

@@ -16,6 +16,27 @@ from scheduler_core.wire import POPPED_STATES, Outcome
 Answers = dict[str, tuple[Outcome, bytes]]
 
 
+class Cost(int):
+    """A request's cost as a model that opts in sees it (`accepts_costs = True`, see
+    consumer/loader.py): the cost to work to (an int, e.g. max_new_tokens), capped to the
+    queue's max_cost when over_cost=truncate capped it; `requested` is what the producer
+    asked for and `truncated` says whether it was capped."""
+
+    requested: int
+
+    def __new__(cls, value: int, requested: int | None = None) -> Cost:
+        cost = super().__new__(cls, value)
+        cost.requested = value if requested is None else requested
+        return cost
+
+    @property
+    def truncated(self) -> bool:
+        return self.requested > self
+
+    def __repr__(self) -> str:
+        return f"Cost({int(self)}, requested={self.requested})"
+
+
 @dataclass
 class Item:
     id: str

@@ -26,6 +26,7 @@ from consumer.batch import (
     POP_NOW,
     Answers,
     Batch,
+    Cost,
     Finished,
     Idle,
     Item,
@@ -128,6 +129,12 @@ class Consumer:
         # Optional: called once per batch as on_batch(batch, ran, model_us, outcomes), e.g.
         # consumer.metrics.ConsumerMetrics. It must not raise.
         self.observer: Any = None
+
+    @property
+    def _model_takes_costs(self) -> bool:
+        """Whether the model opted into the costs (`accepts_costs = True`): a property, as
+        the CLI sets `model` after construction."""
+        return bool(getattr(self.model, "accepts_costs", False))
 
     # -- lifecycle ------------------------------------------------------------------
     def start(self) -> Policy:
@@ -329,7 +336,9 @@ class Consumer:
         started = time.perf_counter()
         self._in_model = batch  # the lease thread's hang clock runs while this is set
         try:
-            results = self._run_isolated([payload for _, payload in runnable])
+            costs = [Cost(item.cost, item.requested) for item, _ in runnable] \
+                if self._model_takes_costs else None
+            results = self._run_isolated([payload for _, payload in runnable], costs)
         finally:
             self._in_model = None
         model_s = time.perf_counter() - started
@@ -393,18 +402,25 @@ class Consumer:
         except InvalidRequest as exc:
             return FAILED, encode_error(request_id, "InvalidResult", str(exc))
 
-    def _run_isolated(self, payloads: list[Any]) -> list[tuple[bool, Any]]:
+    def _run_isolated(self, payloads: list[Any],
+                      costs: list[Cost] | None = None) -> list[tuple[bool, Any]]:
         """Run the model; if it raises, split the batch to isolate the failing payloads,
-        so one poison request fails alone and the others are answered."""
+        so one poison request fails alone and the others are answered. A model that
+        opts in (`accepts_costs`) is also given the requests' costs: model(payloads,
+        costs=...)."""
         try:
-            results = self.model(payloads)
+            results = self.model(payloads) if costs is None else \
+                self.model(payloads, costs=costs)
         except Exception as exc:  # the model's failure is the request's, not ours
             if len(payloads) == 1:
                 message = _describe(exc)
                 log.warning("model raised on a request: %s: %s", type(exc).__name__, message)
                 return [(False, (type(exc).__name__, message))]
             half = len(payloads) // 2
-            return self._run_isolated(payloads[:half]) + self._run_isolated(payloads[half:])
+            if costs is None:
+                return self._run_isolated(payloads[:half]) + self._run_isolated(payloads[half:])
+            return self._run_isolated(payloads[:half], costs[:half]) + \
+                self._run_isolated(payloads[half:], costs[half:])
         try:
             results = list(results)
         except TypeError:

@@ -141,6 +141,28 @@ def test_a_batch_never_exceeds_max_batch_cost(shared_redis, queue, start_consume
         assert size <= budget or len(b) == 1, ran
 
 
+def test_a_batch_full_by_its_budget_leaves_at_once(shared_redis, queue, start_consumer,
+                                                   tmp_path):
+    """Two requests of cost 8 under a budget of 10: the first is a full batch as soon as the
+    second arrives (it does not fit), though the queue is far from max_batch_size."""
+    delay_ms = 4000
+    start_recorder(start_consumer, shared_redis.url, queue, tmp_path / "out",
+                   "--strategy", "dynamic", "--max-batch-size", "32",
+                   "--max-queue-delay-ms", str(delay_ms), "--max-batch-cost", "10")
+    with Producer(shared_redis.url, queue) as p:
+        first = p.submit("a", cost=8)
+        time.sleep(0.2)
+        second = p.submit("b", cost=8)
+        assert first.result(timeout=15)["cost"] == 8
+        assert second.result(timeout=15)["cost"] == 8
+    waits = [int(x) / 1000 for x in
+             reversed(shared_redis.client().lrange(QueueKeys(queue).wait_samples, 0, -1))]
+    assert len(waits) == 2
+    assert waits[0] < delay_ms, waits  # released by the second's arrival, not the delay
+    assert waits[1] >= delay_ms, waits  # alone and partial: its window
+    assert [b["costs"] for b in batches(tmp_path / "out")] == [[8], [8]]
+
+
 # -- cost buckets --------------------------------------------------------------------------
 def test_buckets_are_never_mixed_and_each_bucket_waits_at_most_the_delay(
         shared_redis, queue, start_consumer, tmp_path):

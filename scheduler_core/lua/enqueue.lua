@@ -3,7 +3,7 @@
 KEYS[1..23] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
             this script uses:
 KEYS[1]  {bg:q}:policy      hash   read: strategy, max_batch_size, max_queue_size, max_cost,
-                                   over_cost
+                                   over_cost, max_batch_cost, cost_buckets
 KEYS[2]  {bg:q}:pending:0   zset   HIGH
 KEYS[3]  {bg:q}:pending:1   zset   NORMAL
 KEYS[4]  {bg:q}:pending:2   zset   LOW
@@ -65,12 +65,15 @@ local producer = ARGV[1]
 if producer ~= '' and not valid_id(producer) then return {-3, 'producer'} end
 
 local rules = redis.call('HMGET', policy, 'strategy', 'max_batch_size', 'max_queue_size',
-                         'max_cost', 'over_cost')
+                         'max_cost', 'over_cost', 'max_batch_cost', 'cost_buckets')
 local strategy = rules[1] or 'fifo'
 local batch_size = tonumber(rules[2]) or 1
 local limit = tonumber(rules[3]) or 0
 local max_cost = tonumber(rules[4]) or 0  -- 0: no cap
 local truncate = rules[5] == 'truncate'
+-- With a cost budget or buckets, a new request may fill its bucket (by size or budget)
+-- while the queue as a whole is far from max_batch_size: every arrival wakes a consumer.
+local costed = (tonumber(rules[6]) or 0) > 0 or (rules[7] and rules[7] ~= '')
 
 local pending = {pending_high, pending_normal, pending_low}
 local depth = {redis.call('ZCARD', pending_high), redis.call('ZCARD', pending_normal),
@@ -131,7 +134,7 @@ end
 -- Pass 2: write.
 local now = now_us()
 local arrivals = arrival_clock(clock, now)
-local wake = (strategy == 'fifo')
+local wake = (strategy == 'fifo') or costed
 key_index = FIRST_IDEM
 for i = 0, n - 1 do
   local base = 4 + 6 * i

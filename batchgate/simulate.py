@@ -25,6 +25,7 @@ Not modelled: deadlines, failures and retries, max_queue_size.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import math
@@ -42,7 +43,7 @@ import orjson
 from batchgate.workload import MIX, PRIORITIES, Workload
 from scheduler_core.errors import InvalidRequest
 from scheduler_core.options import POLICY_KNOBS
-from scheduler_core.policy import MAX_REQUEST_COST, Policy, Priority
+from scheduler_core.policy import MAX_COST_BUCKETS, MAX_REQUEST_COST, Policy, Priority
 from scheduler_core.rules import Batch, Request, Wait, apply, decide
 
 # The gap between two batches of one consumer at saturation, p50 (docs/benchmarks.md,
@@ -113,6 +114,9 @@ class SimConfig:
     consumers: int = 2
     overhead_ms: float = DEFAULT_OVERHEAD_MS  # per batch, besides the model
     transport_ms: float = DEFAULT_TRANSPORT_MS  # per request: to the queue and back
+    # Each consumer's --prefer-bucket (1-based, 0 = none), one per consumer; () = none.
+    # Idle consumers pop lowest first.
+    prefer_buckets: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.consumers, bool) or not isinstance(self.consumers, int) or \
@@ -123,6 +127,11 @@ class SimConfig:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and 0 <= value <= 60_000):
                 raise InvalidRequest(name, f"must be within [0, 60000] ms, got {value!r}")
+        prefs = self.prefer_buckets
+        if prefs and (len(prefs) != self.consumers or not all(
+                type(b) is int and 0 <= b <= MAX_COST_BUCKETS + 1 for b in prefs)):
+            raise InvalidRequest("prefer_buckets", f"{prefs!r}: one bucket per consumer, each "
+                                                   f"0-{MAX_COST_BUCKETS + 1} (0 = none)")
 
 
 @dataclass(frozen=True)
@@ -182,18 +191,19 @@ def simulate(config: SimConfig, times: list[float], prios: list[int],
     levels = [_Level(), _Level(), _Level()]
     done = [0] * n  # when each request's result is seen (µs)
     histogram = [0] * (policy.max_batch_size + 1)
-    free_at: list[int] = []  # heap: when each busy consumer finishes
-    idle, timer, model_us, waiting = config.consumers, math.inf, 0, 0
+    free_at: list[tuple[int, int]] = []  # heap: (when a busy consumer finishes, which)
+    idle = list(range(config.consumers))  # the idle consumers, lowest first
+    prefer = config.prefer_buckets or (0,) * config.consumers
+    timer, model_us, waiting = math.inf, 0, 0
     i, next_arrival = 0, (arrival[0] if n else math.inf)
     push, pop = heapq.heappush, heapq.heappop
     while True:
-        now = min(next_arrival, free_at[0] if free_at else math.inf,
+        now = min(next_arrival, free_at[0][0] if free_at else math.inf,
                   timer if idle else math.inf)
         if now == math.inf:
             break
-        while free_at and free_at[0] == now:
-            pop(free_at)
-            idle += 1
+        while free_at and free_at[0][0] == now:
+            bisect.insort(idle, pop(free_at)[1])
         if next_arrival == now:  # scores are unique, as Redis' arrival clock makes them
             prio = prios[i]
             if stored is None:
@@ -210,7 +220,7 @@ def simulate(config: SimConfig, times: list[float], prios: list[int],
         # Pop at once while consumers are free and batches due (with nothing waiting,
         # decide would say Nothing).
         while idle and waiting:
-            decision = decide(levels, now, policy)
+            decision = decide(levels, now, policy, prefer[idle[0]])
             apply(levels, decision)
             if type(decision) is Batch:
                 size = len(decision.picked)
@@ -226,8 +236,7 @@ def simulate(config: SimConfig, times: list[float], prios: list[int],
                 seen = end + transport
                 for p in decision.picked:
                     done[p.request.id] = seen  # type: ignore[index]
-                push(free_at, end)
-                idle -= 1
+                push(free_at, (end, idle.pop(0)))
                 waiting -= size
                 histogram[size] += 1
                 model_us += model
@@ -418,6 +427,14 @@ def parse_cost_mix(text: str) -> list[tuple[int, float]]:
     return mix
 
 
+def _parse_prefs(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise InvalidRequest("prefer_buckets", f"{text!r}: use one integer per consumer, "
+                                               "e.g. 1,0") from None
+
+
 def draw_costs(n: int, mix: list[tuple[int, float]], seed: int = 1) -> list[int]:
     """n costs drawn from the mix, seeded (a stream of their own: the arrivals of a seed
     stay those of batchgate bench)."""
@@ -475,7 +492,9 @@ def _policy_option(flag: str) -> Any:
 def render(result: SimResult, config: SimConfig, workload: str) -> str:
     p = config.policy
     lines = [
-        f"{result.requests:,} requests ({workload}), {config.consumers} consumer(s), "
+        f"{result.requests:,} requests ({workload}), {config.consumers} consumer(s)"
+        + (f" preferring buckets {','.join(map(str, config.prefer_buckets))}"
+           if config.prefer_buckets else "") + ", "
         f"t(b) = {config.cost}, overhead {config.overhead_ms:g} ms per batch, transport "
         f"{config.transport_ms:g} ms per request",
         f"policy: {p.strategy}, max_batch_size {p.max_batch_size}, max_queue_delay_ms "
@@ -547,6 +566,9 @@ def render(result: SimResult, config: SimConfig, workload: str) -> str:
               help="The model's time for a batch of b, A+B*b ms (batchgate profile fits it), "
                    "or per unit of cost, A+B*c: c = sum of the costs, or b x largest cost "
                    "with --cost-mode padded.")
+@click.option("--prefer-buckets", default=None,
+              help="Each consumer's --prefer-bucket, comma-separated, one per consumer, e.g. "
+                   "1,0 (0 = none) [default: none].")
 @click.option("--overhead-ms", type=float, default=DEFAULT_OVERHEAD_MS, show_default=True,
               help="Scheduler time per batch besides the model, ms (default: the measured gap "
                    "between batches at saturation).")
@@ -563,7 +585,8 @@ def simulate_command(strategy: str | None, max_batch_size: int | None,
                      cost_mode: str | None, cost_buckets: str | None, cost_mix: str | None,
                      arrivals: str,
                      rate: float, duration_s: float, mix: str, trace: Path | None,
-                     consumers: int, cost_ms: str, overhead_ms: float, transport_ms: float,
+                     consumers: int, prefer_buckets: str | None, cost_ms: str,
+                     overhead_ms: float, transport_ms: float,
                      seed: int, as_json: bool) -> None:
     """Predict latency per priority, throughput, batch sizes and utilisation of a queue
     policy on a workload, by a discrete-event simulation of the scheduling rules (no
@@ -572,7 +595,9 @@ def simulate_command(strategy: str | None, max_batch_size: int | None,
                           max_queue_delay_ms=max_queue_delay_ms, aging_ms=aging_ms,
                           max_cost=max_cost, over_cost=over_cost, max_batch_cost=max_batch_cost,
                           cost_mode=cost_mode, cost_buckets=cost_buckets)
-    config = SimConfig(policy, CostModel.parse(cost_ms), consumers, overhead_ms, transport_ms)
+    prefs = _parse_prefs(prefer_buckets) if prefer_buckets else ()
+    config = SimConfig(policy, CostModel.parse(cost_ms), consumers, overhead_ms, transport_ms,
+                       prefs)
     mix_of_costs = parse_cost_mix(cost_mix) if cost_mix is not None else None
     costs: list[int] | None = None
     if trace is not None:

@@ -23,6 +23,7 @@ from scheduler_core.options import (
     queue_option,
     redis_url_option,
 )
+from scheduler_core.policy import MAX_COST_BUCKETS
 from scheduler_core.wire import DEFAULT_MAX_RESULT_BYTES
 
 log = logging.getLogger("batchgate.consumer")
@@ -92,14 +93,19 @@ def install_signal_handlers(consumer: Consumer) -> None:
             help="While a backlog waits, fetch the next batch and write the last one's "
                  "results while the model runs. --no-overlap: one batch at a time (a "
                  "crash then re-runs only the batch in hand). In the variable: true/false.")
+@env_option("--prefer-bucket", envvar="BATCHGATE_PREFER_BUCKET",
+            type=click.IntRange(0, MAX_COST_BUCKETS + 1), default=0, show_default=True,
+            help="With the queue's cost_buckets: the bucket this consumer serves first "
+                 "whenever it is due (1 = the cheapest); otherwise the oldest due bucket. "
+                 "0 = none.")
 @env_option("--name", envvar="BATCHGATE_CONSUMER_NAME", default="",
             help="Consumer name shown in stats [default: host:pid:random].")
 @policy_options(env=True)
 @supervisor_options
 def consumer_command(redis_url: str, queue: str, model_spec: str, model_arg: tuple[str, ...],
                      device: str | None, torch_threads: int | None, lease_ms: int,
-                     max_batch_ms: int, max_result_bytes: int, overlap: bool, name: str,
-                     **kwargs: Any) -> None:
+                     max_batch_ms: int, max_result_bytes: int, overlap: bool,
+                     prefer_bucket: int, name: str, **kwargs: Any) -> None:
     """Pop batches from QUEUE and run MODEL on them until SIGTERM/SIGINT.
 
     The first consumer of a queue stores its policy; later ones adopt it, and one started
@@ -111,7 +117,8 @@ def consumer_command(redis_url: str, queue: str, model_spec: str, model_arg: tup
     policy = policy_values(kwargs)
     config = ConsumerConfig(redis_url=redis_url, queue=queue, lease_ms=lease_ms,
                             max_batch_ms=max_batch_ms, max_result_bytes=max_result_bytes,
-                            overlap=overlap, policy=policy, name=name)
+                            overlap=overlap, policy=policy, name=name,
+                            prefer_bucket=prefer_bucket)
     model_kwargs = parse_model_args(model_arg)
     flags = dict.fromkeys(model_kwargs, "--model-arg")
     if device is not None:

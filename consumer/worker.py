@@ -41,7 +41,7 @@ from scheduler_core.admin import ensure_policy, store_policy, unknown_requests
 from scheduler_core.connection import DEFAULT_REDIS_URL, Backoff, connect
 from scheduler_core.errors import InvalidRequest
 from scheduler_core.keys import QueueKeys
-from scheduler_core.policy import Policy
+from scheduler_core.policy import MAX_COST_BUCKETS, Policy
 from scheduler_core.scripts import (
     ScriptPipeline,
     Scripts,
@@ -86,6 +86,9 @@ class ConsumerConfig:
     # Policy values given explicitly (None = adopt the queue's stored policy or default).
     policy: dict[str, Any] = field(default_factory=dict)
     name: str = ""
+    # The cost bucket this consumer serves first when it is due (1-based; 0 = none):
+    # docs/scheduling.md, "Requests of different cost".
+    prefer_bucket: int = 0
 
     def __post_init__(self) -> None:
         QueueKeys(self.queue)
@@ -102,6 +105,10 @@ class ConsumerConfig:
                                  f"{self.max_result_bytes!r} is outside [16, {512 << 20}]")
         if not isinstance(self.overlap, bool):
             raise InvalidRequest("overlap", f"{self.overlap!r} is not true or false")
+        if isinstance(self.prefer_bucket, bool) or not isinstance(self.prefer_bucket, int) \
+                or not 0 <= self.prefer_bucket <= MAX_COST_BUCKETS + 1:
+            raise InvalidRequest("prefer_bucket", f"{self.prefer_bucket!r} is outside "
+                                                  f"[0, {MAX_COST_BUCKETS + 1}]")
         if not self.name:
             object.__setattr__(self, "name", f"{socket.gethostname()}:{os.getpid()}:"
                                              f"{uuid.uuid4().hex[:6]}")
@@ -214,8 +221,10 @@ class Consumer:
 
     # -- one step -------------------------------------------------------------------
     def _pop_call(self) -> tuple[Any, list[str], list[Any]]:
-        return self.scripts.pop_batch, pop_keys(self.keys), [self.config.name,
-                                                            self.config.lease_ms]
+        args: list[Any] = [self.config.name, self.config.lease_ms]
+        if self.config.prefer_bucket:
+            args.append(self.config.prefer_bucket)
+        return self.scripts.pop_batch, pop_keys(self.keys), args
 
     def _pop(self) -> Next:
         script, keys, args = self._pop_call()

@@ -96,11 +96,12 @@ Levels = Sequence[Sequence[Request]]
 NOTHING = Nothing()
 
 
-def decide(levels: Levels, now_us: int, policy: Policy) -> Decision:
-    """What pop_batch.lua does with this queue state at `now_us` under `policy`."""
+def decide(levels: Levels, now_us: int, policy: Policy, prefer_bucket: int = 0) -> Decision:
+    """What pop_batch.lua does with this queue state at `now_us` under `policy`, for a
+    consumer that prefers cost bucket `prefer_bucket` (1-based; 0 = none)."""
     size, delay = policy.max_batch_size, policy.max_queue_delay_ms * 1000
     aging = policy.aging_ms * 1000 if policy.strategy is Strategy.PRIORITY else 0
-    costs = _CostRules.of(policy)
+    costs = _CostRules.of(policy, prefer_bucket)
     window = costs.window if costs else size  # requests read per level
     promoted: tuple[Promotion, ...] = ()
     if aging:
@@ -176,13 +177,14 @@ class _CostRules(NamedTuple):
     budget: int  # max_batch_cost; 0 = none
     padded: bool  # cost_mode padded: batch size x largest cost, else the sum
     bounds: tuple[int, ...]  # cost_buckets
+    prefer: int  # the consumer's preferred bucket, 0-based; -1 = none
 
     @classmethod
-    def of(cls, policy: Policy) -> _CostRules | None:
+    def of(cls, policy: Policy, prefer_bucket: int = 0) -> _CostRules | None:
         if not policy.max_batch_cost and not policy.cost_buckets:
             return None
         return cls(policy.max_batch_size, policy.max_batch_cost,
-                   policy.cost_mode == "padded", policy.bucket_bounds)
+                   policy.cost_mode == "padded", policy.bucket_bounds, prefer_bucket - 1)
 
     @property
     def window(self) -> int:
@@ -208,13 +210,16 @@ class _CostRules(NamedTuple):
 
     def pick(self, cands: list[tuple[Request, int]], now_us: int, delay: int,
              due_only: bool) -> list[tuple[Request, int]] | None:
-        """Group the candidates (oldest first) by bucket; the first group, in the order of
-        their oldest requests, that is due (full, or its oldest waited `delay`), or with
-        due_only False the first group; None if none is due."""
+        """Group the candidates (oldest first) by bucket; the preferred bucket's group if
+        it is due (full, or its oldest waited `delay`; with due_only False, if it has
+        any), else the first due group in the order of their oldest requests; None if
+        none is due."""
         groups: dict[int, list[tuple[Request, int]]] = {}
         for c in cands:
             groups.setdefault(bisect.bisect_left(self.bounds, c[0].cost), []).append(c)
-        for group in groups.values():  # dicts keep insertion order: oldest head first
+        preferred = groups.get(self.prefer)
+        order = groups.values() if preferred is None else (preferred, *groups.values())
+        for group in order:  # dicts keep insertion order: oldest head first
             chosen, full = self.fit(group)
             if not due_only or full or now_us - group[0][0].arrival_us >= delay:
                 return chosen

@@ -294,3 +294,29 @@ def test_the_gateway_takes_a_cost_and_refuses_a_bad_one(shared_redis, queue, sta
             assert done.json()["result"]["cost"] == 64
     finally:
         next(factory, None)
+
+
+def test_a_consumer_serves_its_preferred_bucket_first_when_it_is_due(
+        shared_redis, queue, start_consumer, tmp_path):
+    """Both buckets due when the consumer starts: without a preference the older (short)
+    goes first; --prefer-bucket 2 takes the long one first."""
+    configure(shared_redis.url, queue, strategy="dynamic", max_batch_size=8,
+              max_queue_delay_ms=100, cost_buckets="32")
+    with Producer(shared_redis.url, queue) as p:
+        handles = [p.submit("short", cost=16), p.submit("long", cost=100)]
+        time.sleep(0.3)  # both past their delay
+        start_recorder(start_consumer, shared_redis.url, queue, tmp_path / "out",
+                       "--prefer-bucket", "2")
+        assert [h.result(timeout=15)["cost"] for h in handles] == [16, 100]
+    assert [b["costs"] for b in batches(tmp_path / "out")] == [[100], [16]]
+
+
+def test_prefer_bucket_is_validated():
+    from consumer.worker import ConsumerConfig
+
+    for bad in (-1, 6, True, "1"):
+        with pytest.raises(InvalidRequest) as err:
+            ConsumerConfig(prefer_bucket=bad)
+        assert err.value.field == "prefer_bucket" and "5" in str(err.value)
+    done = batchgate("consumer", "--prefer-bucket", "6")
+    assert done.returncode == 2 and "--prefer-bucket" in done.stderr

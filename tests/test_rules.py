@@ -49,6 +49,7 @@ COSTS = (1, 1, 2, 3, 4, 5, 8, 16, 17, 33, 64, 200, 500)
 class Case:
     policy: Policy
     levels: list[list[Request]]
+    prefer: int = 0  # the consumer's preferred cost bucket (ARGV[3]), 1-based; 0 = none
 
 
 def random_case(rng: random.Random, t0: int) -> Case:
@@ -87,7 +88,8 @@ def random_case(rng: random.Random, t0: int) -> Case:
                                      prio, deadline, attempts, cost))
     for level in levels:
         level.sort()
-    return Case(policy, levels)
+    prefer = rng.choice((0, 0, 1, 2, 3)) if costed else 0
+    return Case(policy, levels, prefer)
 
 
 def age_us(rng: random.Random, thresholds: list[int], span_ms: float) -> int:
@@ -121,7 +123,9 @@ def run_case(client, scripts: Scripts, rng: random.Random) -> tuple[Case, list, 
             pipe.zadd(keys.pending(level), {r.id: r.arrival_us for r in requests})
             pipe.hset(keys.meta, mapping={r.id: meta(r) for r in requests})
             pipe.hset(keys.jobs, mapping={r.id: b'{"v":1}' for r in requests})
-    pipe.evalsha(scripts.pop_batch.sha, len(keys.shared), *pop_keys(keys), "c1", 60_000)
+    prefer = [case.prefer] if case.prefer else []  # absent, as consumers without one send
+    pipe.evalsha(scripts.pop_batch.sha, len(keys.shared), *pop_keys(keys), "c1", 60_000,
+                 *prefer)
     pipe.zscore(keys.consumers, "c1")  # the script's clock: it notes the consumer's pop
     for level in range(3):
         pipe.zrange(keys.pending(level), 0, -1)
@@ -145,15 +149,16 @@ def test_decide_makes_the_decisions_of_pop_batch_lua(shared_redis):
     rng = random.Random(20261130)
     seen = {"batch": 0, "wait": 0, "aging wait": 0, "nothing": 0, EXPIRED: 0, EXHAUSTED: 0,
             "promoted": 0, "isolated": 0, "borderline": 0, "costed batch": 0,
-            "costed wait": 0, "budget cut": 0, "bucket cut": 0}
+            "costed wait": 0, "budget cut": 0, "bucket cut": 0, "preferred": 0}
     started = time.monotonic()
     for i in range(CASES):
         case, reply, t0, now, after = run_case(client, scripts, rng)
-        where = f"case {i}: {case.policy}, levels {case.levels}, reply {reply}"
+        where = f"case {i}: {case.policy}, prefer {case.prefer}, levels {case.levels}, " \
+                f"reply {reply}"
         assert t0 <= now, where
-        expected = decide(case.levels, now, case.policy)
+        expected = decide(case.levels, now, case.policy, case.prefer)
         # Cases the µs between the TIME read and the script decided.
-        seen["borderline"] += expected != decide(case.levels, t0, case.policy)
+        seen["borderline"] += expected != decide(case.levels, t0, case.policy, case.prefer)
         if int(reply[0]) == 0:
             wait = int(reply[1])
             if wait == -1:
@@ -184,6 +189,10 @@ def test_decide_makes_the_decisions_of_pop_batch_lua(shared_redis):
             seen["isolated"] += any(p.request.attempts for p in expected.picked)
             if costed(case.policy):
                 seen["costed batch"] += 1
+                seen["preferred"] += bool(case.prefer) and case.policy.bucket_of(
+                    expected.picked[0].request.cost) == case.prefer - 1 and \
+                    expected.picked[0].request != min(r for level in case.levels
+                                                      for r in level)
                 cut_budget, cut_bucket = cuts(case, expected)
                 seen["budget cut"] += cut_budget
                 seen["bucket cut"] += cut_bucket

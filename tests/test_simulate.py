@@ -255,3 +255,25 @@ def test_the_command_takes_a_cost_mix_and_the_cost_settings():
                         (["--cost-buckets", "9,3"], "cost_buckets")):
         bad = runner.invoke(main, ["simulate", "--duration-s", "1", *args])
         assert bad.exit_code != 0 and field in bad.output, (args, bad.output)
+
+
+def test_consumers_preferring_the_short_bucket_trade_long_latency_for_short():
+    """docs/scheduling.md's measurement: near saturation, consumers preferring the short
+    bucket lower the short requests' p99 and raise the long ones'."""
+    from batchgate.simulate import draw_costs
+    times, prios = poisson_arrivals(700, 20, (0, 1, 0), seed=1)
+    costs = draw_costs(len(times), [(16, 90), (2048, 10)], seed=1)
+
+    def sim(prefs):
+        policy = Policy(strategy=Strategy.DYNAMIC, max_batch_size=32, max_queue_delay_ms=20,
+                        cost_mode="padded", cost_buckets="32")
+        return simulate(SimConfig(policy, CostModel.parse("5+0.01*c"), 2,
+                                  prefer_buckets=prefs), times, prios, costs)
+
+    shared, short_first = sim(()), sim((1, 1))
+    assert short_first.latency_by_cost[16]["p99"] < shared.latency_by_cost[16]["p99"]
+    assert short_first.latency_by_cost[2048]["p99"] > shared.latency_by_cost[2048]["p99"]
+    for bad in ((1,), (1, 9), (1, True)):
+        with pytest.raises(InvalidRequest) as err:
+            SimConfig(Policy(), CostModel(5), 2, prefer_buckets=bad)
+        assert err.value.field == "prefer_buckets"

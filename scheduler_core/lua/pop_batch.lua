@@ -14,7 +14,8 @@ This is where the scheduling rules live (docs/scheduling.md explains them):
             the batch's cost budget; where it waits for a batch to fill (dynamic, NORMAL),
             a bucket is released when full (max_batch_size, or its budget) or when its
             oldest request has waited max_queue_delay_ms: the due bucket whose oldest
-            request is oldest goes first.
+            request is oldest goes first, unless the consumer prefers a bucket (ARGV[3])
+            and that bucket is due (or, where the rule takes at once, waits at all).
 
 KEYS[1..23] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
             this script uses:
@@ -37,6 +38,8 @@ KEYS[17] {bg:q}:samples:wait list recent queue waits (µs), capped
 
 ARGV[1]  consumer name (no '|')
 ARGV[2]  lease in ms (100..86400000)
+ARGV[3]  optional: the bucket this consumer prefers, 1-based (1 = the cheapest); 0 or
+         absent = none; ignored without cost_buckets (0..MAX_COST_BUCKETS + 1)
 
 Returns  {batch_id, now_us, lease_deadline_us, remaining, then per request 9 values:
           id, envelope (false if missing), arrival_us, attempts (this delivery, 1-based),
@@ -218,9 +221,16 @@ local function pick_costed(rules, count, levels, now, due_only)
     end
     table.insert(groups[b], c)
   end
-  for _, b in ipairs(order) do
+  local function due(b)
     local chosen, full = fit(rules, groups[b])
     if not due_only or full or now - groups[b][1].score >= rules.delay then return chosen end
+    return nil
+  end
+  local preferred = groups[rules.prefer] and due(rules.prefer)
+  if preferred then return preferred end
+  for _, b in ipairs(order) do
+    local chosen = due(b)
+    if chosen then return chosen end
   end
   return nil
 end
@@ -372,13 +382,16 @@ local function commit(rules, consumer, lease_ms, chosen, metas, ids, total, now)
 end
 
 local consumer, lease_ms = ARGV[1], int_arg(ARGV[2], 100, 86400000)
+local prefer = int_arg(ARGV[3] or '0', 0, MAX_COST_BUCKETS + 1)
 if type(consumer) ~= 'string' or consumer == '' or string.find(consumer, '|') then
   return {-3, 'consumer'}
 end
 if not lease_ms then return {-3, 'lease_ms'} end
+if not prefer then return {-3, 'prefer_bucket'} end
 
 local rules, err = read_policy()
 if not rules then return err end
+rules.prefer = prefer
 local now = now_us()
 redis.call('ZADD', consumers, int(now), consumer)
 if rules.strategy == 'priority' and rules.aging > 0 then promote_aged(rules, now) end

@@ -118,7 +118,8 @@ class Policy:
         return bisect.bisect_left(self.bucket_bounds, cost)
 
     @classmethod
-    def build(cls, strategy: Strategy | str | None = None, **overrides: int | None) -> Policy:
+    def build(cls, strategy: Strategy | str | None = None,
+              **overrides: int | str | None) -> Policy:
         """A policy from optional values: None means the default (fifo's batch size is 1)."""
         try:
             strat = Strategy(strategy) if strategy is not None else cls.strategy

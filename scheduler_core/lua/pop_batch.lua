@@ -96,7 +96,7 @@ local function read_cost_rules(rules, budget, mode, buckets)
   rules.budget = budget and policy_int('max_batch_cost', budget)
   rules.bounds = parse_buckets(buckets)
   if (budget and not rules.budget) or not rules.bounds
-     or (mode and not CHOICES.cost_mode[mode]) then
+     or (mode and mode ~= 'sum' and mode ~= 'padded') then  -- CHOICES.cost_mode, no table
     return false
   end
   rules.budget, rules.padded = rules.budget or 0, mode == 'padded'

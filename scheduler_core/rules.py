@@ -8,14 +8,18 @@ due for `wait_us`) or Nothing (no request waits), together with the aging promot
 the call makes on the way. It is the script's twin, step by step (promote_aged, choose,
 isolate_retried, commit's states); tests/test_rules.py holds the two together on random
 queue states against a real Redis. `batchgate simulate` and the benchmark's in-process
-baseline decide with it, so the rules have one Python copy.
+baseline decide with it, so the rules have one Python copy. With a policy's cost settings
+(max_batch_cost, cost_buckets) a batch is fitted to the budget from one bucket
+(_CostRules: the script's read_cost_rules, fit and pick_costed); a request's cost is
+`Request.cost`, and `decide(..., prefer_bucket=N)` is a consumer's ARGV[3].
 
 Out of scope, as they come only from hand-written keys: members whose id no producer
 makes (the script dead-letters them) and members without meta.
 
 A level is a sequence of Request sorted as Redis keeps a pending zset: by arrival, then
-id. `decide` reads O(max_batch_size) of each level (plus a bisection when aging is on)
-and never modifies them; `apply` makes the decision's writes on lists.
+id. `decide` reads O(max_batch_size) of each level (times the buckets with costs on;
+plus a bisection when aging is on) and never modifies them; `apply` makes the decision's
+writes on lists.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from scheduler_core.options import (
     queue_option,
     redis_url_option,
 )
+from scheduler_core.policy import MAX_COST_BUCKETS
 from scheduler_core.wire import DEFAULT_MAX_RESULT_BYTES
 
 log = logging.getLogger("batchgate.consumer")
@@ -96,6 +97,11 @@ def install_signal_handlers(consumer: Consumer) -> None:
             type=click.FloatRange(0, 86_400), default=5.0, show_default=True,
             help="Every this many seconds, refit the queue's stored cost model t(b) = A + "
                  "B·b from the live model times of its batches (0 = never; 0.1-86400).")
+@env_option("--prefer-bucket", envvar="BATCHGATE_PREFER_BUCKET",
+            type=click.IntRange(0, MAX_COST_BUCKETS + 1), default=0, show_default=True,
+            help="With the queue's cost_buckets: the bucket this consumer serves first "
+                 "whenever it is due (1 = the cheapest); otherwise the oldest due bucket. "
+                 "0 = none.")
 @env_option("--name", envvar="BATCHGATE_CONSUMER_NAME", default="",
             help="Consumer name shown in stats [default: host:pid:random].")
 @env_option("--otel-exporter", envvar="BATCHGATE_OTEL_EXPORTER", default="none",
@@ -108,8 +114,8 @@ def install_signal_handlers(consumer: Consumer) -> None:
 def consumer_command(redis_url: str, queue: str, model_spec: str, model_arg: tuple[str, ...],
                      device: str | None, torch_threads: int | None, lease_ms: int,
                      max_batch_ms: int, max_result_bytes: int, overlap: bool,
-                     cost_refit_s: float, name: str, otel_exporter: str,
-                     **kwargs: Any) -> None:
+                     cost_refit_s: float, prefer_bucket: int, name: str,
+                     otel_exporter: str, **kwargs: Any) -> None:
     """Pop batches from QUEUE and run MODEL on them until SIGTERM/SIGINT.
 
     The first consumer of a queue stores its policy; later ones adopt it, and one started
@@ -122,7 +128,7 @@ def consumer_command(redis_url: str, queue: str, model_spec: str, model_arg: tup
     config = ConsumerConfig(redis_url=redis_url, queue=queue, lease_ms=lease_ms,
                             max_batch_ms=max_batch_ms, max_result_bytes=max_result_bytes,
                             overlap=overlap, cost_refit_s=cost_refit_s, policy=policy,
-                            name=name)
+                            name=name, prefer_bucket=prefer_bucket)
     model_kwargs = parse_model_args(model_arg)
     flags = dict.fromkeys(model_kwargs, "--model-arg")
     if device is not None:

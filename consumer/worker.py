@@ -27,6 +27,7 @@ from consumer.batch import (
     POP_NOW,
     Answers,
     Batch,
+    Cost,
     Finished,
     Idle,
     Item,
@@ -42,7 +43,7 @@ from scheduler_core.admin import ensure_policy, store_policy, unknown_requests
 from scheduler_core.connection import DEFAULT_REDIS_URL, Backoff, connect
 from scheduler_core.errors import InvalidRequest
 from scheduler_core.keys import QueueKeys
-from scheduler_core.policy import Policy
+from scheduler_core.policy import MAX_COST_BUCKETS, Policy
 from scheduler_core.registry import register_queue
 from scheduler_core.scripts import (
     ScriptPipeline,
@@ -92,6 +93,9 @@ class ConsumerConfig:
     # Policy values given explicitly (None = adopt the queue's stored policy or default).
     policy: dict[str, Any] = field(default_factory=dict)
     name: str = ""
+    # The cost bucket this consumer serves first when it is due (1-based; 0 = none):
+    # docs/scheduling.md, "Requests of different cost".
+    prefer_bucket: int = 0
 
     def __post_init__(self) -> None:
         QueueKeys(self.queue)
@@ -113,6 +117,10 @@ class ConsumerConfig:
                 or not (self.cost_refit_s == 0 or 0.1 <= self.cost_refit_s <= 86_400):
             raise InvalidRequest("cost_refit_s",
                                  f"{self.cost_refit_s!r}: use 0 (off) or [0.1, 86400] s")
+        if isinstance(self.prefer_bucket, bool) or not isinstance(self.prefer_bucket, int) \
+                or not 0 <= self.prefer_bucket <= MAX_COST_BUCKETS + 1:
+            raise InvalidRequest("prefer_bucket", f"{self.prefer_bucket!r} is outside "
+                                                  f"[0, {MAX_COST_BUCKETS + 1}]")
         if not self.name:
             object.__setattr__(self, "name", f"{socket.gethostname()}:{os.getpid()}:"
                                              f"{uuid.uuid4().hex[:6]}")
@@ -147,6 +155,12 @@ class Consumer:
         self.observer: Any = None
         # Optional: consumer.tracing.BatchTracer, which records each batch's spans.
         self.tracer: Any = None
+
+    @property
+    def _model_takes_costs(self) -> bool:
+        """Whether the model opted into the costs (`accepts_costs = True`): a property, as
+        the CLI sets `model` after construction."""
+        return bool(getattr(self.model, "accepts_costs", False))
 
     # -- lifecycle ------------------------------------------------------------------
     def start(self) -> Policy:
@@ -243,8 +257,10 @@ class Consumer:
 
     # -- one step -------------------------------------------------------------------
     def _pop_call(self) -> tuple[Any, list[str], list[Any]]:
-        return self.scripts.pop_batch, pop_keys(self.keys), [self.config.name,
-                                                            self.config.lease_ms]
+        args: list[Any] = [self.config.name, self.config.lease_ms]
+        if self.config.prefer_bucket:
+            args.append(self.config.prefer_bucket)
+        return self.scripts.pop_batch, pop_keys(self.keys), args
 
     def _pop(self) -> Next:
         script, keys, args = self._pop_call()
@@ -371,7 +387,9 @@ class Consumer:
         started_ns = time.time_ns() if self.tracer is not None else 0
         self._in_model = batch  # the lease thread's hang clock runs while this is set
         try:
-            results = self._run_isolated([payload for _, payload in runnable])
+            costs = [Cost(item.cost, item.requested) for item, _ in runnable] \
+                if self._model_takes_costs else None
+            results = self._run_isolated([payload for _, payload in runnable], costs)
         finally:
             self._in_model = None
         model_s = time.perf_counter() - started
@@ -471,18 +489,25 @@ class Consumer:
                               "message": str(message)[:200], "consumer": self.config.name,
                               "at_ms": int(time.time() * 1000)})
 
-    def _run_isolated(self, payloads: list[Any]) -> list[tuple[bool, Any]]:
+    def _run_isolated(self, payloads: list[Any],
+                      costs: list[Cost] | None = None) -> list[tuple[bool, Any]]:
         """Run the model; if it raises, split the batch to isolate the failing payloads,
-        so one poison request fails alone and the others are answered."""
+        so one poison request fails alone and the others are answered. A model that
+        opts in (`accepts_costs`) is also given the requests' costs: model(payloads,
+        costs=...)."""
         try:
-            results = self.model(payloads)
+            results = self.model(payloads) if costs is None else \
+                self.model(payloads, costs=costs)
         except Exception as exc:  # the model's failure is the request's, not ours
             if len(payloads) == 1:
                 message = _describe(exc)
                 log.warning("model raised on a request: %s: %s", type(exc).__name__, message)
                 return [(False, (type(exc).__name__, message))]
             half = len(payloads) // 2
-            return self._run_isolated(payloads[:half]) + self._run_isolated(payloads[half:])
+            if costs is None:
+                return self._run_isolated(payloads[:half]) + self._run_isolated(payloads[half:])
+            return self._run_isolated(payloads[:half], costs[:half]) + \
+                self._run_isolated(payloads[half:], costs[half:])
         try:
             results = list(results)
         except TypeError:

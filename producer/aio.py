@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import redis
@@ -101,14 +101,16 @@ class AsyncProducer(ProducerBase[AsyncHandle]):
 
     async def submit(self, payload: Any, priority: Priority | int | str = Priority.NORMAL,
                      deadline_ms: float | None = None,
-                     idempotency_key: str | None = None) -> AsyncHandle:
-        return (await self._submit([payload], priority, deadline_ms, [idempotency_key]))[0]
+                     idempotency_key: str | None = None, cost: int = 1) -> AsyncHandle:
+        return (await self._submit([payload], priority, deadline_ms, [idempotency_key],
+                                   cost=cost))[0]
 
     async def submit_many(self, payloads: Iterable[Any],
                           priority: Priority | int | str = Priority.NORMAL,
                           deadline_ms: float | None = None,
-                          idempotency_keys: list[str | None] | None = None) -> list[AsyncHandle]:
-        return await self._submit(payloads, priority, deadline_ms, idempotency_keys)
+                          idempotency_keys: list[str | None] | None = None,
+                          cost: int | Sequence[int] = 1) -> list[AsyncHandle]:
+        return await self._submit(payloads, priority, deadline_ms, idempotency_keys, cost=cost)
 
     async def fetch(self, request_id: str) -> Result | None:
         raw = await self._redis.get(self.keys.result(request_id))
@@ -137,12 +139,13 @@ class AsyncProducer(ProducerBase[AsyncHandle]):
         await self.close()
 
     async def _submit(self, payloads: Iterable[Any], priority: Any, deadline_ms: Any,
-                      idempotency_keys: list[str | None] | None) -> list[AsyncHandle]:
+                      idempotency_keys: list[str | None] | None,
+                      cost: Any = 1) -> list[AsyncHandle]:
         if self._closed:
             raise RuntimeError("producer is closed")
         submission, handles = self._prepare(
             payloads, priority, deadline_ms, idempotency_keys,
-            lambda rid: AsyncHandle(self, rid))
+            lambda rid: AsyncHandle(self, rid), cost)
         loop = asyncio.get_running_loop()
         try:
             await require_redis_version_async(self._redis)  # once per client: BLMPOP needs 7

@@ -129,11 +129,11 @@ class ProducerBase(Generic[H]):
 
     def _prepare(self, payloads: Iterable[Any], priority: Any, deadline_ms: Any,
                  idempotency_keys: list[str | None] | None,
-                 make_handle: Callable[[str], H]) -> tuple[Submission, list[H]]:
+                 make_handle: Callable[[str], H], cost: Any = 1) -> tuple[Submission, list[H]]:
         """Validate (raising before any write) and register handles. Handles are
         registered first so that no result can arrive before its handle."""
         requests = build_requests(self.config, payloads, priority, deadline_ms,
-                                  idempotency_keys)
+                                  idempotency_keys, cost)
         handles = [make_handle(r.id) for r in requests]
         with self._lock:
             for r, h in zip(requests, handles, strict=True):

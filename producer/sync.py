@@ -7,7 +7,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import redis
@@ -190,20 +190,26 @@ class Producer(ProducerBase[Handle]):
 
     # -- public API -----------------------------------------------------------------
     def submit(self, payload: Any, priority: Priority | int | str = Priority.NORMAL,
-               deadline_ms: float | None = None, idempotency_key: str | None = None) -> Handle:
+               deadline_ms: float | None = None, idempotency_key: str | None = None,
+               cost: int = 1) -> Handle:
         """Enqueue one request; returns its Handle once Redis has accepted it.
 
         Raises InvalidRequest (a ValueError naming the field) before writing anything, or
-        QueueFull when the queue's max_queue_size would be exceeded.
+        QueueFull when the queue's max_queue_size would be exceeded. `cost` (an integer
+        >= 1, in your own unit: tokens to generate, input length) is what the queue's
+        cost settings budget (docs/scheduling.md); over the queue's max_cost it raises
+        InvalidRequest naming `cost` (or, with over_cost=truncate, is capped).
         """
-        return self._submit([payload], priority, deadline_ms, [idempotency_key])[0]
+        return self._submit([payload], priority, deadline_ms, [idempotency_key], cost=cost)[0]
 
     def submit_many(self, payloads: Iterable[Any], priority: Priority | int | str =
                     Priority.NORMAL, deadline_ms: float | None = None,
-                    idempotency_keys: list[str | None] | None = None) -> list[Handle]:
+                    idempotency_keys: list[str | None] | None = None,
+                    cost: int | Sequence[int] = 1) -> list[Handle]:
         """Enqueue up to 10,000 requests in one atomic script call (one round trip):
-        all are accepted or, on bad input or QueueFull, none is."""
-        return self._submit(payloads, priority, deadline_ms, idempotency_keys)
+        all are accepted or, on bad input or QueueFull, none is. `cost`: one value for
+        all, or one per payload."""
+        return self._submit(payloads, priority, deadline_ms, idempotency_keys, cost=cost)
 
     @staticmethod
     def as_completed(handles: Iterable[Handle], timeout: float | None = None
@@ -250,11 +256,12 @@ class Producer(ProducerBase[Handle]):
 
     # -- internals ------------------------------------------------------------------
     def _submit(self, payloads: Iterable[Any], priority: Any, deadline_ms: Any,
-                idempotency_keys: list[str | None] | None) -> list[Handle]:
+                idempotency_keys: list[str | None] | None, cost: Any = 1) -> list[Handle]:
         if self._closed.is_set():
             raise RuntimeError("producer is closed")
         submission, handles = self._prepare(
-            payloads, priority, deadline_ms, idempotency_keys, lambda rid: Handle(self, rid))
+            payloads, priority, deadline_ms, idempotency_keys, lambda rid: Handle(self, rid),
+            cost)
         try:
             require_redis_version(self._redis)  # once per client: BLMPOP needs Redis 7
             self._ensure_listener()

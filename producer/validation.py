@@ -14,7 +14,7 @@ from typing import Any
 
 from scheduler_core.errors import InvalidRequest
 from scheduler_core.keys import QueueKeys
-from scheduler_core.policy import Priority
+from scheduler_core.policy import MAX_REQUEST_COST, Priority
 from scheduler_core.scripts import NewRequest
 from scheduler_core.wire import CANCELLED, DEADLINE, DEFAULT_MAX_PAYLOAD_BYTES, encode_error
 
@@ -51,6 +51,25 @@ def check_deadline(deadline_ms: Any) -> int:
     if not 1 <= deadline_ms <= MAX_DEADLINE_MS:
         raise InvalidRequest("deadline_ms", f"{deadline_ms} is outside [1, {MAX_DEADLINE_MS}]")
     return int(deadline_ms)
+
+
+def check_cost(cost: Any, field: str = "cost") -> int:
+    """A request's cost: an integer in [1, MAX_REQUEST_COST] (the user's own unit)."""
+    if isinstance(cost, bool) or not isinstance(cost, int):
+        raise InvalidRequest(field, f"must be a whole number >= 1, got {cost!r}")
+    if not 1 <= cost <= MAX_REQUEST_COST:
+        raise InvalidRequest(field, f"{cost} is outside [1, {MAX_REQUEST_COST}]")
+    return cost
+
+
+def check_costs(cost: Any, n: int) -> list[int]:
+    """submit_many's cost: one value for every payload, or a sequence of one per payload."""
+    if isinstance(cost, (list, tuple)):
+        if len(cost) != n:
+            raise InvalidRequest("cost", f"{len(cost)} costs for {n} payloads: give one "
+                                         "value, or one per payload")
+        return [check_cost(c, f"cost[{i}]" if n > 1 else "cost") for i, c in enumerate(cost)]
+    return [check_cost(cost)] * n
 
 
 def check_timeout(timeout: Any) -> float | None:
@@ -91,7 +110,7 @@ class ProducerConfig:
 
 def build_requests(config: ProducerConfig, payloads: Iterable[Any], priority: Any,
                    deadline_ms: Any, idempotency_keys: list[str | None] | None = None,
-                   ) -> list[NewRequest]:
+                   cost: Any = 1) -> list[NewRequest]:
     from scheduler_core.tracing import current_trace
     from scheduler_core.wire import encode_request
 
@@ -105,8 +124,9 @@ def build_requests(config: ProducerConfig, payloads: Iterable[Any], priority: An
                                          f"{MAX_BATCH_SUBMIT} per call")
     keys = idempotency_keys or [None] * len(payloads)
     trace = current_trace()  # the caller's span, if any: carried to the consumer's spans
+    costs = check_costs(cost, len(payloads))
     requests = []
-    for index, (payload, key) in enumerate(zip(payloads, keys, strict=True)):
+    for index, (payload, key, c) in enumerate(zip(payloads, keys, costs, strict=True)):
         try:
             envelope = encode_request(payload, config.max_payload_bytes, trace)
         except InvalidRequest as exc:
@@ -114,7 +134,7 @@ def build_requests(config: ProducerConfig, payloads: Iterable[Any], priority: An
                 raise
             raise InvalidRequest(f"payloads[{index}]", str(exc)) from None
         requests.append(NewRequest(new_id(), level, deadline, envelope,
-                                   check_idempotency_key(key)))
+                                   check_idempotency_key(key), c))
     return requests
 
 

@@ -11,6 +11,7 @@ then the script's per-call keys (result:<id>, inbox:<producer>, idem:<key>).
 | `{bg:q}:pending:<0|1|2>`    | zset   | waiting request ids per priority, score = arrival (µs)    |
 | `{bg:q}:jobs`               | hash   | id -> request envelope (opaque orjson bytes)              |
 | `{bg:q}:meta`               | hash   | id -> "orig_prio:arrival_us:deadline_us:attempts:producer"|
+|                             |        | then ":cost" if cost != 1, ":cost:requested" if capped  |
 | `{bg:q}:owner`              | hash   | id -> batch id, while the request is in flight            |
 | `{bg:q}:inflight`           | zset   | batch id -> lease deadline (µs)                           |
 | `{bg:q}:batches`            | hash   | batch id -> "consumer|id,id,..."                          |

@@ -8,7 +8,7 @@ from typing import Any
 import click
 
 from scheduler_core.connection import DEFAULT_REDIS_URL
-from scheduler_core.policy import LIMITS, Strategy
+from scheduler_core.policy import CHOICES, LIMITS, MAX_COST_BUCKETS, Strategy
 
 
 def env_option(*decls: str, envvar: str, help: str, **kwargs: Any) -> Callable[[Any], Any]:
@@ -49,6 +49,20 @@ POLICY_KNOBS: list[tuple[str, dict[str, Any], str]] = [
      f"Deliveries before a request is dead-lettered, {_range('max_attempts')} [default: 3]."),
     ("--result-ttl-s", {"type": int},
      f"Seconds results stay fetchable by id, {_range('result_ttl_s')} [default: 600]."),
+    ("--max-cost", {"type": int},
+     f"Largest cost of one request, {_range('max_cost')}; 0 = no cap [default: 0]."),
+    ("--over-cost", {"type": click.Choice(CHOICES["over_cost"])},
+     "A request above --max-cost: reject it at enqueue, or truncate its cost to the cap "
+     "(the model is told) [default: reject]."),
+    ("--max-batch-cost", {"type": int},
+     f"Cost budget of one batch (see --cost-mode), {_range('max_batch_cost')}; 0 = none; a "
+     "single request above it runs alone [default: 0]."),
+    ("--cost-mode", {"type": click.Choice(CHOICES["cost_mode"])},
+     "A batch's cost: sum of its costs, or padded = batch size x largest cost "
+     "[default: sum]."),
+    ("--cost-buckets", {"type": str},
+     f"Cost boundaries, e.g. 32,1024 (at most {MAX_COST_BUCKETS}): a batch holds one bucket "
+     "only; '' = one bucket [default: '']."),
 ]
 
 
@@ -68,5 +82,5 @@ def policy_options(func: Any = None, *, env: bool = False) -> Any:
 
 
 def policy_values(kwargs: dict[str, Any]) -> dict[str, Any]:
-    names = ["strategy", *LIMITS]
+    names = ["strategy", *LIMITS, *CHOICES, "cost_buckets"]
     return {name: kwargs.pop(name, None) for name in names}

@@ -7,7 +7,9 @@ parameters, their defaults and their limits. A policy is stored with its queue i
 
 from __future__ import annotations
 
+import bisect
 import enum
+import re
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -52,7 +54,19 @@ LIMITS: dict[str, tuple[int, int]] = {
     "max_queue_size": (0, 1_000_000_000),
     "max_attempts": (1, 100),
     "result_ttl_s": (1, 30 * 86_400),
+    "max_cost": (0, 1_000_000_000),  # 0 = no cap
+    "max_batch_cost": (0, 1_000_000_000),  # 0 = no budget per batch
 }
+
+# A request's cost (Producer.submit(cost=...)): an integer in the user's own unit.
+MAX_REQUEST_COST = 1_000_000_000
+# The policy's string settings and the values each may take (configure.lua checks them too).
+CHOICES: dict[str, tuple[str, ...]] = {
+    "over_cost": ("reject", "truncate"),  # a request above max_cost: refused, or capped
+    "cost_mode": ("sum", "padded"),  # a batch's cost: sum of costs, or size x largest
+}
+_DIGITS = re.compile(r"[0-9]{1,10}")
+MAX_COST_BUCKETS = 4  # boundaries in cost_buckets: at most 5 buckets
 
 DEFAULT_MAX_BATCH_SIZE = 32
 DEFAULT_FIFO_BATCH_SIZE = 1  # fifo is strictly one by one unless asked otherwise
@@ -69,6 +83,12 @@ class Policy:
     max_queue_size: int = 0  # pending requests, all priorities; 0 = unbounded
     max_attempts: int = 3  # deliveries before a request is dead-lettered
     result_ttl_s: int = 600  # how long results stay fetchable by id
+    # Costs (docs/scheduling.md, "Requests of different cost"), in the requests' own unit.
+    max_cost: int = 0  # a request's largest cost; 0 = no cap
+    over_cost: str = "reject"  # above max_cost: "reject" at enqueue, or "truncate" to it
+    max_batch_cost: int = 0  # a batch's budget under cost_mode; 0 = none
+    cost_mode: str = "sum"  # "sum" of costs, or "padded": batch size x largest cost
+    cost_buckets: str = ""  # "32,1024": a batch holds costs <= 32, <= 1024 or > 1024 only
 
     def __post_init__(self) -> None:
         try:
@@ -83,9 +103,23 @@ class Policy:
                 raise InvalidPolicy(name, f"must be an integer, got {value!r}")
             if not low <= value <= high:
                 raise InvalidPolicy(name, f"{value} is outside [{low}, {high}]")
+        for name, allowed in CHOICES.items():
+            if getattr(self, name) not in allowed:
+                raise InvalidPolicy(name, f"{getattr(self, name)!r}: use {' or '.join(allowed)}")
+        object.__setattr__(self, "cost_buckets", format_buckets(self.cost_buckets))
+
+    @property
+    def bucket_bounds(self) -> tuple[int, ...]:
+        """cost_buckets as integers: bucket i holds costs <= bounds[i], the last the rest."""
+        return tuple(int(b) for b in self.cost_buckets.split(",")) if self.cost_buckets else ()
+
+    def bucket_of(self, cost: int) -> int:
+        """The bucket (0-based) a request of this cost belongs to."""
+        return bisect.bisect_left(self.bucket_bounds, cost)
 
     @classmethod
-    def build(cls, strategy: Strategy | str | None = None, **overrides: int | None) -> Policy:
+    def build(cls, strategy: Strategy | str | None = None,
+              **overrides: int | str | None) -> Policy:
         """A policy from optional values: None means the default (fifo's batch size is 1)."""
         try:
             strat = Strategy(strategy) if strategy is not None else cls.strategy
@@ -112,7 +146,7 @@ class Policy:
         known = {f.name for f in fields(cls)}
         values: dict[str, object] = {}
         for name in known & data.keys():
-            values[name] = data[name] if name == "strategy" else int(data[name])
+            values[name] = int(data[name]) if name in LIMITS else data[name]
         return cls(**values)  # type: ignore[arg-type]
 
     def differences(self, requested: dict[str, object]) -> dict[str, tuple[object, object]]:
@@ -122,9 +156,37 @@ class Policy:
             have = getattr(self, name)
             if name == "strategy":
                 want = Strategy(want)
+            elif name == "cost_buckets" and want is not None:
+                want = format_buckets(want)
             if want is not None and have != want:
                 diff[name] = (have, want)
         return diff
+
+
+def format_buckets(value: object) -> str:
+    """cost_buckets in its stored form, "32,1024" (strictly increasing boundaries, each
+    within [1, MAX_REQUEST_COST], at most MAX_COST_BUCKETS), from that string, "" (none)
+    or a sequence of integers; InvalidPolicy naming cost_buckets otherwise."""
+    if isinstance(value, (list, tuple)):
+        parts = list(value)
+    elif isinstance(value, str):
+        parts = [p.strip() for p in value.split(",")] if value.strip() else []
+    else:
+        raise InvalidPolicy("cost_buckets", f"must be a string like '32,1024', got {value!r}")
+    bounds: list[int] = []
+    for part in parts:
+        if isinstance(part, bool) or not (isinstance(part, int) or
+                                          (isinstance(part, str) and _DIGITS.fullmatch(part))):
+            raise InvalidPolicy("cost_buckets", f"{part!r} is not a whole number")
+        bound = int(part)
+        if not 1 <= bound <= MAX_REQUEST_COST or (bounds and bound <= bounds[-1]):
+            raise InvalidPolicy("cost_buckets", f"{value!r}: boundaries must increase, each "
+                                                f"within [1, {MAX_REQUEST_COST}]")
+        bounds.append(bound)
+    if len(bounds) > MAX_COST_BUCKETS:
+        raise InvalidPolicy("cost_buckets", f"{len(bounds)} boundaries, over the limit of "
+                                            f"{MAX_COST_BUCKETS}")
+    return ",".join(str(b) for b in bounds)
 
 
 def _text(value: bytes | str) -> str:

@@ -24,7 +24,7 @@ from redis.exceptions import NoScriptError
 
 from scheduler_core.errors import InvalidRequest, QueueFull
 from scheduler_core.keys import QueueKeys, bulk_lease_key
-from scheduler_core.policy import LIMITS, Strategy
+from scheduler_core.policy import CHOICES, LIMITS, MAX_COST_BUCKETS, MAX_REQUEST_COST, Strategy
 
 # Queue scripts, then the bulk job's lease (lua/bulk/, not queue keys). `Scripts` names
 # each by its path with '/' as '_': scripts.bulk_lease_renew.
@@ -85,7 +85,11 @@ def _policy_lua(limits: dict[str, tuple[int, int]]) -> str:
     ranges = ", ".join(f"{field} = {{{low}, {high}}}" for field, low, high in bounds)
     cases = "".join(f"  if field == '{field}' then return {low}, {high} end\n"
                     for field, low, high in bounds)
+    choices = ", ".join(f"{field} = {{" + ", ".join(f"{v} = true" for v in values) + "}"
+                        for field, values in CHOICES.items())
     return (f"local STRATEGIES = {{{strategies}}}\n\nlocal LIMITS = {{{ranges}}}\n\n"
+            f"local CHOICES = {{{choices}}}\n\n"
+            f"local MAX_COST_BUCKETS, MAX_REQUEST_COST = {MAX_COST_BUCKETS}, {MAX_REQUEST_COST}\n\n"
             f"local function policy_range(field)\n{cases}  return nil\nend")
 
 
@@ -148,6 +152,7 @@ class NewRequest:
     deadline_ms: int
     envelope: bytes
     idempotency_key: str | None = None
+    cost: int = 1  # in the user's unit, 1..MAX_REQUEST_COST (validated at the edge)
 
 
 def enqueue_call(keys: QueueKeys, producer: str, requests: list[NewRequest],
@@ -155,7 +160,8 @@ def enqueue_call(keys: QueueKeys, producer: str, requests: list[NewRequest],
     script_keys = list(keys.shared)
     args: list[Any] = [producer, len(requests), idempotency_ttl_s]
     for r in requests:
-        args += [r.id, r.priority, r.deadline_ms, r.envelope, 1 if r.idempotency_key else 0]
+        args += [r.id, r.priority, r.deadline_ms, r.envelope, 1 if r.idempotency_key else 0,
+                 r.cost]
         if r.idempotency_key:
             script_keys.append(keys.idempotency(r.idempotency_key))
     return script_keys, args
@@ -171,6 +177,10 @@ def enqueue_reply(keys: QueueKeys, reply: list[Any]) -> list[str]:
         raise InvalidRequest("id", f"request id {_text(reply[1])!r} already exists")
     if status == -3:
         raise InvalidRequest(_text(reply[1]), "rejected by the enqueue script")
+    if status == -4:  # a cost above the queue's max_cost (over_cost=reject)
+        index, cost, limit = (int(x) for x in reply[2:5])
+        raise InvalidRequest("cost", f"{cost} is over the queue's max_cost of {limit} "
+                                     f"(request {index} of the call; nothing was enqueued)")
     return [_text(x) for x in reply[3:]]
 
 

@@ -283,7 +283,7 @@ class FakeScript:
             client.queued += 1
             return client
         self.calls.append((keys, args))
-        ids = args[3::5]
+        ids = args[3::6]
         return [1, len(ids), len(ids), *(i.encode() for i in ids)]
 
 
@@ -352,25 +352,27 @@ def test_fuzz_producer_constructor(batch):
 def test_fuzz_producer_submit():
     fake = NoRedis()
     producer = Producer(queue="fuzz", client=fake, max_payload_bytes=LIMIT)
-    fields = {"payload", "payloads", "priority", "deadline_ms", "idempotency_key"}
+    fields = {"payload", "payloads", "priority", "deadline_ms", "idempotency_key", "cost"}
     case = st.tuples(
         st.booleans(), payloads, st.lists(scalars, max_size=3),
         st.sampled_from(["high", "low", 0, 2, "urgent", 5, None, 1.0]) | scalars,
         st.none() | st.integers(-1, 90_000_000) | scalars,
-        st.none() | st.from_regex(r"[a-z{} :-]{0,12}", fullmatch=True) | scalars)
+        st.none() | st.from_regex(r"[a-z{} :-]{0,12}", fullmatch=True) | scalars,
+        st.integers(-1, 10**9 + 1) | st.lists(st.integers(0, 3), max_size=4) | scalars)
 
-    def check_one(many, payload, more, priority, deadline_ms, key):
+    def check_one(many, payload, more, priority, deadline_ms, key, cost):
         fake.calls.clear()
         try:
             if many:
                 batch = [payload, *more]
                 handles = producer.submit_many(batch, priority=priority,
                                                deadline_ms=deadline_ms,
-                                               idempotency_keys=[key] * len(batch))
+                                               idempotency_keys=[key] * len(batch), cost=cost)
             else:
                 batch = [payload]
                 handles = [producer.submit(payload, priority=priority,
-                                           deadline_ms=deadline_ms, idempotency_key=key)]
+                                           deadline_ms=deadline_ms, idempotency_key=key,
+                                           cost=cost)]
         except InvalidRequest as exc:
             assert field_of(exc) in fields, exc
             assert not fake.calls, "bad input reached Redis"
@@ -378,11 +380,13 @@ def test_fuzz_producer_submit():
         [(keys, args)] = fake.calls
         assert args[1] == len(batch) == len(handles) and isinstance(args[2], int)
         for i, value in enumerate(batch):
-            rid, prio, deadline, envelope, flag = args[3 + 5 * i: 8 + 5 * i]
+            rid, prio, deadline, envelope, flag, c = args[3 + 6 * i: 9 + 6 * i]
             assert re.fullmatch(r"[0-9a-f]{32}", rid) and prio in (0, 1, 2)
             assert isinstance(deadline, int) and 0 <= deadline <= 86_400_000
             assert decode_request(envelope) == normalise(value) and flag in (0, 1)
-        assert len(keys) == len(SHARED_KEYS) + sum(args[7::5])
+            assert type(c) is int and 1 <= c <= 10**9
+            assert c == (cost[i] if isinstance(cost, list) else cost)
+        assert len(keys) == len(SHARED_KEYS) + sum(args[7::6])
 
     @fuzz("submit")
     @given(batch=cases("submit", case))

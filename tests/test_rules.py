@@ -39,12 +39,17 @@ NEAR_US = 2000  # a pipelined script call takes ~0.1-1 ms after the TIME read
 DELAYS_MS = (0, 300, 1000, 2500)
 AGINGS_MS = (0, 400, 1000, 1500)
 SIZES = (1, 2, 3, 4, 8, 32)
+# Cost settings (a third of the cases): budgets, modes, buckets, and the costs drawn.
+BUDGETS = (0, 0, 4, 20, 64, 300)
+BUCKETS = ("", "", "4", "3,16", "2,8,32", "1,2,3,100")
+COSTS = (1, 1, 2, 3, 4, 5, 8, 16, 17, 33, 64, 200, 500)
 
 
 @dataclass
 class Case:
     policy: Policy
     levels: list[list[Request]]
+    prefer: int = 0  # the consumer's preferred cost bucket (ARGV[3]), 1-based; 0 = none
 
 
 def random_case(rng: random.Random, t0: int) -> Case:
@@ -52,9 +57,14 @@ def random_case(rng: random.Random, t0: int) -> Case:
     partial = rng.random() < 0.35
     strategy = rng.choice([Strategy.DYNAMIC, Strategy.PRIORITY] if partial else list(Strategy))
     size = rng.choice(SIZES[3:] if partial else SIZES)
+    costed = rng.random() < 0.35
     policy = Policy(strategy=strategy, max_batch_size=size,
                     max_queue_delay_ms=rng.choice(DELAYS_MS[1:] if partial else DELAYS_MS),
-                    aging_ms=rng.choice(AGINGS_MS), max_attempts=rng.randint(1, 4))
+                    aging_ms=rng.choice(AGINGS_MS), max_attempts=rng.randint(1, 4),
+                    max_batch_cost=rng.choice(BUDGETS) if costed else 0,
+                    cost_mode=rng.choice(("sum", "padded")),
+                    cost_buckets=rng.choice(BUCKETS) if costed else "")
+    cost_mix = rng.sample(COSTS, rng.randint(1, 4))
     thresholds = [t for t in (policy.max_queue_delay_ms, policy.aging_ms,
                               2 * policy.aging_ms) if t > 0]
     n = rng.randint(1, size - 1) if partial else rng.choice((0, 1, 2, 3, 5, 10, 20, 40, 80))
@@ -73,11 +83,13 @@ def random_case(rng: random.Random, t0: int) -> Case:
         deadline = rng.choice((0, 0, 0, t0 + rng.randint(-NEAR_US, NEAR_US),
                                t0 - rng.randint(1, 5_000_000), t0 + rng.randint(1, 5_000_000)))
         attempts = 0 if rng.random() < 0.75 else rng.randint(1, policy.max_attempts + 1)
+        cost = rng.choice(cost_mix) if costed else 1
         levels[level].append(Request(arrival, uuid.UUID(int=rng.getrandbits(128)).hex[:12],
-                                     prio, deadline, attempts))
+                                     prio, deadline, attempts, cost))
     for level in levels:
         level.sort()
-    return Case(policy, levels)
+    prefer = rng.choice((0, 0, 1, 2, 3)) if costed else 0
+    return Case(policy, levels, prefer)
 
 
 def age_us(rng: random.Random, thresholds: list[int], span_ms: float) -> int:
@@ -88,7 +100,11 @@ def age_us(rng: random.Random, thresholds: list[int], span_ms: float) -> int:
 
 
 def meta(r: Request) -> str:
-    return f"{r.priority}:{r.arrival_us}:{r.deadline_us}:{r.attempts}:prod"
+    # as enqueue.lua writes it: the cost only when not 1 (7 fields when it was capped)
+    base = f"{r.priority}:{r.arrival_us}:{r.deadline_us}:{r.attempts}:prod"
+    if r.cost == 1:
+        return base
+    return base + (f":{r.cost}" if r.cost % 2 else f":{r.cost}:{r.cost * 3}")
 
 
 def run_case(client, scripts: Scripts, rng: random.Random) -> tuple[Case, list, int, int,
@@ -107,7 +123,9 @@ def run_case(client, scripts: Scripts, rng: random.Random) -> tuple[Case, list, 
             pipe.zadd(keys.pending(level), {r.id: r.arrival_us for r in requests})
             pipe.hset(keys.meta, mapping={r.id: meta(r) for r in requests})
             pipe.hset(keys.jobs, mapping={r.id: b'{"v":1}' for r in requests})
-    pipe.evalsha(scripts.pop_batch.sha, len(keys.shared), *pop_keys(keys), "c1", 60_000)
+    prefer = [case.prefer] if case.prefer else []  # absent, as consumers without one send
+    pipe.evalsha(scripts.pop_batch.sha, len(keys.shared), *pop_keys(keys), "c1", 60_000,
+                 *prefer)
     pipe.zscore(keys.consumers, "c1")  # the script's clock: it notes the consumer's pop
     for level in range(3):
         pipe.zrange(keys.pending(level), 0, -1)
@@ -130,15 +148,17 @@ def test_decide_makes_the_decisions_of_pop_batch_lua(shared_redis):
     scripts.pop_batch(keys=pop_keys(QueueKeys("rules-load")), args=["c", 60_000])  # load it
     rng = random.Random(20261130)
     seen = {"batch": 0, "wait": 0, "aging wait": 0, "nothing": 0, EXPIRED: 0, EXHAUSTED: 0,
-            "promoted": 0, "isolated": 0, "borderline": 0}
+            "promoted": 0, "isolated": 0, "borderline": 0, "costed batch": 0,
+            "costed wait": 0, "budget cut": 0, "bucket cut": 0, "preferred": 0}
     started = time.monotonic()
     for i in range(CASES):
         case, reply, t0, now, after = run_case(client, scripts, rng)
-        where = f"case {i}: {case.policy}, levels {case.levels}, reply {reply}"
+        where = f"case {i}: {case.policy}, prefer {case.prefer}, levels {case.levels}, " \
+                f"reply {reply}"
         assert t0 <= now, where
-        expected = decide(case.levels, now, case.policy)
+        expected = decide(case.levels, now, case.policy, case.prefer)
         # Cases the µs between the TIME read and the script decided.
-        seen["borderline"] += expected != decide(case.levels, t0, case.policy)
+        seen["borderline"] += expected != decide(case.levels, t0, case.policy, case.prefer)
         if int(reply[0]) == 0:
             wait = int(reply[1])
             if wait == -1:
@@ -149,12 +169,17 @@ def test_decide_makes_the_decisions_of_pop_batch_lua(shared_redis):
                 seen["wait"] += 1
                 seen["aging wait"] += case.policy.strategy is Strategy.PRIORITY and \
                     case.policy.aging_ms > 0
+                seen["costed wait"] += costed(case.policy)
         else:
             assert int(reply[1]) == now, where
             assert isinstance(expected, Batch), where
-            items = [reply[k:k + 7] for k in range(4, len(reply), 7)]
-            got = [(x[0].decode(), x[5].decode(), int(x[6])) for x in items]
-            assert got == [(p.request.id, p.state, p.level) for p in expected.picked], where
+            items = [reply[k:k + 9] for k in range(4, len(reply), 9)]
+            got = [(x[0].decode(), x[5].decode(), int(x[6]), int(x[7])) for x in items]
+            assert got == [(p.request.id, p.state, p.level, p.request.cost)
+                           for p in expected.picked], where
+            assert [int(x[8]) for x in items] == [
+                r.cost if r.cost % 2 else r.cost * 3 for r in (p.request for p in
+                                                             expected.picked)], where
             assert int(reply[3]) == expected.remaining, where
             assert [int(x[3]) for x in items] == [p.request.attempts + 1
                                                   for p in expected.picked], where
@@ -162,6 +187,15 @@ def test_decide_makes_the_decisions_of_pop_batch_lua(shared_redis):
             seen[EXPIRED] += len(expected.expired)
             seen[EXHAUSTED] += len(expected.dead_lettered)
             seen["isolated"] += any(p.request.attempts for p in expected.picked)
+            if costed(case.policy):
+                seen["costed batch"] += 1
+                seen["preferred"] += bool(case.prefer) and case.policy.bucket_of(
+                    expected.picked[0].request.cost) == case.prefer - 1 and \
+                    expected.picked[0].request != min(r for level in case.levels
+                                                      for r in level)
+                cut_budget, cut_bucket = cuts(case, expected)
+                seen["budget cut"] += cut_budget
+                seen["bucket cut"] += cut_bucket
         assert after == ids_after(case, expected), where  # the aging moves and the pops
         seen["promoted"] += len(expected.promoted)
     took = time.monotonic() - started
@@ -169,6 +203,25 @@ def test_decide_makes_the_decisions_of_pop_batch_lua(shared_redis):
     print(seen, f"{took:.1f} s")
     assert min(seen.values()) >= 50, seen
     assert took < 60, took
+
+
+def costed(policy: Policy) -> bool:
+    return bool(policy.max_batch_cost or policy.cost_buckets)
+
+
+def cuts(case: Case, batch: Batch) -> tuple[bool, bool]:
+    """Whether the batch was cut short by the budget, by its bucket: a same-level request
+    younger than the batch's newest (left waiting) that the budget or its bucket kept out."""
+    policy = case.policy
+    if len(batch.picked) >= policy.max_batch_size or any(p.request.attempts
+                                                         for p in batch.picked):
+        return False, False
+    level = batch.picked[0].level
+    bucket = policy.bucket_of(batch.picked[0].request.cost)
+    left = [r for r in case.levels[level] if r.id not in set(batch.ids)]
+    other = any(policy.bucket_of(r.cost) != bucket for r in left)
+    same = any(policy.bucket_of(r.cost) == bucket for r in left)
+    return same and policy.max_batch_cost > 0, other
 
 
 # -- the rules by example ---------------------------------------------------------------

@@ -166,7 +166,7 @@ class Gateway:
         pipe.time()
         meta, (seconds, micros) = await pipe.execute()
         fields = meta.decode().split(":") if meta is not None else []
-        deadline_us = int(fields[2]) if len(fields) == 5 and fields[2].isdigit() else 0
+        deadline_us = int(fields[2]) if len(fields) >= 5 and fields[2].isdigit() else 0
         if not 0 < deadline_us <= seconds * 1_000_000 + micros:  # Redis' clock, as the Lua
             return False
         return await self._cancel(request_id, meta, deadline=True) == 1
@@ -174,7 +174,7 @@ class Gateway:
     async def _cancel(self, request_id: str, meta: bytes | None, deadline: bool) -> int:
         owner = self.producer.id
         fields = meta.decode().split(":") if meta is not None else []
-        if len(fields) == 5 and fields[4]:  # the inbox of the producer that submitted it
+        if len(fields) >= 5 and fields[4]:  # the inbox of the producer that submitted it
             owner = fields[4]
         envelope, counter = cancel_envelope(request_id, deadline=deadline)
         reply = await self.scripts.cancel(
@@ -246,7 +246,8 @@ def build_router(auth: Any | None) -> APIRouter:
         try:
             handle = await gateway.producer.submit(
                 body.payload if prepared is None else prepared, priority=body.priority,
-                deadline_ms=body.deadline_ms, idempotency_key=body.idempotency_key)
+                deadline_ms=body.deadline_ms, idempotency_key=body.idempotency_key,
+                cost=body.cost)
         except QueueFull as exc:
             retry = exc.retry_after_s or DEFAULT_RETRY_AFTER_S
             raise ApiError(429, "queue_full", str(exc), depth=exc.depth, limit=exc.limit,

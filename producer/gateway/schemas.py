@@ -8,6 +8,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, JsonValue
 
 from producer.validation import IDEMPOTENCY_KEY, MAX_DEADLINE_MS
 from scheduler_core.admin import status_of
+from scheduler_core.policy import MAX_REQUEST_COST
 from scheduler_core.wire import Result
 
 MAX_WAIT_S = 300.0
@@ -58,6 +59,11 @@ class SubmitRequest(BaseModel):
     idempotency_key: Annotated[str, Field(pattern=IDEMPOTENCY_KEY.pattern)] | None = Field(
         default=None, description="Resubmitting with the same key returns the first "
                                   "request's id instead of enqueuing a duplicate.")
+    cost: Annotated[int, Field(ge=1, le=MAX_REQUEST_COST), BeforeValidator(_integral)] = Field(
+        default=1, description="The request's cost in the queue's unit (tokens to generate, "
+                               "input length): what the queue's max_cost, max_batch_cost and "
+                               "cost_buckets count. Over max_cost: 422 naming `cost` (or, "
+                               "with over_cost=truncate, capped).")
     wait: bool = Field(default=False, description="Wait for the result and return it.")
     timeout_s: Annotated[float, Field(ge=0, le=MAX_WAIT_S)] = Field(
         default=DEFAULT_WAIT_S,

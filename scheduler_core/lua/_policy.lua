@@ -11,3 +11,18 @@ local function policy_int(field, value)
   local low, high = policy_range(field)
   return low and int_arg(value, low, high)
 end
+
+-- cost_buckets ("" or "32,1024": strictly increasing, each in [1, MAX_REQUEST_COST], at
+-- most MAX_COST_BUCKETS) as a list of numbers, or nil if malformed.
+local function parse_buckets(s)
+  if s == nil or s == false or s == '' then return {} end
+  if type(s) ~= 'string' or #s > 64 then return nil end
+  local bounds = {}
+  for part in string.gmatch(s .. ',', '([^,]*),') do
+    local b = int_arg(part, 1, MAX_REQUEST_COST)
+    if not b or (bounds[1] and b <= bounds[#bounds]) then return nil end
+    bounds[#bounds + 1] = b
+  end
+  if #bounds > MAX_COST_BUCKETS then return nil end
+  return bounds
+end

@@ -9,6 +9,13 @@ This is where the scheduling rules live (docs/scheduling.md explains them):
             else LOW -> up to max_batch_size LOW.
             Aging: a request that has waited aging_ms moves up one level, 2 x aging_ms two
             levels, so NORMAL and LOW are served even under sustained HIGH load.
+  costs     (policy max_batch_cost > 0 or cost_buckets set; see pick_costed) wherever a
+            rule above takes requests, it takes them from one cost bucket only, within
+            the batch's cost budget; where it waits for a batch to fill (dynamic, NORMAL),
+            a bucket is released when full (max_batch_size, or its budget) or when its
+            oldest request has waited max_queue_delay_ms: the due bucket whose oldest
+            request is oldest goes first, unless the consumer prefers a bucket (ARGV[3])
+            and that bucket is due (or, where the rule takes at once, waits at all).
 
 KEYS[1..23] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
             this script uses:
@@ -31,12 +38,16 @@ KEYS[17] {bg:q}:samples:wait list recent queue waits (µs), capped
 
 ARGV[1]  consumer name (no '|')
 ARGV[2]  lease in ms (100..86400000)
+ARGV[3]  optional: the bucket this consumer prefers, 1-based (1 = the cheapest); 0 or
+         absent = none; ignored without cost_buckets (0..MAX_COST_BUCKETS + 1)
 
-Returns  {batch_id, now_us, lease_deadline_us, remaining, then per request 7 values:
+Returns  {batch_id, now_us, lease_deadline_us, remaining, then per request 9 values:
           id, envelope (false if missing), arrival_us, attempts (this delivery, 1-based),
-          producer, state, level}
+          producer, state, level, cost, requested}
          remaining: requests still pending after this batch (all priorities); a
          consumer fetches its next batch while the model runs only when it is > 0
+         cost: the request's cost (capped to max_cost under over_cost=truncate);
+         requested: the cost its producer asked for (= cost unless capped)
          state: 'run' | 'expired' (deadline passed: do not run) |
                 'exhausted' (max_attempts deliveries used: dead-letter it)
          {0, wait_us}  nothing due; µs until the next request falls due, -1 if none
@@ -48,9 +59,10 @@ A request delivered before (its batch was re-queued after a crash or hang) is re
 in a batch of its own, so that a poison payload fails alone. A member whose id no producer
 makes (written by hand) is dead-lettered here, never delivered; if that leaves nothing,
 the reply is {0, 0} (pop again at once).
-Work is bounded: at most 2 x max_batch_size promotions and max_batch_size pops per call.
-The body runs as named steps: read_policy, promote_aged, choose, drop_malformed,
-isolate_retried, commit.
+Work is bounded: at most 2 x max_batch_size promotions and max_batch_size pops per call;
+with costs, at most (buckets x max_batch_size) requests read per level (at most 5 x 4096).
+The body runs as named steps: read_policy, promote_aged, choose (pick_costed when costs
+are on), drop_malformed, isolate_retried, commit.
 ]]
 -- @include _common.lua
 -- @include _policy.lua
@@ -75,17 +87,36 @@ local wait_samples = KEYS[17]
 
 local pending = {pending_high, pending_normal, pending_low}  -- by level + 1
 
+-- The cost settings (absent in a policy stored before them: off) into `rules`: budget
+-- (max_batch_cost, 0 = none), padded (cost_mode), bounds (cost_buckets), costed (any of
+-- them on) and window (requests read per level: one max_batch_size per bucket, so that
+-- whenever the window holds max_batch_size of some bucket that bucket is seen full).
+-- False if a stored value is malformed.
+local function read_cost_rules(rules, budget, mode, buckets)
+  rules.budget = budget and policy_int('max_batch_cost', budget)
+  rules.bounds = parse_buckets(buckets)
+  if (budget and not rules.budget) or not rules.bounds
+     or (mode and mode ~= 'sum' and mode ~= 'padded') then  -- CHOICES.cost_mode, no table
+    return false
+  end
+  rules.budget, rules.padded = rules.budget or 0, mode == 'padded'
+  rules.costed = rules.budget > 0 or #rules.bounds > 0
+  rules.window = rules.batch_size * (#rules.bounds + 1)
+  return true
+end
+
 -- The stored policy's rules (times in µs), or nil and the error reply.
 local function read_policy()
   local p = redis.call('HMGET', policy, 'strategy', 'max_batch_size', 'max_queue_delay_ms',
-                       'aging_ms', 'max_attempts')
+                       'aging_ms', 'max_attempts', 'max_batch_cost', 'cost_mode',
+                       'cost_buckets')
   if not p[1] then return nil, {-1} end
   local rules = {strategy = p[1], batch_size = policy_int('max_batch_size', p[2]),
                  delay = policy_int('max_queue_delay_ms', p[3]),
                  aging = policy_int('aging_ms', p[4]),
                  max_attempts = policy_int('max_attempts', p[5])}
   if not (rules.batch_size and rules.delay and rules.aging and rules.max_attempts)
-     or not STRATEGIES[rules.strategy] then
+     or not STRATEGIES[rules.strategy] or not read_cost_rules(rules, p[6], p[7], p[8]) then
     return nil, {-3, 'policy'}  -- altered by hand: nothing written
   end
   rules.delay, rules.aging = rules.delay * 1000, rules.aging * 1000
@@ -144,24 +175,97 @@ local function take(count, levels, n)
   return chosen
 end
 
+-- The bucket (1-based) of a cost: the first boundary it does not exceed, else the last.
+local function bucket_of(bounds, cost)
+  for i, bound in ipairs(bounds) do
+    if cost <= bound then return i end
+  end
+  return #bounds + 1
+end
+
+-- The batch a bucket's requests (in arrival order) make within max_batch_size and the
+-- budget, and whether it is full: max_batch_size reached, or the next request would
+-- overrun the budget. The first request always fits: one above the budget runs alone.
+local function fit(rules, group)
+  local chosen, sum, top = {}, 0, 0
+  for _, c in ipairs(group) do
+    if #chosen == rules.batch_size then return chosen, true end
+    local s, t = sum + c.cost, math.max(top, c.cost)
+    if rules.budget > 0 and #chosen > 0 and
+       (rules.padded and (#chosen + 1) * t or s) > rules.budget then
+      return chosen, true
+    end
+    chosen[#chosen + 1] = c
+    sum, top = s, t
+  end
+  return chosen, #chosen == rules.batch_size
+end
+
+-- The rule's batch with costs on: the oldest `window` requests of `levels`, grouped by
+-- bucket, each group fitted to the budget. due_only (the dynamic rule): the first group,
+-- in the order of their oldest requests, that is full or whose oldest has waited the
+-- delay; nil if none is. Otherwise the group of the oldest request.
+local function pick_costed(rules, count, levels, now, due_only)
+  local cands = take(count, levels, rules.window)
+  local ids = {}
+  for i, c in ipairs(cands) do ids[i] = c.id end
+  local raw = redis.call('HMGET', meta, unpack(ids))
+  local groups, order = {}, {}
+  for i, c in ipairs(cands) do
+    local m = parse_meta(raw[i])
+    c.cost = m and m.cost or 1
+    local b = bucket_of(rules.bounds, c.cost)
+    if not groups[b] then
+      groups[b] = {}
+      order[#order + 1] = b
+    end
+    table.insert(groups[b], c)
+  end
+  local function due(b)
+    local chosen, full = fit(rules, groups[b])
+    if not due_only or full or now - groups[b][1].score >= rules.delay then return chosen end
+    return nil
+  end
+  local preferred = groups[rules.prefer] and due(rules.prefer)
+  if preferred then return preferred end
+  for _, b in ipairs(order) do
+    local chosen = due(b)
+    if chosen then return chosen end
+  end
+  return nil
+end
+
+-- The rule's batch from `levels`: the oldest max_batch_size, or pick_costed's.
+local function pick(rules, count, levels, now)
+  if rules.costed then return pick_costed(rules, count, levels, now, false) end
+  return take(count, levels, rules.batch_size)
+end
+
 -- The strategy's batch {id, score, level}..., or nil and the reply {0, wait_us} when
 -- nothing is due yet. count: pending requests per level + 1; total: their sum.
 local function choose(rules, count, total, now)
   local strategy, batch_size, delay, aging = rules.strategy, rules.batch_size, rules.delay,
                                              rules.aging
-  if strategy == 'fifo' then return take(count, {0, 1, 2}, batch_size) end
+  if strategy == 'fifo' then return pick(rules, count, {0, 1, 2}, now) end
   if strategy == 'dynamic' then
     local first = math.huge
     for level = 0, 2 do first = math.min(first, oldest(level) or math.huge) end
+    if rules.costed then
+      local chosen = pick_costed(rules, count, {0, 1, 2}, now, true)
+      if chosen then return chosen end
+      return nil, {0, math.max(0, first + delay - now)}
+    end
     if total < batch_size and now - first < delay then
       return nil, {0, math.max(0, first + delay - now)}
     end
     return take(count, {0, 1, 2}, batch_size)
   end
-  if count[1] > 0 then return take(count, {0}, batch_size) end
+  if count[1] > 0 then return pick(rules, count, {0}, now) end
   if count[2] > 0 then
     local first = oldest(1)
-    if count[2] < batch_size and now - first < delay then
+    local chosen = rules.costed and pick_costed(rules, count, {1}, now, true)
+    if chosen then return chosen end
+    if rules.costed or (count[2] < batch_size and now - first < delay) then
       local due = first + delay
       if aging > 0 then
         -- Until the next promotion. A NORMAL request that waited aging_ms already was
@@ -177,7 +281,7 @@ local function choose(rules, count, total, now)
     end
     return take(count, {1}, batch_size)
   end
-  return take(count, {2}, batch_size)
+  return pick(rules, count, {2}, now)
 end
 
 -- Members whose id no producer makes (written by hand) leave the queue for the
@@ -239,7 +343,8 @@ local function commit(rules, consumer, lease_ms, chosen, metas, ids, total, now)
     local arrival = c.score
     if arrival ~= arrival or arrival == math.huge or arrival == -math.huge then arrival = now end
     local m = metas[i] or {prio = c.level, arrival = arrival, deadline = 0,
-                           attempts = rules.max_attempts, producer = ''}
+                           attempts = rules.max_attempts, producer = '', cost = 1,
+                           requested = 1}
     local state = 'run'
     if m.attempts >= rules.max_attempts then
       state = 'exhausted'
@@ -258,6 +363,7 @@ local function commit(rules, consumer, lease_ms, chosen, metas, ids, total, now)
                                                             m.arrival_s or int(m.arrival),
                                                             m.attempts
     reply[r + 5], reply[r + 6], reply[r + 7] = m.producer, state, c.level
+    reply[r + 8], reply[r + 9] = int(m.cost), int(m.requested)
   end
   for level = 0, 2 do
     local members = by_level[level + 1]
@@ -276,13 +382,16 @@ local function commit(rules, consumer, lease_ms, chosen, metas, ids, total, now)
 end
 
 local consumer, lease_ms = ARGV[1], int_arg(ARGV[2], 100, 86400000)
+local prefer = int_arg(ARGV[3] or '0', 0, MAX_COST_BUCKETS + 1)
 if type(consumer) ~= 'string' or consumer == '' or string.find(consumer, '|') then
   return {-3, 'consumer'}
 end
 if not lease_ms then return {-3, 'lease_ms'} end
+if not prefer then return {-3, 'prefer_bucket'} end
 
 local rules, err = read_policy()
 if not rules then return err end
+rules.prefer = prefer
 local now = now_us()
 redis.call('ZADD', consumers, int(now), consumer)
 if rules.strategy == 'priority' and rules.aging > 0 then promote_aged(rules, now) end

@@ -55,6 +55,8 @@ POLICY_GAUGES = {
     "max_queue_size": ("batchgate_queue_policy_max_queue_size", 1),
     "max_attempts": ("batchgate_queue_policy_max_attempts", 1),
     "result_ttl_s": ("batchgate_queue_policy_result_ttl_seconds", 1),
+    "max_cost": ("batchgate_queue_policy_max_cost", 1),
+    "max_batch_cost": ("batchgate_queue_policy_max_batch_cost", 1),
 }
 assert set(POLICY_GAUGES) == set(LIMITS), "every policy knob is exported"
 

@@ -108,5 +108,6 @@ def parse_pop(reply: list[Any]) -> Batch | Idle:
         rid, env, arrival, attempts, producer, state, level, cost, requested = reply[i:i + 9]
         items.append(Item(rid.decode(), env, int(arrival), int(attempts),
                           producer.decode(errors="replace"),  # hand-written meta
-                          state_of(state, run), int(level), int(cost), int(requested)))
+                          state_of(state, run), int(level), cost=int(cost),
+                          requested=int(requested)))
     return Batch(str(head), int(reply[1]), items, remaining=int(reply[3]))

@@ -213,3 +213,8 @@ def test_the_generator_through_a_consumer(shared_redis, queue, start_consumer):
     good = [p for i, p in enumerate(payloads) if i != 4]
     assert served == tiny(max_new_tokens=7)(good)
     assert [r["new_tokens"] for r in served] == [12, 30, 5, 21, 7]
+    # The request's cost is its budget: the scheduler counts what the generator runs.
+    with Producer(shared_redis.url, queue) as p:
+        costed = p.submit({"prompt": "costed"}, cost=9).result(timeout=60)
+        default = p.submit({"prompt": "costed"}, cost=1).result(timeout=60)
+    assert costed["new_tokens"] == 9 and default["new_tokens"] == 7

@@ -68,7 +68,12 @@ def build_gpt2(vocab: int = 4096, layers: int = 4, dim: int = 256, heads: int = 
 
 class Generator:
     """A batch model: list of {"prompt": str} or {"tokens": [ids]} payloads (optionally
-    with "max_new_tokens") -> list of {"tokens", "text", "new_tokens"}."""
+    with "max_new_tokens") -> list of {"tokens", "text", "new_tokens"}.
+
+    It opts into the requests' costs (`accepts_costs`): a request's cost, when above 1, is
+    its max_new_tokens, so the scheduler's cost budget and buckets count what it runs."""
+
+    accepts_costs = True
 
     def __init__(self, model: Any, device: str = "cpu", max_new_tokens: int = 32,
                  max_new_tokens_cap: int = 256, dtype: str = "float32",
@@ -130,10 +135,13 @@ class Generator:
         return ids
 
     def budget(self, i: int, payload: Any, cost: int | None) -> int:
+        # A cost of 1 is the default of a request that set none: the payload's
+        # max_new_tokens (or the model's default) applies then.
         if cost is not None:
             if not _int(cost) or cost < 1:
                 raise ValueError(f"payload {i}: cost must be an integer >= 1, got {cost!r}")
-            return min(cost, self.cap)
+            if cost > 1:
+                return min(cost, self.cap)
         wanted = payload.get("max_new_tokens", self.max_new_tokens)
         if not _int(wanted) or wanted < 1:
             raise ValueError(f"payload {i}: 'max_new_tokens' must be an integer >= 1, got "

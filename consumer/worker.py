@@ -21,6 +21,7 @@ from typing import Any
 
 import redis
 
+from consumer.auto_delay import DelayKeeper
 from consumer.batch import (
     IDLE_UNTIL_WOKEN,
     POP_NOW,
@@ -125,6 +126,8 @@ class Consumer:
         self._due_timer: DueTimer | None = None  # made by the first idle wait
         self.batches_done = 0
         self.requests_done = 0
+        # Under max_queue_delay_ms=auto, the delay derived about once a second.
+        self.delay = DelayKeeper(self.redis, self.keys)
         # Optional: called once per batch as on_batch(batch, ran, model_us, outcomes), e.g.
         # consumer.metrics.ConsumerMetrics. It must not raise.
         self.observer: Any = None
@@ -134,6 +137,7 @@ class Consumer:
         """Check Redis and settle the queue's policy (PolicyConflict if ours differs)."""
         self.policy = ensure_policy(self.redis, self.config.queue, self.config.policy)
         check_eviction_policy(self.redis)
+        self.delay.update(self.policy, force=True)
         return self.policy
 
     def stop(self) -> None:
@@ -207,8 +211,11 @@ class Consumer:
 
     # -- one step -------------------------------------------------------------------
     def _pop_call(self) -> tuple[Any, list[str], list[Any]]:
-        return self.scripts.pop_batch, pop_keys(self.keys), [self.config.name,
-                                                            self.config.lease_ms]
+        args: list[Any] = [self.config.name, self.config.lease_ms]
+        delay_ms = self.delay.delay_ms
+        if delay_ms is not None:  # max_queue_delay_ms=auto: the delay derived for now
+            args.append(delay_ms)
+        return self.scripts.pop_batch, pop_keys(self.keys), args
 
     def _pop(self) -> Next:
         script, keys, args = self._pop_call()
@@ -247,6 +254,7 @@ class Consumer:
             self._restore_policy()
         else:
             self._adopt_policy(Policy.from_redis(raw))
+        self.delay.update(self.policy)
 
     def _adopt_policy(self, stored: Policy) -> None:
         """Follow a changed stored policy (pop_batch.lua applies it anyway; result_ttl_s
@@ -333,6 +341,7 @@ class Consumer:
         finally:
             self._in_model = None
         model_s = time.perf_counter() - started
+        self.delay.record(len(runnable), model_s)
         if self._overlap is not None:
             self._overlap.ran(len(runnable), model_s)
         return Finished(batch, {}, [item for item, _ in runnable], results, int(model_s * 1e6),

@@ -52,7 +52,16 @@ LIMITS: dict[str, tuple[int, int]] = {
     "max_queue_size": (0, 1_000_000_000),
     "max_attempts": (1, 100),
     "result_ttl_s": (1, 30 * 86_400),
+    "slo_p99_ms": (0, 600_000),
 }
+
+# How max_queue_delay_ms is chosen: "fixed" (the stored value) or "auto" (each consumer
+# derives it about once a second from the measured arrival rate and the cost model, aiming
+# at the largest batches whose predicted P99 stays under slo_p99_ms; scheduler_core/
+# auto_delay.py). Stored as the policy field `delay_mode`; users write
+# `--max-queue-delay-ms auto`.
+DELAY_MODES = ("fixed", "auto")
+AUTO = "auto"
 
 DEFAULT_MAX_BATCH_SIZE = 32
 DEFAULT_FIFO_BATCH_SIZE = 1  # fifo is strictly one by one unless asked otherwise
@@ -69,6 +78,11 @@ class Policy:
     max_queue_size: int = 0  # pending requests, all priorities; 0 = unbounded
     max_attempts: int = 3  # deliveries before a request is dead-lettered
     result_ttl_s: int = 600  # how long results stay fetchable by id
+    # P99 latency target (ms) of max_queue_delay_ms=auto; 0 = none (required with auto).
+    slo_p99_ms: int = 0
+    # "auto": consumers derive the delay (max_queue_delay_ms is then kept, unused, for a
+    # switch back to "fixed").
+    delay_mode: str = "fixed"
 
     def __post_init__(self) -> None:
         try:
@@ -83,16 +97,36 @@ class Policy:
                 raise InvalidPolicy(name, f"must be an integer, got {value!r}")
             if not low <= value <= high:
                 raise InvalidPolicy(name, f"{value} is outside [{low}, {high}]")
+        if self.delay_mode not in DELAY_MODES:
+            raise InvalidPolicy("delay_mode", f"unknown delay mode {self.delay_mode!r}; "
+                                "use fixed or auto")
+        if self.delay_mode == AUTO and self.slo_p99_ms < 1:
+            high = LIMITS["slo_p99_ms"][1]
+            raise InvalidPolicy("slo_p99_ms", "max_queue_delay_ms=auto needs a P99 target: "
+                                f"give slo_p99_ms, 1-{high} ms")
+
+    @property
+    def auto_delay(self) -> bool:
+        return self.delay_mode == AUTO
 
     @classmethod
-    def build(cls, strategy: Strategy | str | None = None, **overrides: int | None) -> Policy:
-        """A policy from optional values: None means the default (fifo's batch size is 1)."""
+    def build(cls, strategy: Strategy | str | None = None,
+              **overrides: int | str | None) -> Policy:
+        """A policy from optional values: None means the default (fifo's batch size is 1).
+        max_queue_delay_ms="auto" means delay_mode="auto" (the stored fixed delay is kept);
+        a number means delay_mode="fixed"."""
         try:
             strat = Strategy(strategy) if strategy is not None else cls.strategy
         except ValueError:
             cls(strategy=strategy)  # type: ignore[arg-type] # InvalidPolicy naming the field
             raise
         values = {k: v for k, v in overrides.items() if v is not None}
+        delay = values.get("max_queue_delay_ms")
+        if isinstance(delay, str) and delay.strip().lower() == AUTO:
+            del values["max_queue_delay_ms"]
+            values["delay_mode"] = AUTO
+        elif delay is not None and "delay_mode" not in values:
+            values["delay_mode"] = "fixed"
         if strat is Strategy.FIFO:
             values.setdefault("max_batch_size", DEFAULT_FIFO_BATCH_SIZE)
         return cls(strategy=strat, **values)
@@ -112,7 +146,8 @@ class Policy:
         known = {f.name for f in fields(cls)}
         values: dict[str, object] = {}
         for name in known & data.keys():
-            values[name] = data[name] if name == "strategy" else int(data[name])
+            values[name] = data[name] if name in ("strategy", "delay_mode") \
+                else int(data[name])
         return cls(**values)  # type: ignore[arg-type]
 
     def differences(self, requested: dict[str, object]) -> dict[str, tuple[object, object]]:
@@ -122,6 +157,12 @@ class Policy:
             have = getattr(self, name)
             if name == "strategy":
                 want = Strategy(want)
+            elif name == "max_queue_delay_ms" and want is not None:
+                # "auto" asks for delay_mode auto; a number, for that fixed delay
+                if isinstance(want, str) and want.strip().lower() == AUTO:
+                    have, want = self.delay_mode, AUTO
+                elif self.auto_delay:
+                    have = AUTO
             if want is not None and have != want:
                 diff[name] = (have, want)
         return diff

@@ -24,7 +24,7 @@ from redis.exceptions import NoScriptError
 
 from scheduler_core.errors import InvalidRequest, QueueFull
 from scheduler_core.keys import QueueKeys, bulk_lease_key
-from scheduler_core.policy import LIMITS, Strategy
+from scheduler_core.policy import DELAY_MODES, LIMITS, Strategy
 
 # Queue scripts, then the bulk job's lease (lua/bulk/, not queue keys). `Scripts` names
 # each by its path with '/' as '_': scripts.bulk_lease_renew.
@@ -78,14 +78,16 @@ def source(name: str) -> str:
 
 
 def _policy_lua(limits: dict[str, tuple[int, int]]) -> str:
-    """STRATEGIES, LIMITS (configure iterates them) and policy_range: the same ranges as
-    code, so that pop_batch, which runs per batch, builds no table of them."""
+    """STRATEGIES, DELAY_MODES, LIMITS (configure iterates them) and policy_range: the
+    same ranges as code, so that pop_batch, which runs per batch, builds no table of them."""
     strategies = ", ".join(f"{s.value} = true" for s in Strategy)
+    modes = ", ".join(f"{m} = true" for m in DELAY_MODES)
     bounds = [(field, int(low), int(high)) for field, (low, high) in limits.items()]
     ranges = ", ".join(f"{field} = {{{low}, {high}}}" for field, low, high in bounds)
     cases = "".join(f"  if field == '{field}' then return {low}, {high} end\n"
                     for field, low, high in bounds)
-    return (f"local STRATEGIES = {{{strategies}}}\n\nlocal LIMITS = {{{ranges}}}\n\n"
+    return (f"local STRATEGIES = {{{strategies}}}\n\nlocal DELAY_MODES = {{{modes}}}\n\n"
+            f"local LIMITS = {{{ranges}}}\n\n"
             f"local function policy_range(field)\n{cases}  return nil\nend")
 
 

@@ -1,6 +1,7 @@
 """scheduler_core.rules.decide is pop_batch.lua's twin: on thousands of random queue states
 and policies (every strategy, aging, deadlines, re-delivered requests, max_attempts) the
-function and the script, run on a real Redis, make the same decision: the same batch
+function and the script, run on a real Redis (a third of them with the delay passed in
+ARGV[3], as a consumer under max_queue_delay_ms=auto does), make the same decision: the same batch
 (ids, levels, states, what remains), the same wait, the same aging moves.
 
 The script reads the clock itself (Redis TIME) and notes it as the consumer's heartbeat;
@@ -14,7 +15,7 @@ from __future__ import annotations
 import random
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 
@@ -43,8 +44,10 @@ SIZES = (1, 2, 3, 4, 8, 32)
 
 @dataclass
 class Case:
-    policy: Policy
+    policy: Policy  # the rules decide() applies
     levels: list[list[Request]]
+    stored: Policy  # the policy hash; differs from `policy` when delay_ms overrides it
+    delay_ms: int | None = None  # pop_batch's ARGV[3] (a consumer's auto delay)
 
 
 def random_case(rng: random.Random, t0: int) -> Case:
@@ -77,7 +80,11 @@ def random_case(rng: random.Random, t0: int) -> Case:
                                      prio, deadline, attempts))
     for level in levels:
         level.sort()
-    return Case(policy, levels)
+    if rng.random() < 0.3:  # delay_mode=auto: the consumer passes the delay it derived
+        stored = replace(policy, max_queue_delay_ms=rng.choice(DELAYS_MS), delay_mode="auto",
+                         slo_p99_ms=60)
+        return Case(policy, levels, stored, policy.max_queue_delay_ms)
+    return Case(policy, levels, policy)
 
 
 def age_us(rng: random.Random, thresholds: list[int], span_ms: float) -> int:
@@ -101,13 +108,15 @@ def run_case(client, scripts: Scripts, rng: random.Random) -> tuple[Case, list, 
     case = random_case(rng, t0)
     keys = QueueKeys(f"rules-{uuid.uuid4().hex[:12]}")
     pipe = client.pipeline(transaction=False)
-    pipe.hset(keys.policy, mapping=case.policy.to_redis())
+    pipe.hset(keys.policy, mapping=case.stored.to_redis())
     for level, requests in enumerate(case.levels):
         if requests:
             pipe.zadd(keys.pending(level), {r.id: r.arrival_us for r in requests})
             pipe.hset(keys.meta, mapping={r.id: meta(r) for r in requests})
             pipe.hset(keys.jobs, mapping={r.id: b'{"v":1}' for r in requests})
-    pipe.evalsha(scripts.pop_batch.sha, len(keys.shared), *pop_keys(keys), "c1", 60_000)
+    override = [] if case.delay_ms is None else [case.delay_ms]
+    pipe.evalsha(scripts.pop_batch.sha, len(keys.shared), *pop_keys(keys), "c1", 60_000,
+                 *override)
     pipe.zscore(keys.consumers, "c1")  # the script's clock: it notes the consumer's pop
     for level in range(3):
         pipe.zrange(keys.pending(level), 0, -1)
@@ -130,7 +139,7 @@ def test_decide_makes_the_decisions_of_pop_batch_lua(shared_redis):
     scripts.pop_batch(keys=pop_keys(QueueKeys("rules-load")), args=["c", 60_000])  # load it
     rng = random.Random(20261130)
     seen = {"batch": 0, "wait": 0, "aging wait": 0, "nothing": 0, EXPIRED: 0, EXHAUSTED: 0,
-            "promoted": 0, "isolated": 0, "borderline": 0}
+            "promoted": 0, "isolated": 0, "borderline": 0, "delay override wait": 0}
     started = time.monotonic()
     for i in range(CASES):
         case, reply, t0, now, after = run_case(client, scripts, rng)
@@ -147,6 +156,7 @@ def test_decide_makes_the_decisions_of_pop_batch_lua(shared_redis):
             else:
                 assert isinstance(expected, Wait) and expected.wait_us == wait, where
                 seen["wait"] += 1
+                seen["delay override wait"] += case.delay_ms is not None
                 seen["aging wait"] += case.policy.strategy is Strategy.PRIORITY and \
                     case.policy.aging_ms > 0
         else:

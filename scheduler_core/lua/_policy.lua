@@ -1,8 +1,8 @@
 -- The queue policy's rules, inlined where a script says "-- @include _policy.lua" (after
 -- _common.lua).
 
--- STRATEGIES, LIMITS (each integer field's {min, max}) and policy_range(field) (min, max
--- as code) are rendered here by scheduler_core/scripts.py from scheduler_core/policy.py
+-- STRATEGIES, DELAY_MODES, LIMITS (each integer field's {min, max}) and
+-- policy_range(field) (min, max as code) are rendered here by scheduler_core/scripts.py from scheduler_core/policy.py
 -- when the scripts load: that module is their one source.
 -- @render policy
 

@@ -5,7 +5,8 @@ KEYS[1..23] the queue's shared keys, in the order of scheduler_core.keys.SHARED_
 KEYS[1]  {bg:q}:policy   hash
 
 ARGV[1]  mode: 'ensure' (write only if the queue has no policy yet) | 'replace'
-ARGV[2..] field, value pairs: strategy and every field of LIMITS (rendered from
+ARGV[2..] field, value pairs: strategy, delay_mode (optional: fixed | auto) and every
+         field of LIMITS (rendered from
          scheduler_core.policy.LIMITS), each within its range (scheduler_core.policy.Policy
          validates them first); other fields are kept if their name is [a-z_] and their
          value at most 256 bytes
@@ -26,6 +27,8 @@ for i = 2, #ARGV, 2 do
   local field, value = ARGV[i], ARGV[i + 1]
   if field == 'strategy' then
     if not STRATEGIES[value] then return {-3, field} end
+  elseif field == 'delay_mode' then
+    if not DELAY_MODES[value] then return {-3, field} end
   elseif LIMITS[field] then
     if not policy_int(field, value) then return {-3, field} end
   elseif #field > 64 or not string.match(field, '^[a-z_]+$') or #value > 256 then

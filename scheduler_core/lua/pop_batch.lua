@@ -31,6 +31,8 @@ KEYS[17] {bg:q}:samples:wait list recent queue waits (µs), capped
 
 ARGV[1]  consumer name (no '|')
 ARGV[2]  lease in ms (100..86400000)
+ARGV[3]  optional: the max_queue_delay_ms to apply instead of the stored one (within its
+         LIMITS): the delay a consumer derived under delay_mode=auto
 
 Returns  {batch_id, now_us, lease_deadline_us, remaining, then per request 7 values:
           id, envelope (false if missing), arrival_us, attempts (this delivery, 1-based),
@@ -280,9 +282,12 @@ if type(consumer) ~= 'string' or consumer == '' or string.find(consumer, '|') th
   return {-3, 'consumer'}
 end
 if not lease_ms then return {-3, 'lease_ms'} end
+local delay_ms = ARGV[3] and policy_int('max_queue_delay_ms', ARGV[3])
+if ARGV[3] and not delay_ms then return {-3, 'delay_ms'} end
 
 local rules, err = read_policy()
 if not rules then return err end
+if delay_ms then rules.delay = delay_ms * 1000 end
 local now = now_us()
 redis.call('ZADD', consumers, int(now), consumer)
 if rules.strategy == 'priority' and rules.aging > 0 then promote_aged(rules, now) end

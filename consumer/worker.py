@@ -137,7 +137,8 @@ class Consumer:
         """Check Redis and settle the queue's policy (PolicyConflict if ours differs)."""
         self.policy = ensure_policy(self.redis, self.config.queue, self.config.policy)
         check_eviction_policy(self.redis)
-        self.delay.update(self.policy, force=True)
+        self.delay.follow(self.policy)
+        self.delay.step(force=True)  # the first pop already applies a derived delay
         return self.policy
 
     def stop(self) -> None:
@@ -169,6 +170,7 @@ class Consumer:
                             LeaseTimes(self.config.lease_ms, self.config.max_batch_ms), held,
                             on_policy=self._policy_seen, on_hung=self._exit_hung)
         lease.start()
+        self.delay.start()
         backoff = Backoff(f"consumer {self.config.name}")
         log.info("consumer %s serving queue %r with %s", self.config.name, self.config.queue,
                  self.policy)
@@ -204,6 +206,7 @@ class Consumer:
             if self._due_timer is not None:
                 self._due_timer.close()
             lease.stop()
+            self.delay.stop()
             with contextlib.suppress(redis.RedisError):
                 self.redis.zrem(self.keys.consumers, self.config.name)
             log.info("consumer %s stopped after %d batches, %d requests", self.config.name,
@@ -254,7 +257,7 @@ class Consumer:
             self._restore_policy()
         else:
             self._adopt_policy(Policy.from_redis(raw))
-        self.delay.update(self.policy)
+        self.delay.follow(self.policy)
 
     def _adopt_policy(self, stored: Policy) -> None:
         """Follow a changed stored policy (pop_batch.lua applies it anyway; result_ttl_s
@@ -302,6 +305,8 @@ class Consumer:
     def _process(self, batch: Batch) -> Next:
         """Run one batch and hand its answers over; returns what the loop does next."""
         self._current = batch
+        if self.delay.derived is not None:
+            self.delay.observe(batch)
         early, runnable = batch.prepared or self._prepare(batch)
         batch.prepared = None
         self.batches_done += 1

@@ -27,7 +27,6 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from scheduler_core.keys import QueueKeys
 from scheduler_core.policy import LIMITS
 
 # Share of the SLO the prediction may use: the rest covers what it leaves out (per-request
@@ -133,17 +132,3 @@ class Derived:
 STATS_DELAY_US = "auto_delay_us"
 STATS_RATE_MRPS = "auto_rate_mrps"
 STATS_AT_US = "auto_at_us"
-
-
-def read_inputs(client: Any, keys: QueueKeys, alive_s: float
-                ) -> tuple[Cost | None, int, int]:
-    """The stored cost model, the number of consumers that heartbeat within alive_s and
-    Redis' time in µs (one round trip)."""
-    pipe = client.pipeline(transaction=True)
-    pipe.time()
-    pipe.hgetall(keys.cost_model)
-    pipe.zrange(keys.consumers, 0, -1, withscores=True)
-    (now_s, now_frac), raw, beats = pipe.execute()
-    now_us = int(now_s) * 1_000_000 + int(now_frac)
-    alive = sum(1 for _, beat in beats if beat >= now_us - alive_s * 1e6)
-    return read_cost_model(raw), max(1, alive), now_us

@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.request
 
 import pytest
 from click.testing import CliRunner
+from helpers.processes import free_port
 from helpers.support import configure, queue_pattern, snapshot, wait_for
 
 from batchgate.cli import main as cli
+from consumer.auto_delay import DelayKeeper
+from consumer.batch import Batch, Item
 from producer import Priority, Producer
 from scheduler_core.admin import queue_stats, read_policy
 from scheduler_core.auto_delay import (
@@ -26,6 +30,7 @@ from scheduler_core.keys import QueueKeys
 from scheduler_core.load import arrival_rate, rate_from
 from scheduler_core.policy import Policy
 from scheduler_core.scripts import Scripts, configure_keys
+from scheduler_core.wire import Outcome
 
 
 # -- the policy setting -----------------------------------------------------------------
@@ -138,8 +143,10 @@ def test_auto_at_light_load_does_not_wait_the_stored_delay(shared_redis, queue,
     done = runner.invoke(cli, ["policy", "set", "--redis-url", shared_redis.url, "--queue",
                                queue, "--max-queue-delay-ms", "auto", "--slo-p99-ms", "100"])
     assert done.exit_code == 0, done.output
+    port = free_port()
     start_consumer(shared_redis.url, queue, "--model", "consumer.models:synthetic",
-                   "--model-arg", "base_ms=2", "--model-arg", "per_item_ms=0")
+                   "--model-arg", "base_ms=2", "--model-arg", "per_item_ms=0",
+                   "--metrics-port", str(port))
     latencies = []
     with Producer(shared_redis.url, queue) as producer:
         for i in range(15):
@@ -152,7 +159,12 @@ def test_auto_at_light_load_does_not_wait_the_stored_delay(shared_redis, queue,
     stats = json.loads(runner.invoke(cli, ["stats", "--redis-url", shared_redis.url, "--queue",
                                            queue, "--json"]).output)
     assert stats["max_queue_delay_ms_in_use"] == 0
-    assert stats["policy"]["delay_mode"] == "auto"
+    assert stats["policy"]["delay_mode"] == "auto" and stats["arrival_rate_rps"] > 0
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+        metrics = reply.read().decode()
+    assert f'batchgate_consumer_max_queue_delay_seconds_in_use{{queue="{queue}"}} 0.0' \
+        in metrics, metrics
+    assert f'batchgate_queue_arrival_rate{{queue="{queue}"}}' in metrics
 
 
 def test_auto_under_load_waits_and_forms_batches(shared_redis, queue, start_consumer):
@@ -182,3 +194,30 @@ def test_auto_under_load_waits_and_forms_batches(shared_redis, queue, start_cons
     final = wait_for(lambda: (s := queue_stats(client, queue)).processed == len(handles) and s,
                      what="all requests processed")
     assert final.mean_batch_size > 1.5, final
+
+
+def test_a_window_that_stays_nearly_empty_drops_the_delay_at_once(shared_redis):
+    """After a load step down, the first batch the delay releases with far fewer requests
+    than the rate predicts sets the delay from the rate it shows (0 at light load),
+    without waiting for the 2-second rate window to forget the old load."""
+    keys = QueueKeys(f"observe-{time.monotonic_ns()}")
+    keeper = DelayKeeper(shared_redis.client(), keys)
+    keeper.follow(Policy.build("dynamic", max_queue_delay_ms="auto", slo_p99_ms=60))
+    keeper._inputs = (Cost(5, 0.5), 1)
+    keeper.derived = keeper._derive(keeper.policy, 1200)
+    delay = keeper.delay_ms
+    assert delay and delay > 10
+
+    def batch(size: int, waited_ms: float, attempts: int = 1) -> Batch:
+        now = 10_000_000
+        return Batch("b", now, [Item(f"r{i}", b"{}", now - int(waited_ms * 1000) + i, attempts,
+                                     "p", Outcome.RUN, 1) for i in range(size)])
+
+    keeper.observe(batch(size=1, waited_ms=delay / 2))  # not released by the delay
+    keeper.observe(batch(size=20, waited_ms=delay))  # as many as the rate predicts
+    keeper.observe(batch(size=1, waited_ms=delay, attempts=2))  # a re-delivery runs alone
+    assert keeper.delay_ms == delay
+    keeper.observe(batch(size=1, waited_ms=delay))
+    assert keeper.delay_ms == 0
+    stats = shared_redis.client().hgetall(keys.stats)  # published for `stats`
+    assert stats[b"auto_delay_us"] == b"0" and stats[b"auto_at_us"] == b"10000000"

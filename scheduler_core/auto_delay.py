@@ -15,8 +15,11 @@ reasoning; in short, for a delay D:
   TRANSPORT_MS outside both: predicted P99(D) = I + t(b) + TRANSPORT_MS.
 
 P99(D) grows with D, so the largest D whose P99(D) stays within HEADROOM × slo_p99_ms is
-found by bisection: the largest batches the target allows. If that window would collect
-less than one more request on average (λ·D < 1), it waits for batches that will not
+found by bisection: the largest batches the target allows. Near saturation (the consumers
+busy BUSY or more of the time at that D) the wait behind busy consumers, which the
+prediction leaves out, grows fastest, so the headroom is traded for capacity: the largest
+D whose P99(D) stays within slo_p99_ms itself. If the window would collect fewer than
+MIN_GAIN more requests on average (λ·D < MIN_GAIN), it waits for batches that will not
 come, and the delay is 0.
 """
 
@@ -34,6 +37,11 @@ from scheduler_core.policy import LIMITS
 HEADROOM = 0.75
 TRANSPORT_MS = 1.5  # submit -> enqueue and model end -> result seen, per request
 MIN_SAMPLES = 5  # model-time samples before a fit of the consumer's own is trusted
+# Requests a window must collect on average besides the one that opened it: one more
+# halves the model calls at best, and at low rates a 2-second count is noisy enough to
+# cross that line by chance (20/s measures 27/s or more one time in 50).
+MIN_GAIN = 2.0
+BUSY = 0.75  # utilisation from which full batches matter more than headroom
 
 
 @dataclass(frozen=True)
@@ -97,25 +105,50 @@ def predicted_p99_ms(delay_ms: float, rate_per_ms: float, cost: Cost, max_batch_
 def derive_delay_ms(rate_rps: float, cost: Cost | None, slo_p99_ms: int, max_batch_size: int,
                     consumers: int = 1) -> int:
     """The delay (whole ms) for max_queue_delay_ms=auto: the largest whose predicted P99
-    stays within HEADROOM × slo_p99_ms, or 0 when nothing is known yet (no rate, no cost
-    model), when even no delay misses the target, or when the window would collect less
-    than one more request on average. Bounded by LIMITS and by the SLO."""
+    stays within HEADROOM × slo_p99_ms (within slo_p99_ms once the consumers are BUSY),
+    or 0 when nothing is known yet (no rate, no cost model), when even no delay meets the
+    target, or when the window would collect fewer than MIN_GAIN more requests on
+    average. Bounded by LIMITS, by the SLO and by the time a full batch takes to fill."""
     if rate_rps <= 0 or cost is None or slo_p99_ms <= 0:
         return 0
     rate = rate_rps / 1000
     budget = HEADROOM * slo_p99_ms
     high = min(LIMITS["max_queue_delay_ms"][1], slo_p99_ms,
                math.ceil((max_batch_size - 1) / rate))
-    if predicted_p99_ms(0, rate, cost, max_batch_size, consumers) > budget:
+    delay = _largest_within(budget, high, rate, cost, max_batch_size, consumers)
+    if delay is None:
         return 0
-    low = 0  # feasible; find the largest feasible in [low, high]
+    if utilisation(delay, rate, cost, max_batch_size, consumers) >= BUSY:
+        delay = _largest_within(slo_p99_ms, high, rate, cost, max_batch_size,
+                                consumers) or delay
+    return delay if rate * delay >= MIN_GAIN else 0
+
+
+def _largest_within(budget: float, high: int, rate: float, cost: Cost, max_batch_size: int,
+                    consumers: int) -> int | None:
+    """The largest D in [0, high] with predicted P99(D) <= budget (bisection; P99 grows
+    with D), None when not even D = 0 is."""
+    if predicted_p99_ms(0, rate, cost, max_batch_size, consumers) > budget:
+        return None
+    low = 0
     while low < high:
         mid = (low + high + 1) // 2
         if predicted_p99_ms(mid, rate, cost, max_batch_size, consumers) <= budget:
             low = mid
         else:
             high = mid - 1
-    return low if rate * low >= 1 else 0
+    return low
+
+
+def utilisation(delay_ms: float, rate_per_ms: float, cost: Cost, max_batch_size: int,
+                consumers: int) -> float:
+    """The share of time each consumer is busy with the batches a delay forms."""
+    size, n = max_batch_size, max(1, consumers)
+    window = min(delay_ms, (size - 1) / rate_per_ms) if rate_per_ms > 0 else delay_ms
+    spare = n - rate_per_ms * cost.b_ms
+    b_busy = rate_per_ms * cost.a_ms / spare if spare > 0 else math.inf
+    b = min(size, max(1 + rate_per_ms * window, b_busy))
+    return rate_per_ms * cost.t(b) / (n * b)
 
 
 @dataclass(frozen=True)

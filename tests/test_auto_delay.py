@@ -18,12 +18,15 @@ from consumer.batch import Batch, Item
 from producer import Priority, Producer
 from scheduler_core.admin import queue_stats, read_policy
 from scheduler_core.auto_delay import (
+    BUSY,
     HEADROOM,
+    MIN_GAIN,
     Cost,
     derive_delay_ms,
     fit_samples,
     predicted_p99_ms,
     read_cost_model,
+    utilisation,
 )
 from scheduler_core.errors import InvalidPolicy
 from scheduler_core.keys import QueueKeys
@@ -110,13 +113,16 @@ def test_enqueue_counts_arrivals_per_second_and_drops_old_ones(shared_redis, que
 # -- the derivation ---------------------------------------------------------------------
 def test_the_delay_is_zero_at_light_load_and_fills_batches_within_the_target_under_load():
     cost, slo = Cost(5, 0.5), 60
-    assert derive_delay_ms(20, cost, slo, 32) == 0  # a window would catch < 1 more request
+    assert derive_delay_ms(20, cost, slo, 32) == 0  # a window would catch < 2 more requests
     assert derive_delay_ms(0, cost, slo, 32) == derive_delay_ms(300, None, slo, 32) == 0
-    for rate in (300, 1200):
-        delay = derive_delay_ms(rate, cost, slo, 32)
-        assert rate * delay / 1000 >= 1
-        assert predicted_p99_ms(delay, rate / 1000, cost, 32, 1) <= HEADROOM * slo
-        assert predicted_p99_ms(delay + 1, rate / 1000, cost, 32, 1) > HEADROOM * slo
+    delay = derive_delay_ms(300, cost, slo, 32)  # the largest within the headroom
+    assert 300 * delay / 1000 >= MIN_GAIN
+    assert predicted_p99_ms(delay, 0.3, cost, 32, 1) <= HEADROOM * slo
+    assert predicted_p99_ms(delay + 1, 0.3, cost, 32, 1) > HEADROOM * slo
+    # near saturation: full batches (31 more arrive in 25.8 ms) within the SLO itself
+    assert utilisation(21, 1.2, cost, 32, 1) >= BUSY
+    assert derive_delay_ms(1200, cost, slo, 32) == 26
+    assert predicted_p99_ms(26, 1.2, cost, 32, 1) <= slo
     assert derive_delay_ms(300, cost, slo, 32, consumers=4) >= derive_delay_ms(300, cost, slo, 32)
     assert derive_delay_ms(300, cost, 600_000, 32) <= 31 / 0.3 + 1  # no wait past a full batch
 

@@ -23,7 +23,7 @@ from scheduler_core.options import (
     queue_option,
     redis_url_option,
 )
-from scheduler_core.policy import Policy, Strategy
+from scheduler_core.policy import AUTO, Policy, Strategy
 
 LAZY_COMMANDS = {
     "consumer": "consumer.cli:consumer_command",
@@ -136,6 +136,11 @@ def policy_set(redis_url: str, queue: str, **kwargs: Any) -> None:
     if (current is not None and "strategy" in values and "max_batch_size" not in values
             and Strategy(values["strategy"]) is not current.strategy):
         del merged["max_batch_size"]  # Policy.build supplies the new strategy's default
+    if "max_queue_delay_ms" in values:  # a number means fixed; "auto" keeps the stored one
+        delay = values.pop("max_queue_delay_ms")
+        values["delay_mode"] = AUTO if delay == AUTO else "fixed"
+        if delay != AUTO:
+            values["max_queue_delay_ms"] = delay
     merged.update(values)
     stored = store_policy(client, queue, Policy.build(**merged), replace=True)
     with contextlib.suppress(redis.ResponseError):  # an ACL limited to the queue's keys

@@ -177,6 +177,9 @@ def simulate_command(strategy: str | None, max_batch_size: int | None,
     """Predict latency per priority, throughput, batch sizes and utilisation of a queue
     policy on a workload, by a discrete-event simulation of the scheduling rules (no
     Redis, no model: about a million requests in seconds)."""
+    if max_queue_delay_ms == "auto":  # the option is policy set's, which also takes auto
+        raise click.BadParameter("auto is not simulated: give the delay in ms",
+                                 param_hint="--max-queue-delay-ms")
     policy = Policy.build(strategy, max_batch_size=max_batch_size,
                           max_queue_delay_ms=max_queue_delay_ms, aging_ms=aging_ms)
     config = SimConfig(policy, CostModel.parse(cost_ms), consumers, overhead_ms, transport_ms)

@@ -8,6 +8,7 @@ them at http://HOST:PORT/metrics (needs `prometheus_client`, the `metrics` extra
 | `batchgate_consumer_model_seconds`          | histogram | queue                       |
 | `batchgate_consumer_requests_total`         | counter   | queue, outcome              |
 | `batchgate_consumer_redis_up`               | gauge     | queue                       |
+| `batchgate_consumer_max_queue_delay_seconds_in_use` | gauge | queue                  |
 
 Every figure is this consumer's own, so sums across consumers do not double count; the
 queue-wide ones (depth, in flight, consumers alive, the queue's counters, arrival rate,
@@ -16,7 +17,9 @@ recommended consumers) come from
 describe this consumer's batches: queue wait is enqueue to pop by Redis' clock,
 labelled with the priority the request was served at (aging may promote it); batch size
 counts the requests the model ran; outcome is ok, failed, expired (deadline passed before
-it ran) or dead_letter.
+it ran) or dead_letter. The delay in use is the max_queue_delay_ms this consumer passes to
+pop_batch (under max_queue_delay_ms=auto the one it derived last, else the stored one);
+the arrival rate (requests/s) is the one it derived it from (0 under a fixed delay).
 """
 
 from __future__ import annotations
@@ -62,6 +65,25 @@ class RedisUpCollector(Collector):
         yield up
 
 
+class DelayCollector(Collector):
+    """The delay this consumer applies (the queue's arrival rate is the exporter's)."""
+
+    def __init__(self, consumer: Consumer):
+        self.consumer = consumer
+
+    def collect(self) -> Iterator[Metric]:
+        queue = self.consumer.config.queue
+        derived, policy = self.consumer.delay.derived, self.consumer.policy
+        delay = GaugeMetricFamily("batchgate_consumer_max_queue_delay_seconds_in_use",
+                                  "The max_queue_delay this consumer applies (auto: derived).",
+                                  labels=["queue"])
+        if derived is not None:
+            delay.add_metric([queue], derived.delay_ms / 1000)
+        elif policy is not None:
+            delay.add_metric([queue], policy.max_queue_delay_ms / 1000)
+        yield delay
+
+
 class ConsumerMetrics:
     """The consumer's batch observer: called once per batch, before its completion."""
 
@@ -101,6 +123,7 @@ class ConsumerMetrics:
 def serve_metrics(consumer: Consumer, port: int, host: str = "0.0.0.0") -> ConsumerMetrics:
     """Attach metrics to `consumer` and serve them on http://host:port/metrics."""
     metrics = ConsumerMetrics(consumer.config.queue, consumer.redis)
+    metrics.registry.register(DelayCollector(consumer))
     start_http_server(port, addr=host, registry=metrics.registry)
     consumer.observer = metrics
     log.info("metrics on http://%s:%d/metrics", host, port)

@@ -22,6 +22,7 @@ from typing import Any
 
 import redis
 
+from consumer.auto_delay import DelayKeeper
 from consumer.batch import (
     IDLE_UNTIL_WOKEN,
     POP_NOW,
@@ -150,6 +151,8 @@ class Consumer:
         self.info: dict[str, str] = {"host": socket.gethostname(), "pid": str(os.getpid()),
                                      "device": "", "started_ms": str(int(time.time() * 1000))}
         self.failures: deque[dict[str, Any]] = deque(maxlen=100)
+        # Under max_queue_delay_ms=auto, the delay derived about once a second.
+        self.delay = DelayKeeper(self.redis, self.keys)
         # Optional: called once per batch as on_batch(batch, ran, model_us, outcomes), e.g.
         # consumer.metrics.ConsumerMetrics. It must not raise.
         self.observer: Any = None
@@ -169,6 +172,8 @@ class Consumer:
         check_eviction_policy(self.redis)
         with contextlib.suppress(redis.ResponseError):  # an ACL limited to the queue's keys
             register_queue(self.redis, self.config.queue)
+        self.delay.follow(self.policy)
+        self.delay.step(force=True)  # the first pop already applies a derived delay
         return self.policy
 
     def stop(self) -> None:
@@ -205,6 +210,7 @@ class Consumer:
             if self.config.cost_refit_s else None
         if refit is not None:
             refit.start()
+        self.delay.start()
         backoff = Backoff(f"consumer {self.config.name}")
         log.info("consumer %s serving queue %r with %s", self.config.name, self.config.queue,
                  self.policy)
@@ -242,6 +248,7 @@ class Consumer:
             lease.stop()
             if refit is not None:
                 refit.stop()
+            self.delay.stop()
             with contextlib.suppress(redis.RedisError):
                 self.redis.zrem(self.keys.consumers, self.config.name)
                 self.redis.delete(self.keys.consumer_info(self.config.name))
@@ -258,8 +265,11 @@ class Consumer:
     # -- one step -------------------------------------------------------------------
     def _pop_call(self) -> tuple[Any, list[str], list[Any]]:
         args: list[Any] = [self.config.name, self.config.lease_ms]
-        if self.config.prefer_bucket:
+        delay_ms = self.delay.delay_ms  # max_queue_delay_ms=auto: the delay derived for now
+        if self.config.prefer_bucket or delay_ms is not None:
             args.append(self.config.prefer_bucket)
+        if delay_ms is not None:
+            args.append(delay_ms)
         return self.scripts.pop_batch, pop_keys(self.keys), args
 
     def _pop(self) -> Next:
@@ -299,6 +309,7 @@ class Consumer:
             self._restore_policy()
         else:
             self._adopt_policy(Policy.from_redis(raw))
+        self.delay.follow(self.policy)
 
     def _adopt_policy(self, stored: Policy) -> None:
         """Follow a changed stored policy (pop_batch.lua applies it anyway; result_ttl_s
@@ -351,6 +362,8 @@ class Consumer:
     def _process(self, batch: Batch) -> Next:
         """Run one batch and hand its answers over; returns what the loop does next."""
         self._current = batch
+        if self.delay.derived is not None:
+            self.delay.observe(batch)
         early, runnable = batch.prepared or self._prepare(batch)
         batch.prepared = None
         self.batches_done += 1
@@ -395,6 +408,7 @@ class Consumer:
         model_s = time.perf_counter() - started
         if self.tracer is not None:
             self._trace_model(batch, runnable, results, started_ns)
+        self.delay.record(len(runnable), model_s)
         if self._overlap is not None:
             self._overlap.ran(len(runnable), model_s)
         return Finished(batch, {}, [item for item, _ in runnable], results, int(model_s * 1e6),

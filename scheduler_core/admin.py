@@ -3,15 +3,17 @@ statistics, and where a request is."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import redis
 import redis.asyncio
 
+from scheduler_core.auto_delay import STATS_AT_US, STATS_DELAY_US
 from scheduler_core.errors import InvalidPolicy, PolicyConflict
 from scheduler_core.keys import QueueKeys
-from scheduler_core.policy import Policy, Priority
+from scheduler_core.load import rate_from
+from scheduler_core.policy import LIMITS, Policy, Priority
 from scheduler_core.scripts import Scripts, configure_keys
 from scheduler_core.wire import CANCELLED, DEADLINE, Result, decode_result
 
@@ -81,6 +83,12 @@ class QueueStats:
     queue_wait_ms: dict[str, float | None]
     end_to_end_ms: dict[str, float | None]
     model_ms: dict[str, float | None]  # per batch
+    # requests/s enqueued over the last 10 complete seconds (enqueue.lua's counts)
+    arrival_rate_rps: float = 0.0
+    # the max_queue_delay_ms pop_batch applies: the stored one, or under
+    # max_queue_delay_ms=auto the one a consumer derived within CONSUMER_ALIVE_S (None
+    # when no consumer did)
+    max_queue_delay_ms_in_use: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -117,16 +125,18 @@ def queue_stats(client: redis.Redis, queue: str) -> QueueStats:
     pipe.lrange(keys.wait_samples, 0, SAMPLES_READ - 1)
     pipe.lrange(keys.e2e_samples, 0, SAMPLES_READ - 1)
     pipe.lrange(keys.model_samples, 0, SAMPLES_READ - 1)
+    pipe.hgetall(keys.arrivals)
     (now_s, now_frac), policy, d0, d1, d2, o0, o1, o2, owned, batches_in_flight, consumers, \
-        counters, dead, waits, e2e, model = pipe.execute()
+        counters, dead, waits, e2e, model, arrivals = pipe.execute()
     now_us = now_s * 1_000_000 + now_frac
     oldest = [score for first in (o0, o1, o2) for _, score in first]
     counters = {k.decode(): int(v) for k, v in counters.items()}
     alive_after = now_us - CONSUMER_ALIVE_S * 1_000_000
     batches = counters.get("batches", 0)
+    stored = Policy.from_redis(policy) if policy else None
     return QueueStats(
         queue=queue,
-        policy=Policy.from_redis(policy).to_dict() if policy else None,
+        policy=stored.to_dict() if stored else None,
         depth={p.name.lower(): n for p, n in zip(Priority, (d0, d1, d2), strict=True)},
         in_flight_requests=owned,
         in_flight_batches=batches_in_flight,
@@ -143,7 +153,20 @@ def queue_stats(client: redis.Redis, queue: str) -> QueueStats:
         queue_wait_ms=_percentiles(waits),
         end_to_end_ms=_percentiles(e2e),
         model_ms=_percentiles([sample.partition(b":")[2] for sample in model]),  # size:us
+        arrival_rate_rps=rate_from(arrivals, int(now_s)),
+        max_queue_delay_ms_in_use=_delay_in_use(stored, counters, alive_after),
     )
+
+
+def _delay_in_use(policy: Policy | None, counters: dict[str, int],
+                  alive_after: float) -> float | None:
+    if policy is None:
+        return None
+    if not policy.auto_delay:
+        return policy.max_queue_delay_ms
+    if counters.get(STATS_AT_US, 0) < alive_after:
+        return None
+    return counters.get(STATS_DELAY_US, 0) / 1000
 
 
 # -- an autoscaling signal -------------------------------------------------------------
@@ -190,6 +213,11 @@ def scaling_signal(client: redis.Redis, queue: str,
             policy = Policy.from_redis(raw)
         except (ValueError, InvalidPolicy):
             return out  # a policy this version cannot simulate
+        if policy.auto_delay:  # simulate the delay the consumers derived last
+            used_us = int(client.hget(keys.stats, STATS_DELAY_US) or 0)
+            policy = replace(policy, delay_mode="fixed",
+                             max_queue_delay_ms=min(round(used_us / 1000),
+                                                    LIMITS["max_queue_delay_ms"][1]))
         costs = Costs(ModelTime(model.base_ms, model.per_item_ms))
         out["recommended_consumers"] = recommended_consumers(rate, policy, Target(slo), costs,
                                                              waiting)

@@ -8,7 +8,7 @@ from typing import Any
 import click
 
 from scheduler_core.connection import DEFAULT_REDIS_URL
-from scheduler_core.policy import CHOICES, LIMITS, MAX_COST_BUCKETS, Strategy
+from scheduler_core.policy import AUTO, CHOICES, LIMITS, MAX_COST_BUCKETS, Strategy
 
 
 def env_option(*decls: str, envvar: str, help: str, **kwargs: Any) -> Callable[[Any], Any]:
@@ -30,15 +30,33 @@ def _range(name: str) -> str:
     return f"{low}-{high}"
 
 
+class DelayType(click.ParamType):
+    """--max-queue-delay-ms: whole milliseconds, or `auto`."""
+
+    name = "MS|auto"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> int | str:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        text = str(value).strip().lower()
+        if text == AUTO:
+            return AUTO
+        try:
+            return int(text)
+        except ValueError:
+            self.fail(f"{value!r} is neither a whole number of ms nor 'auto'", param, ctx)
+
+
 # (flag, help) of each policy knob; unset ones stay None (= keep stored/default).
 POLICY_KNOBS: list[tuple[str, dict[str, Any], str]] = [
     ("--strategy", {"type": click.Choice([s.value for s in Strategy])},
      "Scheduling strategy [default: priority]."),
     ("--max-batch-size", {"type": int},
      f"Most requests per batch, {_range('max_batch_size')} [default: 32; fifo: 1]."),
-    ("--max-queue-delay-ms", {"type": int},
-     f"dynamic/priority: longest a partial batch waits, ms, {_range('max_queue_delay_ms')} "
-     "[default: 50]."),
+    ("--max-queue-delay-ms", {"type": DelayType()},
+     f"dynamic/priority: longest a partial batch waits, ms, {_range('max_queue_delay_ms')}, "
+     "or 'auto': derived from the measured arrival rate and the cost model to hold "
+     "--slo-p99-ms [default: 50]."),
     ("--aging-ms", {"type": int},
      f"priority: wait that promotes a request one level, ms, {_range('aging_ms')}; 0 = off "
      "[default: 5000]."),
@@ -63,6 +81,9 @@ POLICY_KNOBS: list[tuple[str, dict[str, Any], str]] = [
     ("--cost-buckets", {"type": str},
      f"Cost boundaries, e.g. 32,1024 (at most {MAX_COST_BUCKETS}): a batch holds one bucket "
      "only; '' = one bucket [default: '']."),
+    ("--slo-p99-ms", {"type": int},
+     f"P99 latency target, ms, {_range('slo_p99_ms')}, that --max-queue-delay-ms auto holds "
+     "(required with it); 0 = none [default: 0]."),
 ]
 
 

@@ -56,7 +56,18 @@ LIMITS: dict[str, tuple[int, int]] = {
     "result_ttl_s": (1, 30 * 86_400),
     "max_cost": (0, 1_000_000_000),  # 0 = no cap
     "max_batch_cost": (0, 1_000_000_000),  # 0 = no budget per batch
+    "slo_p99_ms": (0, 600_000),
 }
+
+
+# How max_queue_delay_ms is chosen: "fixed" (the stored value) or "auto" (each consumer
+# derives it about once a second from the measured arrival rate and the cost model, aiming
+# at the largest batches whose predicted P99 stays under slo_p99_ms; scheduler_core/
+# auto_delay.py). Stored as the policy field `delay_mode`; users write
+# `--max-queue-delay-ms auto`.
+DELAY_MODES = ("fixed", "auto")
+AUTO = "auto"
+
 
 # A request's cost (Producer.submit(cost=...)): an integer in the user's own unit.
 MAX_REQUEST_COST = 1_000_000_000
@@ -64,6 +75,7 @@ MAX_REQUEST_COST = 1_000_000_000
 CHOICES: dict[str, tuple[str, ...]] = {
     "over_cost": ("reject", "truncate"),  # a request above max_cost: refused, or capped
     "cost_mode": ("sum", "padded"),  # a batch's cost: sum of costs, or size x largest
+    "delay_mode": DELAY_MODES,
 }
 _DIGITS = re.compile(r"[0-9]{1,10}")
 MAX_COST_BUCKETS = 4  # boundaries in cost_buckets: at most 5 buckets
@@ -89,6 +101,11 @@ class Policy:
     max_batch_cost: int = 0  # a batch's budget under cost_mode; 0 = none
     cost_mode: str = "sum"  # "sum" of costs, or "padded": batch size x largest cost
     cost_buckets: str = ""  # "32,1024": a batch holds costs <= 32, <= 1024 or > 1024 only
+    # P99 latency target (ms) of max_queue_delay_ms=auto; 0 = none (required with auto).
+    slo_p99_ms: int = 0
+    # "auto": consumers derive the delay (max_queue_delay_ms is then kept, unused, for a
+    # switch back to "fixed").
+    delay_mode: str = "fixed"
 
     def __post_init__(self) -> None:
         try:
@@ -107,6 +124,14 @@ class Policy:
             if getattr(self, name) not in allowed:
                 raise InvalidPolicy(name, f"{getattr(self, name)!r}: use {' or '.join(allowed)}")
         object.__setattr__(self, "cost_buckets", format_buckets(self.cost_buckets))
+        if self.delay_mode == AUTO and self.slo_p99_ms < 1:
+            high = LIMITS["slo_p99_ms"][1]
+            raise InvalidPolicy("slo_p99_ms", "max_queue_delay_ms=auto needs a P99 target: "
+                                f"give slo_p99_ms, 1-{high} ms")
+
+    @property
+    def auto_delay(self) -> bool:
+        return self.delay_mode == AUTO
 
     @property
     def bucket_bounds(self) -> tuple[int, ...]:
@@ -120,13 +145,21 @@ class Policy:
     @classmethod
     def build(cls, strategy: Strategy | str | None = None,
               **overrides: int | str | None) -> Policy:
-        """A policy from optional values: None means the default (fifo's batch size is 1)."""
+        """A policy from optional values: None means the default (fifo's batch size is 1).
+        max_queue_delay_ms="auto" means delay_mode="auto" (the stored fixed delay is kept);
+        a number means delay_mode="fixed"."""
         try:
             strat = Strategy(strategy) if strategy is not None else cls.strategy
         except ValueError:
             cls(strategy=strategy)  # type: ignore[arg-type] # InvalidPolicy naming the field
             raise
         values = {k: v for k, v in overrides.items() if v is not None}
+        delay = values.get("max_queue_delay_ms")
+        if isinstance(delay, str) and delay.strip().lower() == AUTO:
+            del values["max_queue_delay_ms"]
+            values["delay_mode"] = AUTO
+        elif delay is not None and "delay_mode" not in values:
+            values["delay_mode"] = "fixed"
         if strat is Strategy.FIFO:
             values.setdefault("max_batch_size", DEFAULT_FIFO_BATCH_SIZE)
         return cls(strategy=strat, **values)
@@ -158,6 +191,12 @@ class Policy:
                 want = Strategy(want)
             elif name == "cost_buckets" and want is not None:
                 want = format_buckets(want)
+            elif name == "max_queue_delay_ms" and want is not None:
+                # "auto" asks for delay_mode auto; a number, for that fixed delay
+                if isinstance(want, str) and want.strip().lower() == AUTO:
+                    have, want = self.delay_mode, AUTO
+                elif self.auto_delay:
+                    have = AUTO
             if want is not None and have != want:
                 diff[name] = (have, want)
         return diff

@@ -78,8 +78,9 @@ def source(name: str) -> str:
 
 
 def _policy_lua(limits: dict[str, tuple[int, int]]) -> str:
-    """STRATEGIES, LIMITS (configure iterates them) and policy_range: the same ranges as
-    code, so that pop_batch, which runs per batch, builds no table of them."""
+    """STRATEGIES, LIMITS (configure iterates them), CHOICES (delay_mode, over_cost,
+    cost_mode) and policy_range: the same ranges as code, so that pop_batch, which runs per
+    batch, builds no table of them."""
     strategies = ", ".join(f"{s.value} = true" for s in Strategy)
     bounds = [(field, int(low), int(high)) for field, (low, high) in limits.items()]
     ranges = ", ".join(f"{field} = {{{low}, {high}}}" for field, low, high in bounds)

@@ -1,6 +1,7 @@
 """scheduler_core.rules.decide is pop_batch.lua's twin: on thousands of random queue states
 and policies (every strategy, aging, deadlines, re-delivered requests, max_attempts) the
-function and the script, run on a real Redis, make the same decision: the same batch
+function and the script, run on a real Redis (a third of them with the delay passed in
+ARGV[3], as a consumer under max_queue_delay_ms=auto does), make the same decision: the same batch
 (ids, levels, states, what remains), the same wait, the same aging moves.
 
 The script reads the clock itself (Redis TIME) and notes it as the consumer's heartbeat;
@@ -14,7 +15,7 @@ from __future__ import annotations
 import random
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 
@@ -47,9 +48,11 @@ COSTS = (1, 1, 2, 3, 4, 5, 8, 16, 17, 33, 64, 200, 500)
 
 @dataclass
 class Case:
-    policy: Policy
+    policy: Policy  # the rules decide() applies
     levels: list[list[Request]]
+    stored: Policy  # the policy hash; differs from `policy` when delay_ms overrides it
     prefer: int = 0  # the consumer's preferred cost bucket (ARGV[3]), 1-based; 0 = none
+    delay_ms: int | None = None  # pop_batch's ARGV[4] (a consumer's auto delay)
 
 
 def random_case(rng: random.Random, t0: int) -> Case:
@@ -89,7 +92,11 @@ def random_case(rng: random.Random, t0: int) -> Case:
     for level in levels:
         level.sort()
     prefer = rng.choice((0, 0, 1, 2, 3)) if costed else 0
-    return Case(policy, levels, prefer)
+    if rng.random() < 0.3:  # delay_mode=auto: the consumer passes the delay it derived
+        stored = replace(policy, max_queue_delay_ms=rng.choice(DELAYS_MS), delay_mode="auto",
+                         slo_p99_ms=60)
+        return Case(policy, levels, stored, prefer, policy.max_queue_delay_ms)
+    return Case(policy, levels, policy, prefer)
 
 
 def age_us(rng: random.Random, thresholds: list[int], span_ms: float) -> int:
@@ -117,15 +124,18 @@ def run_case(client, scripts: Scripts, rng: random.Random) -> tuple[Case, list, 
     case = random_case(rng, t0)
     keys = QueueKeys(f"rules-{uuid.uuid4().hex[:12]}")
     pipe = client.pipeline(transaction=False)
-    pipe.hset(keys.policy, mapping=case.policy.to_redis())
+    pipe.hset(keys.policy, mapping=case.stored.to_redis())
     for level, requests in enumerate(case.levels):
         if requests:
             pipe.zadd(keys.pending(level), {r.id: r.arrival_us for r in requests})
             pipe.hset(keys.meta, mapping={r.id: meta(r) for r in requests})
             pipe.hset(keys.jobs, mapping={r.id: b'{"v":1}' for r in requests})
-    prefer = [case.prefer] if case.prefer else []  # absent, as consumers without one send
+    # ARGV[3] (prefer) and ARGV[4] (delay) are absent, as consumers without them send.
+    optional = [case.prefer] if case.prefer or case.delay_ms is not None else []
+    if case.delay_ms is not None:
+        optional.append(case.delay_ms)
     pipe.evalsha(scripts.pop_batch.sha, len(keys.shared), *pop_keys(keys), "c1", 60_000,
-                 *prefer)
+                 *optional)
     pipe.zscore(keys.consumers, "c1")  # the script's clock: it notes the consumer's pop
     for level in range(3):
         pipe.zrange(keys.pending(level), 0, -1)
@@ -149,7 +159,8 @@ def test_decide_makes_the_decisions_of_pop_batch_lua(shared_redis):
     rng = random.Random(20261130)
     seen = {"batch": 0, "wait": 0, "aging wait": 0, "nothing": 0, EXPIRED: 0, EXHAUSTED: 0,
             "promoted": 0, "isolated": 0, "borderline": 0, "costed batch": 0,
-            "costed wait": 0, "budget cut": 0, "bucket cut": 0, "preferred": 0}
+            "costed wait": 0, "budget cut": 0, "bucket cut": 0, "preferred": 0,
+            "delay override wait": 0}
     started = time.monotonic()
     for i in range(CASES):
         case, reply, t0, now, after = run_case(client, scripts, rng)
@@ -167,6 +178,7 @@ def test_decide_makes_the_decisions_of_pop_batch_lua(shared_redis):
             else:
                 assert isinstance(expected, Wait) and expected.wait_us == wait, where
                 seen["wait"] += 1
+                seen["delay override wait"] += case.delay_ms is not None
                 seen["aging wait"] += case.policy.strategy is Strategy.PRIORITY and \
                     case.policy.aging_ms > 0
                 seen["costed wait"] += costed(case.policy)

@@ -1,9 +1,10 @@
 -- The queue policy's rules, inlined where a script says "-- @include _policy.lua" (after
 -- _common.lua).
 
--- STRATEGIES, LIMITS (each integer field's {min, max}) and policy_range(field) (min, max
--- as code) are rendered here by scheduler_core/scripts.py from scheduler_core/policy.py
--- when the scripts load: that module is their one source.
+-- STRATEGIES, LIMITS (each integer field's {min, max}), CHOICES (each string field's
+-- values), MAX_COST_BUCKETS, MAX_REQUEST_COST and policy_range(field) (min, max as code)
+-- are rendered here by scheduler_core/scripts.py from scheduler_core/policy.py when the
+-- scripts load: that module is their one source.
 -- @render policy
 
 -- A stored or given policy field as a number if within its limits, else nil.

@@ -12,6 +12,9 @@ KEYS[6]  {bg:q}:meta        hash   id -> meta
 KEYS[7]  {bg:q}:clock       string last arrival score issued
 KEYS[8]  {bg:q}:marker      zset   wake-up marker for idle consumers
 KEYS[9]  {bg:q}:stats       hash   read on rejection: the recent service rate
+KEYS[22] {bg:q}:arrivals    hash   epoch second (decimal string) -> requests enqueued in
+                                   that second (scheduler_core/load.py reads the rate);
+                                   fields older than ARRIVALS_KEEP_S are removed
 KEYS[24..] {bg:q}:idem:<key> string one per request whose idem flag is 1, in order
 read, not passed: {bg:q}:result:<id> of the id an idempotency key names (the caller cannot
          know it; same hash tag, so the slot of the keys above)
@@ -46,6 +49,25 @@ arrival order. Work is bounded by n.
 -- @include _policy.lua
 -- @include _queue.lua
 
+local ARRIVALS_KEEP_S = 120
+
+-- Count `n` arrivals in the current second. The first call of a second also drops the
+-- fields 121-130 s old (one HDEL); only after a long silence can older ones remain, and
+-- once the hash has more fields than a window holds they are swept (bounded by that size).
+local function count_arrivals(key, now, n)
+  local second = math.floor(now / 1000000)
+  if redis.call('HINCRBY', key, int(second), n) ~= n then return end
+  local old = {}
+  for age = ARRIVALS_KEEP_S + 1, ARRIVALS_KEEP_S + 10 do old[#old + 1] = int(second - age) end
+  redis.call('HDEL', key, unpack(old))
+  if redis.call('HLEN', key) > ARRIVALS_KEEP_S + 10 then
+    for _, field in ipairs(redis.call('HKEYS', key)) do
+      local s = tonumber(field)
+      if not s or s < second - ARRIVALS_KEEP_S then redis.call('HDEL', key, field) end
+    end
+  end
+end
+
 local policy = KEYS[1]
 local pending_high = KEYS[2]
 local pending_normal = KEYS[3]
@@ -55,6 +77,7 @@ local meta = KEYS[6]
 local clock = KEYS[7]
 local marker = KEYS[8]
 local stats = KEYS[9]
+local arrivals = KEYS[22]
 local FIRST_IDEM = 24  -- KEYS[24..]: the idempotency keys, in order
 
 local n = int_arg(ARGV[2], 1, 10000)
@@ -133,7 +156,7 @@ end
 
 -- Pass 2: write.
 local now = now_us()
-local arrivals = arrival_clock(clock, now)
+local scores = arrival_clock(clock, now)
 local wake = (strategy == 'fifo') or costed
 key_index = FIRST_IDEM
 for i = 0, n - 1 do
@@ -148,7 +171,7 @@ for i = 0, n - 1 do
     key_index = key_index + 1
   end
   if not effective[i + 1] then
-    local arrival = arrivals.next()
+    local arrival = scores.next()
     local deadline = 0
     if deadline_ms > 0 then deadline = now + deadline_ms * 1000 end
     redis.call('ZADD', pending[prio + 1], int(arrival), id)
@@ -171,8 +194,9 @@ for i = 0, n - 1 do
     total = total + 1
   end
 end
-arrivals.save()
+scores.save()
 if wake then wake_consumers(marker) end
+if fresh > 0 then count_arrivals(arrivals, now, fresh) end
 
 local reply = {1, fresh, total}
 for i = 1, n do reply[#reply + 1] = effective[i] end

@@ -40,6 +40,8 @@ ARGV[1]  consumer name (no '|')
 ARGV[2]  lease in ms (100..86400000)
 ARGV[3]  optional: the bucket this consumer prefers, 1-based (1 = the cheapest); 0 or
          absent = none; ignored without cost_buckets (0..MAX_COST_BUCKETS + 1)
+ARGV[4]  optional: the max_queue_delay_ms to apply instead of the stored one (within its
+         LIMITS): the delay a consumer derived under delay_mode=auto
 
 Returns  {batch_id, now_us, lease_deadline_us, remaining, then per request 9 values:
           id, envelope (false if missing), arrival_us, attempts (this delivery, 1-based),
@@ -388,10 +390,13 @@ if type(consumer) ~= 'string' or consumer == '' or string.find(consumer, '|') th
 end
 if not lease_ms then return {-3, 'lease_ms'} end
 if not prefer then return {-3, 'prefer_bucket'} end
+local delay_ms = ARGV[4] and policy_int('max_queue_delay_ms', ARGV[4])
+if ARGV[4] and not delay_ms then return {-3, 'delay_ms'} end
 
 local rules, err = read_policy()
 if not rules then return err end
 rules.prefer = prefer
+if delay_ms then rules.delay = delay_ms * 1000 end
 local now = now_us()
 redis.call('ZADD', consumers, int(now), consumer)
 if rules.strategy == 'priority' and rules.aging > 0 then promote_aged(rules, now) end

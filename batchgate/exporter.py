@@ -57,6 +57,7 @@ POLICY_GAUGES = {
     "result_ttl_s": ("batchgate_queue_policy_result_ttl_seconds", 1),
     "max_cost": ("batchgate_queue_policy_max_cost", 1),
     "max_batch_cost": ("batchgate_queue_policy_max_batch_cost", 1),
+    "slo_p99_ms": ("batchgate_queue_policy_slo_p99_seconds", 1000),
 }
 assert set(POLICY_GAUGES) == set(LIMITS), "every policy knob is exported"
 

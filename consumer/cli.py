@@ -92,13 +92,23 @@ def install_signal_handlers(consumer: Consumer) -> None:
             help="While a backlog waits, fetch the next batch and write the last one's "
                  "results while the model runs. --no-overlap: one batch at a time (a "
                  "crash then re-runs only the batch in hand). In the variable: true/false.")
+@env_option("--wait-replicas", envvar="BATCHGATE_WAIT_REPLICAS", type=click.IntRange(0, 64),
+            default=0, show_default=True,
+            help="Acknowledge a batch's results only once this many replicas have them "
+                 "(Redis WAIT, on the connection that wrote them); until then they are "
+                 "offered again. 0 = as soon as the primary has them.")
+@env_option("--wait-timeout-ms", envvar="BATCHGATE_WAIT_TIMEOUT_MS",
+            type=click.IntRange(1, 60_000), default=1000, show_default=True,
+            help="ms: how long each WAIT of --wait-replicas waits before the results are "
+                 "offered again.")
 @env_option("--name", envvar="BATCHGATE_CONSUMER_NAME", default="",
             help="Consumer name shown in stats [default: host:pid:random].")
 @policy_options(env=True)
 @supervisor_options
 def consumer_command(redis_url: str, queue: str, model_spec: str, model_arg: tuple[str, ...],
                      device: str | None, torch_threads: int | None, lease_ms: int,
-                     max_batch_ms: int, max_result_bytes: int, overlap: bool, name: str,
+                     max_batch_ms: int, max_result_bytes: int, overlap: bool,
+                     wait_replicas: int, wait_timeout_ms: int, name: str,
                      **kwargs: Any) -> None:
     """Pop batches from QUEUE and run MODEL on them until SIGTERM/SIGINT.
 
@@ -111,7 +121,8 @@ def consumer_command(redis_url: str, queue: str, model_spec: str, model_arg: tup
     policy = policy_values(kwargs)
     config = ConsumerConfig(redis_url=redis_url, queue=queue, lease_ms=lease_ms,
                             max_batch_ms=max_batch_ms, max_result_bytes=max_result_bytes,
-                            overlap=overlap, policy=policy, name=name)
+                            overlap=overlap, policy=policy, name=name,
+                            wait_replicas=wait_replicas, wait_timeout_ms=wait_timeout_ms)
     model_kwargs = parse_model_args(model_arg)
     flags = dict.fromkeys(model_kwargs, "--model-arg")
     if device is not None:

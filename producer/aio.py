@@ -24,7 +24,7 @@ from scheduler_core import connection
 from scheduler_core.compat import require_redis_version_async
 from scheduler_core.connection import Backoff, dedicated
 from scheduler_core.policy import Priority
-from scheduler_core.scripts import Scripts
+from scheduler_core.scripts import AsyncScriptPipeline, Scripts
 from scheduler_core.wire import Result, decode_result
 
 log = logging.getLogger("batchgate.producer")
@@ -86,8 +86,10 @@ class AsyncProducer(ProducerBase[AsyncHandle]):
     def __init__(self, redis_url: str = connection.DEFAULT_REDIS_URL, queue: str = "default", *,
                  max_payload_bytes: int | None = None, idempotency_ttl_s: int | None = None,
                  client: redis.asyncio.Redis | None = None, on_result: OnResult | None = None,
-                 max_connections: int = connection.DEFAULT_MAX_CONNECTIONS):
-        super().__init__(queue, max_payload_bytes, idempotency_ttl_s, on_result)
+                 max_connections: int = connection.DEFAULT_MAX_CONNECTIONS,
+                 wait_replicas: int = 0, wait_timeout_ms: int | None = None):
+        super().__init__(queue, max_payload_bytes, idempotency_ttl_s, on_result,
+                         wait_replicas, wait_timeout_ms)
         self._redis = client or connection.connect_async(redis_url, max_connections)
         self._owns_client = client is None
         self._scripts = Scripts(self._redis)
@@ -189,11 +191,9 @@ class AsyncProducer(ProducerBase[AsyncHandle]):
     async def _send(self, batch: list[Submission]) -> None:
         try:
             keys, args = self._batch_call(batch)
-            if not self._settle(batch, await self._scripts.enqueue(keys=keys, args=args)):
-                pipe = self._redis.pipeline(transaction=False)
-                for keys, args in self._each_call(batch):
-                    await self._scripts.enqueue(keys=keys, args=args, client=pipe)
-                self._settle_each(batch, await pipe.execute(raise_on_error=False))
+            if not self._settle(batch, (await self._enqueue_calls([(keys, args)], True))[0]):
+                self._settle_each(batch, await self._enqueue_calls(self._each_call(batch),
+                                                                   False))
         except BaseException as exc:  # each of its callers gets the error
             self._fail(batch, exc)
         finally:
@@ -207,6 +207,30 @@ class AsyncProducer(ProducerBase[AsyncHandle]):
                     else:
                         sub.waiter.set_exception(sub.error)
             self._kick()
+
+    async def _enqueue_calls(self, calls: Any, raise_on_error: bool) -> list[Any]:
+        """As Producer._enqueue_calls."""
+        calls = list(calls)
+        if not self.config.wait_replicas:
+            pipe = AsyncScriptPipeline(self._redis)
+            for keys, args in calls:
+                pipe.script(self._scripts.enqueue, keys, args)
+            return await pipe.execute(raise_on_error)
+        backoff = Backoff(f"async producer {self.id[:8]} (waiting for replicas)")
+        give_up = time.monotonic() + base.WAIT_BUDGET_S
+        while True:
+            pipe = AsyncScriptPipeline(self._redis, self.config.wait_replicas,
+                                       self.config.wait_timeout_ms)
+            for keys, args in calls:
+                pipe.script(self._scripts.enqueue, keys, args)
+            try:
+                replies = await pipe.execute(raise_on_error)
+                backoff.succeeded()
+                return replies
+            except base.RESENT as exc:
+                if time.monotonic() >= give_up:
+                    raise
+                await asyncio.sleep(backoff.failed(exc))
 
     async def _listen(self) -> None:
         inbox = self.keys.inbox(self.id)
@@ -240,9 +264,9 @@ class AsyncProducer(ProducerBase[AsyncHandle]):
         expire, poll = self._due()
         for chunk in expire:
             calls = self._expire_calls(chunk)
-            pipe = self._redis.pipeline(transaction=False)
+            pipe = AsyncScriptPipeline(self._redis)
             for keys, args, _ in calls:
-                await self._scripts.cancel(keys=keys, args=args, client=pipe)
+                pipe.script(self._scripts.cancel, keys, args)
             try:
                 replies = await pipe.execute(raise_on_error=False)
             except redis.RedisError as exc:

@@ -124,11 +124,15 @@ class ScriptPipeline:
     EVALSHA directly and re-runs only a call that got NOSCRIPT (Redis restarted, failed
     over or flushed its script cache) once the script is loaded.
 
-    With `replicas` > 0 the pipeline ends with `WAIT replicas wait_timeout_ms` on the same
-    connection, and `execute` raises NotReplicated unless that many replicas confirmed
-    every write before it. On a cluster the pipeline then goes to the primary serving the
-    first key's slot (all keys of a queue share it); a resend after a failover is the
-    caller's (every script is safe to resend).
+    With `replicas` > 0 the pipeline ends with `INCR {bg:<queue>}:acks` and `WAIT replicas
+    wait_timeout_ms` on the same connection, and `execute` raises NotReplicated (carrying
+    the replies) unless that many replicas confirmed every write up to the INCR. WAIT
+    waits for the connection's own last write; the INCR makes that write come after
+    the scripts' effects, and after those of an earlier copy of a resent call that landed
+    through another connection (a resend writes nothing), so one confirmed WAIT covers
+    them all. On a cluster the pipeline then goes to the primary serving the first key's
+    slot (all keys of a queue share it); a resend after a failover is the caller's
+    (every script is safe to resend).
     """
 
     def __init__(self, client: Any, replicas: int = 0, wait_timeout_ms: int = 0):
@@ -161,6 +165,7 @@ class ScriptPipeline:
             else:
                 getattr(pipe, op[0])(*op[1:])
         if self.replicas:
+            pipe.incr(acks_key(self._first_key()))
             pipe.execute_command("WAIT", self.replicas, self.wait_timeout_ms)
         return pipe
 
@@ -177,6 +182,8 @@ class ScriptPipeline:
             refresh_topology(self.client, exc)
             raise
         acked = replies.pop() if self.replicas else None
+        if self.replicas:
+            replies.pop()  # the INCR
         missing = self._missing(replies)
         if missing:
             again = ScriptPipeline(self.target, self.replicas, self.wait_timeout_ms)
@@ -207,7 +214,7 @@ class ScriptPipeline:
             if isinstance(acked, Exception):
                 raise acked
             if int(acked) < self.replicas:
-                raise NotReplicated(self.replicas, int(acked), self.wait_timeout_ms)
+                raise NotReplicated(self.replicas, int(acked), self.wait_timeout_ms, replies)
         return replies
 
 
@@ -225,6 +232,8 @@ class AsyncScriptPipeline(ScriptPipeline):
             await refresh_topology_async(self.client, exc)
             raise
         acked = replies.pop() if self.replicas else None
+        if self.replicas:
+            replies.pop()  # the INCR
         missing = self._missing(replies)
         if missing:
             again = AsyncScriptPipeline(self.target, self.replicas, self.wait_timeout_ms)
@@ -239,6 +248,12 @@ class AsyncScriptPipeline(ScriptPipeline):
             if isinstance(reply, redis.RedisError):
                 await refresh_topology_async(self.client, reply)
         return self._check(replies, acked, raise_on_error)
+
+
+def acks_key(key: str) -> str:
+    """`{bg:<queue>}:acks` of the queue that `key` belongs to (its hash tag)."""
+    end = key.find("}")
+    return (key[:end + 1] if key.startswith("{") and end > 0 else key) + ":acks"
 
 
 def _first_key(args: tuple[Any, ...]) -> str:

@@ -273,11 +273,13 @@ class AsyncProducer(ProducerBase[AsyncHandle]):
                 replies = [exc] * len(chunk)
             self._expired(chunk, replies, calls)
         for chunk in poll:
-            pipe = self._redis.pipeline(transaction=True)
-            checked = self._poll_reads(pipe, chunk)
-            try:
+            try:  # on a cluster, the MULTI goes to the primary serving the queue's slot
+                owner = await connection.slot_owner_async(self._redis, self.keys.jobs)
+                pipe = owner.pipeline(transaction=True)
+                checked = self._poll_reads(pipe, chunk)
                 self._polled(chunk, checked, await pipe.execute())
-            except redis.RedisError:
+            except redis.RedisError as exc:
+                await connection.refresh_topology_async(self._redis, exc)
                 return
 
     async def _poll(self, handle: AsyncHandle) -> bool:

@@ -98,6 +98,11 @@ class _Servers:
         self.kill(port)
         self._launch(port)
 
+    def start_again(self, port: int) -> None:
+        """Start a killed server again with its arguments (a cluster node keeps its
+        identity in nodes.conf, and rejoins as a replica of whoever took its slots)."""
+        self._launch(port)
+
     def client(self, port: int) -> redis.Redis:
         return redis.Redis(host="127.0.0.1", port=port, socket_timeout=5)
 

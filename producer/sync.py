@@ -33,6 +33,8 @@ from scheduler_core.connection import (
     Backoff,
     connect,
     dedicated,
+    refresh_topology,
+    slot_owner,
 )
 from scheduler_core.policy import Priority
 from scheduler_core.scripts import ScriptPipeline, Scripts
@@ -408,11 +410,12 @@ class Producer(ProducerBase[Handle]):
                 replies = [exc] * len(chunk)
             self._expired(chunk, replies, calls)
         for chunk in poll:
-            pipe = self._redis.pipeline(transaction=True)
-            checked = self._poll_reads(pipe, chunk)
-            try:
+            try:  # on a cluster, the MULTI goes to the primary serving the queue's slot
+                pipe = slot_owner(self._redis, self.keys.jobs).pipeline(transaction=True)
+                checked = self._poll_reads(pipe, chunk)
                 self._polled(chunk, checked, pipe.execute())
-            except redis.RedisError:
+            except redis.RedisError as exc:
+                refresh_topology(self._redis, exc)
                 return  # polled again at the next sweep
 
     def _wake_listener(self) -> None:

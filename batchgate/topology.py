@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import random
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -102,6 +103,19 @@ class _Servers:
         """Start a killed server again with its arguments (a cluster node keeps its
         identity in nodes.conf, and rejoins as a replica of whoever took its slots)."""
         self._launch(port)
+
+    def replicas_of(self, port: int) -> list[int]:
+        """Ports of the replicas attached to the server on `port`."""
+        info = self.client(port).info("replication")
+        return [int(v["port"]) for k, v in info.items()
+                if k.startswith("slave") and isinstance(v, dict)]
+
+    def pause(self, port: int) -> None:
+        """SIGSTOP: the server stops answering and replicating (a lagging replica)."""
+        self.procs[port].send_signal(signal.SIGSTOP)
+
+    def resume(self, port: int) -> None:
+        self.procs[port].send_signal(signal.SIGCONT)
 
     def client(self, port: int) -> redis.Redis:
         return redis.Redis(host="127.0.0.1", port=port, socket_timeout=5)

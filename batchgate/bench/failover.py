@@ -15,6 +15,11 @@ again (a new request). Then every accepted request is awaited:
   re-run:          requests the model ran more than once (not an error: at-least-once
                    execution, exactly-once delivery)
 
+With --lag-ms L the victim's replicas are paused (SIGSTOP) and cut off from it (CLIENT
+KILL TYPE replica) L ms before the kill, and resumed as it dies: replicas that lag behind,
+as they do under load or across a slow link. Writes the primary acknowledged in that window are what asynchronous
+replication loses.
+
 With --wait-replicas N the producer (wait_replicas=N) and the consumers
 (--wait-replicas N) acknowledge only after WAIT N confirmed the write on the replicas.
 """
@@ -68,7 +73,8 @@ def _batchgate() -> str:
 
 
 def run(mode: str, requests: int, rate: float, wait_replicas: int, consumers: int = 2,
-        lease_ms: int = 2000, drain_s: float = 60.0, log: Any = print) -> dict[str, Any]:
+        lease_ms: int = 2000, drain_s: float = 60.0, log: Any = print,
+        lag_ms: int = 0) -> dict[str, Any]:
     """One failover run; returns its figures."""
     servers: Any = EmbeddedCluster() if mode == "cluster" else EmbeddedSentinel()
     work = Path(tempfile.mkdtemp(prefix="batchgate-failover-"))
@@ -91,7 +97,7 @@ def run(mode: str, requests: int, rate: float, wait_replicas: int, consumers: in
             if time.monotonic() > deadline:
                 raise RuntimeError("consumers not ready")
             time.sleep(0.05)
-        return _drive(servers, mode, requests, rate, wait_replicas, work, drain_s, log)
+        return _drive(servers, mode, requests, rate, wait_replicas, work, drain_s, log, lag_ms)
     finally:
         for child in children:
             child.kill()
@@ -100,7 +106,7 @@ def run(mode: str, requests: int, rate: float, wait_replicas: int, consumers: in
 
 
 def _drive(servers: Any, mode: str, requests: int, rate: float, wait_replicas: int,
-           work: Path, drain_s: float, log: Any) -> dict[str, Any]:
+           work: Path, drain_s: float, log: Any, lag_ms: int) -> dict[str, Any]:
     deliveries: collections.Counter[str] = collections.Counter()
     lock = threading.Lock()
 
@@ -113,18 +119,17 @@ def _drive(servers: Any, mode: str, requests: int, rate: float, wait_replicas: i
     handles: list[Any] = []
     refused = 0
     killed_at = recovered_at = None
+    failing: threading.Thread | None = None
+    died: list[float] = []  # when the victim was killed
     chunk = 10
     with Producer(servers.url, QUEUE, on_result=on_result, wait_replicas=wait_replicas) as p:
         started = time.monotonic()
         n = 0
         while n < requests:
-            if killed_at is None and n >= requests // 2:
-                servers.kill(victim)
-                killed_at = time.monotonic()
-                log(f"SIGKILLed primary :{victim} after {n} accepted requests")
-                if mode == "cluster":
-                    threading.Thread(target=_rejoin, args=(servers, victim, tag_key, log),
-                                     daemon=True).start()
+            if failing is None and n >= requests // 2:
+                failing = threading.Thread(target=_fail, args=(
+                    servers, mode, victim, tag_key, lag_ms, n, died, log), daemon=True)
+                failing.start()
             payloads = [{"n": n + i} for i in range(min(chunk, requests - n))]
             try:
                 handles += p.submit_many(payloads)
@@ -134,8 +139,8 @@ def _drive(servers: Any, mode: str, requests: int, rate: float, wait_replicas: i
                 refused += len(payloads)
                 time.sleep(0.1)
                 continue
-            if killed_at is not None and recovered_at is None:
-                recovered_at = time.monotonic()
+            if died and recovered_at is None:
+                recovered_at, killed_at = time.monotonic(), died[0]
                 log(f"accepting again {recovered_at - killed_at:.2f}s after the kill")
             n += len(payloads)
             ahead = started + n / rate - time.monotonic()
@@ -156,12 +161,32 @@ def _drive(servers: Any, mode: str, requests: int, rate: float, wait_replicas: i
         runs.update(path.read_text().split())
     with lock:
         twice = sum(1 for count in deliveries.values() if count > 1)
-    return {"mode": mode, "wait_replicas": wait_replicas, "accepted": len(handles),
+    return {"mode": mode, "wait_replicas": wait_replicas, "lag_ms": lag_ms,
+            "accepted": len(handles),
             "answered": answered, "lost": lost, "delivered_twice": twice,
             "re_run": sum(1 for count in runs.values() if count > 1),
             "refused_during_failover": refused,
             "unavailable_s": round((recovered_at or killed_at or 0) - (killed_at or 0), 2),
             "submit_s": round(submitted_s, 2)}
+
+
+def _fail(servers: Any, mode: str, victim: int, key: str, lag_ms: int, accepted: int,
+          died: list[float], log: Any) -> None:
+    """Pause the victim's replicas for lag_ms (if any), SIGKILL it, resume them."""
+    replicas = servers.replicas_of(victim) if lag_ms else []
+    for port in replicas:
+        servers.pause(port)
+    if replicas:  # what the primary already sent stays in the replicas' socket buffers
+        servers.client(victim).client_kill_filter(_type="replica")
+    time.sleep(lag_ms / 1000)
+    servers.kill(victim)
+    died.append(time.monotonic())
+    for port in replicas:
+        servers.resume(port)
+    log(f"SIGKILLed primary :{victim} (after {accepted} accepted requests"
+        + (f", its replicas paused {lag_ms} ms before)" if lag_ms else ")"))
+    if mode == "cluster":
+        _rejoin(servers, victim, key, log)
 
 
 def _rejoin(servers: Any, victim: int, key: str, log: Any) -> None:
@@ -187,10 +212,13 @@ def main(argv: list[str] | None = None) -> None:
                         help="requests submitted per second (default 1000)")
     parser.add_argument("--wait-replicas", type=int, default=0)
     parser.add_argument("--consumers", type=int, default=2)
+    parser.add_argument("--lag-ms", type=int, default=0,
+                        help="pause the victim's replicas this long before the kill")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     figures = run(args.mode, args.requests, args.rate, args.wait_replicas, args.consumers,
-                  log=lambda line: print(line, file=sys.stderr, flush=True))
+                  log=lambda line: print(line, file=sys.stderr, flush=True),
+                  lag_ms=args.lag_ms)
     print(json.dumps(figures))
 
 

@@ -168,10 +168,16 @@ class DelayProxy:
             writer.close()
 
     def close(self) -> None:
-        def stop() -> None:
+        async def shutdown() -> None:
             self._server.close()
-            self._loop.stop()
-        self._loop.call_soon_threadsafe(stop)
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(5)
+        self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)
 
     def __enter__(self) -> DelayProxy:

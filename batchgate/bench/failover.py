@@ -17,8 +17,8 @@ again (a new request). Then every accepted request is awaited:
 
 With --lag-ms L the victim's replicas are paused (SIGSTOP) and cut off from it (CLIENT
 KILL TYPE replica) L ms before the kill, and resumed as it dies: replicas that lag behind,
-as they do under load or across a slow link. Writes the primary acknowledged in that window are what asynchronous
-replication loses.
+as they do under load or across a slow link. Writes the primary acknowledged in that
+window are what asynchronous replication loses.
 
 With --wait-replicas N the producer (wait_replicas=N) and the consumers
 (--wait-replicas N) acknowledge only after WAIT N confirmed the write on the replicas.

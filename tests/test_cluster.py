@@ -16,7 +16,9 @@ from helpers.processes import BATCHGATE
 from helpers.servers import gateway_factory
 from helpers.support import configure, queue_pattern, snapshot
 from test_api import BAD_SUBMITS
+from test_api import test_async_cancel_and_deadline as async_cancel_and_deadline
 from test_api import test_async_producer_round_trip as async_round_trip
+from test_api import test_deadline_passed_while_waiting_is_not_run as deadline_while_waiting
 from test_distributed import (
     test_many_consumers_answer_every_request_exactly_once as exactly_once,
 )
@@ -24,11 +26,12 @@ from test_recovery import test_recovery_takes_about_the_lease_plus_a_sweep as re
 from test_strategies import test_dynamic_full_batch_is_released_at_once as dynamic_full
 from test_strategies import test_priority_order_high_then_normal_then_low as priority_order
 
-from producer import AsyncProducer, InvalidRequest, Producer
+from producer import AsyncProducer, InvalidRequest, Producer, RequestLost
 from producer import base as producer_base
 from scheduler_core.compat import describe_server, require_redis_version
 from scheduler_core.connection import connect, parse_topology
 from scheduler_core.errors import NotReplicated
+from scheduler_core.keys import QueueKeys
 
 # -- the core behaviour, again ---------------------------------------------------------
 
@@ -52,6 +55,45 @@ def test_crash_recovery_after_sigkill(topology, queue, start_consumer, tmp_path)
 
 def test_async_producer(topology, queue, start_consumer) -> None:
     async_round_trip(topology, queue, start_consumer)
+
+
+def test_async_cancel_and_deadline(topology, queue) -> None:
+    async_cancel_and_deadline(topology, queue)
+
+
+def test_deadline_while_waiting(topology, queue, start_consumer, tmp_path) -> None:
+    deadline_while_waiting(topology, queue, start_consumer, tmp_path)
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "asyncio"])
+def test_a_request_redis_lost_fails_with_request_lost(topology, queue,
+                                                      asynchronous) -> None:
+    """The producers' poll (a MULTI of the queue's keys with MGET of results) works on
+    the topology: a waiting request whose data vanished is reported lost."""
+    configure(topology.url, queue, strategy="priority")  # no consumer runs
+    client = topology.client()
+
+    def forget(handle_id: str) -> None:
+        keys = QueueKeys(queue)
+        client.zrem(keys.pending(1), handle_id)
+        client.hdel(keys.jobs, handle_id)
+        client.hdel(keys.meta, handle_id)
+
+    if not asynchronous:
+        with Producer(topology.url, queue) as p:
+            handle = p.submit({"gone": 1})
+            forget(handle.id)
+            with pytest.raises(RequestLost):
+                handle.result(timeout=15)
+        return
+
+    async def main() -> None:
+        async with AsyncProducer(topology.url, queue) as p:
+            handle = await p.submit({"gone": 1})
+            forget(handle.id)
+            with pytest.raises(RequestLost):
+                await handle.result(timeout=15)
+    asyncio.run(main())
 
 
 def test_bad_input_names_the_field_and_writes_nothing(topology, queue) -> None:

@@ -129,6 +129,7 @@ class AsyncProducer(ProducerBase[AsyncHandle]):
         if self._listener_redis is not None and self._listener_redis is not self._redis:
             await self._listener_redis.aclose()
         if self._owns_client:
+            await connection.aclose_node_clients(self._redis)
             await self._redis.aclose()
 
     async def __aenter__(self) -> AsyncProducer:

@@ -31,6 +31,7 @@ from scheduler_core.connection import (
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_REDIS_URL,
     Backoff,
+    close_node_clients,
     connect,
     dedicated,
     refresh_topology,
@@ -245,6 +246,7 @@ class Producer(ProducerBase[Handle]):
         if self._listener_redis is not None and self._listener_redis is not self._redis:
             self._listener_redis.close()
         if self._owns_client:
+            close_node_clients(self._redis)
             self._redis.close()
 
     def __enter__(self) -> Producer:

@@ -305,6 +305,17 @@ async def slot_owner_async(client: Any, key: str) -> Any:
     return nodes[node.name]
 
 
+def close_node_clients(client: Any) -> None:
+    """Close the per-node clients `slot_owner` made for `client` (a cluster's)."""
+    for node in getattr(client, "batchgate_nodes", {}).values():
+        node.close()
+
+
+async def aclose_node_clients(client: Any) -> None:
+    for node in getattr(client, "batchgate_nodes", {}).values():
+        await node.aclose()
+
+
 def refresh_topology(client: Any, exc: BaseException) -> None:
     """After `exc` on a connection bound to one cluster node: ask the cluster again who
     serves which slot (redis-py's own NodesManager), so the resend goes to the new owner."""

@@ -122,9 +122,13 @@ def bg(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
 def test_cli_commands(topology, queue, start_consumer) -> None:
     start_consumer(topology.url, queue, "--model", "consumer.models:noop")
     assert bg("submit", "--redis-url", topology.url, "--queue", queue, '{"x": 1}',
-              "--wait").returncode == 0
+              "--wait").stdout.strip() == '{"x":1}'
+    request_id = bg("submit", "--redis-url", topology.url, "--queue", queue, '{"y": 2}'
+                    ).stdout.strip()
+    assert '"y"' in bg("result", request_id, "--redis-url", topology.url, "--queue", queue,
+                       "--wait").stdout
     stats = bg("stats", "--redis-url", topology.url, "--queue", queue, "--json").stdout
-    assert '"processed": 1' in stats
+    assert '"processed": 2' in stats
     bg("policy", "set", "--redis-url", topology.url, "--queue", queue, "--max-attempts", "5")
     assert '"max_attempts": 5' in bg("policy", "show", "--redis-url", topology.url,
                                      "--queue", queue).stdout

@@ -212,6 +212,9 @@ class AsyncProducer(ProducerBase[AsyncHandle]):
     async def _enqueue_calls(self, calls: Any, raise_on_error: bool) -> list[Any]:
         """As Producer._enqueue_calls."""
         calls = list(calls)
+        if not self.config.wait_replicas and len(calls) == 1 and raise_on_error:
+            keys, args = calls[0]  # the common case: one EVALSHA (loads on NOSCRIPT)
+            return [await self._scripts.enqueue(keys=keys, args=args)]
         if not self.config.wait_replicas:
             pipe = AsyncScriptPipeline(self._redis)
             for keys, args in calls:

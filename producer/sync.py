@@ -320,6 +320,9 @@ class Producer(ProducerBase[Handle]):
         confirms them, resending through a failover (or too few replicas) until
         WAIT_BUDGET_S has passed."""
         calls = list(calls)
+        if not self.config.wait_replicas and len(calls) == 1 and raise_on_error:
+            keys, args = calls[0]  # the common case: one EVALSHA (loads on NOSCRIPT)
+            return [self._scripts.enqueue(keys=keys, args=args)]
         if not self.config.wait_replicas:
             pipe = ScriptPipeline(self._redis)
             for keys, args in calls:

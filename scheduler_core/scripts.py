@@ -193,6 +193,7 @@ class ScriptPipeline:
                 again.script(*self._calls[i])  # type: ignore[misc]
             for i, reply in zip(missing, again.execute(raise_on_error=False), strict=True):
                 replies[i] = reply
+            acked = self.replicas  # the re-run's own WAIT confirmed everything
         for reply in [*replies, acked]:
             if isinstance(reply, redis.RedisError):
                 refresh_topology(self.client, reply)
@@ -244,6 +245,7 @@ class AsyncScriptPipeline(ScriptPipeline):
             for i, reply in zip(missing, await again.execute(raise_on_error=False),
                                 strict=True):
                 replies[i] = reply
+            acked = self.replicas
         for reply in [*replies, acked]:
             if isinstance(reply, redis.RedisError):
                 await refresh_topology_async(self.client, reply)

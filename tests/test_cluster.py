@@ -217,6 +217,16 @@ def test_wait_replicas_acknowledges_after_the_replicas(topology, queue,
     asyncio.run(main())
 
 
+def test_wait_replicas_after_redis_forgot_the_scripts(topology, queue,
+                                                     start_consumer) -> None:
+    """NOSCRIPT (a promoted replica, a flushed cache): the script is loaded, the call run
+    again, and its own WAIT confirms it."""
+    start_consumer(topology.url, queue, "--model", "consumer.models:noop")
+    topology.client().script_flush()
+    with Producer(topology.url, queue, wait_replicas=1) as p:
+        assert p.submit({"after": "flush"}).result(timeout=20) == {"after": "flush"}
+
+
 def test_wait_replicas_beyond_the_replicas_is_not_acknowledged(topology, queue,
                                                               monkeypatch) -> None:
     """More replicas than exist: WAIT never confirms, and the submit fails with

@@ -102,6 +102,15 @@ def install_signal_handlers(consumer: Consumer) -> None:
             help="With the queue's cost_buckets: the bucket this consumer serves first "
                  "whenever it is due (1 = the cheapest); otherwise the oldest due bucket. "
                  "0 = none.")
+@env_option("--wait-replicas", envvar="BATCHGATE_WAIT_REPLICAS", type=click.IntRange(0, 64),
+            default=0, show_default=True,
+            help="Acknowledge a batch's results only once this many replicas have them "
+                 "(Redis WAIT, on the connection that wrote them); until then they are "
+                 "offered again. 0 = as soon as the primary has them.")
+@env_option("--wait-timeout-ms", envvar="BATCHGATE_WAIT_TIMEOUT_MS",
+            type=click.IntRange(1, 60_000), default=1000, show_default=True,
+            help="ms: how long each WAIT of --wait-replicas waits before the results are "
+                 "offered again.")
 @env_option("--name", envvar="BATCHGATE_CONSUMER_NAME", default="",
             help="Consumer name shown in stats [default: host:pid:random].")
 @env_option("--otel-exporter", envvar="BATCHGATE_OTEL_EXPORTER", default="none",
@@ -114,8 +123,9 @@ def install_signal_handlers(consumer: Consumer) -> None:
 def consumer_command(redis_url: str, queue: str, model_spec: str, model_arg: tuple[str, ...],
                      device: str | None, torch_threads: int | None, lease_ms: int,
                      max_batch_ms: int, max_result_bytes: int, overlap: bool,
-                     cost_refit_s: float, prefer_bucket: int, name: str,
-                     otel_exporter: str, **kwargs: Any) -> None:
+                     cost_refit_s: float, prefer_bucket: int, wait_replicas: int,
+                     wait_timeout_ms: int, name: str, otel_exporter: str,
+                     **kwargs: Any) -> None:
     """Pop batches from QUEUE and run MODEL on them until SIGTERM/SIGINT.
 
     The first consumer of a queue stores its policy; later ones adopt it, and one started
@@ -128,7 +138,8 @@ def consumer_command(redis_url: str, queue: str, model_spec: str, model_arg: tup
     config = ConsumerConfig(redis_url=redis_url, queue=queue, lease_ms=lease_ms,
                             max_batch_ms=max_batch_ms, max_result_bytes=max_result_bytes,
                             overlap=overlap, cost_refit_s=cost_refit_s, policy=policy,
-                            name=name, prefer_bucket=prefer_bucket)
+                            name=name, prefer_bucket=prefer_bucket,
+                            wait_replicas=wait_replicas, wait_timeout_ms=wait_timeout_ms)
     model_kwargs = parse_model_args(model_arg)
     flags = dict.fromkeys(model_kwargs, "--model-arg")
     if device is not None:

@@ -42,7 +42,7 @@ from consumer.overlap import Overlap
 from consumer.refit import CostRefit
 from scheduler_core.admin import ensure_policy, store_policy, unknown_requests
 from scheduler_core.connection import DEFAULT_REDIS_URL, Backoff, connect
-from scheduler_core.errors import InvalidRequest
+from scheduler_core.errors import InvalidRequest, NotReplicated
 from scheduler_core.keys import QueueKeys
 from scheduler_core.policy import MAX_COST_BUCKETS, Policy
 from scheduler_core.registry import register_queue
@@ -69,7 +69,9 @@ IDLE_BLOCK_S = 1.0  # longest idle block: bounds heartbeat, sweep and shutdown l
 # Replies to complete.lua that are offered again (the results are kept) rather than
 # dropped: Redis away, or out of memory under `maxmemory` (noeviction) until room is made.
 COMPLETION_RETRIED = (redis.ConnectionError, redis.TimeoutError,
-                      redis.exceptions.OutOfMemoryError)
+                      redis.exceptions.OutOfMemoryError, redis.exceptions.ClusterDownError,
+                      redis.exceptions.TryAgainError, redis.exceptions.MovedError,
+                      redis.exceptions.ReadOnlyError)
 # Bound once: a member looked up through its Enum class is slow, and these run per request.
 RUN, OK, FAILED = Outcome.RUN, Outcome.OK, Outcome.FAILED
 
@@ -97,9 +99,18 @@ class ConsumerConfig:
     # The cost bucket this consumer serves first when it is due (1-based; 0 = none):
     # docs/scheduling.md, "Requests of different cost".
     prefer_bucket: int = 0
+    # Acknowledge a completion only once this many replicas confirm it (WAIT); until
+    # then it is offered again. wait_timeout_ms bounds each WAIT.
+    wait_replicas: int = 0
+    wait_timeout_ms: int = 1000
 
     def __post_init__(self) -> None:
         QueueKeys(self.queue)
+        for knob, low, high in (("wait_replicas", 0, 64), ("wait_timeout_ms", 1, 60_000)):
+            value = getattr(self, knob)
+            if isinstance(value, bool) or not isinstance(value, int) \
+                    or not low <= value <= high:
+                raise InvalidRequest(knob, f"{value!r} is outside [{low}, {high}]")
         if isinstance(self.lease_ms, bool) or not isinstance(self.lease_ms, int) \
                 or not 100 <= self.lease_ms <= 86_400_000:
             raise InvalidRequest("lease_ms", f"{self.lease_ms!r} is outside [100, 86400000]")
@@ -458,12 +469,16 @@ class Consumer:
                                    {**job.answered_early, **outcomes})
         sample = f"{len(job.runnable)}:{job.model_us}" if job.runnable else None
         complete = self._complete_call(job.batch, outcomes, sample)
-        pipe = ScriptPipeline(self.redis)
+        pipe = ScriptPipeline(self.redis, self.config.wait_replicas, self.config.wait_timeout_ms)
         pipe.script(*complete)
         if pop_next:
             pipe.script(*self._pop_call())
         try:
             replies = pipe.execute()
+        except NotReplicated as exc:  # written, not yet on enough replicas
+            self._check_completion(job.batch, exc.replies[0])
+            self._complete_until_done(job.batch, complete, exc, landed=True)
+            return exc.replies[-1] if pop_next else None
         except COMPLETION_RETRIED as exc:
             self._complete_until_done(job.batch, complete, exc)
             return None
@@ -471,21 +486,31 @@ class Consumer:
         return replies[-1] if pop_next else None
 
     def _complete_until_done(self, batch: Batch, complete: tuple[Any, list[str], list[Any]],
-                             exc: BaseException) -> None:
-        """Redis went away (or is out of memory) while the results were on their way:
-        they are computed, so offer them again until Redis takes them rather than re-run
-        the batch; the batch stays held, so the lease thread keeps renewing it.
-        complete.lua is fenced, so a resend whose first copy did land is refused, never
-        applied twice."""
+                             exc: BaseException, landed: bool = False) -> None:
+        """Redis went away (or is out of memory, or too few replicas confirmed under
+        --wait-replicas) while the results were on their way: they are computed, so offer
+        them again until Redis takes them rather than re-run the batch; the batch stays
+        held, so the lease thread keeps renewing it. complete.lua is fenced, so a resend
+        whose first copy did land is refused, never applied twice (and not reported:
+        `landed` says the first copy's reply was seen)."""
         backoff = Backoff(f"consumer {self.config.name} (completing batch {batch.id})")
-        script, keys, args = complete
         while True:
             backoff.sleep_after(exc)
+            pipe = ScriptPipeline(self.redis, self.config.wait_replicas,
+                                  self.config.wait_timeout_ms)
+            pipe.script(*complete)
             try:
-                self._check_completion(batch, script(keys=keys, args=args))
-                break
+                reply = pipe.execute()[0]
+            except NotReplicated as again:
+                landed = landed or int(again.replies[0][0]) != -1
+                exc = again
+                continue
             except COMPLETION_RETRIED as again:
                 exc = again
+                continue
+            if not (landed and int(reply[0]) == -1):
+                self._check_completion(batch, reply)
+            break
         backoff.succeeded()
 
     def _encode(self, request_id: str, ok: bool, value: Any) -> tuple[Outcome, bytes]:

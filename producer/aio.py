@@ -25,7 +25,7 @@ from scheduler_core.compat import require_redis_version_async
 from scheduler_core.connection import Backoff, dedicated
 from scheduler_core.policy import Priority
 from scheduler_core.registry import register_queue_async
-from scheduler_core.scripts import Scripts
+from scheduler_core.scripts import AsyncScriptPipeline, Scripts
 from scheduler_core.wire import Result, decode_result
 
 log = logging.getLogger("batchgate.producer")
@@ -87,8 +87,10 @@ class AsyncProducer(ProducerBase[AsyncHandle]):
     def __init__(self, redis_url: str = connection.DEFAULT_REDIS_URL, queue: str = "default", *,
                  max_payload_bytes: int | None = None, idempotency_ttl_s: int | None = None,
                  client: redis.asyncio.Redis | None = None, on_result: OnResult | None = None,
-                 max_connections: int = connection.DEFAULT_MAX_CONNECTIONS):
-        super().__init__(queue, max_payload_bytes, idempotency_ttl_s, on_result)
+                 max_connections: int = connection.DEFAULT_MAX_CONNECTIONS,
+                 wait_replicas: int = 0, wait_timeout_ms: int | None = None):
+        super().__init__(queue, max_payload_bytes, idempotency_ttl_s, on_result,
+                         wait_replicas, wait_timeout_ms)
         self._redis = client or connection.connect_async(redis_url, max_connections)
         self._owns_client = client is None
         self._scripts = Scripts(self._redis)
@@ -130,6 +132,7 @@ class AsyncProducer(ProducerBase[AsyncHandle]):
         if self._listener_redis is not None and self._listener_redis is not self._redis:
             await self._listener_redis.aclose()
         if self._owns_client:
+            await connection.aclose_node_clients(self._redis)
             await self._redis.aclose()
 
     async def __aenter__(self) -> AsyncProducer:
@@ -205,11 +208,9 @@ class AsyncProducer(ProducerBase[AsyncHandle]):
     async def _send(self, batch: list[Submission]) -> None:
         try:
             keys, args = self._batch_call(batch)
-            if not self._settle(batch, await self._scripts.enqueue(keys=keys, args=args)):
-                pipe = self._redis.pipeline(transaction=False)
-                for keys, args in self._each_call(batch):
-                    await self._scripts.enqueue(keys=keys, args=args, client=pipe)
-                self._settle_each(batch, await pipe.execute(raise_on_error=False))
+            if not self._settle(batch, (await self._enqueue_calls([(keys, args)], True))[0]):
+                self._settle_each(batch, await self._enqueue_calls(self._each_call(batch),
+                                                                   False))
         except BaseException as exc:  # each of its callers gets the error
             self._fail(batch, exc)
         finally:
@@ -228,6 +229,33 @@ class AsyncProducer(ProducerBase[AsyncHandle]):
                     else:
                         sub.waiter.set_exception(sub.error)
             self._kick()
+
+    async def _enqueue_calls(self, calls: Any, raise_on_error: bool) -> list[Any]:
+        """As Producer._enqueue_calls."""
+        calls = list(calls)
+        if not self.config.wait_replicas and len(calls) == 1 and raise_on_error:
+            keys, args = calls[0]  # the common case: one EVALSHA (loads on NOSCRIPT)
+            return [await self._scripts.enqueue(keys=keys, args=args)]
+        if not self.config.wait_replicas:
+            pipe = AsyncScriptPipeline(self._redis)
+            for keys, args in calls:
+                pipe.script(self._scripts.enqueue, keys, args)
+            return await pipe.execute(raise_on_error)
+        backoff = Backoff(f"async producer {self.id[:8]} (waiting for replicas)")
+        give_up = time.monotonic() + base.WAIT_BUDGET_S
+        while True:
+            pipe = AsyncScriptPipeline(self._redis, self.config.wait_replicas,
+                                       self.config.wait_timeout_ms)
+            for keys, args in calls:
+                pipe.script(self._scripts.enqueue, keys, args)
+            try:
+                replies = await pipe.execute(raise_on_error)
+                backoff.succeeded()
+                return replies
+            except base.RESENT as exc:
+                if time.monotonic() >= give_up:
+                    raise
+                await asyncio.sleep(backoff.failed(exc))
 
     async def _listen(self) -> None:
         inbox = self.keys.inbox(self.id)
@@ -261,20 +289,22 @@ class AsyncProducer(ProducerBase[AsyncHandle]):
         expire, poll = self._due()
         for chunk in expire:
             calls = self._expire_calls(chunk)
-            pipe = self._redis.pipeline(transaction=False)
+            pipe = AsyncScriptPipeline(self._redis)
             for keys, args, _ in calls:
-                await self._scripts.cancel(keys=keys, args=args, client=pipe)
+                pipe.script(self._scripts.cancel, keys, args)
             try:
                 replies = await pipe.execute(raise_on_error=False)
             except redis.RedisError as exc:
                 replies = [exc] * len(chunk)
             self._expired(chunk, replies, calls)
         for chunk in poll:
-            pipe = self._redis.pipeline(transaction=True)
-            checked = self._poll_reads(pipe, chunk)
-            try:
+            try:  # on a cluster, the MULTI goes to the primary serving the queue's slot
+                owner = await connection.slot_owner_async(self._redis, self.keys.jobs)
+                pipe = owner.pipeline(transaction=True)
+                checked = self._poll_reads(pipe, chunk)
                 self._polled(chunk, checked, await pipe.execute())
-            except redis.RedisError:
+            except redis.RedisError as exc:
+                await connection.refresh_topology_async(self._redis, exc)
                 return
 
     async def _poll(self, handle: AsyncHandle) -> bool:

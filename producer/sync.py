@@ -16,6 +16,8 @@ from producer.base import (
     MAX_IN_FLIGHT,
     POLL_MAX_S,
     POLL_S,
+    RESENT,
+    WAIT_BUDGET_S,
     CancelOutcome,
     OnResult,
     ProducerBase,
@@ -29,12 +31,15 @@ from scheduler_core.connection import (
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_REDIS_URL,
     Backoff,
+    close_node_clients,
     connect,
     dedicated,
+    refresh_topology,
+    slot_owner,
 )
 from scheduler_core.policy import Priority
 from scheduler_core.registry import register_queue
-from scheduler_core.scripts import Scripts
+from scheduler_core.scripts import ScriptPipeline, Scripts
 from scheduler_core.wire import Result, decode_result
 
 log = logging.getLogger("batchgate.producer")
@@ -178,8 +183,10 @@ class Producer(ProducerBase[Handle]):
     def __init__(self, redis_url: str = DEFAULT_REDIS_URL, queue: str = "default", *,
                  max_payload_bytes: int | None = None, idempotency_ttl_s: int | None = None,
                  client: redis.Redis | None = None, on_result: OnResult | None = None,
-                 max_connections: int = DEFAULT_MAX_CONNECTIONS):
-        super().__init__(queue, max_payload_bytes, idempotency_ttl_s, on_result)
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS, wait_replicas: int = 0,
+                 wait_timeout_ms: int | None = None):
+        super().__init__(queue, max_payload_bytes, idempotency_ttl_s, on_result,
+                         wait_replicas, wait_timeout_ms)
         self._redis = client or connect(redis_url, max_connections)
         self._owns_client = client is None
         self._scripts = Scripts(self._redis)
@@ -246,6 +253,7 @@ class Producer(ProducerBase[Handle]):
         if self._listener_redis is not None and self._listener_redis is not self._redis:
             self._listener_redis.close()
         if self._owns_client:
+            close_node_clients(self._redis)
             self._redis.close()
 
     def __enter__(self) -> Producer:
@@ -319,11 +327,8 @@ class Producer(ProducerBase[Handle]):
     def _send(self, batch: list[Submission]) -> None:
         try:
             keys, args = self._batch_call(batch)
-            if not self._settle(batch, self._scripts.enqueue(keys=keys, args=args)):
-                pipe = self._redis.pipeline(transaction=False)
-                for keys, args in self._each_call(batch):
-                    self._scripts.enqueue(keys=keys, args=args, client=pipe)
-                self._settle_each(batch, pipe.execute(raise_on_error=False))
+            if not self._settle(batch, self._enqueue_calls([(keys, args)], True)[0]):
+                self._settle_each(batch, self._enqueue_calls(self._each_call(batch), False))
         except BaseException as exc:  # each of its callers gets the error
             self._fail(batch, exc)
         finally:
@@ -331,6 +336,36 @@ class Producer(ProducerBase[Handle]):
             for sub in batch:
                 if sub.waiter.locked():  # not if its caller was interrupted (_abandon)
                     sub.waiter.release()
+
+    def _enqueue_calls(self, calls: Iterable[tuple[list[str], list[Any]]],
+                       raise_on_error: bool) -> list[Any]:
+        """Run enqueue calls in one round trip. With wait_replicas, after a WAIT that
+        confirms them, resending through a failover (or too few replicas) until
+        WAIT_BUDGET_S has passed."""
+        calls = list(calls)
+        if not self.config.wait_replicas and len(calls) == 1 and raise_on_error:
+            keys, args = calls[0]  # the common case: one EVALSHA (loads on NOSCRIPT)
+            return [self._scripts.enqueue(keys=keys, args=args)]
+        if not self.config.wait_replicas:
+            pipe = ScriptPipeline(self._redis)
+            for keys, args in calls:
+                pipe.script(self._scripts.enqueue, keys, args)
+            return pipe.execute(raise_on_error)
+        backoff = Backoff(f"producer {self.id[:8]} (waiting for replicas)")
+        give_up = time.monotonic() + WAIT_BUDGET_S
+        while True:
+            pipe = ScriptPipeline(self._redis, self.config.wait_replicas,
+                                  self.config.wait_timeout_ms)
+            for keys, args in calls:
+                pipe.script(self._scripts.enqueue, keys, args)
+            try:
+                replies = pipe.execute(raise_on_error)
+                backoff.succeeded()
+                return replies
+            except RESENT as exc:
+                if time.monotonic() >= give_up:
+                    raise
+                backoff.sleep_after(exc)
 
     def _abandon(self, sub: Submission) -> None:
         """The caller of `sub` is leaving before its answer: still queued, it is dropped
@@ -394,20 +429,21 @@ class Producer(ProducerBase[Handle]):
         expire, poll = self._due()
         for chunk in expire:
             calls = self._expire_calls(chunk)
-            pipe = self._redis.pipeline(transaction=False)
+            pipe = ScriptPipeline(self._redis)
             for keys, args, _ in calls:
-                self._scripts.cancel(keys=keys, args=args, client=pipe)
+                pipe.script(self._scripts.cancel, keys, args)
             try:
                 replies = pipe.execute(raise_on_error=False)
             except redis.RedisError as exc:
                 replies = [exc] * len(chunk)
             self._expired(chunk, replies, calls)
         for chunk in poll:
-            pipe = self._redis.pipeline(transaction=True)
-            checked = self._poll_reads(pipe, chunk)
-            try:
+            try:  # on a cluster, the MULTI goes to the primary serving the queue's slot
+                pipe = slot_owner(self._redis, self.keys.jobs).pipeline(transaction=True)
+                checked = self._poll_reads(pipe, chunk)
                 self._polled(chunk, checked, pipe.execute())
-            except redis.RedisError:
+            except redis.RedisError as exc:
+                refresh_topology(self._redis, exc)
                 return  # polled again at the next sweep
 
     def _wake_listener(self) -> None:

@@ -97,12 +97,15 @@ class ProducerConfig:
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
     idempotency_ttl_s: int = DEFAULT_IDEMPOTENCY_TTL_S
     result_ttl_s: int = 600  # for results this producer writes itself (cancel, deadline)
+    wait_replicas: int = 0  # acknowledge a submit only once this many replicas have it
+    wait_timeout_ms: int = 1000  # each WAIT's limit; resent until WAIT_BUDGET_S has passed
 
     def __post_init__(self) -> None:
         QueueKeys(self.queue)
         for name, low, high in (("max_payload_bytes", 16, 512 << 20),
                                 ("idempotency_ttl_s", 1, 30 * 86_400),
-                                ("result_ttl_s", 1, 30 * 86_400)):
+                                ("result_ttl_s", 1, 30 * 86_400),
+                                ("wait_replicas", 0, 64), ("wait_timeout_ms", 1, 60_000)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
                 raise InvalidRequest(name, f"{value!r} is outside [{low}, {high}]")

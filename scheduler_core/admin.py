@@ -10,6 +10,12 @@ import redis
 import redis.asyncio
 
 from scheduler_core.auto_delay import STATS_AT_US, STATS_DELAY_US
+from scheduler_core.connection import (
+    refresh_topology,
+    refresh_topology_async,
+    slot_owner,
+    slot_owner_async,
+)
 from scheduler_core.errors import InvalidPolicy, PolicyConflict
 from scheduler_core.keys import QueueKeys
 from scheduler_core.load import rate_from
@@ -110,7 +116,17 @@ SAMPLES_READ = 10_000  # the lists hold this many, plus up to 500 between trims
 
 def queue_stats(client: redis.Redis, queue: str) -> QueueStats:
     keys = QueueKeys(queue)
-    pipe = client.pipeline(transaction=True)
+    # One MULTI with Redis' TIME: on a cluster, on the primary serving the queue's slot
+    # (a cluster pipeline takes no keyless command).
+    owner = slot_owner(client, keys.policy)
+    try:
+        return _queue_stats(owner.pipeline(transaction=True), queue, keys)
+    except redis.RedisError as exc:
+        refresh_topology(client, exc)
+        raise
+
+
+def _queue_stats(pipe: Any, queue: str, keys: QueueKeys) -> QueueStats:
     pipe.time()
     pipe.hgetall(keys.policy)
     for key in keys.pending_all:
@@ -288,7 +304,13 @@ def request_state(client: redis.Redis, queue: str, request_id: str) -> Found | N
 
 async def request_state_async(client: redis.asyncio.Redis, queue: str,
                               request_id: str) -> Found | None:
-    """`request_state` for an asyncio client."""
-    pipe = client.pipeline(transaction=True)
-    queue_lookup(pipe, QueueKeys(queue), request_id)
-    return read_lookup(request_id, await pipe.execute())
+    """`request_state` for an asyncio client. On a cluster the MULTI goes to the primary
+    serving the queue's slot (redis-py's asyncio cluster transactions mis-parse ZSCORE)."""
+    keys = QueueKeys(queue)
+    pipe = (await slot_owner_async(client, keys.jobs)).pipeline(transaction=True)
+    queue_lookup(pipe, keys, request_id)
+    try:
+        return read_lookup(request_id, await pipe.execute())
+    except redis.RedisError as exc:
+        await refresh_topology_async(client, exc)
+        raise

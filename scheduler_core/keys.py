@@ -37,6 +37,7 @@ then the script's per-call keys (result:<id>, inbox:<producer>, idem:<key>).
 | `{bg:q}:result:<id>`        | string | result envelope, expires after result_ttl_s               |
 | `{bg:q}:inbox:<producer>`   | list   | result envelopes for one Producer instance, expires       |
 | `{bg:q}:idem:<key>`         | string | idempotency key -> request id, expires                    |
+| `{bg:q}:acks`               | string | counter written before each WAIT of `wait_replicas`       |
 
 The registry of queues (scheduler_core/registry.py) is one key outside every queue:
 

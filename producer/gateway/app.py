@@ -62,7 +62,13 @@ from producer.gateway.schemas import (
 )
 from producer.validation import cancel_envelope
 from scheduler_core.admin import QueueStats, queue_stats, request_state_async
-from scheduler_core.connection import DEFAULT_REDIS_URL, connect, connect_async
+from scheduler_core.connection import (
+    DEFAULT_REDIS_URL,
+    connect,
+    connect_async,
+    refresh_topology_async,
+    slot_owner_async,
+)
 from scheduler_core.errors import InvalidRequest, QueueFull, RequestFailed
 from scheduler_core.keys import QueueKeys
 from scheduler_core.scripts import Scripts, cancel_keys
@@ -161,10 +167,16 @@ class Gateway:
         """Expire a queued request whose deadline_ms has passed, as its producer would:
         consumers see it only when they pop it, and its status must follow its deadline
         whoever asks. Whether it was expired now."""
-        pipe = self.redis.pipeline(transaction=False)
+        # With Redis' TIME: on a cluster, on the primary serving the queue's slot.
+        owner = await slot_owner_async(self.redis, self.keys.meta)
+        pipe = owner.pipeline(transaction=False)
         pipe.hget(self.keys.meta, request_id)
         pipe.time()
-        meta, (seconds, micros) = await pipe.execute()
+        try:
+            meta, (seconds, micros) = await pipe.execute()
+        except redis.RedisError as exc:
+            await refresh_topology_async(self.redis, exc)
+            raise
         fields = meta.decode().split(":") if meta is not None else []
         deadline_us = int(fields[2]) if len(fields) >= 5 and fields[2].isdigit() else 0
         if not 0 < deadline_us <= seconds * 1_000_000 + micros:  # Redis' clock, as the Lua

@@ -21,6 +21,7 @@ import click
 import redis
 
 from scheduler_core.admin import CONSUMER_ALIVE_S, scaling_signal
+from scheduler_core.connection import slot_owner
 from scheduler_core.errors import InvalidRequest
 from scheduler_core.keys import QUEUE_NAME, QueueKeys, validate_queue_name
 from scheduler_core.options import env_option, redis_url_option
@@ -101,7 +102,8 @@ class QueueReading:
 
 def read_queue(client: redis.Redis, queue: str, now_us: int, samples: int) -> QueueReading:
     keys = QueueKeys(queue)
-    pipe = client.pipeline(transaction=True)
+    # One MULTI: on a cluster, on the primary serving the queue's slot.
+    pipe = slot_owner(client, keys.policy).pipeline(transaction=True)
     pipe.hgetall(keys.policy)
     for key in keys.pending_all:
         pipe.zcard(key)

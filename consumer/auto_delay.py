@@ -39,6 +39,7 @@ from scheduler_core.auto_delay import (
     fit_samples,
     read_cost_model,
 )
+from scheduler_core.connection import slot_owner
 from scheduler_core.keys import QueueKeys
 from scheduler_core.load import rate_from
 from scheduler_core.policy import Policy, Strategy
@@ -119,7 +120,8 @@ class DelayKeeper:
             if not force and now < self._next - 0.05:
                 return
             self._next = now + RECOMPUTE_S
-            pipe = self._redis.pipeline(transaction=True)
+            # TIME has no key: on a cluster, the primary serving the queue's slot.
+            pipe = slot_owner(self._redis, self._keys.arrivals).pipeline(transaction=True)
             pipe.time()
             pipe.hgetall(self._keys.arrivals)
             pipe.hgetall(self._keys.cost_model)

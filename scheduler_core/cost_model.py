@@ -32,6 +32,7 @@ from typing import Any
 
 import redis
 
+from scheduler_core.connection import slot_owner
 from scheduler_core.errors import InvalidRequest
 from scheduler_core.keys import QueueKeys
 
@@ -143,6 +144,7 @@ def read_cost_model(client: redis.Redis, keys: QueueKeys) -> CostModel | None:
 def write_cost_model(client: redis.Redis, keys: QueueKeys, model: CostModel) -> CostModel:
     """Store `model` (all fields at once), stamped with Redis' clock; returns what was
     stored."""
+    client = slot_owner(client, keys.cost_model)  # a cluster: the slot's primary, for TIME
     now_s, now_frac = client.time()
     stored = CostModel(model.a_us, model.b_us, model.r2, model.samples, model.source,
                        int(now_s) * 1_000_000 + int(now_frac))

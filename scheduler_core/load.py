@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from scheduler_core.connection import slot_owner
 from scheduler_core.keys import QueueKeys
 
 DEFAULT_WINDOW_S = 10
@@ -33,7 +34,8 @@ def rate_from(counts: Mapping[Any, Any], now_s: int, window_s: int = DEFAULT_WIN
 def arrival_rate(client: Any, keys: QueueKeys, window_s: int = DEFAULT_WINDOW_S) -> float:
     """Requests/s enqueued on the queue over the last `window_s` complete seconds (Redis'
     clock; one round trip)."""
-    pipe = client.pipeline(transaction=True)
+    # TIME has no key: on a cluster the MULTI goes to the primary serving the queue's slot.
+    pipe = slot_owner(client, keys.arrivals).pipeline(transaction=True)
     pipe.time()
     pipe.hgetall(keys.arrivals)
     (now_s, _), counts = pipe.execute()

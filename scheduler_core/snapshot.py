@@ -13,6 +13,7 @@ import orjson
 import redis
 
 from scheduler_core.admin import queue_stats
+from scheduler_core.connection import slot_owner
 from scheduler_core.deadletter import list_dead
 from scheduler_core.keys import QueueKeys
 from scheduler_core.registry import known_queues
@@ -42,6 +43,7 @@ def queue_snapshot(client: redis.Redis, queue: str, dead_shown: int = DEAD_SHOWN
     dead_shown=0 / failures_shown=0 those lists are not read (the totals still are)."""
     keys = QueueKeys(queue)
     stats = queue_stats(client, queue).to_dict()
+    client = slot_owner(client, keys.policy)  # a cluster: the slot's primary, for TIME
     pipe = client.pipeline(transaction=False)
     pipe.time()
     pipe.zrange(keys.consumers, 0, -1, withscores=True)

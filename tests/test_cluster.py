@@ -7,6 +7,7 @@ as `batchgate consumer --redis-url redis+cluster://...`; then every other entry 
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import uuid
 
@@ -134,6 +135,13 @@ def test_cli_commands(topology, queue, start_consumer) -> None:
                                      "--queue", queue).stdout
     assert "0 dead-lettered" in bg("dead-letter", "list", "--redis-url", topology.url,
                                    "--queue", queue).stdout
+    # The live views read a queue through its slot's primary too (they need Redis' TIME).
+    assert queue in bg("top", "--redis-url", topology.url, "--queue", queue, "--once").stdout
+    bg("policy", "set", "--redis-url", topology.url, "--queue", queue,
+       "--max-queue-delay-ms", "auto", "--slo-p99-ms", "60")
+    auto = json.loads(bg("stats", "--redis-url", topology.url, "--queue", queue,
+                         "--json").stdout)
+    assert auto["policy"]["delay_mode"] == "auto" and auto["arrival_rate_rps"] >= 0
 
 
 def test_gateway(topology, queue, start_consumer) -> None:

@@ -145,13 +145,17 @@ def test_top_shows_a_busy_queue_and_exits(redis_server, queue, start_consumer):
 def test_top_exits_cleanly_on_ctrl_c(redis_server, queue, signal_name):
     import signal
 
-    register_queue(redis_server.client(), queue)
+    client = redis_server.client()
+    register_queue(client, queue)
+    before = len(client.client_list())
     proc = subprocess.Popen([BATCHGATE, "top", "--redis-url", redis_server.url,
                              "--interval", "0.2"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    time.sleep(2.0)
+    # Running (a busy host may take seconds to start it): its connection is open.
+    wait_for(lambda: len(client.client_list()) > before, 60, "top to connect to Redis")
+    time.sleep(0.5)
     proc.send_signal(getattr(signal, signal_name))
-    out, err = proc.communicate(timeout=15)
+    out, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err
     assert "Traceback" not in err and queue in out
 

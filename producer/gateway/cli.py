@@ -75,7 +75,7 @@ def gateway_command(redis_url: str, queue: str, host: str, port: int, token: str
     with contextlib.suppress(redis.ConnectionError, redis.TimeoutError):
         connect_checked(redis_url).close()
     app = create_app(redis_url, queue, token=token or None, max_body_bytes=max_body_bytes,
-                     request_timeout_s=request_timeout_s)  # validates before serving
+                     request_timeout_s=request_timeout_s, tune_gc=True)  # validates first
     level = logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
     click.echo(f"batchgate gateway for queue {queue!r} on http://{host}:{port} "
                f"(auth: {'bearer token' if token else 'none'}, workers: {workers})", err=True)

@@ -14,6 +14,7 @@ both use `error_answer`.
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import re
 from collections.abc import Awaitable, Callable
@@ -124,6 +125,7 @@ def queue_full(exc: QueueFull) -> ApiError:
                     retry_after_s=retry, headers={"Retry-After": str(max(1, math.ceil(retry)))})
 
 
+@functools.lru_cache(maxsize=64)
 def is_json(content_type: bytes | None) -> bool:
     """application/json or application/*+json, as FastAPI reads a body as JSON."""
     maintype, _, subtype = (content_type or b"").partition(b";")[0].strip().lower() \

@@ -130,6 +130,7 @@ class Health(BaseModel):
 
 
 SUBMIT_FIELDS = tuple(SubmitRequest.model_fields)
+_FIELD_SET = frozenset(SUBMIT_FIELDS)
 
 
 @dataclass(frozen=True)
@@ -195,8 +196,8 @@ def check_submit(body: Any, max_payload_bytes: int) -> Submit:
     if checked is None or checked > MAX_WAIT_S:
         raise InvalidRequest("timeout_s", f"must be a number of seconds in [0, "
                                           f"{MAX_WAIT_S:g}], got {timeout_s!r}")
-    if len(body) > len(SUBMIT_FIELDS) or not all(name in SUBMIT_FIELDS for name in body):
-        unknown = next(name for name in body if name not in SUBMIT_FIELDS)
+    if not body.keys() <= _FIELD_SET:
+        unknown = next(name for name in body if name not in _FIELD_SET)
         raise InvalidRequest(unknown, "Extra inputs are not permitted (the fields are "
                                       f"{', '.join(SUBMIT_FIELDS)})")
     return Submit(encode_payload(body["payload"], max_payload_bytes), priority, deadline_ms,

@@ -253,6 +253,51 @@ def test_workers_apply_the_limits(shared_redis, queue, start_gateway):
     assert status == 408
 
 
+def read_one(sock: socket.socket, buffered: bytes = b"",
+             head_only: bool = False) -> tuple[bytes, bytes, bytes]:
+    """One answer's head and body from a kept-alive connection (by its Content-Length;
+    none for a HEAD), and what was received after it."""
+    data = buffered
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536) or b""
+    head, _, rest = data.partition(b"\r\n\r\n")
+    fields = dict(line.split(b": ", 1) for line in head.split(b"\r\n")[1:])
+    length = 0 if head_only or head.startswith(b"HTTP/1.1 100") else \
+        int(fields.get(b"content-length", b"0"))
+    while len(rest) < length:
+        rest += sock.recv(65536)
+    return head, rest[:length], rest[length:]
+
+
+def test_answers_whole_on_a_kept_alive_connection(shared_redis, queue, start_consumer,
+                                                  start_gateway):
+    """The gateway writes an answer's head together with its body (protocol.HeldHead):
+    an interim 100 Continue still goes out before the body is sent, a HEAD answer (no
+    body) is not held back, and answers on one connection follow one another whole."""
+    start_consumer(shared_redis.url, queue, "--model", "consumer.models:noop")
+    gateway = start_gateway(shared_redis.url, queue)
+    body = b'{"payload": {"n": 1}, "wait": true, "timeout_s": 20}'
+    with connect(gateway) as sock:
+        sock.sendall(b"POST /v1/requests HTTP/1.1\r\nHost: gw\r\nContent-Type: "
+                     b"application/json\r\nExpect: 100-continue\r\nContent-Length: %d\r\n\r\n"
+                     % len(body))
+        interim, _, rest = read_one(sock)
+        assert interim.startswith(b"HTTP/1.1 100 "), interim
+        sock.sendall(body)
+        head, answered, rest = read_one(sock, rest)
+        assert head.startswith(b"HTTP/1.1 200 "), head
+        done = orjson.loads(answered)
+        assert done["result"] == {"n": 1}
+        path = f"/v1/requests/{done['id']}".encode()
+        sock.sendall(b"HEAD %s HTTP/1.1\r\nHost: gw\r\n\r\nGET %s HTTP/1.1\r\nHost: gw\r\n\r\n"
+                     % (path, path))  # pipelined
+        head, _, rest = read_one(sock, rest, head_only=True)
+        assert head.startswith(b"HTTP/1.1 200 ") and b"content-length: " in head.lower()
+        head, answered, rest = read_one(sock, rest)
+        assert head.startswith(b"HTTP/1.1 200 ") and orjson.loads(answered) == done
+        assert rest == b""
+
+
 # -- metrics, health, redirects ----------------------------------------------------------
 def scrape(http: httpx.Client) -> tuple[str, set[str], set[str]]:
     text = http.get("/metrics", headers={}).text

@@ -14,9 +14,10 @@ from that tree: the baseline from `git archive BASELINE`) serves, in turn, wrk w
 
 CPU per request is the user + system time of the gateway's processes (all its workers,
 from /proc) over the requests answered, so other load on the machine changes it little
-(unlike req/s). One private `redis-server` and one consumer with the no-op model serve
-both trees; the trees alternate, `--repeat` times, and the median is reported. Needs
-`wrk` on PATH (Debian: apt-get install wrk) and the gateway extra.
+(unlike req/s); wrk's own CPU per request is given beside it. One private
+`redis-server` and one consumer with the no-op model serve both trees; the trees
+alternate, `--repeat` times, and the median is reported. Needs `wrk` on PATH (Debian:
+apt-get install wrk) and the gateway extra.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -59,14 +61,18 @@ def wrk_script(method: str, body: str | None) -> str:
 def measure(base: str, path: str, script: Path, connections: int, duration: float,
             pid: int) -> dict:
     cpu = tree_cpu_s(pid)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     out = subprocess.run(["wrk", "-t1", f"-c{connections}", f"-d{duration:g}s",
                           "--timeout", "60s", "-s", str(script), base + path],
                          capture_output=True, text=True, check=True).stdout
     cpu = tree_cpu_s(pid) - cpu
-    total = int(out.split(" requests in ")[0].split()[-1])
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    wrk_cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    total = max(1, int(out.split(" requests in ")[0].split()[-1]))
     bad = out.split("Non-2xx or 3xx responses: ")
     non2xx = int(bad[1].split()[0]) if len(bad) > 1 else 0
-    return {"requests": total, "non2xx": non2xx, "cpu_us": cpu / max(1, total) * 1e6}
+    return {"requests": total, "non2xx": non2xx, "cpu_us": cpu / total * 1e6,
+            "wrk_cpu_us": wrk_cpu / total * 1e6}
 
 
 def baseline_tree(ref: str, into: Path) -> Path:
@@ -144,7 +150,8 @@ def main(argv: list[str] | None = None) -> None:
                                       args.duration, pid)
                         tries[name].append(run)
                         print(f"  {kind:6} {name:18} {run['cpu_us']:>7,.0f} µs CPU/request "
-                              f"({run['requests']:,} requests, {run['non2xx']} not 2xx)",
+                              f"(wrk {run['wrk_cpu_us']:,.0f}; {run['requests']:,} requests, "
+                              f"{run['non2xx']} not 2xx)",
                               file=sys.stderr, flush=True)
                 for name, runs in tries.items():
                     median = sorted(runs, key=lambda r: r["cpu_us"])[len(runs) // 2]
@@ -163,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
 def table(cells: list[dict], trees: list[str], kinds: list[str],
           args: argparse.Namespace) -> str:
     by = {(c["kind"], c["tree"]): c for c in cells}
-    head = ["request"] + [f"{t} µs CPU/request" for t in trees]
+    head = ["request"] + [f"{t} µs CPU/request (wrk's)" for t in trees]
     if len(trees) == 2:
         head.append("after / before")
     lines = [f"gateway --workers {args.workers}, wrk -c{args.connections}, "
@@ -173,8 +180,8 @@ def table(cells: list[dict], trees: list[str], kinds: list[str],
         row = [kind]
         for t in trees:
             c = by[(kind, t)]
-            row.append(f"{c['cpu_us']:,.0f}" + (f" ({c['non2xx']:,} not 2xx)"
-                                                 if c["non2xx"] else ""))
+            row.append(f"{c['cpu_us']:,.0f} ({c['wrk_cpu_us']:,.0f})" + (
+                f", {c['non2xx']:,} not 2xx" if c["non2xx"] else ""))
         if len(trees) == 2:
             before, after = (by[(kind, t)]["cpu_us"] for t in trees)
             row.append(f"{after / before:.2f}")

@@ -6,6 +6,8 @@ and time."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import select
 import socket
 import threading
@@ -251,6 +253,48 @@ def test_workers_apply_the_limits(shared_redis, queue, start_gateway):
     with connect(gateway) as sock:
         status, _, _ = read_answer(sock)  # sent nothing
     assert status == 408
+
+
+def listening_inode(port: int) -> str:
+    """The inode of the socket listening on 127.0.0.1:`port` (Linux /proc/net/tcp)."""
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            fields = line.split()
+            if fields[1] == f"0100007F:{port:04X}" and fields[3] == "0A":  # LISTEN
+                return fields[9]
+    raise AssertionError(f"nothing listens on {port}")
+
+
+def fd_targets(pid: str) -> set[str]:
+    targets = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(FileNotFoundError):  # closed meanwhile
+            targets.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+    return targets
+
+
+def test_two_workers_accept_on_one_socket(shared_redis, queue, start_gateway):
+    """`--workers 2`: two worker processes, each holding the one listening socket (the
+    parent binds it; the kernel hands each new connection to one of them)."""
+    gateway = start_gateway(shared_redis.url, queue, "--workers", "2")
+    inode = listening_inode(gateway.port)
+
+    def holders() -> list[str]:
+        pid = gateway.proc.pid
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            children = f.read().split()
+        found = []
+        for child in children:
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                if b"multiprocessing.spawn" not in f.read():
+                    continue  # multiprocessing's resource tracker
+            if f"socket:[{inode}]" in fd_targets(child):
+                found.append(child)
+        return found
+
+    wait_for(lambda: len(holders()) == 2, SLACK_S, "two workers on the listening socket")
+    with httpx.Client(base_url=gateway.url) as http:
+        assert http.post("/v1/requests", json={"payload": 1}).status_code == 202
 
 
 def read_one(sock: socket.socket, buffered: bytes = b"",

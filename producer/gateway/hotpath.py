@@ -219,7 +219,7 @@ class HotPath:
             pass  # still waiting, or failed/expired/cancelled: its stored state says which
         finally:
             waiting.dec()
-        state = await gateway.lookup(handle.id)  # one MULTI: a request that exists is seen
+        state = await gateway.lookup(handle.id)  # its result, or one MULTI over its states
         # Accepted, yet Redis no longer knows it (lost with its data, or its result
         # expired): it failed (RequestLost), rather than 202 with a Location that 404s.
         return state_answer(state or state_body(lost_result(handle.id)))

@@ -72,11 +72,11 @@ def check_costs(cost: Any, n: int) -> list[int]:
     return [check_cost(cost)] * n
 
 
-def check_timeout(timeout: Any) -> float | None:
+def check_timeout(timeout: Any, field: str = "timeout") -> float | None:
     if timeout is None:
         return None
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
-        raise InvalidRequest("timeout", f"must be a number of seconds >= 0, got {timeout!r}")
+        raise InvalidRequest(field, f"must be a number of seconds >= 0, got {timeout!r}")
     return float(timeout)
 
 

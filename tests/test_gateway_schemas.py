@@ -102,8 +102,8 @@ def test_the_gateway_reads_a_body_as_its_spec_describes_it(body):
 
 
 def test_fields_and_messages():
-    assert SUBMIT_FIELDS == ("payload", "priority", "deadline_ms", "idempotency_key", "wait",
-                             "timeout_s")
+    assert SUBMIT_FIELDS == ("payload", "priority", "deadline_ms", "idempotency_key", "cost",
+                             "wait", "timeout_s")
     cases = [
         (b'{"payload": ', "body", "body: JSON decode error"),
         (b"\xff\xfe{", "body", "body: There was an error parsing the body"),
@@ -117,6 +117,8 @@ def test_fields_and_messages():
          "deadline_ms: must be a whole number of milliseconds"),
         (b'{"payload": 1, "timeout_s": 301}', "timeout_s", "timeout_s: must be a number"),
         (b'{"payload": 1, "wait": "yes"}', "wait", "wait: must be true or false"),
+        (b'{"payload": 1, "cost": 0}', "cost", "cost: 0 is outside [1, 1000000000]"),
+        (b'{"payload": 1, "cost": "5"}', "cost", "cost: must be a whole number"),
         (b'{"payload": 1, "deadline": 5}', "deadline", "deadline: Extra inputs"),
         (b'{"payload": {"n": [1, 123456789012345678901]}}', "payload.n[1]",
          "payload.n[1]: integer 123456789012345678901 does not fit in 64 bits"),

@@ -12,7 +12,6 @@ mix, `--cost-mix 16:80,256:20`, or a trace's "cost" field) and the command.
 from __future__ import annotations
 
 import math
-import random
 import re
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ from scheduler_core.simulation import (  # noqa: F401 (the importable API, as be
     SimConfig,
     SimResult,
     _Level,
+    draw_costs,
     simulate,
 )
 from scheduler_core.simulation import ModelTime as CostModel
@@ -97,14 +97,6 @@ def _parse_prefs(text: str) -> tuple[int, ...]:
     except ValueError:
         raise InvalidRequest("prefer_buckets", f"{text!r}: use one integer per consumer, "
                                                "e.g. 1,0") from None
-
-
-def draw_costs(n: int, mix: list[tuple[int, float]], seed: int = 1) -> list[int]:
-    """n costs drawn from the mix, seeded (a stream of their own: the arrivals of a seed
-    stay those of batchgate bench)."""
-    rng = random.Random(f"costs-{seed}")
-    values, weights = zip(*mix, strict=True)
-    return rng.choices(values, weights=weights, k=n)
 
 
 def read_trace(path: Path) -> Arrivals:

@@ -169,7 +169,8 @@ def simulate(config: SimConfig, times: list[float], prios: list[int],
         raise InvalidRequest("arrivals", f"{n} requests; at most {MAX_REQUESTS:,}")
     arrival = _arrival_scores(times)
     policy = config.policy
-    cost = [config.cost.us(b) for b in range(policy.max_batch_size + 1)]
+    # Without costs every request costs 1: a batch of b costs b units in either cost_mode.
+    cost = [config.cost.us(b, b) for b in range(policy.max_batch_size + 1)]
     # Costs as enqueue.lua stores them: capped (truncate) or refused (reject) over max_cost.
     stored, refused, capped = _stored_costs(policy, costs, n)
     padded = policy.cost_mode == "padded"
@@ -375,3 +376,23 @@ def poisson(rate: float, requests: int, mix: Sequence[float] = MIX,
         at += rng.expovariate(rate)
         times[k] = at
     return times, rng.choices((0, 1, 2), weights=mix, k=requests)
+
+
+def draw_costs(n: int, mix: Sequence[tuple[int, float]], seed: int = 1) -> list[int]:
+    """n costs drawn from the mix, (cost, weight) pairs, seeded (a stream of their own:
+    the arrivals of a seed stay those of batchgate bench)."""
+    rng = random.Random(f"costs-{seed}")
+    values, weights = zip(*mix, strict=True)
+    return rng.choices(values, weights=weights, k=n)
+
+
+def mean_cost(mix: Sequence[tuple[int, float]], policy: Policy) -> float:
+    """A request's expected cost as the queue runs it: capped at max_cost under
+    over_cost=truncate, 0 when refused (reject)."""
+    total = sum(w for _, w in mix)
+    cap = policy.max_cost
+    if not cap:
+        return sum(c * w for c, w in mix) / total
+    if policy.over_cost == "truncate":
+        return sum(min(c, cap) * w for c, w in mix) / total
+    return sum(c * w for c, w in mix if c <= cap) / total

@@ -4,12 +4,13 @@ load, found with the simulator (scheduler_core.planner does the search)."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any
 
 import click
 import orjson
 
-from batchgate.simulate import CostModel, parse_mix
+from batchgate.simulate import CostModel, _policy_option, parse_cost_mix, parse_mix
 from scheduler_core.compat import connect_checked
 from scheduler_core.cost_model import read_cost_model
 from scheduler_core.errors import InvalidRequest
@@ -25,7 +26,7 @@ from scheduler_core.planner import (
     plan,
 )
 from scheduler_core.policy import Policy
-from scheduler_core.simulation import DEFAULT_OVERHEAD_MS, DEFAULT_TRANSPORT_MS
+from scheduler_core.simulation import DEFAULT_OVERHEAD_MS, DEFAULT_TRANSPORT_MS, mean_cost
 
 
 def _policy_line(option: Option) -> str:
@@ -45,7 +46,8 @@ def render(out: dict[str, Any], answer: Plan, target: Target) -> str:
     goal = f"p99 <= {target.slo_p99_ms:g} ms"
     if target.slo_high_p99_ms is not None:
         goal += f", HIGH p99 <= {target.slo_high_p99_ms:g} ms"
-    lines = [f"{out['rate']:,g} req/s (mix {out['mix']}), target {goal}, t(b) = "
+    costs = f", costs {out['cost_mix']}" if out.get("cost_mix") else ""
+    lines = [f"{out['rate']:,g} req/s (mix {out['mix']}{costs}), target {goal}, t(b) = "
              f"{out['cost_ms']} ms", ""]
     best = answer.best
     if best is None:
@@ -91,8 +93,16 @@ def render(out: dict[str, Any], answer: Plan, target: Target) -> str:
 @click.option("--mix", default="high=10,normal=60,low=30", show_default=True,
               help="Weights of the priorities among arrivals.")
 @click.option("--cost-ms", default=None,
-              help="The model's time for a batch of b, A+B*b ms [default: the stored cost "
-                   "model of --queue].")
+              help="The model's time for a batch of b, A+B*b ms, or per unit of cost, A+B*c "
+                   "(as simulate) [default: the stored cost model of --queue].")
+@click.option("--cost-mix", default=None,
+              help="Request costs as COST:WEIGHT,..., e.g. 16:80,256:20 (as simulate) "
+                   "[default: every request costs 1].")
+@_policy_option("--max-cost")
+@_policy_option("--over-cost")
+@_policy_option("--max-batch-cost")
+@_policy_option("--cost-mode")
+@_policy_option("--cost-buckets")
 @click.option("--queue", default=None,
               help="Queue whose stored cost model to plan with (unless --cost-ms), and whose "
                    "policy --apply sets.")
@@ -115,15 +125,20 @@ def render(out: dict[str, Any], answer: Plan, target: Target) -> str:
 def plan_command(rate: float, slo_p99_ms: float, slo_high_p99_ms: float | None, mix: str,
                  cost_ms: str | None, queue: str | None, redis_url: str, max_consumers: int,
                  requests: int, overhead_ms: float, transport_ms: float, seed: int,
-                 apply: bool, as_json: bool) -> None:
+                 apply: bool, as_json: bool, cost_mix: str | None = None,
+                 max_cost: int | None = None, over_cost: str | None = None,
+                 max_batch_cost: int | None = None, cost_mode: str | None = None,
+                 cost_buckets: str | None = None) -> None:
     """Find the cheapest configuration (fewest consumers, then the most headroom) whose
     simulated p99 meets the target at --rate: strategy, max_batch_size,
     max_queue_delay_ms and consumers. Without one, say the closest target reachable and
-    the consumers it takes. Exits 0 either way."""
+    the consumers it takes. Exits 0 either way. The cost settings are not searched: every
+    configuration has those given (or the queue's)."""
     started = time.perf_counter()
     target = Target(slo_p99_ms, slo_high_p99_ms)
     weights = parse_mix(mix)
-    load = Load(rate, weights, requests, seed)
+    mix_of_costs = tuple(parse_cost_mix(cost_mix)) if cost_mix is not None else ()
+    load = Load(rate, weights, requests, seed, mix_of_costs)
     if queue is None and (apply or cost_ms is None):
         raise InvalidRequest("queue", "--apply needs --queue" if apply else
                              "give --cost-ms, or --queue to use its stored cost model")
@@ -134,6 +149,11 @@ def plan_command(rate: float, slo_p99_ms: float, slo_high_p99_ms: float | None, 
         from scheduler_core.admin import read_policy
 
         base = read_policy(client, keys.queue) or base
+    cost_knobs = {k: v for k, v in (("max_cost", max_cost), ("over_cost", over_cost),
+                                    ("max_batch_cost", max_batch_cost),
+                                    ("cost_mode", cost_mode), ("cost_buckets", cost_buckets))
+                  if v is not None}
+    base = replace(base, **cost_knobs)  # validated as Policy validates
     if cost_ms is not None:
         model = CostModel.parse(cost_ms)
     else:
@@ -144,11 +164,13 @@ def plan_command(rate: float, slo_p99_ms: float, slo_high_p99_ms: float | None, 
                                           "(batchgate profile --queue, or run consumers); "
                                           "give --cost-ms")
         model = CostModel(stored.base_ms, stored.per_item_ms)
-    costs = Costs(model, overhead_ms, transport_ms)
+    costs = Costs(model, overhead_ms, transport_ms,
+                  mean_cost(mix_of_costs, base) if mix_of_costs else 1.0)
     answer = plan(load, target, costs, max_consumers, base)
     out: dict[str, Any] = answer.to_dict()
     out.update({"rate": rate, "mix": mix, "slo_p99_ms": slo_p99_ms,
                 "slo_high_p99_ms": slo_high_p99_ms, "cost_ms": str(model).removesuffix(" ms"),
+                "cost_mix": cost_mix,
                 "max_consumers": max_consumers, "queue": queue, "applied": False})
     if apply:
         if answer.feasible and answer.best is not None and client is not None:
@@ -158,7 +180,7 @@ def plan_command(rate: float, slo_p99_ms: float, slo_high_p99_ms: float | None, 
             best = answer.best.policy
             merged = {**current.to_dict(), "strategy": best.strategy.value,
                       "max_batch_size": best.max_batch_size,
-                      "max_queue_delay_ms": best.max_queue_delay_ms}
+                      "max_queue_delay_ms": best.max_queue_delay_ms, **cost_knobs}
             store_policy(client, queue, Policy.build(**merged), replace=True)  # type: ignore[arg-type]
             out["applied"] = True
         else:

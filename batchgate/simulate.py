@@ -1,7 +1,8 @@
 """`batchgate simulate`: a queue's latency and throughput predicted before deploying it.
 
 The simulator itself is scheduler_core.simulation (consumers plan with it too); this
-module gives it its arrivals (Poisson, bursty, or a trace file) and the command.
+module gives it its arrivals (Poisson, bursty, or a trace file), request costs (a cost
+mix, `--cost-mix 16:80,256:20`, or a trace's "cost" field) and the command.
 
     from batchgate.simulate import CostModel, SimConfig, poisson_arrivals, simulate
     result = simulate(SimConfig(Policy(), CostModel(5, 0.5), consumers=2),
@@ -11,6 +12,7 @@ module gives it its arrivals (Poisson, bursty, or a trace file) and the command.
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +22,7 @@ import orjson
 from batchgate.workload import MIX, PRIORITIES, Workload
 from scheduler_core.errors import InvalidRequest
 from scheduler_core.options import POLICY_KNOBS
-from scheduler_core.policy import Policy, Priority
+from scheduler_core.policy import MAX_REQUEST_COST, Policy, Priority
 from scheduler_core.simulation import (  # noqa: F401 (the importable API, as before)
     DEFAULT_OVERHEAD_MS,
     DEFAULT_TRANSPORT_MS,
@@ -28,11 +30,13 @@ from scheduler_core.simulation import (  # noqa: F401 (the importable API, as be
     SimConfig,
     SimResult,
     _Level,
+    draw_costs,
     simulate,
 )
 from scheduler_core.simulation import ModelTime as CostModel
 
 Arrivals = tuple[list[float], list[int]]  # (offsets in s, sorted; priorities 0-2)
+_COST_MIX = re.compile(r"^\s*(\d+)\s*:\s*(\d+(?:\.\d*)?)\s*$")
 
 
 # -- arrivals -----------------------------------------------------------------------------
@@ -72,10 +76,40 @@ def parse_mix(text: str) -> tuple[float, float, float]:
     return high, normal, low
 
 
+def parse_cost_mix(text: str) -> list[tuple[int, float]]:
+    """"16:80,256:20" (cost:percent, or any weights) -> [(16, 80.0), (256, 20.0)]."""
+    mix = []
+    for part in text.split(","):
+        m = _COST_MIX.match(part)
+        if not m or not 1 <= int(m.group(1)) <= MAX_REQUEST_COST:
+            raise InvalidRequest("cost_mix", f"{part.strip()!r}: use COST:WEIGHT,... with "
+                                             f"costs in [1, {MAX_REQUEST_COST}], e.g. "
+                                             "16:80,256:20")
+        mix.append((int(m.group(1)), float(m.group(2))))
+    if sum(w for _, w in mix) <= 0:
+        raise InvalidRequest("cost_mix", "the weights add up to 0")
+    return mix
+
+
+def _parse_prefs(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise InvalidRequest("prefer_buckets", f"{text!r}: use one integer per consumer, "
+                                               "e.g. 1,0") from None
+
+
 def read_trace(path: Path) -> Arrivals:
     """A JSONL trace: one {"t": seconds since the start, "priority": "high"|"normal"|"low"
     or 0-2 (optional, default normal)} per line, in any order."""
-    rows: list[tuple[float, int]] = []
+    return read_trace_costs(path)[:2]  # type: ignore[return-value]
+
+
+def read_trace_costs(path: Path) -> tuple[list[float], list[int], list[int] | None]:
+    """read_trace, with each line's optional "cost" (an integer >= 1, default 1); costs is
+    None when no line has one."""
+    rows: list[tuple[float, int, int]] = []
+    any_cost = False
     with path.open("rb") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
@@ -89,13 +123,19 @@ def read_trace(path: Path) -> Arrivals:
                 raise InvalidRequest("trace", f"{path}:{number}: \"t\" must be seconds in "
                                               f"[0, 1e9), got {t!r}")
             prio = Priority.parse(row.get("priority", "normal"), f"trace line {number}")
-            rows.append((float(t), int(prio)))
+            c = row.get("cost", 1)
+            if isinstance(c, bool) or not isinstance(c, int) or not 1 <= c <= MAX_REQUEST_COST:
+                raise InvalidRequest("trace", f"{path}:{number}: \"cost\" must be an integer "
+                                              f"in [1, {MAX_REQUEST_COST}], got {c!r}")
+            any_cost = any_cost or "cost" in row
+            rows.append((float(t), int(prio), c))
             if len(rows) > MAX_REQUESTS:
                 raise InvalidRequest("trace", f"more than {MAX_REQUESTS:,} requests")
     if not rows:
         raise InvalidRequest("trace", f"{path} has no requests")
     rows.sort(key=lambda r: r[0])
-    return [t for t, _ in rows], [p for _, p in rows]
+    return ([t for t, _, _ in rows], [p for _, p, _ in rows],
+            [c for _, _, c in rows] if any_cost else None)
 
 
 # -- the command --------------------------------------------------------------------------
@@ -108,11 +148,16 @@ def _policy_option(flag: str) -> Any:
 def render(result: SimResult, config: SimConfig, workload: str) -> str:
     p = config.policy
     lines = [
-        f"{result.requests:,} requests ({workload}), {config.consumers} consumer(s), "
+        f"{result.requests:,} requests ({workload}), {config.consumers} consumer(s)"
+        + (f" preferring buckets {','.join(map(str, config.prefer_buckets))}"
+           if config.prefer_buckets else "") + ", "
         f"t(b) = {config.cost}, overhead {config.overhead_ms:g} ms per batch, transport "
         f"{config.transport_ms:g} ms per request",
         f"policy: {p.strategy}, max_batch_size {p.max_batch_size}, max_queue_delay_ms "
-        f"{p.max_queue_delay_ms}, aging_ms {p.aging_ms}",
+        f"{p.max_queue_delay_ms}, aging_ms {p.aging_ms}" + (
+            f", max_cost {p.max_cost} ({p.over_cost}), max_batch_cost {p.max_batch_cost} "
+            f"({p.cost_mode}), cost_buckets {p.cost_buckets or '-'}"
+            if result.latency_by_cost else ""),
         "",
         f"throughput {result.throughput_rps:,.1f} req/s   mean batch {result.mean_batch}   "
         f"utilisation {result.utilisation:.1%}   ({result.batches:,} batches over "
@@ -125,6 +170,14 @@ def render(result: SimResult, config: SimConfig, workload: str) -> str:
         cells = "".join(f"{'-' if s[k] is None else f'{s[k]:.2f}':>10}"
                         for k in ("p50", "p95", "p99", "max"))
         lines.append(f"{name:<10}{cells}{count:>11,}")
+    for c, s in result.latency_by_cost.items():
+        cells = "".join(f"{'-' if s[k] is None else f'{s[k]:.2f}':>10}"
+                        for k in ("p50", "p95", "p99", "max"))
+        lines.append(f"{'cost ' + str(c):<10}{cells}")
+    if result.latency_by_cost:
+        lines += ["", f"padding waste {result.padding_waste:.1%} (sum of max - cost over sum "
+                      f"of max, per batch)   refused over max_cost {result.rejected:,}   "
+                      f"capped {result.truncated:,}"]
     lines += ["", "batch size   batches   share"]
     lo = 1
     while lo <= p.max_batch_size:  # bins up to a power of two: 1, 2, 3-4, 5-8, ...
@@ -143,6 +196,14 @@ def render(result: SimResult, config: SimConfig, workload: str) -> str:
 @_policy_option("--max-batch-size")
 @_policy_option("--max-queue-delay-ms")
 @_policy_option("--aging-ms")
+@_policy_option("--max-cost")
+@_policy_option("--over-cost")
+@_policy_option("--max-batch-cost")
+@_policy_option("--cost-mode")
+@_policy_option("--cost-buckets")
+@click.option("--cost-mix", default=None,
+              help="Request costs as COST:WEIGHT,..., e.g. 16:80,256:20 (80% cost 16, 20% "
+                   "cost 256) [default: every request costs 1; a --trace line's \"cost\"].")
 @click.option("--arrivals", type=click.Choice(["poisson", "bursty"]), default="poisson",
               show_default=True, help="Poisson at --rate; bursty adds 50 requests within "
               "100 ms every 2 s.")
@@ -158,7 +219,12 @@ def render(result: SimResult, config: SimConfig, workload: str) -> str:
 @click.option("--consumers", type=int, default=2, show_default=True,
               help="Consumer processes, 1-4096.")
 @click.option("--cost-ms", default="5+0.5*b", show_default=True,
-              help="The model's time for a batch of b, A+B*b ms (batchgate profile fits it).")
+              help="The model's time for a batch of b, A+B*b ms (batchgate profile fits it), "
+                   "or per unit of cost, A+B*c: c = sum of the costs, or b x largest cost "
+                   "with --cost-mode padded.")
+@click.option("--prefer-buckets", default=None,
+              help="Each consumer's --prefer-bucket, comma-separated, one per consumer, e.g. "
+                   "1,0 (0 = none) [default: none].")
 @click.option("--overhead-ms", type=float, default=DEFAULT_OVERHEAD_MS, show_default=True,
               help="Scheduler time per batch besides the model, ms (default: the measured gap "
                    "between batches at saturation).")
@@ -170,9 +236,13 @@ def render(result: SimResult, config: SimConfig, workload: str) -> str:
               help="Random seed of the arrivals (that of batchgate bench gives its requests).")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 def simulate_command(strategy: str | None, max_batch_size: int | None,
-                     max_queue_delay_ms: int | None, aging_ms: int | None, arrivals: str,
+                     max_queue_delay_ms: int | None, aging_ms: int | None,
+                     max_cost: int | None, over_cost: str | None, max_batch_cost: int | None,
+                     cost_mode: str | None, cost_buckets: str | None, cost_mix: str | None,
+                     arrivals: str,
                      rate: float, duration_s: float, mix: str, trace: Path | None,
-                     consumers: int, cost_ms: str, overhead_ms: float, transport_ms: float,
+                     consumers: int, prefer_buckets: str | None, cost_ms: str,
+                     overhead_ms: float, transport_ms: float,
                      seed: int, as_json: bool) -> None:
     """Predict latency per priority, throughput, batch sizes and utilisation of a queue
     policy on a workload, by a discrete-event simulation of the scheduling rules (no
@@ -181,10 +251,16 @@ def simulate_command(strategy: str | None, max_batch_size: int | None,
         raise click.BadParameter("auto is not simulated: give the delay in ms",
                                  param_hint="--max-queue-delay-ms")
     policy = Policy.build(strategy, max_batch_size=max_batch_size,
-                          max_queue_delay_ms=max_queue_delay_ms, aging_ms=aging_ms)
-    config = SimConfig(policy, CostModel.parse(cost_ms), consumers, overhead_ms, transport_ms)
+                          max_queue_delay_ms=max_queue_delay_ms, aging_ms=aging_ms,
+                          max_cost=max_cost, over_cost=over_cost, max_batch_cost=max_batch_cost,
+                          cost_mode=cost_mode, cost_buckets=cost_buckets)
+    prefs = _parse_prefs(prefer_buckets) if prefer_buckets else ()
+    config = SimConfig(policy, CostModel.parse(cost_ms), consumers, overhead_ms, transport_ms,
+                       prefs)
+    mix_of_costs = parse_cost_mix(cost_mix) if cost_mix is not None else None
+    costs: list[int] | None = None
     if trace is not None:
-        times, prios = read_trace(trace)
+        times, prios, costs = read_trace_costs(trace)
         workload = f"trace {trace.name}"
     else:
         weights = parse_mix(mix)
@@ -192,7 +268,10 @@ def simulate_command(strategy: str | None, max_batch_size: int | None,
         workload = f"{arrivals} {rate:g}/s for {duration_s:g} s, mix {mix}, seed {seed}"
     if not times:
         raise click.UsageError("no requests arrive: raise --rate or --duration-s")
-    result = simulate(config, times, prios)
+    if mix_of_costs is not None:
+        costs = draw_costs(len(times), mix_of_costs, seed)
+        workload += f", costs {cost_mix}"
+    result = simulate(config, times, prios, costs)
     if as_json:
         click.echo(orjson.dumps(result.to_dict(), option=orjson.OPT_INDENT_2).decode())
     else:

@@ -36,6 +36,7 @@ from scheduler_core.simulation import (
     ModelTime,
     SimConfig,
     SimResult,
+    draw_costs,
     poisson,
     simulate,
 )
@@ -80,6 +81,8 @@ class Load:
     mix: tuple[float, float, float] = MIX
     requests: int = DEFAULT_REQUESTS
     seed: int = 1
+    # Request costs, (cost, weight) pairs drawn per request; () = every request costs 1.
+    cost_mix: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.rate, bool) or not isinstance(self.rate, (int, float)) \
@@ -92,12 +95,16 @@ class Load:
                                              f"{self.requests!r}")
 
     @functools.cached_property
-    def arrivals(self) -> tuple[list[float], list[int]]:
-        return poisson(self.rate, self.requests, self.mix, self.seed)
+    def arrivals(self) -> tuple[list[float], list[int], list[int] | None]:
+        return self._draw(self.requests, self.seed)
 
     @functools.cached_property
-    def long_arrivals(self) -> tuple[list[float], list[int]]:
-        return poisson(self.rate, self.requests * VERIFY_FACTOR, self.mix, self.seed + 1)
+    def long_arrivals(self) -> tuple[list[float], list[int], list[int] | None]:
+        return self._draw(self.requests * VERIFY_FACTOR, self.seed + 1)
+
+    def _draw(self, n: int, seed: int) -> tuple[list[float], list[int], list[int] | None]:
+        times, prios = poisson(self.rate, n, self.mix, seed)
+        return times, prios, draw_costs(n, self.cost_mix, seed) if self.cost_mix else None
 
 
 @dataclass(frozen=True)
@@ -105,9 +112,14 @@ class Costs:
     model: ModelTime
     overhead_ms: float = DEFAULT_OVERHEAD_MS
     transport_ms: float = DEFAULT_TRANSPORT_MS
+    # A request's expected cost (simulation.mean_cost), for a model timed per unit of
+    # cost: batch_ms then counts b x it, a lower bound of what a padded batch costs, so
+    # that the search starts no higher than it must.
+    mean_cost: float = 1.0
 
     def batch_ms(self, b: int) -> float:
-        return self.model.base_ms + self.model.per_item_ms * b + self.overhead_ms
+        return (self.model.base_ms + self.model.per_item_ms * b
+                + self.model.per_cost_ms * b * self.mean_cost + self.overhead_ms)
 
 
 @dataclass(frozen=True)

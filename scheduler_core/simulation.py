@@ -6,17 +6,24 @@ A discrete-event simulation of N consumers on one queue. Requests arrive (offset
 priorities given); whenever a consumer is free it pops at once, and the batch is whatever
 `scheduler_core.rules.decide` (pop_batch.lua's twin: the same rules, no copy of them
 here) says. A popped batch of b occupies its consumer for the per-batch overhead plus the
-model time t(b) = A + B·b; its requests' results are seen a transport time later (submit
-to queue and result back to the producer, which occupies no consumer). While every
-consumer is busy, requests queue. A consumer told "nothing due for W µs" sleeps until
-then or until something changes (an arrival, another consumer finishing), as a real one
-sleeps until its due timer or a wake-up.
+model time t(b) = A + B·b (or, with request costs, A + B·Σcost under cost_mode sum,
+A + B·b·max cost under padded); its requests' results are seen a transport time later
+(submit to queue and result back to the producer, which occupies no consumer). While
+every consumer is busy, requests queue. A consumer told "nothing due for W µs" sleeps
+until then or until something changes (an arrival, another consumer finishing), as a
+real one sleeps until its due timer or a wake-up.
+
+Requests may carry costs; the policy's cost settings then apply as pop_batch.lua applies
+them, requests above max_cost are refused (counted, not run) or capped
+(over_cost=truncate), and the result reports latency per cost and the padding waste
+Σ(max − cost) / Σ max over the batches.
 
 Not modelled: deadlines, failures and retries, max_queue_size.
 """
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import math
@@ -24,11 +31,11 @@ import random
 import re
 import time
 from collections.abc import Iterator, MutableSequence, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from scheduler_core.errors import InvalidRequest
-from scheduler_core.policy import Policy
+from scheduler_core.policy import MAX_COST_BUCKETS, Policy
 from scheduler_core.rules import Batch, Request, Wait, apply, decide
 
 PRIORITIES = ("high", "normal", "low")
@@ -45,17 +52,20 @@ MIN_REPOLL_US = 100
 MAX_REQUESTS = 20_000_000  # about 2 GB of Python objects at the peak
 PERCENTILES = (50, 95, 99)
 _NUMBER = r"(\d+(?:\.\d*)?|\.\d+)"
-_COST = re.compile(rf"^(?:{_NUMBER}(?:\+{_NUMBER}\*?b)?|{_NUMBER}\*?b)$")
+_COST = re.compile(rf"^(?:{_NUMBER}(?:\+{_NUMBER}\*?([bc]))?|{_NUMBER}\*?([bc]))$")
 
 @dataclass(frozen=True)
 class ModelTime:
-    """t(b) = base_ms + per_item_ms × b, a model call on a batch of b."""
+    """t(b) = base_ms + per_item_ms × b, a model call on a batch of b; or, per unit of
+    request cost, base_ms + per_cost_ms × c where c is the batch's Σcost (cost_mode sum)
+    or b × its largest cost (padded: what a padded tensor computes)."""
 
     base_ms: float
     per_item_ms: float = 0.0
+    per_cost_ms: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("base_ms", "per_item_ms"):
+        for name in ("base_ms", "per_item_ms", "per_cost_ms"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and 0 <= value <= 3_600_000):
                 raise InvalidRequest("cost_ms", f"{name} must be within [0, 3600000] ms, "
@@ -63,18 +73,27 @@ class ModelTime:
 
     @classmethod
     def parse(cls, text: str) -> ModelTime:
-        """"A+B*b" ("5+0.5*b", "5", "0.5*b"; spaces ignored), in ms."""
+        """"A+B*b" ("5+0.5*b", "5", "0.5*b"; spaces ignored), in ms; "A+B*c" per unit of
+        cost (c: Σcost, or b × max cost under cost_mode padded)."""
         m = _COST.match(text.replace(" ", ""))
         if not m:
-            raise InvalidRequest("cost_ms", f"{text!r} is not A+B*b (e.g. 5+0.5*b, 5, 0.5*b; "
-                                            "ms for a batch of b)")
-        base, per, per_alone = m.groups()
-        return cls(float(base or 0), float(per or per_alone or 0))
+            raise InvalidRequest("cost_ms", f"{text!r} is not A+B*b or A+B*c (e.g. 5+0.5*b, "
+                                            "5, 0.5*b, 2+0.01*c; ms for a batch of b)")
+        base, per, var, per_alone, var_alone = m.groups()
+        slope = float(per or per_alone or 0)
+        if (var or var_alone) == "c":
+            return cls(float(base or 0), 0.0, slope)
+        return cls(float(base or 0), slope)
 
-    def us(self, batch: int) -> int:
-        return round((self.base_ms + self.per_item_ms * batch) * 1000)
+    def us(self, batch: int, cost_units: int = 0) -> int:
+        """µs for a batch of `batch` requests whose cost is `cost_units` (Σcost or b × max
+        cost, as the policy's cost_mode counts)."""
+        return round((self.base_ms + self.per_item_ms * batch + self.per_cost_ms * cost_units)
+                     * 1000)
 
     def __str__(self) -> str:
+        if self.per_cost_ms:
+            return f"{self.base_ms:g}+{self.per_cost_ms:g}*c ms"
         return f"{self.base_ms:g}+{self.per_item_ms:g}*b ms"
 
 
@@ -85,6 +104,9 @@ class SimConfig:
     consumers: int = 2
     overhead_ms: float = DEFAULT_OVERHEAD_MS  # per batch, besides the model
     transport_ms: float = DEFAULT_TRANSPORT_MS  # per request: to the queue and back
+    # Each consumer's --prefer-bucket (1-based, 0 = none), one per consumer; () = none.
+    # Idle consumers pop lowest first.
+    prefer_buckets: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.consumers, bool) or not isinstance(self.consumers, int) or \
@@ -95,6 +117,11 @@ class SimConfig:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and 0 <= value <= 60_000):
                 raise InvalidRequest(name, f"must be within [0, 60000] ms, got {value!r}")
+        prefs = self.prefer_buckets
+        if prefs and (len(prefs) != self.consumers or not all(
+                type(b) is int and 0 <= b <= MAX_COST_BUCKETS + 1 for b in prefs)):
+            raise InvalidRequest("prefer_buckets", f"{prefs!r}: one bucket per consumer, each "
+                                                   f"0-{MAX_COST_BUCKETS + 1} (0 = none)")
 
 
 @dataclass(frozen=True)
@@ -109,6 +136,13 @@ class SimResult:
     counts: dict[str, int]  # requests per priority
     batch_histogram: dict[int, int]  # batch size -> batches
     wall_s: float  # how long the simulation took
+    # With request costs: latency per cost (as submitted), the padding waste
+    # Σ(max - cost) / Σ max over the batches, requests refused over max_cost, and those
+    # whose cost max_cost capped.
+    latency_by_cost: dict[int, dict[str, float | None]] = field(default_factory=dict)
+    padding_waste: float = 0.0
+    rejected: int = 0
+    truncated: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {"throughput_rps": self.throughput_rps, "mean_batch": self.mean_batch,
@@ -116,42 +150,59 @@ class SimResult:
                 "requests": self.requests, "counts": self.counts, "batches": self.batches,
                 "span_s": self.span_s,
                 "batch_histogram": {str(k): v for k, v in self.batch_histogram.items()},
-                "wall_s": self.wall_s}
+                "latency_by_cost_ms": {str(k): v for k, v in self.latency_by_cost.items()},
+                "padding_waste": self.padding_waste, "rejected": self.rejected,
+                "truncated": self.truncated, "wall_s": self.wall_s}
 
 
-def simulate(config: SimConfig, times: list[float], prios: list[int]) -> SimResult:
-    """Run the queue on these arrivals (offsets in s, sorted; priorities 0-2)."""
+def simulate(config: SimConfig, times: list[float], prios: list[int],
+             costs: list[int] | None = None) -> SimResult:
+    """Run the queue on these arrivals (offsets in s, sorted; priorities 0-2; costs, each
+    >= 1, as submitted: None for all 1)."""
     started = time.perf_counter()
     n = len(times)
     if n != len(prios):
         raise InvalidRequest("arrivals", f"{n} times but {len(prios)} priorities")
+    if costs is not None and len(costs) != n:
+        raise InvalidRequest("costs", f"{n} times but {len(costs)} costs")
     if n > MAX_REQUESTS:
         raise InvalidRequest("arrivals", f"{n} requests; at most {MAX_REQUESTS:,}")
     arrival = _arrival_scores(times)
     policy = config.policy
-    cost = [config.cost.us(b) for b in range(policy.max_batch_size + 1)]
+    # Without costs every request costs 1: a batch of b costs b units in either cost_mode.
+    cost = [config.cost.us(b, b) for b in range(policy.max_batch_size + 1)]
+    # Costs as enqueue.lua stores them: capped (truncate) or refused (reject) over max_cost.
+    stored, refused, capped = _stored_costs(policy, costs, n)
+    padded = policy.cost_mode == "padded"
+    per_cost = config.cost.per_cost_ms > 0
+    pad_total = pad_waste = 0
     overhead = round(config.overhead_ms * 1000)
     transport = round(config.transport_ms * 1000)
     repoll = max(overhead, MIN_REPOLL_US)
     levels = [_Level(), _Level(), _Level()]
     done = [0] * n  # when each request's result is seen (µs)
     histogram = [0] * (policy.max_batch_size + 1)
-    free_at: list[int] = []  # heap: when each busy consumer finishes
-    idle, timer, model_us, waiting = config.consumers, math.inf, 0, 0
+    free_at: list[tuple[int, int]] = []  # heap: (when a busy consumer finishes, which)
+    idle = list(range(config.consumers))  # the idle consumers, lowest first
+    prefer = config.prefer_buckets or (0,) * config.consumers
+    timer, model_us, waiting = math.inf, 0, 0
     i, next_arrival = 0, (arrival[0] if n else math.inf)
     push, pop = heapq.heappush, heapq.heappop
     while True:
-        now = min(next_arrival, free_at[0] if free_at else math.inf,
+        now = min(next_arrival, free_at[0][0] if free_at else math.inf,
                   timer if idle else math.inf)
         if now == math.inf:
             break
-        while free_at and free_at[0] == now:
-            pop(free_at)
-            idle += 1
+        while free_at and free_at[0][0] == now:
+            bisect.insort(idle, pop(free_at)[1])
         if next_arrival == now:  # scores are unique, as Redis' arrival clock makes them
             prio = prios[i]
-            levels[prio].append(Request(now, i, prio))
-            waiting += 1
+            if stored is None:
+                levels[prio].append(Request(now, i, prio))
+                waiting += 1
+            elif stored[i]:  # 0: refused at enqueue (over max_cost)
+                levels[prio].append(Request(now, i, prio, cost=stored[i]))
+                waiting += 1
             i += 1
             next_arrival = arrival[i] if i < n else math.inf
         if not idle:
@@ -160,25 +211,49 @@ def simulate(config: SimConfig, times: list[float], prios: list[int]) -> SimResu
         # Pop at once while consumers are free and batches due (with nothing waiting,
         # decide would say Nothing).
         while idle and waiting:
-            decision = decide(levels, now, policy)
+            decision = decide(levels, now, policy, prefer[idle[0]])
             apply(levels, decision)
             if type(decision) is Batch:
                 size = len(decision.picked)
-                end = now + overhead + cost[size]
+                model = cost[size]
+                if stored is not None:
+                    batch_costs = [p.request.cost for p in decision.picked]
+                    top = max(batch_costs)
+                    pad_total += size * top
+                    pad_waste += size * top - sum(batch_costs)
+                    if per_cost:
+                        model = config.cost.us(size, size * top if padded else sum(batch_costs))
+                end = now + overhead + model
                 seen = end + transport
                 for p in decision.picked:
                     done[p.request.id] = seen  # type: ignore[index]
-                push(free_at, end)
-                idle -= 1
+                push(free_at, (end, idle.pop(0)))
                 waiting -= size
                 histogram[size] += 1
-                model_us += cost[size]
+                model_us += model
             else:
                 if type(decision) is Wait:
                     timer = now + (decision.wait_us or repoll)
                 break
-    return _result(config, arrival, prios, done, histogram, model_us,
-                   time.perf_counter() - started)
+    result = _result(config, arrival, prios, done, histogram, model_us,
+                     time.perf_counter() - started, costs, stored if refused else None)
+    if costs is None:
+        return result
+    return replace(result, padding_waste=round(pad_waste / pad_total, 4) if pad_total else 0.0,
+                   rejected=refused, truncated=capped)
+
+
+def _stored_costs(policy: Policy, costs: list[int] | None, n: int
+                  ) -> tuple[list[int] | None, int, int]:
+    """Each request's cost as stored (0: refused over max_cost), refused, capped."""
+    if costs is None:
+        return None, 0, 0
+    cap = policy.max_cost
+    if not cap:
+        return list(costs), 0, 0
+    if policy.over_cost == "truncate":
+        return [min(c, cap) for c in costs], 0, sum(c > cap for c in costs)
+    return [c if c <= cap else 0 for c in costs], sum(c > cap for c in costs), 0
 
 
 class _Level(MutableSequence[Request]):
@@ -250,12 +325,20 @@ def _arrival_scores(times: list[float]) -> list[int]:
 
 
 def _result(config: SimConfig, arrival: list[int], prios: list[int], done: list[int],
-            histogram: list[int], model_us: int, wall_s: float) -> SimResult:
+            histogram: list[int], model_us: int, wall_s: float,
+            costs: list[int] | None = None, stored: list[int] | None = None) -> SimResult:
+    ran = [k for k, c in enumerate(stored) if c] if stored is not None else None
+    if ran is not None:  # the refused never ran: latency and throughput are of the rest
+        arrival, prios, done = ([v[k] for k in ran] for v in (arrival, prios, done))
+        costs = [costs[k] for k in ran] if costs is not None else None
     n = len(arrival)
     latency = [d - a for d, a in zip(done, arrival, strict=True)]
     by_prio: list[list[int]] = [[], [], []]
     for lat, prio in zip(latency, prios, strict=True):
         by_prio[prio].append(lat)
+    by_cost: dict[int, list[int]] = {}
+    for lat, c in zip(latency, costs or (), strict=False):
+        by_cost.setdefault(c, []).append(lat)
     span_us = (max(done) - arrival[0]) if n else 0
     batches = sum(histogram)
     return SimResult(
@@ -267,7 +350,8 @@ def _result(config: SimConfig, arrival: list[int], prios: list[int], done: list[
                     **{PRIORITIES[p]: _summary(by_prio[p]) for p in range(3)}},
         counts={PRIORITIES[p]: len(by_prio[p]) for p in range(3)},
         batch_histogram={b: k for b, k in enumerate(histogram) if k},
-        wall_s=round(wall_s, 3))
+        wall_s=round(wall_s, 3),
+        latency_by_cost={c: _summary(by_cost[c]) for c in sorted(by_cost)})
 
 
 def _summary(latency_us: list[int]) -> dict[str, float | None]:
@@ -292,3 +376,23 @@ def poisson(rate: float, requests: int, mix: Sequence[float] = MIX,
         at += rng.expovariate(rate)
         times[k] = at
     return times, rng.choices((0, 1, 2), weights=mix, k=requests)
+
+
+def draw_costs(n: int, mix: Sequence[tuple[int, float]], seed: int = 1) -> list[int]:
+    """n costs drawn from the mix, (cost, weight) pairs, seeded (a stream of their own:
+    the arrivals of a seed stay those of batchgate bench)."""
+    rng = random.Random(f"costs-{seed}")
+    values, weights = zip(*mix, strict=True)
+    return rng.choices(values, weights=weights, k=n)
+
+
+def mean_cost(mix: Sequence[tuple[int, float]], policy: Policy) -> float:
+    """A request's expected cost as the queue runs it: capped at max_cost under
+    over_cost=truncate, 0 when refused (reject)."""
+    total = sum(w for _, w in mix)
+    cap = policy.max_cost
+    if not cap:
+        return sum(c * w for c, w in mix) / total
+    if policy.over_cost == "truncate":
+        return sum(min(c, cap) * w for c, w in mix) / total
+    return sum(c * w for c, w in mix if c <= cap) / total

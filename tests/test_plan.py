@@ -128,3 +128,38 @@ def test_queue_plans_with_the_stored_cost_model(shared_redis, queue):
     assert from_queue["cost_ms"] == "5+0.5*b"
     assert (from_queue["consumers"], from_queue["policy"]) == (given["consumers"],
                                                                given["policy"])
+
+
+def test_plan_takes_a_cost_mix_and_buckets_need_fewer_consumers():
+    """The cost scenario of docs/scheduling.md at 700 req/s: a padded model, 80% cost 16 and
+    20% cost 256. In one bucket short requests pay for long ones' padding; with
+    --cost-buckets 32 the same target takes fewer consumers."""
+    args = ("--rate", "700", "--slo-p99-ms", "100", "--mix", "normal=1", "--cost-mix",
+            "16:80,256:20", "--cost-mode", "padded", "--cost-ms", "5+0.01*c")
+    one, buckets = plan(*args), plan(*args, "--cost-buckets", "32")
+    assert one["feasible"] and buckets["feasible"]
+    assert buckets["consumers"] < one["consumers"]
+    for out in (one, buckets):
+        assert out["cost_mix"] == "16:80,256:20" and out["cost_ms"] == "5+0.01*c"
+        assert set(out["predicted"]["latency_by_cost_ms"]) == {"16", "256"}
+        assert out["predicted"]["latency_ms"]["all"]["p99"] <= 100
+    assert buckets["predicted"]["padding_waste"] == 0 < one["predicted"]["padding_waste"]
+    for bad, field in ((["--cost-mix", "0:5"], "cost_mix"),
+                       (["--cost-buckets", "9,3"], "cost_buckets")):
+        done = CliRunner().invoke(main, ["plan", "--rate", "10", "--slo-p99-ms", "50",
+                                         "--cost-ms", "5", *bad])
+        assert done.exit_code != 0 and field in done.output, (bad, done.output)
+
+
+def test_apply_stores_the_cost_settings_planned_with(shared_redis, queue):
+    client = shared_redis.client()
+    from scheduler_core.admin import store_policy
+    store_policy(client, queue, Policy(max_queue_size=500), replace=True)
+    out = plan("--rate", "300", "--slo-p99-ms", "100", "--cost-ms", "5+0.01*c", "--cost-mix",
+               "16:80,256:20", "--cost-buckets", "32", "--cost-mode", "padded", "--queue",
+               queue, "--redis-url", shared_redis.url, "--apply")
+    assert out["feasible"] and out["applied"] is True
+    stored = read_policy(client, queue)
+    assert stored is not None
+    assert (stored.cost_buckets, stored.cost_mode, stored.max_queue_size) == ("32", "padded", 500)
+    assert stored.max_batch_size == out["policy"]["max_batch_size"]

@@ -277,3 +277,30 @@ def test_consumers_preferring_the_short_bucket_trade_long_latency_for_short():
         with pytest.raises(InvalidRequest) as err:
             SimConfig(Policy(), CostModel(5), 2, prefer_buckets=bad)
         assert err.value.field == "prefer_buckets"
+
+
+def test_a_cost_model_without_costs_counts_each_request_as_one():
+    """--cost-ms "A+B*c" with no cost mix: every request costs 1, so c = b."""
+    result = run(Strategy.DYNAMIC, [0.0, 0.0, 0.0], [1, 1, 1], cost="2+1*c",
+                 max_batch_size=3)
+    assert result.batch_histogram == {3: 1}
+    assert result.latency_ms["all"]["max"] == pytest.approx(2 + 3 + 0.002)  # 3rd: 2 µs in
+
+
+def test_a_trace_carries_costs_and_max_cost_refuses_the_ones_above(tmp_path: Path):
+    from batchgate.simulate import read_trace_costs
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"t": 0, "cost": 4}\n{"t": 0.001, "cost": 300}\n{"t": 0.002}\n')
+    times, prios, costs = read_trace_costs(trace)
+    assert costs == [4, 300, 1] and read_trace(trace) == (times, prios)
+    (tmp_path / "plain.jsonl").write_text('{"t": 0}\n')
+    assert read_trace_costs(tmp_path / "plain.jsonl")[2] is None
+    done = CliRunner().invoke(main, ["simulate", "--trace", str(trace), "--max-cost", "100",
+                                     "--json"])
+    assert done.exit_code == 0, done.output
+    out = json.loads(done.output)
+    assert (out["rejected"], out["requests"], set(out["latency_by_cost_ms"])) == (1, 2,
+                                                                                 {"1", "4"})
+    (tmp_path / "bad.jsonl").write_text('{"t": 0, "cost": 0}\n')
+    bad = CliRunner().invoke(main, ["simulate", "--trace", str(tmp_path / "bad.jsonl")])
+    assert bad.exit_code != 0 and "cost" in bad.output

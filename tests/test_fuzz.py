@@ -30,7 +30,7 @@ from producer import InvalidRequest, Priority, Producer
 from producer.validation import check_deadline, check_idempotency_key, check_timeout
 from scheduler_core.errors import InvalidPolicy
 from scheduler_core.keys import SHARED_KEYS, QueueKeys, validate_queue_name
-from scheduler_core.policy import LIMITS, Policy
+from scheduler_core.policy import CHOICES, LIMITS, Policy
 from scheduler_core.scripts import (
     NewRequest,
     cancel_keys,
@@ -531,7 +531,7 @@ TEMPLATES = {  # a valid call of each script against setup_state: (KEYS, ARGV)
 }
 ERROR_FIELDS = {m for path in LUA.glob("*.lua")
                 for m in re.findall(r"\{-3, '(\w+)'\}", path.read_text())} | {"strategy",
-                                                                             *LIMITS}
+                                                                             *LIMITS, *CHOICES}
 META = re.compile(rb"[0-2]:\d{1,17}:\d{1,17}:\d{1,9}:[A-Za-z0-9_.-]{0,128}")
 
 

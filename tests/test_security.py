@@ -105,7 +105,7 @@ def test_round_trip_never_imports_pickle_nor_calls_marshal(shared_redis, queue):
 ACL_COMMANDS = " ".join([
     "ping time multi exec evalsha eval script|load script|exists",
     "get set del exists incr expire",
-    "hget hset hdel hexists hmget hgetall hincrby hlen",
+    "hget hset hdel hexists hmget hgetall hincrby hlen hkeys",
     "zadd zrem zrange zrangebyscore zremrangebyscore zcard zscore bzpopmin",
     "rpush lpush ltrim lrange blmpop",
 ]).split(" ")

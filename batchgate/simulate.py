@@ -168,7 +168,7 @@ def simulate(config: SimConfig, times: list[float], prios: list[int]) -> SimResu
         # Pop at once while consumers are free and batches due (with nothing waiting,
         # decide would say Nothing).
         while idle and waiting:
-            decision = decide(levels, now, policy)
+            decision = decide(levels, now, policy, first_deadline_us=0)  # none has one
             apply(levels, decision)
             if type(decision) is Batch:
                 size = len(decision.picked)

@@ -26,6 +26,7 @@ from consumer.batch import (
     POP_NOW,
     Answers,
     Batch,
+    ExpireDue,
     Finished,
     Idle,
     Item,
@@ -38,6 +39,7 @@ from consumer.loader import BatchModel
 from consumer.overlap import Overlap
 from scheduler_core.admin import ensure_policy, store_policy, unknown_requests
 from scheduler_core.connection import DEFAULT_REDIS_URL, Backoff, connect
+from scheduler_core.deadlines import expire_due
 from scheduler_core.errors import InvalidRequest
 from scheduler_core.keys import QueueKeys
 from scheduler_core.policy import Policy
@@ -163,7 +165,9 @@ class Consumer:
                            completing=self._overlap.completing)
         lease = LeaseKeeper(self.redis, self.scripts, self.keys, self.config.name,
                             LeaseTimes(self.config.lease_ms, self.config.max_batch_ms), held,
-                            on_policy=self._policy_seen, on_hung=self._exit_hung)
+                            on_policy=self._policy_seen, on_hung=self._exit_hung,
+                            result_ttl_s=lambda: self.policy.result_ttl_s if self.policy
+                            else 600)
         lease.start()
         backoff = Backoff(f"consumer {self.config.name}")
         log.info("consumer %s serving queue %r with %s", self.config.name, self.config.queue,
@@ -223,10 +227,23 @@ class Consumer:
 
     def _parse(self, reply: list[Any]) -> Next:
         try:
-            return parse_pop(reply)
+            step = parse_pop(reply)
         except LookupError:
             self._restore_policy()
             return POP_NOW
+        if isinstance(step, ExpireDue):
+            self._expire_due()
+            return POP_NOW
+        return step
+
+    def _expire_due(self) -> None:
+        """Take the requests past their deadline out of the queue (their producers get
+        DeadlineExceeded), so that none of them fills or joins a batch."""
+        assert self.policy is not None
+        sweep = expire_due(self.scripts, self.keys, self.policy.result_ttl_s)
+        if sweep.expired or sweep.delayed:
+            log.debug("expired %d, delayed %d requests past their deadline", sweep.expired,
+                      sweep.delayed)
 
     # -- the queue's policy, as it changes under us ------------------------------------
     def _restore_policy(self) -> None:

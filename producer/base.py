@@ -26,6 +26,7 @@ from scheduler_core.scripts import (
     Scripts,
     cancel_keys,
     enqueue_call,
+    enqueue_deadlines,
     enqueue_reply,
 )
 from scheduler_core.wire import Result, decode_result, lost_result
@@ -82,6 +83,7 @@ class Submission:
     requests: list[NewRequest]
     size: int = 0  # envelope bytes
     ids: list[str] | None = None
+    deadlines: list[int] | None = None  # ms: the deadline each got (the policy's default)
     error: BaseException | None = None
     waiter: Any = field(default=None, repr=False)  # the I/O side's signal (lock, future)
     handed: list[Submission] | None = field(default=None, repr=False)  # sync: lead this
@@ -125,6 +127,9 @@ class ProducerBase(Generic[H]):
         self._on_result = on_result
         self._pending: deque[Submission] = deque()
         self._in_flight = 0
+        # The earliest deadline (time.monotonic()) of a waiting handle: the producer's
+        # deadline timer fires then and expires what is due (expire_due.lua).
+        self._next_deadline: float | None = None
 
     def _prepare(self, payloads: Iterable[Any], priority: Any, deadline_ms: Any,
                  idempotency_keys: list[str | None] | None,
@@ -144,13 +149,22 @@ class ProducerBase(Generic[H]):
             for r in requests:
                 self._handles.pop(r.id, None)
 
-    def _accepted(self, requests: list[NewRequest], handles: list[H], ids: list[str]) -> None:
+    def _accepted(self, requests: list[NewRequest], handles: list[H], ids: list[str],
+                  deadlines: list[int] | None = None) -> bool:
         """Arm deadlines and polls; an idempotent duplicate is answered under the first
-        request's id."""
+        request's id. `deadlines`: the deadline (ms) each request got from enqueue.lua,
+        its own or its level's default. True if the earliest deadline moved earlier (the
+        deadline timer must be re-armed)."""
         now = time.monotonic()
+        given = deadlines or [r.deadline_ms for r in requests]
+        earlier = False
         with self._lock:
-            for request, h, effective in zip(requests, handles, ids, strict=True):
-                h._deadline_at = local_deadline(request.deadline_ms)
+            for request, h, effective, deadline_ms in zip(requests, handles, ids, given,
+                                                          strict=True):
+                h._deadline_at = local_deadline(deadline_ms)
+                if h._deadline_at is not None and (self._next_deadline is None
+                                                   or h._deadline_at < self._next_deadline):
+                    self._next_deadline, earlier = h._deadline_at, True
                 h._accepted_at, h._poll_at = now, now + POLL_S
                 if effective != request.id:
                     self._handles.pop(request.id, None)
@@ -159,6 +173,7 @@ class ProducerBase(Generic[H]):
                         self._duplicates.setdefault(effective, []).append(h)
                     else:
                         self._handles[effective] = h
+        return earlier
 
     def _take(self, request_id: str) -> list[H]:
         """Unregister and return every handle waiting for `request_id`."""
@@ -201,9 +216,11 @@ class ProducerBase(Generic[H]):
                 return False
             batch[0].error = exc
             return True
+        deadlines = enqueue_deadlines(reply)
         start = 0
         for sub in batch:
             sub.ids = ids[start:start + len(sub.requests)]
+            sub.deadlines = deadlines[start:start + len(sub.requests)]
             start += len(sub.requests)
         return True
 
@@ -219,6 +236,7 @@ class ProducerBase(Generic[H]):
                 continue
             try:
                 sub.ids = enqueue_reply(self.keys, reply)
+                sub.deadlines = enqueue_deadlines(reply)
             except (QueueFull, InvalidRequest) as exc:
                 sub.error = exc
 
@@ -228,23 +246,51 @@ class ProducerBase(Generic[H]):
             if sub.ids is None and sub.error is None:
                 sub.error = exc
 
+    # -- the deadline timer -------------------------------------------------------------
+    def _take_due(self) -> list[H]:
+        """The handles past their deadline (one expiry attempt each), and the timer's next
+        time: the earliest deadline of the others."""
+        with self._lock:
+            handles = [*self._handles.values(),
+                       *(h for more in self._duplicates.values() for h in more)]
+            now = time.monotonic()
+            due, upcoming = [], None
+            for h in handles:
+                at = h._deadline_at
+                if at is None:
+                    continue
+                if now >= at:
+                    h._deadline_at = None
+                    due.append(h)
+                elif upcoming is None or at < upcoming:
+                    upcoming = at
+            self._next_deadline = upcoming
+        return due
+
+    def _expiry_failed(self, handles: list[H]) -> None:
+        """An expiry that could not reach Redis: try again a little later."""
+        for h in handles:
+            rearm(h)
+        if handles:
+            with self._lock:
+                at = handles[0]._deadline_at
+                if self._next_deadline is None or (at is not None and at < self._next_deadline):
+                    self._next_deadline = at
+
     # -- the listener's sweep ------------------------------------------------------------
     def _due(self) -> tuple[list[list[H]], list[list[H]]]:
-        """Chunks of the handles past their deadline (to expire: one attempt each) and of
-        those due for a check of their stored result (the next one planned)."""
+        """Chunks of the handles due for a check of their stored result (the next one
+        planned); their deadlines are the deadline timer's."""
         with self._lock:
             handles = [*self._handles.values(),
                        *(h for more in self._duplicates.values() for h in more)]
         now = time.monotonic()
-        expire, poll = [], []
+        poll = []
         for h in handles:
-            if h._deadline_at is not None and now >= h._deadline_at:
-                h._deadline_at = None
-                expire.append(h)
-            elif h._poll_at is not None and now >= h._poll_at:
+            if h._poll_at is not None and now >= h._poll_at:
                 h._poll_at = now + min(POLL_MAX_S, max(POLL_S, now - h._accepted_at))
                 poll.append(h)
-        return _chunks(expire), _chunks(poll)
+        return [], _chunks(poll)
 
     def _poll_reads(self, pipe: Any, handles: list[H]) -> list[H]:
         """Queue on `pipe` (a MULTI, sync or asyncio) the reads of a poll of `handles`:
@@ -275,17 +321,6 @@ class ProducerBase(Generic[H]):
                         lost[0].id)
         for handle in lost:
             self._resolve_all(handle, lost_result(handle.id))
-
-    def _expire_calls(self, handles: list[H]) -> list[tuple[list[str], list[Any], bytes]]:
-        return [self._cancel_call(h.id, deadline=True) for h in handles]
-
-    def _expired(self, handles: list[H], replies: list[Any],
-                 calls: list[tuple[list[str], list[Any], bytes]]) -> None:
-        for handle, reply, (_, _, envelope) in zip(handles, replies, calls, strict=True):
-            if isinstance(reply, Exception):
-                rearm(handle)
-            else:
-                self._cancelled(handle, reply, envelope)
 
     # -- cancel, poll ------------------------------------------------------------------
     def _cancel_call(self, request_id: str, deadline: bool) -> tuple[list[str], list[Any], bytes]:

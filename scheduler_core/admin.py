@@ -81,6 +81,8 @@ class QueueStats:
     queue_wait_ms: dict[str, float | None]
     end_to_end_ms: dict[str, float | None]
     model_ms: dict[str, float | None]  # per batch
+    delayed: int = 0  # waiting past their deadline (on_timeout = delay), run when idle
+    past_deadline: int = 0  # waiting past their deadline, about to be expired
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -117,9 +119,11 @@ def queue_stats(client: redis.Redis, queue: str) -> QueueStats:
     pipe.lrange(keys.wait_samples, 0, SAMPLES_READ - 1)
     pipe.lrange(keys.e2e_samples, 0, SAMPLES_READ - 1)
     pipe.lrange(keys.model_samples, 0, SAMPLES_READ - 1)
+    pipe.zcard(keys.delayed)
     (now_s, now_frac), policy, d0, d1, d2, o0, o1, o2, owned, batches_in_flight, consumers, \
-        counters, dead, waits, e2e, model = pipe.execute()
+        counters, dead, waits, e2e, model, delayed = pipe.execute()
     now_us = now_s * 1_000_000 + now_frac
+    past_deadline = client.zcount(keys.deadlines, "-inf", now_us)  # at the TIME above
     oldest = [score for first in (o0, o1, o2) for _, score in first]
     counters = {k.decode(): int(v) for k, v in counters.items()}
     alive_after = now_us - CONSUMER_ALIVE_S * 1_000_000
@@ -143,6 +147,8 @@ def queue_stats(client: redis.Redis, queue: str) -> QueueStats:
         queue_wait_ms=_percentiles(waits),
         end_to_end_ms=_percentiles(e2e),
         model_ms=_percentiles([sample.partition(b":")[2] for sample in model]),  # size:us
+        delayed=delayed,
+        past_deadline=past_deadline,
     )
 
 
@@ -168,7 +174,7 @@ def queue_lookup(pipe: Any, keys: QueueKeys, request_id: str) -> None:
     transaction, so a request moving between states is seen in one of them."""
     pipe.get(keys.result(request_id))
     pipe.hexists(keys.owner, request_id)
-    for key in keys.pending_all:
+    for key in [*keys.pending_all, keys.delayed]:  # delayed: past its deadline, queued
         pipe.zscore(key, request_id)
     pipe.hget(keys.dead_reason, request_id)
 

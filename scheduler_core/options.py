@@ -8,7 +8,7 @@ from typing import Any
 import click
 
 from scheduler_core.connection import DEFAULT_REDIS_URL
-from scheduler_core.policy import LIMITS, Strategy
+from scheduler_core.policy import LIMITS, OnTimeout, Strategy
 
 
 def env_option(*decls: str, envvar: str, help: str, **kwargs: Any) -> Callable[[Any], Any]:
@@ -49,6 +49,21 @@ POLICY_KNOBS: list[tuple[str, dict[str, Any], str]] = [
      f"Deliveries before a request is dead-lettered, {_range('max_attempts')} [default: 3]."),
     ("--result-ttl-s", {"type": int},
      f"Seconds results stay fetchable by id, {_range('result_ttl_s')} [default: 600]."),
+    ("--timeout-high-ms", {"type": int},
+     f"Default deadline of a HIGH request, ms after enqueue, {_range('timeout_high_ms')}; "
+     "0 = none [default: 0]."),
+    ("--timeout-normal-ms", {"type": int},
+     f"Default deadline of a NORMAL request, ms, {_range('timeout_normal_ms')}; 0 = none "
+     "[default: 0]."),
+    ("--timeout-low-ms", {"type": int},
+     f"Default deadline of a LOW request, ms, {_range('timeout_low_ms')}; 0 = none "
+     "[default: 0]."),
+    ("--allow-timeout-override", {"type": click.IntRange(0, 1)},
+     "1: a request's own deadline_ms replaces its level's default timeout; 0: the default "
+     "applies where the level has one [default: 1]."),
+    ("--on-timeout", {"type": click.Choice([o.value for o in OnTimeout])},
+     "A request still waiting at its deadline: reject (DeadlineExceeded) or delay (it runs "
+     "only when nothing else waits) [default: reject]."),
 ]
 
 
@@ -68,5 +83,5 @@ def policy_options(func: Any = None, *, env: bool = False) -> Any:
 
 
 def policy_values(kwargs: dict[str, Any]) -> dict[str, Any]:
-    names = ["strategy", *LIMITS]
+    names = ["strategy", *LIMITS, "on_timeout"]
     return {name: kwargs.pop(name, None) for name in names}

@@ -44,6 +44,16 @@ class Strategy(str, enum.Enum):
         return self.value
 
 
+class OnTimeout(str, enum.Enum):
+    """What happens to a request still waiting at its deadline (docs/scheduling.md)."""
+
+    REJECT = "reject"  # it leaves the queue; its result is DeadlineExceeded
+    DELAY = "delay"  # it stays queued and runs only when nothing else waits
+
+    def __str__(self) -> str:
+        return self.value
+
+
 # (minimum, maximum) of each integer field; 0 means "off" where the field allows it.
 LIMITS: dict[str, tuple[int, int]] = {
     "max_batch_size": (1, 4096),
@@ -52,8 +62,15 @@ LIMITS: dict[str, tuple[int, int]] = {
     "max_queue_size": (0, 1_000_000_000),
     "max_attempts": (1, 100),
     "result_ttl_s": (1, 30 * 86_400),
+    # Default deadline of a request of each level, ms from its enqueue (like Triton's
+    # default_timeout_microseconds); 0 = none. The bound is deadline_ms's.
+    "timeout_high_ms": (0, 86_400_000),
+    "timeout_normal_ms": (0, 86_400_000),
+    "timeout_low_ms": (0, 86_400_000),
+    "allow_timeout_override": (0, 1),  # 1: a request's own deadline_ms replaces the default
 }
 
+TEXT_FIELDS = ("strategy", "on_timeout")  # the fields that are not integers
 DEFAULT_MAX_BATCH_SIZE = 32
 DEFAULT_FIFO_BATCH_SIZE = 1  # fifo is strictly one by one unless asked otherwise
 
@@ -69,6 +86,11 @@ class Policy:
     max_queue_size: int = 0  # pending requests, all priorities; 0 = unbounded
     max_attempts: int = 3  # deliveries before a request is dead-lettered
     result_ttl_s: int = 600  # how long results stay fetchable by id
+    timeout_high_ms: int = 0  # default deadline per level (ms after enqueue); 0 = none
+    timeout_normal_ms: int = 0
+    timeout_low_ms: int = 0
+    allow_timeout_override: int = 1  # 1: a request's own deadline_ms replaces its default
+    on_timeout: OnTimeout = OnTimeout.REJECT  # reject (DeadlineExceeded) or delay
 
     def __post_init__(self) -> None:
         try:
@@ -76,6 +98,12 @@ class Policy:
         except ValueError:
             raise InvalidPolicy(
                 "strategy", f"unknown strategy {self.strategy!r}; use fifo, dynamic or priority"
+            ) from None
+        try:
+            object.__setattr__(self, "on_timeout", OnTimeout(self.on_timeout))
+        except ValueError:
+            raise InvalidPolicy(
+                "on_timeout", f"unknown on_timeout {self.on_timeout!r}; use reject or delay"
             ) from None
         for name, (low, high) in LIMITS.items():
             value = getattr(self, name)
@@ -99,12 +127,26 @@ class Policy:
 
     def to_dict(self) -> dict[str, Any]:
         """As JSON values: numbers as numbers (to_redis has strings, as Redis stores them)."""
-        return {**asdict(self), "strategy": self.strategy.value}
+        return {**asdict(self), "strategy": self.strategy.value,
+                "on_timeout": self.on_timeout.value}
 
     def to_redis(self) -> dict[str, str]:
         data = asdict(self)
-        data["strategy"] = self.strategy.value
+        data["strategy"], data["on_timeout"] = self.strategy.value, self.on_timeout.value
         return {k: str(v) for k, v in data.items()}
+
+    def timeout_ms(self, priority: int) -> int:
+        """The default deadline of a request submitted at `priority` (0 = none)."""
+        return (self.timeout_high_ms, self.timeout_normal_ms, self.timeout_low_ms)[priority]
+
+    def deadline_ms(self, priority: int, requested_ms: int) -> int:
+        """The deadline enqueue.lua gives a request (0 = none): its own deadline_ms where
+        it has one and the policy allows it to override the level's default, else the
+        default (a level without one keeps the request's own)."""
+        default = self.timeout_ms(priority)
+        if default and (not requested_ms or not self.allow_timeout_override):
+            return default
+        return requested_ms
 
     @classmethod
     def from_redis(cls, raw: dict[bytes | str, bytes | str]) -> Policy:
@@ -112,7 +154,7 @@ class Policy:
         known = {f.name for f in fields(cls)}
         values: dict[str, object] = {}
         for name in known & data.keys():
-            values[name] = data[name] if name == "strategy" else int(data[name])
+            values[name] = data[name] if name in TEXT_FIELDS else int(data[name])
         return cls(**values)  # type: ignore[arg-type]
 
     def differences(self, requested: dict[str, object]) -> dict[str, tuple[object, object]]:
@@ -122,6 +164,8 @@ class Policy:
             have = getattr(self, name)
             if name == "strategy":
                 want = Strategy(want)
+            elif name == "on_timeout" and want is not None:
+                want = OnTimeout(want)
             if want is not None and have != want:
                 diff[name] = (have, want)
         return diff

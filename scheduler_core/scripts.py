@@ -24,12 +24,13 @@ from redis.exceptions import NoScriptError
 
 from scheduler_core.errors import InvalidRequest, QueueFull
 from scheduler_core.keys import QueueKeys, bulk_lease_key
-from scheduler_core.policy import LIMITS, Strategy
+from scheduler_core.policy import LIMITS, OnTimeout, Strategy
 
 # Queue scripts, then the bulk job's lease (lua/bulk/, not queue keys). `Scripts` names
 # each by its path with '/' as '_': scripts.bulk_lease_renew.
 SCRIPT_NAMES = ("enqueue", "pop_batch", "complete", "extend_lease", "requeue_expired",
-                "configure", "cancel", "dead_letter", "bulk/lease_renew", "bulk/lease_release")
+                "configure", "cancel", "dead_letter", "expire_due", "bulk/lease_renew",
+                "bulk/lease_release")
 _INCLUDE = re.compile(r"^-- @include (\S+)[ \t]*\n", re.MULTILINE)
 _RENDER_POLICY = re.compile(r"^-- @render policy[ \t]*$", re.MULTILINE)
 _COMMENT = re.compile(r"--\[\[.*?\]\]|--[^\n]*", re.DOTALL)  # no '--' in the strings
@@ -81,11 +82,13 @@ def _policy_lua(limits: dict[str, tuple[int, int]]) -> str:
     """STRATEGIES, LIMITS (configure iterates them) and policy_range: the same ranges as
     code, so that pop_batch, which runs per batch, builds no table of them."""
     strategies = ", ".join(f"{s.value} = true" for s in Strategy)
+    on_timeout = ", ".join(f"{o.value} = true" for o in OnTimeout)
     bounds = [(field, int(low), int(high)) for field, (low, high) in limits.items()]
     ranges = ", ".join(f"{field} = {{{low}, {high}}}" for field, low, high in bounds)
     cases = "".join(f"  if field == '{field}' then return {low}, {high} end\n"
                     for field, low, high in bounds)
-    return (f"local STRATEGIES = {{{strategies}}}\n\nlocal LIMITS = {{{ranges}}}\n\n"
+    return (f"local STRATEGIES = {{{strategies}}}\n\nlocal ON_TIMEOUT = {{{on_timeout}}}\n\n"
+            f"local LIMITS = {{{ranges}}}\n\n"
             f"local function policy_range(field)\n{cases}  return nil\nend")
 
 
@@ -101,6 +104,7 @@ class Scripts:
     configure: Any
     cancel: Any
     dead_letter: Any
+    expire_due: Any
     bulk_lease_renew: Any
     bulk_lease_release: Any
 
@@ -171,7 +175,15 @@ def enqueue_reply(keys: QueueKeys, reply: list[Any]) -> list[str]:
         raise InvalidRequest("id", f"request id {_text(reply[1])!r} already exists")
     if status == -3:
         raise InvalidRequest(_text(reply[1]), "rejected by the enqueue script")
-    return [_text(x) for x in reply[3:]]
+    n = (len(reply) - 3) // 2  # the ids, then the deadline each request got
+    return [_text(x) for x in reply[3:3 + n]]
+
+
+def enqueue_deadlines(reply: list[Any]) -> list[int]:
+    """The deadline (ms after enqueue, 0 = none) each request of an accepted enqueue got:
+    its own, or its level's default timeout (Policy.deadline_ms)."""
+    n = (len(reply) - 3) // 2
+    return [int(x) for x in reply[3 + n:]]
 
 
 def retry_after(reply: list[Any], depth: int, limit: int, adding: int) -> float | None:
@@ -201,6 +213,11 @@ def complete_keys(keys: QueueKeys, items: list[tuple[str, str]]) -> list[str]:
 
 def cancel_keys(keys: QueueKeys, request_id: str, producer: str) -> list[str]:
     return [*keys.shared, keys.result(request_id), keys.inbox(producer)]
+
+
+def expire_keys(keys: QueueKeys, items: list[tuple[str, str]]) -> list[str]:
+    """expire_due.lua's KEYS: `items` are (request id, producer) pairs, in ARGV's order."""
+    return complete_keys(keys, items)
 
 
 def dead_letter_keys(keys: QueueKeys, request_ids: list[str]) -> list[str]:

@@ -9,6 +9,7 @@ the lateness measured is printed (run with -s)."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import threading
 import time
@@ -18,7 +19,7 @@ import pytest
 from helpers.processes import BATCHGATE
 from helpers.support import RecordingModel, configure, wait_for
 
-from producer import DeadlineExceeded, Priority, Producer
+from producer import AsyncProducer, DeadlineExceeded, Priority, Producer
 from scheduler_core.admin import queue_stats, request_state
 from scheduler_core.deadlines import expire_due
 from scheduler_core.keys import QueueKeys
@@ -117,6 +118,32 @@ def test_with_its_producer_gone_an_idle_consumer_expires_it(shared_redis, queue,
           "(deadline 400 ms)")
     assert found and 0.4 <= took < 0.4 + SLACK_S
     assert model.payloads() == []
+
+
+def test_an_async_producer_times_its_deadlines_too(shared_redis, queue):
+    """AsyncProducer: an event-loop timer at the earliest deadline, moved earlier when a
+    shorter deadline arrives (no consumer runs; nobody awaits the handles)."""
+    configure(shared_redis.url, queue, timeout_high_ms=250)
+
+    async def main() -> tuple[float, float]:
+        async with AsyncProducer(shared_redis.url, queue) as p:
+            started = time.monotonic()
+            slow = await p.submit({"slow": 1}, deadline_ms=900)
+            fast = await p.submit({"fast": 1}, priority=Priority.HIGH)  # the default: 250
+            while not fast.done():
+                await asyncio.sleep(0.005)
+            fast_at = time.monotonic() - started
+            assert not slow.done()
+            while not slow.done():
+                await asyncio.sleep(0.005)
+            with pytest.raises(DeadlineExceeded):
+                await slow.result(timeout=0)
+            return fast_at, time.monotonic() - started
+
+    fast_at, slow_at = asyncio.run(main())
+    print(f"\nasync: done {fast_at * 1000:.0f} ms (250 ms) and {slow_at * 1000:.0f} ms "
+          "(900 ms) after submit")
+    assert 0.25 <= fast_at < 0.25 + SLACK_S and 0.9 <= slow_at < 0.9 + SLACK_S
 
 
 # -- scenario B: an expired request never fills a batch ----------------------------------

@@ -58,7 +58,7 @@ POLICY_KNOBS: list[tuple[str, dict[str, Any], str]] = [
     ("--timeout-low-ms", {"type": int},
      f"Default deadline of a LOW request, ms, {_range('timeout_low_ms')}; 0 = none "
      "[default: 0]."),
-    ("--allow-timeout-override", {"type": click.IntRange(0, 1)},
+    ("--allow-timeout-override", {"type": int},
      "1: a request's own deadline_ms replaces its level's default timeout; 0: the default "
      "applies where the level has one [default: 1]."),
     ("--on-timeout", {"type": click.Choice([o.value for o in OnTimeout])},

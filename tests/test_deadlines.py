@@ -22,7 +22,9 @@ from helpers.support import RecordingModel, configure, wait_for
 from producer import AsyncProducer, DeadlineExceeded, Priority, Producer
 from scheduler_core.admin import queue_stats, request_state
 from scheduler_core.deadlines import expire_due
+from scheduler_core.errors import InvalidPolicy
 from scheduler_core.keys import QueueKeys
+from scheduler_core.policy import Policy
 from scheduler_core.scripts import NewRequest, Scripts, enqueue_call, enqueue_reply
 from scheduler_core.wire import DEADLINE, encode_request
 
@@ -253,14 +255,19 @@ def test_per_level_default_timeouts_with_and_without_override(shared_redis, queu
 
 
 def test_timeouts_are_validated_naming_the_field_and_limit(shared_redis, queue):
-    for flags, field in ((["--timeout-normal-ms", "86400001"], "timeout_normal_ms"),
-                         (["--timeout-high-ms", "-1"], "timeout_high_ms"),
-                         (["--allow-timeout-override", "2"], "allow-timeout-override"),
-                         (["--on-timeout", "drop"], "on-timeout")):
+    for flags, says in ((["--timeout-normal-ms", "86400001"],
+                         "timeout_normal_ms: 86400001 is outside [0, 86400000]"),
+                        (["--timeout-high-ms", "-1"], "timeout_high_ms: -1 is outside [0, "),
+                        (["--allow-timeout-override", "2"],
+                         "allow_timeout_override: 2 is outside [0, 1]"),
+                        (["--on-timeout", "drop"], "'--on-timeout'")):  # click: the choices
         done = subprocess.run([BATCHGATE, "policy", "set", "--redis-url", shared_redis.url,
                                "--queue", queue, *flags], capture_output=True, text=True,
                               timeout=60)
-        assert done.returncode != 0 and field in done.stderr, (flags, done.stderr)
+        assert done.returncode == 2 and says in done.stderr, (flags, done.stderr)
+    with pytest.raises(InvalidPolicy) as info:
+        Policy(on_timeout="drop")  # type: ignore[arg-type]
+    assert info.value.field == "on_timeout" and "reject or delay" in str(info.value)
     assert not shared_redis.client().exists(QueueKeys(queue).policy)  # nothing written
 
 

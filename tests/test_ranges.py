@@ -29,6 +29,10 @@ POLICY_RANGES = {
     "max_queue_size": (0, 10**9),
     "max_attempts": (1, 100),
     "result_ttl_s": (1, 2_592_000),
+    "timeout_high_ms": (0, 86_400_000),
+    "timeout_normal_ms": (0, 86_400_000),
+    "timeout_low_ms": (0, 86_400_000),
+    "allow_timeout_override": (0, 1),
 }
 CONSUMER_RANGES = {"lease_ms": (100, 86_400_000), "max_result_bytes": (16, 536_870_912)}
 PRODUCER_RANGES = {"max_payload_bytes": (16, 512 << 20), "idempotency_ttl_s": (1, 2_592_000)}
@@ -242,7 +246,10 @@ def test_policy_set_reaches_running_consumers_and_show_prints_it(shared_redis, q
 
     assert policy("show") == {"strategy": "dynamic", "max_batch_size": 8,
                               "max_queue_delay_ms": 60000, "aging_ms": 5000,
-                              "max_queue_size": 0, "max_attempts": 3, "result_ttl_s": 600}
+                              "max_queue_size": 0, "max_attempts": 3, "result_ttl_s": 600,
+                              "timeout_high_ms": 0, "timeout_normal_ms": 0,
+                              "timeout_low_ms": 0, "allow_timeout_override": 1,
+                              "on_timeout": "reject"}
     with Producer(url, queue) as p:
         waiting = p.submit({"i": 0})
         wait_for(lambda: client.zcard(QueueKeys(queue).pending(1)) == 1, what="it to queue")

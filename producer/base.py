@@ -4,9 +4,12 @@ arguments and how concurrent submits are coalesced. The subclasses add only thei
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -64,6 +67,7 @@ class SubmittedHandle(Protocol):
     _deadline_at: float | None  # time.monotonic() after which the producer may expire it
     _accepted_at: float  # time.monotonic() when Redis accepted it
     _poll_at: float | None  # when the listener next checks its stored result
+    _result: Result | None  # set once it has ended
 
     def _resolve(self, result: Result) -> None:
         """Deliver its result (the first call wins; later ones are ignored)."""
@@ -127,8 +131,13 @@ class ProducerBase(Generic[H]):
         self._on_result = on_result
         self._pending: deque[Submission] = deque()
         self._in_flight = 0
-        # The earliest deadline (time.monotonic()) of a waiting handle: the producer's
-        # deadline timer fires then and expires what is due (expire_due.lua).
+        # The deadline timer's heap of (deadline, seq, handle), and its next firing: the
+        # earliest deadline of a waiting handle (time.monotonic()). Entries of handles
+        # that ended meanwhile are dropped as they reach the top, so the timer wakes for
+        # waiting handles only: about once per deadline span, plus once per expiry. Weak
+        # references: a handle that has ended is not kept alive until its deadline.
+        self._deadlines: list[tuple[float, int, weakref.ref[H]]] = []
+        self._deadline_seq = itertools.count()
         self._next_deadline: float | None = None
 
     def _prepare(self, payloads: Iterable[Any], priority: Any, deadline_ms: Any,
@@ -162,9 +171,8 @@ class ProducerBase(Generic[H]):
             for request, h, effective, deadline_ms in zip(requests, handles, ids, given,
                                                           strict=True):
                 h._deadline_at = local_deadline(deadline_ms)
-                if h._deadline_at is not None and (self._next_deadline is None
-                                                   or h._deadline_at < self._next_deadline):
-                    self._next_deadline, earlier = h._deadline_at, True
+                if h._deadline_at is not None:
+                    earlier |= self._push_deadline(h)
                 h._accepted_at, h._poll_at = now, now + POLL_S
                 if effective != request.id:
                     self._handles.pop(request.id, None)
@@ -247,35 +255,41 @@ class ProducerBase(Generic[H]):
                 sub.error = exc
 
     # -- the deadline timer -------------------------------------------------------------
+    def _push_deadline(self, h: H) -> bool:
+        """Add `h` at its _deadline_at (under self._lock); True if it is the earliest."""
+        at = h._deadline_at
+        assert at is not None
+        heapq.heappush(self._deadlines, (at, next(self._deadline_seq), weakref.ref(h)))
+        if self._next_deadline is None or at < self._next_deadline:
+            self._next_deadline = at
+            return True
+        return False
+
     def _take_due(self) -> list[H]:
-        """The handles past their deadline (one expiry attempt each), and the timer's next
-        time: the earliest deadline of the others."""
+        """The waiting handles past their deadline (one expiry attempt each); the timer's
+        next time becomes the earliest deadline of the others."""
+        heap, due = self._deadlines, []
         with self._lock:
-            handles = [*self._handles.values(),
-                       *(h for more in self._duplicates.values() for h in more)]
             now = time.monotonic()
-            due, upcoming = [], None
-            for h in handles:
-                at = h._deadline_at
-                if at is None:
-                    continue
-                if now >= at:
+            while heap:
+                at, _, ref = heap[0]
+                h = ref()
+                live = h is not None and h._deadline_at == at and h._result is None
+                if live and at > now:
+                    break
+                heapq.heappop(heap)
+                if h is not None and live:
                     h._deadline_at = None
                     due.append(h)
-                elif upcoming is None or at < upcoming:
-                    upcoming = at
-            self._next_deadline = upcoming
+            self._next_deadline = heap[0][0] if heap else None
         return due
 
     def _expiry_failed(self, handles: list[H]) -> None:
         """An expiry that could not reach Redis: try again a little later."""
-        for h in handles:
-            rearm(h)
-        if handles:
-            with self._lock:
-                at = handles[0]._deadline_at
-                if self._next_deadline is None or (at is not None and at < self._next_deadline):
-                    self._next_deadline = at
+        with self._lock:
+            for h in handles:
+                rearm(h)
+                self._push_deadline(h)
 
     # -- the listener's sweep ------------------------------------------------------------
     def _due(self) -> tuple[list[list[H]], list[list[H]]]:

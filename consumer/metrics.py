@@ -57,8 +57,9 @@ class DepthCollector(Collector):
             pipe = self.client.pipeline(transaction=False)
             for key in self.keys.pending_all:
                 pipe.zcard(key)
+            pipe.zcard(self.keys.delayed)
             pipe.hlen(self.keys.owner)
-            *depths, owned = pipe.execute()
+            *depths, delayed, owned = pipe.execute()
         except redis.RedisError as exc:
             log.debug("metrics scrape cannot read Redis: %s", exc)
             up.add_metric([self.queue], 0)
@@ -66,10 +67,12 @@ class DepthCollector(Collector):
             return
         up.add_metric([self.queue], 1)
         yield up
-        depth = GaugeMetricFamily("batchgate_queue_depth", "Requests waiting, per priority.",
+        depth = GaugeMetricFamily("batchgate_queue_depth", "Requests waiting, per priority "
+                                  "(delayed: past their deadline, on_timeout=delay).",
                                   labels=["queue", "priority"])
         for level, count in zip(Priority, depths, strict=True):
             depth.add_metric([self.queue, level.name.lower()], count)
+        depth.add_metric([self.queue, "delayed"], delayed)
         yield depth
         in_flight = GaugeMetricFamily("batchgate_queue_in_flight_requests",
                                       "Requests in a batch being run.", labels=["queue"])

@@ -240,7 +240,13 @@ class Consumer:
         """Take the requests past their deadline out of the queue (their producers get
         DeadlineExceeded), so that none of them fills or joins a batch."""
         assert self.policy is not None
-        sweep = expire_due(self.scripts, self.keys, self.policy.result_ttl_s)
+        try:
+            sweep = expire_due(self.scripts, self.keys, self.policy.result_ttl_s)
+        except InvalidRequest as exc:  # a stored policy altered by hand: do not spin
+            log.error("queue %r: cannot expire requests past their deadline: %s",
+                      self.config.queue, exc)
+            self.stopping.wait(1.0)
+            return
         if sweep.expired or sweep.delayed:
             log.debug("expired %d, delayed %d requests past their deadline", sweep.expired,
                       sweep.delayed)

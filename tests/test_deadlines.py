@@ -148,6 +148,16 @@ def test_an_async_producer_times_its_deadlines_too(shared_redis, queue):
     assert 0.25 <= fast_at < 0.25 + SLACK_S and 0.9 <= slow_at < 0.9 + SLACK_S
 
 
+def test_a_request_popped_in_time_runs_though_its_deadline_passes_while_it_runs(
+        shared_redis, queue, start_consumer, tmp_path):
+    model = RecordingModel(tmp_path)
+    model.start(start_consumer, shared_redis.url, queue, "--strategy", "fifo")
+    with Producer(shared_redis.url, queue) as p:
+        handle = p.submit({"sleep_ms": 900}, deadline_ms=300)
+        assert handle.result(timeout=15) == {"sleep_ms": 900}
+    assert queue_stats(shared_redis.client(), queue).expired == 0
+
+
 # -- scenario B: an expired request never fills a batch ----------------------------------
 
 

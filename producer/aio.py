@@ -190,7 +190,7 @@ class AsyncProducer(ProducerBase[AsyncHandle]):
         due = self._take_due()
         if due:
             try:
-                await expire_due_async(self._scripts, self.keys, self.config.result_ttl_s)
+                await self._expire_all_due()
             except redis.RedisError as exc:
                 log.warning("async producer: could not expire requests past their "
                             "deadline (%s); trying again", exc)
@@ -303,6 +303,12 @@ class AsyncProducer(ProducerBase[AsyncHandle]):
         """As Producer._expire."""
         handle._deadline_at = None
         try:
-            await expire_due_async(self._scripts, self.keys, self.config.result_ttl_s)
+            await self._expire_all_due()
         except (redis.ConnectionError, redis.TimeoutError):
             base.rearm(handle)
+
+    async def _expire_all_due(self) -> None:
+        """As Producer._expire_all_due."""
+        while (await expire_due_async(self._scripts, self.keys,
+                                      self.config.result_ttl_s)).more:
+            pass

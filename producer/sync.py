@@ -301,7 +301,7 @@ class Producer(ProducerBase[Handle]):
             due = self._take_due()
             if due:
                 try:
-                    expire_due(self._scripts, self.keys, self.config.result_ttl_s)
+                    self._expire_all_due()
                 except redis.RedisError as exc:
                     log.warning("producer: could not expire requests past their deadline "
                                 "(%s); trying again", exc)
@@ -449,6 +449,12 @@ class Producer(ProducerBase[Handle]):
         already running, or delayed (on_timeout = delay), its result will come."""
         handle._deadline_at = None
         try:
-            expire_due(self._scripts, self.keys, self.config.result_ttl_s)
+            self._expire_all_due()
         except (redis.ConnectionError, redis.TimeoutError):
             rearm(handle)
+
+    def _expire_all_due(self) -> None:
+        """Sweeps until no request is past its deadline: the handles taken off the timer
+        are not looked at again (each sweep is bounded; Redis serves others between)."""
+        while expire_due(self._scripts, self.keys, self.config.result_ttl_s).more:
+            pass

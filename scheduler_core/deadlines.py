@@ -72,7 +72,8 @@ def _sweep(keys: QueueKeys, result_ttl_s: int, chunk: int, rounds: int
 def expire_due(scripts: Scripts, keys: QueueKeys, result_ttl_s: int = 600,
                chunk: int = EXPIRE_CHUNK, rounds: int = MAX_ROUNDS) -> Sweep:
     """Expire (or delay) up to chunk x rounds requests past their deadline; sync client.
-    `result_ttl_s` is used only if the queue has no policy."""
+    `result_ttl_s` is used only if the queue has no policy. A caller that will not be
+    called again for these requests (a producer's timer) sweeps again while `more`."""
     steps = _sweep(keys, result_ttl_s, chunk, rounds)
     try:
         call = next(steps)

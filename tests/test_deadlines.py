@@ -308,6 +308,21 @@ def test_on_timeout_delay_runs_the_request_only_when_nothing_else_waits(
     assert queue_stats(client, queue).expired == 0
 
 
+def test_a_flood_of_expiries_is_taken_in_bounded_chunks_and_all_of_them_end(shared_redis,
+                                                                             queue):
+    """More requests fall due at once than one sweep takes (200 per call, 10 calls): the
+    producer's timer sweeps again until none is left; no consumer runs."""
+    with Producer(shared_redis.url, queue) as p:
+        handles = p.submit_many([{"i": i} for i in range(2500)], deadline_ms=300)
+        started = time.monotonic()
+        wait_for(lambda: all(h.done() for h in handles), timeout=0.3 + SLACK_S + 5,
+                 what="every request to expire")
+        print(f"\n2,500 expiries: all done {(time.monotonic() - started) * 1000:.0f} ms "
+              "after the submit returned (deadline 300 ms)")
+    stats = queue_stats(shared_redis.client(), queue)
+    assert stats.expired == 2500 and stats.depth == {"high": 0, "normal": 0, "low": 0}
+
+
 # -- exactly once ------------------------------------------------------------------------
 
 

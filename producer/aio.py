@@ -191,7 +191,7 @@ class AsyncProducer(ProducerBase[AsyncHandle]):
         if due:
             try:
                 await self._expire_all_due()
-            except redis.RedisError as exc:
+            except Exception as exc:  # Redis away, or a policy altered by hand
                 log.warning("async producer: could not expire requests past their "
                             "deadline (%s); trying again", exc)
                 self._expiry_failed(due)

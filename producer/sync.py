@@ -302,7 +302,7 @@ class Producer(ProducerBase[Handle]):
             if due:
                 try:
                     self._expire_all_due()
-                except redis.RedisError as exc:
+                except Exception as exc:  # Redis away, or a policy altered by hand
                     log.warning("producer: could not expire requests past their deadline "
                                 "(%s); trying again", exc)
                     self._expiry_failed(due)

@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 PYTHON=${PYTHON:-python3}
-EXTRAS=torch,rq,gateway,metrics,bench,dev
+EXTRAS=torch,rq,gateway,dashboard,metrics,otel,bench,dev
 
 if [ -n "${VIRTUAL_ENV:-}" ]; then
   venv=$VIRTUAL_ENV

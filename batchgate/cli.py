@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import sys
@@ -22,7 +23,7 @@ from scheduler_core.options import (
     queue_option,
     redis_url_option,
 )
-from scheduler_core.policy import Policy, Strategy
+from scheduler_core.policy import AUTO, Policy, Strategy
 
 LAZY_COMMANDS = {
     "consumer": "consumer.cli:consumer_command",
@@ -34,6 +35,10 @@ LAZY_COMMANDS = {
     "gateway": "producer.gateway.cli:gateway_command",
     "simulate": "batchgate.simulate:simulate_command",
     "profile": "batchgate.profile_model:profile_command",
+    "plan": "batchgate.plan:plan_command",
+    "exporter": "batchgate.exporter:exporter_command",
+    "top": "batchgate.top:top_command",
+    "dashboard": "batchgate.dashboard.cli:dashboard_command",
 }
 
 
@@ -71,17 +76,24 @@ def main(log_level: str) -> None:
 @main.command("stats")
 @redis_url_option
 @queue_option
+@click.option("--slo-p99-ms", type=click.FloatRange(0, 86_400_000, min_open=True),
+              default=None,
+              help="Target p99 latency, ms, for recommended_consumers [default: the "
+                   "policy's slo_p99_ms].")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def stats_command(redis_url: str, queue: str, as_json: bool) -> None:
-    """Depth per priority, in-flight, consumers alive, throughput counters, latencies."""
-    from scheduler_core.admin import queue_stats
+def stats_command(redis_url: str, queue: str, slo_p99_ms: float | None, as_json: bool) -> None:
+    """Depth per priority, in-flight, consumers alive, throughput counters, latencies, and
+    recommended_consumers (the planner's count for the measured arrival rate)."""
+    from scheduler_core.admin import queue_stats, scaling_signal
 
-    stats = queue_stats(connect_checked(redis_url), queue).to_dict()
+    client = connect_checked(redis_url)
+    stats = queue_stats(client, queue).to_dict()
+    stats.update(scaling_signal(client, queue, slo_p99_ms))
     if as_json:
         click.echo(orjson.dumps(stats, option=orjson.OPT_INDENT_2).decode())
         return
     for key, value in stats.items():
-        click.echo(f"{key:>20}: {value}")
+        click.echo(f"{key:>21}: {value}")
 
 
 @main.group("policy")
@@ -115,6 +127,7 @@ def policy_set(redis_url: str, queue: str, **kwargs: Any) -> None:
     their next batch on. Switching --strategy without --max-batch-size also resets
     max_batch_size to the new strategy's default (fifo: 1, others: 32)."""
     from scheduler_core.admin import read_policy, store_policy
+    from scheduler_core.registry import register_queue
 
     client = connect_checked(redis_url)
     values = {k: v for k, v in policy_values(kwargs).items() if v is not None}
@@ -123,8 +136,15 @@ def policy_set(redis_url: str, queue: str, **kwargs: Any) -> None:
     if (current is not None and "strategy" in values and "max_batch_size" not in values
             and Strategy(values["strategy"]) is not current.strategy):
         del merged["max_batch_size"]  # Policy.build supplies the new strategy's default
+    if "max_queue_delay_ms" in values:  # a number means fixed; "auto" keeps the stored one
+        delay = values.pop("max_queue_delay_ms")
+        values["delay_mode"] = AUTO if delay == AUTO else "fixed"
+        if delay != AUTO:
+            values["max_queue_delay_ms"] = delay
     merged.update(values)
     stored = store_policy(client, queue, Policy.build(**merged), replace=True)
+    with contextlib.suppress(redis.ResponseError):  # an ACL limited to the queue's keys
+        register_queue(client, queue)
     if current is not None and stored.max_batch_size != current.max_batch_size \
             and "max_batch_size" not in values:
         click.echo(f"max_batch_size: {current.max_batch_size} -> {stored.max_batch_size}, "

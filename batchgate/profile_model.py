@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import click
@@ -19,45 +18,17 @@ import orjson
 
 from consumer.cli import parse_model_args
 from consumer.loader import BatchModel, load_model
+from scheduler_core.compat import connect_checked
+from scheduler_core.cost_model import CostModel, Fit, fit, write_cost_model
 from scheduler_core.errors import InvalidRequest
+from scheduler_core.keys import QueueKeys
+from scheduler_core.options import redis_url_option
 from scheduler_core.policy import LIMITS
 
 # One payload every built-in model takes: synthetic and noop ignore it, tiny_text reads
 # "tokens", minilm "text".
 DEFAULT_PAYLOAD = '{"text": "the quick brown fox jumps over the lazy dog", ' \
                   '"tokens": [5, 17, 42, 7, 99, 3, 250, 12, 8, 64, 31, 2, 77, 19, 6, 140]}'
-
-
-@dataclass(frozen=True)
-class Fit:
-    """t(b) = base_ms + per_item_ms × b, least squares over the medians."""
-
-    base_ms: float
-    per_item_ms: float
-    r2: float
-
-    def ms(self, batch: int) -> float:
-        return self.base_ms + self.per_item_ms * batch
-
-    @property
-    def cost_ms(self) -> str:
-        """As `batchgate simulate --cost-ms` takes it (a negative term clamped to 0)."""
-        return f"{max(0.0, self.base_ms):.4g}+{max(0.0, self.per_item_ms):.4g}*b"
-
-
-def fit(points: list[tuple[int, float]]) -> Fit:
-    """Least-squares line through (batch size, ms); needs two distinct sizes."""
-    xs, ys = [float(b) for b, _ in points], [ms for _, ms in points]
-    if len(set(xs)) < 2:
-        raise InvalidRequest("batch_sizes", "need at least two distinct batch sizes to fit")
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
-    base = my - slope * mx
-    ss_res = sum((y - base - slope * x) ** 2 for x, y in zip(xs, ys, strict=True))
-    ss_tot = sum((y - my) ** 2 for y in ys)
-    r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else (1.0 if ss_res == 0 else 0.0)
-    return Fit(base, slope, r2)
 
 
 def measure(model: BatchModel, payload: Any, sizes: list[int], warmup: int,
@@ -117,6 +88,8 @@ def render(out: dict[str, Any]) -> str:
     lines += ["", f"t(b) = {f['base_ms']:.4g} + {f['per_item_ms']:.4g}·b ms, "
                   f"R² = {f['r2']:.4f}",
               f"batchgate simulate --cost-ms '{f['cost_ms']}'"]
+    if "stored" in out:
+        lines.append(f"stored as the cost model of queue {out['stored']['queue']!r}")
     return "\n".join(lines)
 
 
@@ -139,13 +112,19 @@ def render(out: dict[str, Any]) -> str:
               help="Unmeasured calls per batch size first.")
 @click.option("--repeat", type=click.IntRange(1, 10_000), default=10, show_default=True,
               help="Measured calls per batch size (the median counts).")
+@click.option("--queue", default=None,
+              help="Also store the fit as this queue's cost model (read by batchgate plan "
+                   "--queue, recommended_consumers and the consumers; they refit it live).")
+@redis_url_option
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 def profile_command(model_spec: str, model_arg: tuple[str, ...], device: str | None,
                     batch_sizes: str, payload: str, warmup: int, repeat: int,
-                    as_json: bool) -> None:
+                    queue: str | None, redis_url: str, as_json: bool) -> None:
     """Time a model on batches of each size, fit t(b) = A + B·b (least squares on the
     medians) and report R² and the fit's error at each size: the --cost-ms of
-    batchgate simulate."""
+    batchgate simulate. With --queue, store it as the queue's cost model."""
+    keys = QueueKeys(queue) if queue is not None else None  # a bad name fails before timing
+    client = connect_checked(redis_url) if keys is not None else None
     sizes = parse_sizes(batch_sizes)
     if len(sizes) < 2:
         raise InvalidRequest("batch_sizes", "need at least two distinct batch sizes to fit")
@@ -159,6 +138,12 @@ def profile_command(model_spec: str, model_arg: tuple[str, ...], device: str | N
         kwargs["device"], flags["device"] = device, "--device"
     model = load_model(model_spec, kwargs, flags)
     out = report(model_spec, measure(model, sample, sizes, warmup, repeat), warmup, repeat)
+    if keys is not None and client is not None:
+        f = out["fit"]
+        line = Fit(f["base_ms"], f["per_item_ms"], f["r2"])
+        stored = write_cost_model(client, keys, CostModel.from_fit(
+            line, len(sizes) * repeat, "profile"))
+        out["stored"] = {"queue": queue, **stored.to_dict()}
     if as_json:
         click.echo(orjson.dumps(out, option=orjson.OPT_INDENT_2).decode())
     else:

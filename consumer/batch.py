@@ -17,6 +17,27 @@ from scheduler_core.wire import POPPED_STATES, Outcome
 Answers = dict[str, tuple[Outcome, bytes]]
 
 
+class Cost(int):
+    """A request's cost as a model that opts in sees it (`accepts_costs = True`, see
+    consumer/loader.py): the cost to work to (an int, e.g. max_new_tokens), capped to the
+    queue's max_cost when over_cost=truncate capped it; `requested` is what the producer
+    asked for and `truncated` says whether it was capped."""
+
+    requested: int
+
+    def __new__(cls, value: int, requested: int | None = None) -> Cost:
+        cost = super().__new__(cls, value)
+        cost.requested = value if requested is None else requested
+        return cost
+
+    @property
+    def truncated(self) -> bool:
+        return self.requested > self
+
+    def __repr__(self) -> str:
+        return f"Cost({int(self)}, requested={self.requested})"
+
+
 @dataclass
 class Item:
     id: str
@@ -26,6 +47,9 @@ class Item:
     producer: str
     state: Outcome  # RUN, or settled at the pop: EXPIRED or DEAD_LETTER
     level: int
+    trace: dict[str, str] | None = None  # the producer's trace context, when traced
+    cost: int = 1  # as enqueued: capped to max_cost under over_cost=truncate
+    requested: int = 1  # the cost its producer asked for (> cost when capped)
 
 
 @dataclass
@@ -36,6 +60,7 @@ class Batch:
     remaining: int = 0  # requests still pending after this pop
     # (answers known before the model runs, [(item, decoded payload)]), once decoded
     prepared: tuple[Answers, list[tuple[Item, Any]]] | None = field(default=None, repr=False)
+    span: Any = field(default=None, repr=False)  # its open span, when traced (tracing.py)
 
 
 @dataclass(frozen=True)
@@ -87,9 +112,10 @@ def parse_pop(reply: list[Any]) -> Batch | Idle | ExpireDue:
         raise InvalidRequest(reply[1].decode(), "rejected by pop_batch")
     items = []
     state_of, run = POPPED_STATES.get, Outcome.RUN  # an Enum lookup per item is slow
-    for i in range(4, len(reply), 7):
-        rid, env, arrival, attempts, producer, state, level = reply[i:i + 7]
+    for i in range(4, len(reply), 9):
+        rid, env, arrival, attempts, producer, state, level, cost, requested = reply[i:i + 9]
         items.append(Item(rid.decode(), env, int(arrival), int(attempts),
                           producer.decode(errors="replace"),  # hand-written meta
-                          state_of(state, run), int(level)))
+                          state_of(state, run), int(level), cost=int(cost),
+                          requested=int(requested)))
     return Batch(str(head), int(reply[1]), items, remaining=int(reply[3]))

@@ -23,6 +23,7 @@ from scheduler_core.options import (
     queue_option,
     redis_url_option,
 )
+from scheduler_core.policy import MAX_COST_BUCKETS
 from scheduler_core.wire import DEFAULT_MAX_RESULT_BYTES
 
 log = logging.getLogger("batchgate.consumer")
@@ -92,13 +93,38 @@ def install_signal_handlers(consumer: Consumer) -> None:
             help="While a backlog waits, fetch the next batch and write the last one's "
                  "results while the model runs. --no-overlap: one batch at a time (a "
                  "crash then re-runs only the batch in hand). In the variable: true/false.")
+@env_option("--cost-refit-s", envvar="BATCHGATE_COST_REFIT_S",
+            type=click.FloatRange(0, 86_400), default=5.0, show_default=True,
+            help="Every this many seconds, refit the queue's stored cost model t(b) = A + "
+                 "B·b from the live model times of its batches (0 = never; 0.1-86400).")
+@env_option("--prefer-bucket", envvar="BATCHGATE_PREFER_BUCKET",
+            type=click.IntRange(0, MAX_COST_BUCKETS + 1), default=0, show_default=True,
+            help="With the queue's cost_buckets: the bucket this consumer serves first "
+                 "whenever it is due (1 = the cheapest); otherwise the oldest due bucket. "
+                 "0 = none.")
+@env_option("--wait-replicas", envvar="BATCHGATE_WAIT_REPLICAS", type=click.IntRange(0, 64),
+            default=0, show_default=True,
+            help="Acknowledge a batch's results only once this many replicas have them "
+                 "(Redis WAIT, on the connection that wrote them); until then they are "
+                 "offered again. 0 = as soon as the primary has them.")
+@env_option("--wait-timeout-ms", envvar="BATCHGATE_WAIT_TIMEOUT_MS",
+            type=click.IntRange(1, 60_000), default=1000, show_default=True,
+            help="ms: how long each WAIT of --wait-replicas waits before the results are "
+                 "offered again.")
 @env_option("--name", envvar="BATCHGATE_CONSUMER_NAME", default="",
             help="Consumer name shown in stats [default: host:pid:random].")
+@env_option("--otel-exporter", envvar="BATCHGATE_OTEL_EXPORTER", default="none",
+            show_default=True, type=click.Choice(["none", "console"]),
+            help="OpenTelemetry spans of each batch (needs the otel extra): console = one "
+                 "JSON line per span on stdout; none = to the TracerProvider the model "
+                 "module installed, if any, else nowhere.")
 @policy_options(env=True)
 @supervisor_options
 def consumer_command(redis_url: str, queue: str, model_spec: str, model_arg: tuple[str, ...],
                      device: str | None, torch_threads: int | None, lease_ms: int,
-                     max_batch_ms: int, max_result_bytes: int, overlap: bool, name: str,
+                     max_batch_ms: int, max_result_bytes: int, overlap: bool,
+                     cost_refit_s: float, prefer_bucket: int, wait_replicas: int,
+                     wait_timeout_ms: int, name: str, otel_exporter: str,
                      **kwargs: Any) -> None:
     """Pop batches from QUEUE and run MODEL on them until SIGTERM/SIGINT.
 
@@ -111,14 +137,24 @@ def consumer_command(redis_url: str, queue: str, model_spec: str, model_arg: tup
     policy = policy_values(kwargs)
     config = ConsumerConfig(redis_url=redis_url, queue=queue, lease_ms=lease_ms,
                             max_batch_ms=max_batch_ms, max_result_bytes=max_result_bytes,
-                            overlap=overlap, policy=policy, name=name)
+                            overlap=overlap, cost_refit_s=cost_refit_s, policy=policy,
+                            name=name, prefer_bucket=prefer_bucket,
+                            wait_replicas=wait_replicas, wait_timeout_ms=wait_timeout_ms)
     model_kwargs = parse_model_args(model_arg)
     flags = dict.fromkeys(model_kwargs, "--model-arg")
     if device is not None:
         model_kwargs["device"], flags["device"] = device, "--device"
     threads = limit_torch_threads(torch_threads)
+    if otel_exporter == "console":
+        from consumer.tracing import install_console_provider
+
+        try:
+            install_console_provider()
+        except ValueError as exc:
+            raise click.UsageError(str(exc)) from None
     # Settle the policy before loading the model: a conflict should fail fast.
     consumer = Consumer(model=_unloaded, config=config)
+    consumer.info["device"] = device or ""
     require_redis_version(consumer.redis)
     consumer.start()
     install_signal_handlers(consumer)
@@ -128,6 +164,9 @@ def consumer_command(redis_url: str, queue: str, model_spec: str, model_arg: tup
         serve_metrics(consumer, metrics_port)
     consumer.model = load_model(model_spec, model_kwargs, flags)
     limit_torch_threads(threads)  # torch may have been imported by the model only now
+    from consumer.tracing import tracer_for
+
+    consumer.tracer = tracer_for(queue)  # after the model, which may install a provider
     if consumer.stopping.is_set():
         return
     freeze_startup_heap()

@@ -19,15 +19,18 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
 import redis
 
 from consumer.batch import Batch
 from scheduler_core.deadlines import expire_due
 from scheduler_core.keys import QueueKeys
+from scheduler_core.registry import REGISTER_EVERY_S, register_queue
 from scheduler_core.scripts import ScriptPipeline, Scripts, extend_lease_keys, requeue_keys
 
 log = logging.getLogger("batchgate.consumer")
@@ -49,6 +52,17 @@ class Held:
     completing: Callable[[], list[Batch]] = list  # results on their way to Redis
 
 
+INFO_TTL_S = 30  # `{bg:q}:consumer:<name>` outlives the last heartbeat this long
+FAILURES_KEPT = 100  # `{bg:q}:failures` keeps the newest this many
+
+
+@dataclass(frozen=True)
+class Report:
+    """What the lease thread publishes with each heartbeat, for dashboards."""
+    about: Callable[[], dict[str, str]]  # host, pid, device, batches, current batch...
+    failures: deque[dict[str, Any]]  # failed requests not yet written (drained here)
+
+
 @dataclass(frozen=True)
 class LeaseTimes:
     lease_ms: int
@@ -66,10 +80,13 @@ class LeaseKeeper:
 
     def __init__(self, client: redis.Redis, scripts: Scripts, keys: QueueKeys, consumer: str,
                  times: LeaseTimes, held: Held, on_policy: Callable[[dict[bytes, bytes]], None],
-                 on_hung: Callable[[], None], result_ttl_s: Callable[[], int] = lambda: 600):
+                 on_hung: Callable[[], None], report: Report | None = None,
+                 result_ttl_s: Callable[[], int] = lambda: 600):
         self._redis, self._scripts, self._keys = client, scripts, keys
         self._consumer, self._times, self._held = consumer, times, held
         self._on_policy, self._on_hung = on_policy, on_hung
+        self._report = report
+        self._registered_at = float("-inf")  # last registration in batchgate:queues
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="batchgate-lease", daemon=True)
         self._watched: Batch | None = None  # the batch in the model when last looked
@@ -150,6 +167,14 @@ class LeaseKeeper:
         finally:
             if exiting:  # even with Redis away: the model is stuck either way
                 self._on_hung()
+        if self._report is not None:
+            self._publish()
+        if now - self._registered_at >= REGISTER_EVERY_S:
+            self._registered_at = now
+            try:
+                register_queue(self._redis, self._keys.queue)
+            except redis.RedisError as exc:  # e.g. an ACL limited to the queue's keys
+                log.debug("queue registry not updated: %s", exc)
 
     def _renew_and_report(self, current: Batch | None, others: list[Batch],
                           release: list[Batch]) -> None:
@@ -172,6 +197,26 @@ class LeaseKeeper:
         except (redis.RedisError, ValueError) as exc:
             log.warning("could not check the queue's policy: %s", exc)
 
+    def _publish(self) -> None:
+        """This consumer's info hash, and the failed requests seen since the last tick
+        (pushed onto the queue's failures list), for dashboards: a round trip of its own,
+        so that a refusal (an ACL without these commands) never touches the lease."""
+        assert self._report is not None
+        info = self._keys.consumer_info(self._consumer)
+        failed: list[dict[str, Any]] = []
+        while self._report.failures:
+            failed.append(self._report.failures.popleft())
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.hset(info, mapping=self._report.about())
+        pipe.expire(info, INFO_TTL_S)
+        if failed:
+            pipe.lpush(self._keys.failures, *(orjson.dumps(f) for f in failed))
+            pipe.ltrim(self._keys.failures, 0, FAILURES_KEPT - 1)
+        try:
+            pipe.execute()
+        except redis.RedisError as exc:
+            log.debug("consumer info not published: %s", exc)
+
     def _watch_model(self, now: float) -> None:
         """Start the hang clock for a new batch in the model; deem it hung past
         max_batch_ms (a model that returns after all resets the clock)."""
@@ -192,7 +237,7 @@ class LeaseKeeper:
         only), shorten the leases of `release`, sweep lapsed leases (while hung the loop
         cannot), and read the policy. Whether `current`'s lease was extended, and the
         stored policy."""
-        pipe = ScriptPipeline(self._redis)
+        pipe = ScriptPipeline(self._redis, pinned=True)  # TIME: the queue's own server
         lease = self._times.lease_ms
         calls: list[tuple[Batch | None, int]] = [(current, lease), *((b, lease) for b in others),
                                                   *((b, RELEASE_LEASE_MS) for b in release)]

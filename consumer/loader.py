@@ -2,8 +2,11 @@
 
 ATTR names either a model (called with the list of payloads of a batch, returning a list
 of results of the same length) or a zero-argument factory, a class or a function, that
-returns one. `--model-arg key=value` pairs are passed to the factory as keyword
-arguments. MODULE is imported from the working directory and PYTHONPATH.
+returns one. A model with the attribute `accepts_costs = True` is called as
+`model(payloads, costs=costs)` instead: costs[i] is request i's cost (consumer.batch.Cost,
+an int with `.requested` and `.truncated`), see docs/scheduling.md. `--model-arg
+key=value` pairs are passed to the factory as keyword arguments. MODULE is imported from
+the working directory and PYTHONPATH.
 """
 
 from __future__ import annotations

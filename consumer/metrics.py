@@ -3,19 +3,23 @@ them at http://HOST:PORT/metrics (needs `prometheus_client`, the `metrics` extra
 
 | metric                                      | type      | labels                      |
 |---------------------------------------------|-----------|-----------------------------|
-| `batchgate_queue_depth`                     | gauge     | queue, priority             |
-| `batchgate_queue_in_flight_requests`        | gauge     | queue                       |
 | `batchgate_consumer_queue_wait_seconds`     | histogram | queue, priority             |
 | `batchgate_consumer_batch_size`             | histogram | queue                       |
 | `batchgate_consumer_model_seconds`          | histogram | queue                       |
 | `batchgate_consumer_requests_total`         | counter   | queue, outcome              |
 | `batchgate_consumer_redis_up`               | gauge     | queue                       |
+| `batchgate_consumer_max_queue_delay_seconds_in_use` | gauge | queue                  |
 
-Depth and in-flight are read from Redis at scrape time (the whole queue, every consumer).
-The rest describe this consumer's batches: queue wait is enqueue to pop by Redis' clock,
+Every figure is this consumer's own, so sums across consumers do not double count; the
+queue-wide ones (depth, in flight, consumers alive, the queue's counters, arrival rate,
+recommended consumers) come from
+`batchgate exporter` (batchgate/exporter.py), once per queue. The histograms and counter
+describe this consumer's batches: queue wait is enqueue to pop by Redis' clock,
 labelled with the priority the request was served at (aging may promote it); batch size
 counts the requests the model ran; outcome is ok, failed, expired (deadline passed before
-it ran) or dead_letter.
+it ran) or dead_letter. The delay in use is the max_queue_delay_ms this consumer passes to
+pop_batch (under max_queue_delay_ms=auto the one it derived last, else the stored one);
+the arrival rate (requests/s) is the one it derived it from (0 under a fixed delay).
 """
 
 from __future__ import annotations
@@ -30,7 +34,6 @@ from prometheus_client.registry import Collector
 
 from consumer.batch import Answers, Batch
 from consumer.worker import Consumer
-from scheduler_core.keys import QueueKeys
 from scheduler_core.policy import Priority
 from scheduler_core.wire import Outcome
 
@@ -43,41 +46,42 @@ MODEL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 
 
-class DepthCollector(Collector):
-    """Queue depth per priority and requests in flight, read from Redis at each scrape."""
+class RedisUpCollector(Collector):
+    """Whether this consumer reaches Redis: one PING at each scrape."""
 
     def __init__(self, client: redis.Redis, queue: str):
-        self.client, self.queue, self.keys = client, queue, QueueKeys(queue)
+        self.client, self.queue = client, queue
 
     def collect(self) -> Iterator[Metric]:
         up = GaugeMetricFamily("batchgate_consumer_redis_up",
-                               "1 if the last scrape could read the queue from Redis.",
+                               "1 if this consumer's scrape-time PING reached Redis.",
                                labels=["queue"])
         try:
-            pipe = self.client.pipeline(transaction=False)
-            for key in self.keys.pending_all:
-                pipe.zcard(key)
-            pipe.zcard(self.keys.delayed)
-            pipe.hlen(self.keys.owner)
-            *depths, delayed, owned = pipe.execute()
+            self.client.ping()
+            up.add_metric([self.queue], 1)
         except redis.RedisError as exc:
-            log.debug("metrics scrape cannot read Redis: %s", exc)
+            log.debug("metrics scrape cannot reach Redis: %s", exc)
             up.add_metric([self.queue], 0)
-            yield up
-            return
-        up.add_metric([self.queue], 1)
         yield up
-        depth = GaugeMetricFamily("batchgate_queue_depth", "Requests waiting, per priority "
-                                  "(delayed: past their deadline, on_timeout=delay).",
-                                  labels=["queue", "priority"])
-        for level, count in zip(Priority, depths, strict=True):
-            depth.add_metric([self.queue, level.name.lower()], count)
-        depth.add_metric([self.queue, "delayed"], delayed)
-        yield depth
-        in_flight = GaugeMetricFamily("batchgate_queue_in_flight_requests",
-                                      "Requests in a batch being run.", labels=["queue"])
-        in_flight.add_metric([self.queue], owned)
-        yield in_flight
+
+
+class DelayCollector(Collector):
+    """The delay this consumer applies (the queue's arrival rate is the exporter's)."""
+
+    def __init__(self, consumer: Consumer):
+        self.consumer = consumer
+
+    def collect(self) -> Iterator[Metric]:
+        queue = self.consumer.config.queue
+        derived, policy = self.consumer.delay.derived, self.consumer.policy
+        delay = GaugeMetricFamily("batchgate_consumer_max_queue_delay_seconds_in_use",
+                                  "The max_queue_delay this consumer applies (auto: derived).",
+                                  labels=["queue"])
+        if derived is not None:
+            delay.add_metric([queue], derived.delay_ms / 1000)
+        elif policy is not None:
+            delay.add_metric([queue], policy.max_queue_delay_ms / 1000)
+        yield delay
 
 
 class ConsumerMetrics:
@@ -87,7 +91,7 @@ class ConsumerMetrics:
                  registry: CollectorRegistry | None = None):
         self.queue = queue
         self.registry = registry or CollectorRegistry()
-        self.registry.register(DepthCollector(client, queue))
+        self.registry.register(RedisUpCollector(client, queue))
         self.wait = Histogram("batchgate_consumer_queue_wait_seconds",
                               "Enqueue to pop, per priority served at.", ["queue", "priority"],
                               buckets=WAIT_BUCKETS, registry=self.registry)
@@ -119,6 +123,7 @@ class ConsumerMetrics:
 def serve_metrics(consumer: Consumer, port: int, host: str = "0.0.0.0") -> ConsumerMetrics:
     """Attach metrics to `consumer` and serve them on http://host:port/metrics."""
     metrics = ConsumerMetrics(consumer.config.queue, consumer.redis)
+    metrics.registry.register(DelayCollector(consumer))
     start_http_server(port, addr=host, registry=metrics.registry)
     consumer.observer = metrics
     log.info("metrics on http://%s:%d/metrics", host, port)

@@ -16,16 +16,19 @@ import socket
 import threading
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import redis
 
+from consumer.auto_delay import DelayKeeper
 from consumer.batch import (
     IDLE_UNTIL_WOKEN,
     POP_NOW,
     Answers,
     Batch,
+    Cost,
     ExpireDue,
     Finished,
     Idle,
@@ -34,15 +37,17 @@ from consumer.batch import (
     parse_pop,
 )
 from consumer.due_timer import DueTimer
-from consumer.lease import EXIT_MODEL_HUNG, Held, LeaseKeeper, LeaseTimes
+from consumer.lease import EXIT_MODEL_HUNG, Held, LeaseKeeper, LeaseTimes, Report
 from consumer.loader import BatchModel
 from consumer.overlap import Overlap
+from consumer.refit import CostRefit
 from scheduler_core.admin import ensure_policy, store_policy, unknown_requests
 from scheduler_core.connection import DEFAULT_REDIS_URL, Backoff, connect
 from scheduler_core.deadlines import expire_due
-from scheduler_core.errors import InvalidRequest
+from scheduler_core.errors import InvalidRequest, NotReplicated
 from scheduler_core.keys import QueueKeys
-from scheduler_core.policy import Policy
+from scheduler_core.policy import MAX_COST_BUCKETS, Policy
+from scheduler_core.registry import register_queue
 from scheduler_core.scripts import (
     ScriptPipeline,
     Scripts,
@@ -55,6 +60,7 @@ from scheduler_core.wire import (
     DEFAULT_MAX_RESULT_BYTES,
     Outcome,
     decode_request,
+    decode_request_traced,
     encode_error,
     encode_result,
 )
@@ -65,7 +71,9 @@ IDLE_BLOCK_S = 1.0  # longest idle block: bounds heartbeat, sweep and shutdown l
 # Replies to complete.lua that are offered again (the results are kept) rather than
 # dropped: Redis away, or out of memory under `maxmemory` (noeviction) until room is made.
 COMPLETION_RETRIED = (redis.ConnectionError, redis.TimeoutError,
-                      redis.exceptions.OutOfMemoryError)
+                      redis.exceptions.OutOfMemoryError, redis.exceptions.ClusterDownError,
+                      redis.exceptions.TryAgainError, redis.exceptions.MovedError,
+                      redis.exceptions.ReadOnlyError)
 # Bound once: a member looked up through its Enum class is slow, and these run per request.
 RUN, OK, FAILED = Outcome.RUN, Outcome.OK, Outcome.FAILED
 
@@ -84,12 +92,27 @@ class ConsumerConfig:
     # While a backlog waits, fetch the next batch and write the last one's results beside
     # the model (consumer/overlap.py). Off: one batch at a time, nothing held ahead.
     overlap: bool = True
+    # Every this many seconds, refit the queue's stored cost model from the live model
+    # samples (consumer/refit.py). 0 = never.
+    cost_refit_s: float = 5.0
     # Policy values given explicitly (None = adopt the queue's stored policy or default).
     policy: dict[str, Any] = field(default_factory=dict)
     name: str = ""
+    # The cost bucket this consumer serves first when it is due (1-based; 0 = none):
+    # docs/scheduling.md, "Requests of different cost".
+    prefer_bucket: int = 0
+    # Acknowledge a completion only once this many replicas confirm it (WAIT); until
+    # then it is offered again. wait_timeout_ms bounds each WAIT.
+    wait_replicas: int = 0
+    wait_timeout_ms: int = 1000
 
     def __post_init__(self) -> None:
         QueueKeys(self.queue)
+        for knob, low, high in (("wait_replicas", 0, 64), ("wait_timeout_ms", 1, 60_000)):
+            value = getattr(self, knob)
+            if isinstance(value, bool) or not isinstance(value, int) \
+                    or not low <= value <= high:
+                raise InvalidRequest(knob, f"{value!r} is outside [{low}, {high}]")
         if isinstance(self.lease_ms, bool) or not isinstance(self.lease_ms, int) \
                 or not 100 <= self.lease_ms <= 86_400_000:
             raise InvalidRequest("lease_ms", f"{self.lease_ms!r} is outside [100, 86400000]")
@@ -103,6 +126,15 @@ class ConsumerConfig:
                                  f"{self.max_result_bytes!r} is outside [16, {512 << 20}]")
         if not isinstance(self.overlap, bool):
             raise InvalidRequest("overlap", f"{self.overlap!r} is not true or false")
+        if isinstance(self.cost_refit_s, bool) \
+                or not isinstance(self.cost_refit_s, (int, float)) \
+                or not (self.cost_refit_s == 0 or 0.1 <= self.cost_refit_s <= 86_400):
+            raise InvalidRequest("cost_refit_s",
+                                 f"{self.cost_refit_s!r}: use 0 (off) or [0.1, 86400] s")
+        if isinstance(self.prefer_bucket, bool) or not isinstance(self.prefer_bucket, int) \
+                or not 0 <= self.prefer_bucket <= MAX_COST_BUCKETS + 1:
+            raise InvalidRequest("prefer_bucket", f"{self.prefer_bucket!r} is outside "
+                                                  f"[0, {MAX_COST_BUCKETS + 1}]")
         if not self.name:
             object.__setattr__(self, "name", f"{socket.gethostname()}:{os.getpid()}:"
                                              f"{uuid.uuid4().hex[:6]}")
@@ -127,15 +159,34 @@ class Consumer:
         self._due_timer: DueTimer | None = None  # made by the first idle wait
         self.batches_done = 0
         self.requests_done = 0
+        # What the lease thread publishes for dashboards (`{bg:q}:consumer:<name>`); the
+        # CLI adds "device". Failed requests wait in `failures` for its next tick.
+        self.info: dict[str, str] = {"host": socket.gethostname(), "pid": str(os.getpid()),
+                                     "device": "", "started_ms": str(int(time.time() * 1000))}
+        self.failures: deque[dict[str, Any]] = deque(maxlen=100)
+        # Under max_queue_delay_ms=auto, the delay derived about once a second.
+        self.delay = DelayKeeper(self.redis, self.keys)
         # Optional: called once per batch as on_batch(batch, ran, model_us, outcomes), e.g.
         # consumer.metrics.ConsumerMetrics. It must not raise.
         self.observer: Any = None
+        # Optional: consumer.tracing.BatchTracer, which records each batch's spans.
+        self.tracer: Any = None
+
+    @property
+    def _model_takes_costs(self) -> bool:
+        """Whether the model opted into the costs (`accepts_costs = True`): a property, as
+        the CLI sets `model` after construction."""
+        return bool(getattr(self.model, "accepts_costs", False))
 
     # -- lifecycle ------------------------------------------------------------------
     def start(self) -> Policy:
         """Check Redis and settle the queue's policy (PolicyConflict if ours differs)."""
         self.policy = ensure_policy(self.redis, self.config.queue, self.config.policy)
         check_eviction_policy(self.redis)
+        with contextlib.suppress(redis.ResponseError):  # an ACL limited to the queue's keys
+            register_queue(self.redis, self.config.queue)
+        self.delay.follow(self.policy)
+        self.delay.step(force=True)  # the first pop already applies a derived delay
         return self.policy
 
     def stop(self) -> None:
@@ -166,9 +217,15 @@ class Consumer:
         lease = LeaseKeeper(self.redis, self.scripts, self.keys, self.config.name,
                             LeaseTimes(self.config.lease_ms, self.config.max_batch_ms), held,
                             on_policy=self._policy_seen, on_hung=self._exit_hung,
+                            report=Report(self._about, self.failures),
                             result_ttl_s=lambda: self.policy.result_ttl_s if self.policy
                             else 600)
         lease.start()
+        refit = CostRefit(self.redis, self.keys, self.config.cost_refit_s) \
+            if self.config.cost_refit_s else None
+        if refit is not None:
+            refit.start()
+        self.delay.start()
         backoff = Backoff(f"consumer {self.config.name}")
         log.info("consumer %s serving queue %r with %s", self.config.name, self.config.queue,
                  self.policy)
@@ -204,15 +261,31 @@ class Consumer:
             if self._due_timer is not None:
                 self._due_timer.close()
             lease.stop()
+            if refit is not None:
+                refit.stop()
+            self.delay.stop()
             with contextlib.suppress(redis.RedisError):
                 self.redis.zrem(self.keys.consumers, self.config.name)
+                self.redis.delete(self.keys.consumer_info(self.config.name))
             log.info("consumer %s stopped after %d batches, %d requests", self.config.name,
                      self.batches_done, self.requests_done)
 
+    def _about(self) -> dict[str, str]:
+        current = self._current
+        return {**self.info, "batches": str(self.batches_done),
+                "requests": str(self.requests_done),
+                "batch": current.id if current is not None else "",
+                "batch_size": str(len(current.items)) if current is not None else "0"}
+
     # -- one step -------------------------------------------------------------------
     def _pop_call(self) -> tuple[Any, list[str], list[Any]]:
-        return self.scripts.pop_batch, pop_keys(self.keys), [self.config.name,
-                                                            self.config.lease_ms]
+        args: list[Any] = [self.config.name, self.config.lease_ms]
+        delay_ms = self.delay.delay_ms  # max_queue_delay_ms=auto: the delay derived for now
+        if self.config.prefer_bucket or delay_ms is not None:
+            args.append(self.config.prefer_bucket)
+        if delay_ms is not None:
+            args.append(delay_ms)
+        return self.scripts.pop_batch, pop_keys(self.keys), args
 
     def _pop(self) -> Next:
         script, keys, args = self._pop_call()
@@ -270,6 +343,7 @@ class Consumer:
             self._restore_policy()
         else:
             self._adopt_policy(Policy.from_redis(raw))
+        self.delay.follow(self.policy)
 
     def _adopt_policy(self, stored: Policy) -> None:
         """Follow a changed stored policy (pop_batch.lua applies it anyway; result_ttl_s
@@ -298,10 +372,15 @@ class Consumer:
         runnable items with their decoded payloads."""
         early: Answers = {}
         runnable: list[tuple[Item, Any]] = []
+        traced = self.tracer is not None
         for item in batch.items:
             if item.state is RUN:
                 try:
-                    runnable.append((item, decode_request(item.envelope or b"")))
+                    if traced:
+                        payload, item.trace = decode_request_traced(item.envelope or b"")
+                    else:
+                        payload = decode_request(item.envelope or b"")
+                    runnable.append((item, payload))
                 except ValueError as exc:
                     early[item.id] = (Outcome.DEAD_LETTER, encode_error(
                         item.id, "MalformedRequest", f"stored request is unreadable: {exc}"))
@@ -317,6 +396,8 @@ class Consumer:
     def _process(self, batch: Batch) -> Next:
         """Run one batch and hand its answers over; returns what the loop does next."""
         self._current = batch
+        if self.delay.derived is not None:
+            self.delay.observe(batch)
         early, runnable = batch.prepared or self._prepare(batch)
         batch.prepared = None
         self.batches_done += 1
@@ -350,16 +431,32 @@ class Consumer:
     def _run_model(self, batch: Batch, runnable: list[tuple[Item, Any]],
                    answered_early: Answers) -> Finished:
         started = time.perf_counter()
+        started_ns = time.time_ns() if self.tracer is not None else 0
         self._in_model = batch  # the lease thread's hang clock runs while this is set
         try:
-            results = self._run_isolated([payload for _, payload in runnable])
+            costs = [Cost(item.cost, item.requested) for item, _ in runnable] \
+                if self._model_takes_costs else None
+            results = self._run_isolated([payload for _, payload in runnable], costs)
         finally:
             self._in_model = None
         model_s = time.perf_counter() - started
+        if self.tracer is not None:
+            self._trace_model(batch, runnable, results, started_ns)
+        self.delay.record(len(runnable), model_s)
         if self._overlap is not None:
             self._overlap.ran(len(runnable), model_s)
         return Finished(batch, {}, [item for item, _ in runnable], results, int(model_s * 1e6),
                         answered_early=answered_early)
+
+    def _trace_model(self, batch: Batch, runnable: list[tuple[Item, Any]],
+                     results: list[tuple[bool, Any]], started_ns: int) -> None:
+        try:
+            batch.span = self.tracer.model_ran(
+                batch, [item for item, _ in runnable],
+                self.policy.strategy.value if self.policy else "", started_ns, time.time_ns(),
+                sum(1 for ok, _ in results if not ok))
+        except Exception:  # tracing must never stop the consumer
+            log.exception("tracing failed")
 
     def _hand_over(self, job: Finished, overlap: Overlap | None) -> None:
         if overlap is not None:
@@ -370,6 +467,23 @@ class Consumer:
     def _finish(self, job: Finished, pop_next: bool = False) -> list[Any] | None:
         """Encode and write a batch's answers; with pop_next, pop the next batch in the
         same round trip and return its raw reply."""
+        span = job.batch.span if job.last else None
+        if span is None:
+            return self._write(job, pop_next)
+        job.batch.span = None
+        error: BaseException | None = None
+        try:
+            return self._write(job, pop_next)
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            try:
+                self.tracer.completed(span, error)
+            except Exception:  # tracing must never stop the consumer
+                log.exception("tracing failed")
+
+    def _write(self, job: Finished, pop_next: bool) -> list[Any] | None:
         outcomes = dict(job.outcomes)
         for item, (ok, value) in zip(job.runnable, job.results, strict=True):
             outcomes[item.id] = self._encode(item.id, ok, value)
@@ -378,12 +492,16 @@ class Consumer:
                                    {**job.answered_early, **outcomes})
         sample = f"{len(job.runnable)}:{job.model_us}" if job.runnable else None
         complete = self._complete_call(job.batch, outcomes, sample)
-        pipe = ScriptPipeline(self.redis)
+        pipe = ScriptPipeline(self.redis, self.config.wait_replicas, self.config.wait_timeout_ms)
         pipe.script(*complete)
         if pop_next:
             pipe.script(*self._pop_call())
         try:
             replies = pipe.execute()
+        except NotReplicated as exc:  # written, not yet on enough replicas
+            self._check_completion(job.batch, exc.replies[0])
+            self._complete_until_done(job.batch, complete, exc, landed=True)
+            return exc.replies[-1] if pop_next else None
         except COMPLETION_RETRIED as exc:
             self._complete_until_done(job.batch, complete, exc)
             return None
@@ -391,43 +509,67 @@ class Consumer:
         return replies[-1] if pop_next else None
 
     def _complete_until_done(self, batch: Batch, complete: tuple[Any, list[str], list[Any]],
-                             exc: BaseException) -> None:
-        """Redis went away (or is out of memory) while the results were on their way:
-        they are computed, so offer them again until Redis takes them rather than re-run
-        the batch; the batch stays held, so the lease thread keeps renewing it.
-        complete.lua is fenced, so a resend whose first copy did land is refused, never
-        applied twice."""
+                             exc: BaseException, landed: bool = False) -> None:
+        """Redis went away (or is out of memory, or too few replicas confirmed under
+        --wait-replicas) while the results were on their way: they are computed, so offer
+        them again until Redis takes them rather than re-run the batch; the batch stays
+        held, so the lease thread keeps renewing it. complete.lua is fenced, so a resend
+        whose first copy did land is refused, never applied twice (and not reported:
+        `landed` says the first copy's reply was seen)."""
         backoff = Backoff(f"consumer {self.config.name} (completing batch {batch.id})")
-        script, keys, args = complete
         while True:
             backoff.sleep_after(exc)
+            pipe = ScriptPipeline(self.redis, self.config.wait_replicas,
+                                  self.config.wait_timeout_ms)
+            pipe.script(*complete)
             try:
-                self._check_completion(batch, script(keys=keys, args=args))
-                break
+                reply = pipe.execute()[0]
+            except NotReplicated as again:
+                landed = landed or int(again.replies[0][0]) != -1
+                exc = again
+                continue
             except COMPLETION_RETRIED as again:
                 exc = again
+                continue
+            if not (landed and int(reply[0]) == -1):
+                self._check_completion(batch, reply)
+            break
         backoff.succeeded()
 
     def _encode(self, request_id: str, ok: bool, value: Any) -> tuple[Outcome, bytes]:
         if not ok:
+            self._failed(request_id, value[0], value[1])
             return FAILED, encode_error(request_id, value[0], value[1])
         try:
             return OK, encode_result(request_id, value, self.config.max_result_bytes)
         except InvalidRequest as exc:
+            self._failed(request_id, "InvalidResult", str(exc))
             return FAILED, encode_error(request_id, "InvalidResult", str(exc))
 
-    def _run_isolated(self, payloads: list[Any]) -> list[tuple[bool, Any]]:
+    def _failed(self, request_id: str, error_type: str, message: str) -> None:
+        self.failures.append({"id": request_id, "type": str(error_type),
+                              "message": str(message)[:200], "consumer": self.config.name,
+                              "at_ms": int(time.time() * 1000)})
+
+    def _run_isolated(self, payloads: list[Any],
+                      costs: list[Cost] | None = None) -> list[tuple[bool, Any]]:
         """Run the model; if it raises, split the batch to isolate the failing payloads,
-        so one poison request fails alone and the others are answered."""
+        so one poison request fails alone and the others are answered. A model that
+        opts in (`accepts_costs`) is also given the requests' costs: model(payloads,
+        costs=...)."""
         try:
-            results = self.model(payloads)
+            results = self.model(payloads) if costs is None else \
+                self.model(payloads, costs=costs)
         except Exception as exc:  # the model's failure is the request's, not ours
             if len(payloads) == 1:
                 message = _describe(exc)
                 log.warning("model raised on a request: %s: %s", type(exc).__name__, message)
                 return [(False, (type(exc).__name__, message))]
             half = len(payloads) // 2
-            return self._run_isolated(payloads[:half]) + self._run_isolated(payloads[half:])
+            if costs is None:
+                return self._run_isolated(payloads[:half]) + self._run_isolated(payloads[half:])
+            return self._run_isolated(payloads[:half], costs[:half]) + \
+                self._run_isolated(payloads[half:], costs[half:])
         try:
             results = list(results)
         except TypeError:

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import redis
@@ -25,7 +25,8 @@ from scheduler_core.compat import require_redis_version_async
 from scheduler_core.connection import Backoff, dedicated
 from scheduler_core.deadlines import expire_due_async
 from scheduler_core.policy import Priority
-from scheduler_core.scripts import Scripts
+from scheduler_core.registry import register_queue_async
+from scheduler_core.scripts import AsyncScriptPipeline, Scripts
 from scheduler_core.wire import Result, decode_result
 
 log = logging.getLogger("batchgate.producer")
@@ -87,8 +88,10 @@ class AsyncProducer(ProducerBase[AsyncHandle]):
     def __init__(self, redis_url: str = connection.DEFAULT_REDIS_URL, queue: str = "default", *,
                  max_payload_bytes: int | None = None, idempotency_ttl_s: int | None = None,
                  client: redis.asyncio.Redis | None = None, on_result: OnResult | None = None,
-                 max_connections: int = connection.DEFAULT_MAX_CONNECTIONS):
-        super().__init__(queue, max_payload_bytes, idempotency_ttl_s, on_result)
+                 max_connections: int = connection.DEFAULT_MAX_CONNECTIONS,
+                 wait_replicas: int = 0, wait_timeout_ms: int | None = None):
+        super().__init__(queue, max_payload_bytes, idempotency_ttl_s, on_result,
+                         wait_replicas, wait_timeout_ms)
         self._redis = client or connection.connect_async(redis_url, max_connections)
         self._owns_client = client is None
         self._scripts = Scripts(self._redis)
@@ -105,14 +108,16 @@ class AsyncProducer(ProducerBase[AsyncHandle]):
 
     async def submit(self, payload: Any, priority: Priority | int | str = Priority.NORMAL,
                      deadline_ms: float | None = None,
-                     idempotency_key: str | None = None) -> AsyncHandle:
-        return (await self._submit([payload], priority, deadline_ms, [idempotency_key]))[0]
+                     idempotency_key: str | None = None, cost: int = 1) -> AsyncHandle:
+        return (await self._submit([payload], priority, deadline_ms, [idempotency_key],
+                                   cost=cost))[0]
 
     async def submit_many(self, payloads: Iterable[Any],
                           priority: Priority | int | str = Priority.NORMAL,
                           deadline_ms: float | None = None,
-                          idempotency_keys: list[str | None] | None = None) -> list[AsyncHandle]:
-        return await self._submit(payloads, priority, deadline_ms, idempotency_keys)
+                          idempotency_keys: list[str | None] | None = None,
+                          cost: int | Sequence[int] = 1) -> list[AsyncHandle]:
+        return await self._submit(payloads, priority, deadline_ms, idempotency_keys, cost=cost)
 
     async def fetch(self, request_id: str) -> Result | None:
         raw = await self._redis.get(self.keys.result(request_id))
@@ -134,6 +139,7 @@ class AsyncProducer(ProducerBase[AsyncHandle]):
         if self._listener_redis is not None and self._listener_redis is not self._redis:
             await self._listener_redis.aclose()
         if self._owns_client:
+            await connection.aclose_node_clients(self._redis)
             await self._redis.aclose()
 
     async def __aenter__(self) -> AsyncProducer:
@@ -143,12 +149,13 @@ class AsyncProducer(ProducerBase[AsyncHandle]):
         await self.close()
 
     async def _submit(self, payloads: Iterable[Any], priority: Any, deadline_ms: Any,
-                      idempotency_keys: list[str | None] | None) -> list[AsyncHandle]:
+                      idempotency_keys: list[str | None] | None,
+                      cost: Any = 1) -> list[AsyncHandle]:
         if self._closed:
             raise RuntimeError("producer is closed")
         submission, handles = self._prepare(
             payloads, priority, deadline_ms, idempotency_keys,
-            lambda rid: AsyncHandle(self, rid))
+            lambda rid: AsyncHandle(self, rid), cost)
         loop = asyncio.get_running_loop()
         try:
             await require_redis_version_async(self._redis)  # once per client: BLMPOP needs 7
@@ -228,18 +235,33 @@ class AsyncProducer(ProducerBase[AsyncHandle]):
             self._sends.add(task)
             task.add_done_callback(self._sends.discard)
 
+    async def _register(self) -> None:
+        """Once per producer, after its first accepted enqueue (a refused one writes
+        nothing): one ZADD, in a task of its own beside the submits. Its failure never
+        fails a submit."""
+        try:
+            await register_queue_async(self._redis, self.config.queue)
+        except redis.ResponseError as exc:  # an ACL limited to the queue's keys
+            log.debug("queue registry not updated: %s", exc)
+        except (redis.RedisError, OSError) as exc:  # tried again at the next submit
+            self._registered = False
+            log.debug("queue registry not updated: %s", exc)
+
     async def _send(self, batch: list[Submission]) -> None:
         try:
             keys, args = self._batch_call(batch)
-            if not self._settle(batch, await self._scripts.enqueue(keys=keys, args=args)):
-                pipe = self._redis.pipeline(transaction=False)
-                for keys, args in self._each_call(batch):
-                    await self._scripts.enqueue(keys=keys, args=args, client=pipe)
-                self._settle_each(batch, await pipe.execute(raise_on_error=False))
+            if not self._settle(batch, (await self._enqueue_calls([(keys, args)], True))[0]):
+                self._settle_each(batch, await self._enqueue_calls(self._each_call(batch),
+                                                                   False))
         except BaseException as exc:  # each of its callers gets the error
             self._fail(batch, exc)
         finally:
             self._in_flight -= 1
+            if not self._registered and any(sub.ids for sub in batch):
+                self._registered = True
+                task = asyncio.get_running_loop().create_task(self._register())
+                self._sends.add(task)  # close() waits for it, as for the sends
+                task.add_done_callback(self._sends.discard)
             for sub in batch:
                 if sub.waiter is not None and not sub.waiter.done():
                     if sub.ids is not None:
@@ -249,6 +271,33 @@ class AsyncProducer(ProducerBase[AsyncHandle]):
                     else:
                         sub.waiter.set_exception(sub.error)
             self._kick()
+
+    async def _enqueue_calls(self, calls: Any, raise_on_error: bool) -> list[Any]:
+        """As Producer._enqueue_calls."""
+        calls = list(calls)
+        if not self.config.wait_replicas and len(calls) == 1 and raise_on_error:
+            keys, args = calls[0]  # the common case: one EVALSHA (loads on NOSCRIPT)
+            return [await self._scripts.enqueue(keys=keys, args=args)]
+        if not self.config.wait_replicas:
+            pipe = AsyncScriptPipeline(self._redis)
+            for keys, args in calls:
+                pipe.script(self._scripts.enqueue, keys, args)
+            return await pipe.execute(raise_on_error)
+        backoff = Backoff(f"async producer {self.id[:8]} (waiting for replicas)")
+        give_up = time.monotonic() + base.WAIT_BUDGET_S
+        while True:
+            pipe = AsyncScriptPipeline(self._redis, self.config.wait_replicas,
+                                       self.config.wait_timeout_ms)
+            for keys, args in calls:
+                pipe.script(self._scripts.enqueue, keys, args)
+            try:
+                replies = await pipe.execute(raise_on_error)
+                backoff.succeeded()
+                return replies
+            except base.RESENT as exc:
+                if time.monotonic() >= give_up:
+                    raise
+                await asyncio.sleep(backoff.failed(exc))
 
     async def _listen(self) -> None:
         inbox = self.keys.inbox(self.id)
@@ -281,11 +330,13 @@ class AsyncProducer(ProducerBase[AsyncHandle]):
     async def _sweep_once(self) -> None:
         _, poll = self._due()
         for chunk in poll:
-            pipe = self._redis.pipeline(transaction=True)
-            checked = self._poll_reads(pipe, chunk)
-            try:
+            try:  # on a cluster, the MULTI goes to the primary serving the queue's slot
+                owner = await connection.slot_owner_async(self._redis, self.keys.jobs)
+                pipe = owner.pipeline(transaction=True)
+                checked = self._poll_reads(pipe, chunk)
                 self._polled(chunk, checked, await pipe.execute())
-            except redis.RedisError:
+            except redis.RedisError as exc:
+                await connection.refresh_topology_async(self._redis, exc)
                 return
 
     async def _poll(self, handle: AsyncHandle) -> bool:

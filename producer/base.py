@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, Protocol, TypeVar
 
+import redis
+
 from producer.validation import (
     ProducerConfig,
     build_requests,
@@ -22,7 +24,7 @@ from producer.validation import (
     local_deadline,
     new_id,
 )
-from scheduler_core.errors import InvalidRequest, QueueFull
+from scheduler_core.errors import InvalidRequest, NotReplicated, QueueFull
 from scheduler_core.keys import QueueKeys
 from scheduler_core.scripts import (
     NewRequest,
@@ -56,6 +58,13 @@ SWEEP_CHUNK = 500  # handles per MGET or cancel pipeline in a sweep
 # the next; the caps keep one call's time inside Redis (which blocks every other client
 # meanwhile) to a few milliseconds.
 MAX_IN_FLIGHT = 2
+# With wait_replicas: how long a submit keeps resending its enqueue (safe: the script
+# adds an id only once) until enough replicas confirm it, through a failover's outage.
+WAIT_BUDGET_S = 30.0
+# Errors after which an acknowledged call is resent (a failover in progress).
+RESENT = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ClusterDownError,
+          redis.exceptions.TryAgainError, redis.exceptions.MovedError,
+          redis.exceptions.ReadOnlyError, NotReplicated)
 MAX_COALESCED_REQUESTS = 1_000
 MAX_COALESCED_BYTES = 4 << 20
 
@@ -118,9 +127,12 @@ class ProducerBase(Generic[H]):
     _scripts: Scripts  # the subclass's, registered on its client
 
     def __init__(self, queue: str, max_payload_bytes: int | None,
-                 idempotency_ttl_s: int | None, on_result: OnResult | None = None):
+                 idempotency_ttl_s: int | None, on_result: OnResult | None = None,
+                 wait_replicas: int = 0, wait_timeout_ms: int | None = None):
         overrides = {k: v for k, v in (("max_payload_bytes", max_payload_bytes),
-                                       ("idempotency_ttl_s", idempotency_ttl_s)) if v is not None}
+                                       ("idempotency_ttl_s", idempotency_ttl_s),
+                                       ("wait_replicas", wait_replicas),
+                                       ("wait_timeout_ms", wait_timeout_ms)) if v is not None}
         self.config = ProducerConfig(queue=queue, **overrides)
         self.keys = QueueKeys(queue)
         self.id = new_id()
@@ -139,14 +151,15 @@ class ProducerBase(Generic[H]):
         self._deadlines: list[tuple[float, int, weakref.ref[H]]] = []
         self._deadline_seq = itertools.count()
         self._next_deadline: float | None = None
+        self._registered = False  # the queue in the registry (scheduler_core/registry.py)
 
     def _prepare(self, payloads: Iterable[Any], priority: Any, deadline_ms: Any,
                  idempotency_keys: list[str | None] | None,
-                 make_handle: Callable[[str], H]) -> tuple[Submission, list[H]]:
+                 make_handle: Callable[[str], H], cost: Any = 1) -> tuple[Submission, list[H]]:
         """Validate (raising before any write) and register handles. Handles are
         registered first so that no result can arrive before its handle."""
         requests = build_requests(self.config, payloads, priority, deadline_ms,
-                                  idempotency_keys)
+                                  idempotency_keys, cost)
         handles = [make_handle(r.id) for r in requests]
         with self._lock:
             for r, h in zip(requests, handles, strict=True):

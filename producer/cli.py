@@ -22,13 +22,16 @@ from scheduler_core.options import queue_option, redis_url_option
                    "deadline].")
 @click.option("--idempotency-key", default=None,
               help="Resubmitting with the same key returns the first request's id.")
+@click.option("--cost", type=int, default=1, show_default=True,
+              help="The request's cost, 1-1000000000, in the queue's unit (tokens, length): "
+                   "what max_cost, max_batch_cost and cost_buckets count.")
 @click.option("--wait/--no-wait", default=False, show_default=True,
               help="Wait for the result and print it as JSON.")
 @click.option("--timeout", type=float, default=30.0, show_default=True,
               help="With --wait: seconds to wait for the result.")
 @click.argument("payload")
 def submit_command(redis_url: str, queue: str, priority: str, deadline_ms: int | None,
-                   idempotency_key: str | None, wait: bool, timeout: float,
+                   idempotency_key: str | None, cost: int, wait: bool, timeout: float,
                    payload: str) -> None:
     """Enqueue PAYLOAD (a JSON value); print its id, or with --wait its result."""
     try:
@@ -37,7 +40,7 @@ def submit_command(redis_url: str, queue: str, priority: str, deadline_ms: int |
         raise InvalidRequest("payload", f"is not valid JSON: {exc}") from None
     with Producer(redis_url, queue) as producer:
         handle = producer.submit(value, priority=priority, deadline_ms=deadline_ms,
-                                 idempotency_key=idempotency_key)
+                                 idempotency_key=idempotency_key, cost=cost)
         if not wait:
             click.echo(handle.id)
             return

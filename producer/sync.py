@@ -7,7 +7,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import redis
@@ -16,6 +16,8 @@ from producer.base import (
     MAX_IN_FLIGHT,
     POLL_MAX_S,
     POLL_S,
+    RESENT,
+    WAIT_BUDGET_S,
     CancelOutcome,
     OnResult,
     ProducerBase,
@@ -29,12 +31,16 @@ from scheduler_core.connection import (
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_REDIS_URL,
     Backoff,
+    close_node_clients,
     connect,
     dedicated,
+    refresh_topology,
+    slot_owner,
 )
 from scheduler_core.deadlines import expire_due
 from scheduler_core.policy import Priority
-from scheduler_core.scripts import Scripts
+from scheduler_core.registry import register_queue
+from scheduler_core.scripts import ScriptPipeline, Scripts
 from scheduler_core.wire import Result, decode_result
 
 log = logging.getLogger("batchgate.producer")
@@ -178,8 +184,10 @@ class Producer(ProducerBase[Handle]):
     def __init__(self, redis_url: str = DEFAULT_REDIS_URL, queue: str = "default", *,
                  max_payload_bytes: int | None = None, idempotency_ttl_s: int | None = None,
                  client: redis.Redis | None = None, on_result: OnResult | None = None,
-                 max_connections: int = DEFAULT_MAX_CONNECTIONS):
-        super().__init__(queue, max_payload_bytes, idempotency_ttl_s, on_result)
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS, wait_replicas: int = 0,
+                 wait_timeout_ms: int | None = None):
+        super().__init__(queue, max_payload_bytes, idempotency_ttl_s, on_result,
+                         wait_replicas, wait_timeout_ms)
         self._redis = client or connect(redis_url, max_connections)
         self._owns_client = client is None
         self._scripts = Scripts(self._redis)
@@ -192,20 +200,26 @@ class Producer(ProducerBase[Handle]):
 
     # -- public API -----------------------------------------------------------------
     def submit(self, payload: Any, priority: Priority | int | str = Priority.NORMAL,
-               deadline_ms: float | None = None, idempotency_key: str | None = None) -> Handle:
+               deadline_ms: float | None = None, idempotency_key: str | None = None,
+               cost: int = 1) -> Handle:
         """Enqueue one request; returns its Handle once Redis has accepted it.
 
         Raises InvalidRequest (a ValueError naming the field) before writing anything, or
-        QueueFull when the queue's max_queue_size would be exceeded.
+        QueueFull when the queue's max_queue_size would be exceeded. `cost` (an integer
+        >= 1, in your own unit: tokens to generate, input length) is what the queue's
+        cost settings budget (docs/scheduling.md); over the queue's max_cost it raises
+        InvalidRequest naming `cost` (or, with over_cost=truncate, is capped).
         """
-        return self._submit([payload], priority, deadline_ms, [idempotency_key])[0]
+        return self._submit([payload], priority, deadline_ms, [idempotency_key], cost=cost)[0]
 
     def submit_many(self, payloads: Iterable[Any], priority: Priority | int | str =
                     Priority.NORMAL, deadline_ms: float | None = None,
-                    idempotency_keys: list[str | None] | None = None) -> list[Handle]:
+                    idempotency_keys: list[str | None] | None = None,
+                    cost: int | Sequence[int] = 1) -> list[Handle]:
         """Enqueue up to 10,000 requests in one atomic script call (one round trip):
-        all are accepted or, on bad input or QueueFull, none is."""
-        return self._submit(payloads, priority, deadline_ms, idempotency_keys)
+        all are accepted or, on bad input or QueueFull, none is. `cost`: one value for
+        all, or one per payload."""
+        return self._submit(payloads, priority, deadline_ms, idempotency_keys, cost=cost)
 
     @staticmethod
     def as_completed(handles: Iterable[Handle], timeout: float | None = None
@@ -246,6 +260,7 @@ class Producer(ProducerBase[Handle]):
         if self._listener_redis is not None and self._listener_redis is not self._redis:
             self._listener_redis.close()
         if self._owns_client:
+            close_node_clients(self._redis)
             self._redis.close()
 
     def __enter__(self) -> Producer:
@@ -256,11 +271,12 @@ class Producer(ProducerBase[Handle]):
 
     # -- internals ------------------------------------------------------------------
     def _submit(self, payloads: Iterable[Any], priority: Any, deadline_ms: Any,
-                idempotency_keys: list[str | None] | None) -> list[Handle]:
+                idempotency_keys: list[str | None] | None, cost: Any = 1) -> list[Handle]:
         if self._closed.is_set():
             raise RuntimeError("producer is closed")
         submission, handles = self._prepare(
-            payloads, priority, deadline_ms, idempotency_keys, lambda rid: Handle(self, rid))
+            payloads, priority, deadline_ms, idempotency_keys, lambda rid: Handle(self, rid),
+            cost)
         try:
             require_redis_version(self._redis)  # once per client: BLMPOP needs Redis 7
             self._ensure_listener()
@@ -337,20 +353,62 @@ class Producer(ProducerBase[Handle]):
                 self._hand_off()
         return sub.outcome()
 
+    def _register(self, batch: list[Submission]) -> None:
+        """Once per producer, after its first accepted enqueue (a refused one writes
+        nothing): one ZADD. Its failure never fails the submit, which is done."""
+        if self._registered or not any(sub.ids for sub in batch):
+            return
+        try:
+            register_queue(self._redis, self.config.queue)
+            self._registered = True
+        except redis.ResponseError as exc:  # an ACL limited to the queue's keys
+            self._registered = True
+            log.debug("queue registry not updated: %s", exc)
+        except redis.RedisError as exc:  # tried again at the next submit
+            log.debug("queue registry not updated: %s", exc)
+
     def _send(self, batch: list[Submission]) -> None:
         try:
             keys, args = self._batch_call(batch)
-            if not self._settle(batch, self._scripts.enqueue(keys=keys, args=args)):
-                pipe = self._redis.pipeline(transaction=False)
-                for keys, args in self._each_call(batch):
-                    self._scripts.enqueue(keys=keys, args=args, client=pipe)
-                self._settle_each(batch, pipe.execute(raise_on_error=False))
+            if not self._settle(batch, self._enqueue_calls([(keys, args)], True)[0]):
+                self._settle_each(batch, self._enqueue_calls(self._each_call(batch), False))
         except BaseException as exc:  # each of its callers gets the error
             self._fail(batch, exc)
         finally:
+            self._register(batch)
             for sub in batch:
                 if sub.waiter.locked():  # not if its caller was interrupted (_abandon)
                     sub.waiter.release()
+
+    def _enqueue_calls(self, calls: Iterable[tuple[list[str], list[Any]]],
+                       raise_on_error: bool) -> list[Any]:
+        """Run enqueue calls in one round trip. With wait_replicas, after a WAIT that
+        confirms them, resending through a failover (or too few replicas) until
+        WAIT_BUDGET_S has passed."""
+        calls = list(calls)
+        if not self.config.wait_replicas and len(calls) == 1 and raise_on_error:
+            keys, args = calls[0]  # the common case: one EVALSHA (loads on NOSCRIPT)
+            return [self._scripts.enqueue(keys=keys, args=args)]
+        if not self.config.wait_replicas:
+            pipe = ScriptPipeline(self._redis)
+            for keys, args in calls:
+                pipe.script(self._scripts.enqueue, keys, args)
+            return pipe.execute(raise_on_error)
+        backoff = Backoff(f"producer {self.id[:8]} (waiting for replicas)")
+        give_up = time.monotonic() + WAIT_BUDGET_S
+        while True:
+            pipe = ScriptPipeline(self._redis, self.config.wait_replicas,
+                                  self.config.wait_timeout_ms)
+            for keys, args in calls:
+                pipe.script(self._scripts.enqueue, keys, args)
+            try:
+                replies = pipe.execute(raise_on_error)
+                backoff.succeeded()
+                return replies
+            except RESENT as exc:
+                if time.monotonic() >= give_up:
+                    raise
+                backoff.sleep_after(exc)
 
     def _abandon(self, sub: Submission) -> None:
         """The caller of `sub` is leaving before its answer: still queued, it is dropped
@@ -413,11 +471,12 @@ class Producer(ProducerBase[Handle]):
         expires requests)."""
         _, poll = self._due()
         for chunk in poll:
-            pipe = self._redis.pipeline(transaction=True)
-            checked = self._poll_reads(pipe, chunk)
-            try:
+            try:  # on a cluster, the MULTI goes to the primary serving the queue's slot
+                pipe = slot_owner(self._redis, self.keys.jobs).pipeline(transaction=True)
+                checked = self._poll_reads(pipe, chunk)
                 self._polled(chunk, checked, pipe.execute())
-            except redis.RedisError:
+            except redis.RedisError as exc:
+                refresh_topology(self._redis, exc)
                 return  # polled again at the next sweep
 
     def _wake_listener(self) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 
 from scheduler_core.errors import InvalidRequest
 from scheduler_core.keys import QueueKeys
-from scheduler_core.policy import Priority
+from scheduler_core.policy import MAX_REQUEST_COST, Priority
 from scheduler_core.scripts import NewRequest
 from scheduler_core.wire import CANCELLED, DEADLINE, DEFAULT_MAX_PAYLOAD_BYTES, encode_error
 
@@ -53,11 +53,30 @@ def check_deadline(deadline_ms: Any) -> int:
     return int(deadline_ms)
 
 
-def check_timeout(timeout: Any) -> float | None:
+def check_cost(cost: Any, field: str = "cost") -> int:
+    """A request's cost: an integer in [1, MAX_REQUEST_COST] (the user's own unit)."""
+    if isinstance(cost, bool) or not isinstance(cost, int):
+        raise InvalidRequest(field, f"must be a whole number >= 1, got {cost!r}")
+    if not 1 <= cost <= MAX_REQUEST_COST:
+        raise InvalidRequest(field, f"{cost} is outside [1, {MAX_REQUEST_COST}]")
+    return cost
+
+
+def check_costs(cost: Any, n: int) -> list[int]:
+    """submit_many's cost: one value for every payload, or a sequence of one per payload."""
+    if isinstance(cost, (list, tuple)):
+        if len(cost) != n:
+            raise InvalidRequest("cost", f"{len(cost)} costs for {n} payloads: give one "
+                                         "value, or one per payload")
+        return [check_cost(c, f"cost[{i}]" if n > 1 else "cost") for i, c in enumerate(cost)]
+    return [check_cost(cost)] * n
+
+
+def check_timeout(timeout: Any, field: str = "timeout") -> float | None:
     if timeout is None:
         return None
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
-        raise InvalidRequest("timeout", f"must be a number of seconds >= 0, got {timeout!r}")
+        raise InvalidRequest(field, f"must be a number of seconds >= 0, got {timeout!r}")
     return float(timeout)
 
 
@@ -78,12 +97,15 @@ class ProducerConfig:
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
     idempotency_ttl_s: int = DEFAULT_IDEMPOTENCY_TTL_S
     result_ttl_s: int = 600  # for results this producer writes itself (cancel, deadline)
+    wait_replicas: int = 0  # acknowledge a submit only once this many replicas have it
+    wait_timeout_ms: int = 1000  # each WAIT's limit; resent until WAIT_BUDGET_S has passed
 
     def __post_init__(self) -> None:
         QueueKeys(self.queue)
         for name, low, high in (("max_payload_bytes", 16, 512 << 20),
                                 ("idempotency_ttl_s", 1, 30 * 86_400),
-                                ("result_ttl_s", 1, 30 * 86_400)):
+                                ("result_ttl_s", 1, 30 * 86_400),
+                                ("wait_replicas", 0, 64), ("wait_timeout_ms", 1, 60_000)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
                 raise InvalidRequest(name, f"{value!r} is outside [{low}, {high}]")
@@ -91,7 +113,8 @@ class ProducerConfig:
 
 def build_requests(config: ProducerConfig, payloads: Iterable[Any], priority: Any,
                    deadline_ms: Any, idempotency_keys: list[str | None] | None = None,
-                   ) -> list[NewRequest]:
+                   cost: Any = 1) -> list[NewRequest]:
+    from scheduler_core.tracing import current_trace
     from scheduler_core.wire import encode_request
 
     level = int(Priority.parse(priority))
@@ -103,16 +126,18 @@ def build_requests(config: ProducerConfig, payloads: Iterable[Any], priority: An
         raise InvalidRequest("payloads", f"{len(payloads)} requests, over the limit of "
                                          f"{MAX_BATCH_SUBMIT} per call")
     keys = idempotency_keys or [None] * len(payloads)
+    trace = current_trace()  # the caller's span, if any: carried to the consumer's spans
+    costs = check_costs(cost, len(payloads))
     requests = []
-    for index, (payload, key) in enumerate(zip(payloads, keys, strict=True)):
+    for index, (payload, key, c) in enumerate(zip(payloads, keys, costs, strict=True)):
         try:
-            envelope = encode_request(payload, config.max_payload_bytes)
+            envelope = encode_request(payload, config.max_payload_bytes, trace)
         except InvalidRequest as exc:
             if len(payloads) == 1:
                 raise
             raise InvalidRequest(f"payloads[{index}]", str(exc)) from None
         requests.append(NewRequest(new_id(), level, deadline, envelope,
-                                   check_idempotency_key(key)))
+                                   check_idempotency_key(key), c))
     return requests
 
 

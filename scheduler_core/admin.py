@@ -3,15 +3,23 @@ statistics, and where a request is."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import redis
 import redis.asyncio
 
+from scheduler_core.auto_delay import STATS_AT_US, STATS_DELAY_US
+from scheduler_core.connection import (
+    refresh_topology,
+    refresh_topology_async,
+    slot_owner,
+    slot_owner_async,
+)
 from scheduler_core.errors import InvalidPolicy, PolicyConflict
 from scheduler_core.keys import QueueKeys
-from scheduler_core.policy import Policy, Priority
+from scheduler_core.load import rate_from
+from scheduler_core.policy import LIMITS, Policy, Priority
 from scheduler_core.scripts import Scripts, configure_keys
 from scheduler_core.wire import CANCELLED, DEADLINE, Result, decode_result
 
@@ -83,6 +91,12 @@ class QueueStats:
     model_ms: dict[str, float | None]  # per batch
     delayed: int = 0  # waiting past their deadline (on_timeout = delay), run when idle
     past_deadline: int = 0  # waiting past their deadline, about to be expired
+    # requests/s enqueued over the last 10 complete seconds (enqueue.lua's counts)
+    arrival_rate_rps: float = 0.0
+    # the max_queue_delay_ms pop_batch applies: the stored one, or under
+    # max_queue_delay_ms=auto the one a consumer derived within CONSUMER_ALIVE_S (None
+    # when no consumer did)
+    max_queue_delay_ms_in_use: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -104,7 +118,18 @@ SAMPLES_READ = 10_000  # the lists hold this many, plus up to 500 between trims
 
 def queue_stats(client: redis.Redis, queue: str) -> QueueStats:
     keys = QueueKeys(queue)
-    pipe = client.pipeline(transaction=True)
+    # One MULTI with Redis' TIME: on a cluster, on the primary serving the queue's slot
+    # (a cluster pipeline takes no keyless command).
+    owner = slot_owner(client, keys.policy)
+    try:
+        return _queue_stats(owner, queue, keys)
+    except redis.RedisError as exc:
+        refresh_topology(client, exc)
+        raise
+
+
+def _queue_stats(owner: Any, queue: str, keys: QueueKeys) -> QueueStats:
+    pipe = owner.pipeline(transaction=True)
     pipe.time()
     pipe.hgetall(keys.policy)
     for key in keys.pending_all:
@@ -119,18 +144,20 @@ def queue_stats(client: redis.Redis, queue: str) -> QueueStats:
     pipe.lrange(keys.wait_samples, 0, SAMPLES_READ - 1)
     pipe.lrange(keys.e2e_samples, 0, SAMPLES_READ - 1)
     pipe.lrange(keys.model_samples, 0, SAMPLES_READ - 1)
+    pipe.hgetall(keys.arrivals)
     pipe.zcard(keys.delayed)
     (now_s, now_frac), policy, d0, d1, d2, o0, o1, o2, owned, batches_in_flight, consumers, \
-        counters, dead, waits, e2e, model, delayed = pipe.execute()
+        counters, dead, waits, e2e, model, arrivals, delayed = pipe.execute()
     now_us = now_s * 1_000_000 + now_frac
-    past_deadline = client.zcount(keys.deadlines, "-inf", now_us)  # at the TIME above
+    past_deadline = owner.zcount(keys.deadlines, "-inf", now_us)  # at the TIME above
     oldest = [score for first in (o0, o1, o2) for _, score in first]
     counters = {k.decode(): int(v) for k, v in counters.items()}
     alive_after = now_us - CONSUMER_ALIVE_S * 1_000_000
     batches = counters.get("batches", 0)
+    stored = Policy.from_redis(policy) if policy else None
     return QueueStats(
         queue=queue,
-        policy=Policy.from_redis(policy).to_dict() if policy else None,
+        policy=stored.to_dict() if stored else None,
         depth={p.name.lower(): n for p, n in zip(Priority, (d0, d1, d2), strict=True)},
         in_flight_requests=owned,
         in_flight_batches=batches_in_flight,
@@ -149,7 +176,75 @@ def queue_stats(client: redis.Redis, queue: str) -> QueueStats:
         model_ms=_percentiles([sample.partition(b":")[2] for sample in model]),  # size:us
         delayed=delayed,
         past_deadline=past_deadline,
+        arrival_rate_rps=rate_from(arrivals, int(now_s)),
+        max_queue_delay_ms_in_use=_delay_in_use(stored, counters, alive_after),
     )
+
+
+def _delay_in_use(policy: Policy | None, counters: dict[str, int],
+                  alive_after: float) -> float | None:
+    if policy is None:
+        return None
+    if not policy.auto_delay:
+        return policy.max_queue_delay_ms
+    if counters.get(STATS_AT_US, 0) < alive_after:
+        return None
+    return counters.get(STATS_DELAY_US, 0) / 1000
+
+
+# -- an autoscaling signal -------------------------------------------------------------
+def slo_of(raw_policy: dict[Any, Any]) -> float | None:
+    """The policy hash's `slo_p99_ms` field, if it holds a positive number."""
+    for key, value in raw_policy.items():
+        if (key.decode() if isinstance(key, bytes) else key) == "slo_p99_ms":
+            try:
+                slo = float(value)
+            except ValueError:
+                return None
+            return slo if 0 < slo <= 86_400_000 else None
+    return None
+
+
+def scaling_signal(client: redis.Redis, queue: str,
+                   slo_p99_ms: float | None = None) -> dict[str, Any]:
+    """What `recommended_consumers` rests on, and its value: the measured arrival rate
+    (scheduler_core.load), the target (`slo_p99_ms` given, else the policy's field), the
+    stored cost model, and the planner's consumer count for the queue's current policy
+    (scheduler_core.planner.recommended_consumers). None where an input is missing: no
+    policy, no target, or no cost model yet."""
+    from scheduler_core.cost_model import read_cost_model
+    from scheduler_core.load import DEFAULT_WINDOW_S, arrival_rate
+    from scheduler_core.planner import Costs, Target, recommended_consumers
+    from scheduler_core.simulation import ModelTime
+
+    keys = QueueKeys(queue)
+    raw = client.hgetall(keys.policy)
+    slo = slo_p99_ms if slo_p99_ms is not None else slo_of(raw)
+    rate = arrival_rate(client, keys)
+    model = read_cost_model(client, keys)
+    out: dict[str, Any] = {"arrival_rate_rps": rate, "arrival_window_s": DEFAULT_WINDOW_S,
+                           "slo_p99_ms": slo,
+                           "cost_model": model.to_dict() if model is not None else None,
+                           "recommended_consumers": None}
+    if raw and slo is not None and model is not None:
+        pipe = client.pipeline(transaction=False)
+        for key in keys.pending_all:
+            pipe.zcard(key)
+        pipe.hlen(keys.owner)
+        waiting = sum(pipe.execute())
+        try:
+            policy = Policy.from_redis(raw)
+        except (ValueError, InvalidPolicy):
+            return out  # a policy this version cannot simulate
+        if policy.auto_delay:  # simulate the delay the consumers derived last
+            used_us = int(client.hget(keys.stats, STATS_DELAY_US) or 0)
+            policy = replace(policy, delay_mode="fixed",
+                             max_queue_delay_ms=min(round(used_us / 1000),
+                                                    LIMITS["max_queue_delay_ms"][1]))
+        costs = Costs(ModelTime(model.base_ms, model.per_item_ms))
+        out["recommended_consumers"] = recommended_consumers(rate, policy, Target(slo), costs,
+                                                             waiting)
+    return out
 
 
 # -- where a request is ----------------------------------------------------------------
@@ -216,7 +311,13 @@ def request_state(client: redis.Redis, queue: str, request_id: str) -> Found | N
 
 async def request_state_async(client: redis.asyncio.Redis, queue: str,
                               request_id: str) -> Found | None:
-    """`request_state` for an asyncio client."""
-    pipe = client.pipeline(transaction=True)
-    queue_lookup(pipe, QueueKeys(queue), request_id)
-    return read_lookup(request_id, await pipe.execute())
+    """`request_state` for an asyncio client. On a cluster the MULTI goes to the primary
+    serving the queue's slot (redis-py's asyncio cluster transactions mis-parse ZSCORE)."""
+    keys = QueueKeys(queue)
+    pipe = (await slot_owner_async(client, keys.jobs)).pipeline(transaction=True)
+    queue_lookup(pipe, keys, request_id)
+    try:
+        return read_lookup(request_id, await pipe.execute())
+    except redis.RedisError as exc:
+        await refresh_topology_async(client, exc)
+        raise

@@ -17,7 +17,7 @@ from typing import Any
 import redis
 import redis.asyncio
 
-from scheduler_core.connection import connect
+from scheduler_core.connection import connect, is_cluster, topology_of
 from scheduler_core.errors import BatchgateError
 
 MIN_REDIS_VERSION = (7, 0)
@@ -45,6 +45,9 @@ def parse_redis_version(info: bytes | str | dict[str, Any]) -> tuple[int, ...] |
 
 def describe_server(client: redis.Redis | redis.asyncio.Redis) -> str:
     """The client's server as a URL without credentials, for messages."""
+    topo = topology_of(client)
+    if topo is not None:
+        return topo.display()
     pool = client.connection_pool
     kwargs = pool.connection_kwargs
     if kwargs.get("path"):
@@ -63,10 +66,19 @@ def check_redis_version(version: tuple[int, ...] | None, where: str) -> None:
 
 
 def _info_server(reply: Any, client: Any) -> None:
-    version = parse_redis_version(reply)
-    if version is not None and version[:2] < MIN_REDIS_VERSION:
-        check_redis_version(version, describe_server(client))
+    """Check INFO's reply; on a cluster, one reply per node (every node must do)."""
+    per_node = reply.items() if is_cluster(client) and isinstance(reply, dict) \
+        and all(isinstance(v, dict) for v in reply.values()) else [(None, reply)]
+    for node, info in per_node:
+        version = parse_redis_version(info)
+        if version is not None and version[:2] < MIN_REDIS_VERSION:
+            where = describe_server(client) + (f" (node {node})" if node else "")
+            check_redis_version(version, where)
     _checked.add(client)
+
+
+def _info_args(client: Any) -> dict[str, Any]:
+    return {"target_nodes": "all"} if is_cluster(client) else {}
 
 
 def require_redis_version(client: redis.Redis) -> None:
@@ -76,7 +88,7 @@ def require_redis_version(client: redis.Redis) -> None:
     if client in _checked:
         return
     try:
-        reply = client.info("server")
+        reply = client.info("server", **_info_args(client))
     except redis.ResponseError:
         _checked.add(client)
         return
@@ -95,7 +107,7 @@ async def require_redis_version_async(client: redis.asyncio.Redis) -> None:
     if client in _checked:
         return
     try:
-        reply = await client.info("server")
+        reply = await client.info("server", **_info_args(client))
     except redis.ResponseError:
         _checked.add(client)
         return

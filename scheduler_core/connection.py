@@ -1,13 +1,32 @@
-"""Redis connections with the timeouts and retry policy batchgate relies on."""
+"""Redis connections with the timeouts and retry policy batchgate relies on.
+
+One URL names any deployment (every command's --redis-url and the Python API):
+
+    redis://[user:pass@]host:port/db              one server (rediss:// over TLS, unix://)
+    redis+cluster://[user:pass@]host:port[,host:port...]/       Redis Cluster
+    redis+sentinel://[user:pass@]host:port[,host:port...]/service[/db]   Sentinel
+    rediss+cluster://..., rediss+sentinel://...   the same over TLS
+
+The cluster and sentinel forms build redis-py's RedisCluster and Sentinel clients (sync
+and asyncio): they find the topology and follow failovers; batchgate keeps none of its
+own. Credentials in the URL are the data nodes'; sentinels are asked without them.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 import redis
 import redis.asyncio
+import redis.asyncio.cluster
+import redis.asyncio.sentinel
+import redis.cluster
+import redis.sentinel
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.retry import Retry
 
@@ -35,11 +54,134 @@ def _options(url: str) -> dict[str, Any]:
     return options
 
 
+# A failover takes the cluster's node timeout plus an election (or Sentinel's
+# down-after-milliseconds plus its vote): a few seconds of retries ride it out.
+TOPOLOGY_RETRIES = 12
+_TOPOLOGY_ERRORS = [redis.ConnectionError, redis.TimeoutError,
+                    redis.exceptions.ClusterDownError, redis.exceptions.TryAgainError,
+                    redis.exceptions.ReadOnlyError]
+
+
+@dataclass(frozen=True)
+class Topology:
+    """A parsed redis+cluster:// or redis+sentinel:// URL."""
+
+    kind: str  # "cluster" | "sentinel"
+    nodes: tuple[tuple[str, int], ...]
+    tls: bool
+    service: str = ""
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+
+    def display(self) -> str:
+        """The URL without credentials, for messages."""
+        scheme = ("rediss+" if self.tls else "redis+") + self.kind
+        hosts = ",".join(f"{h}:{p}" for h, p in self.nodes)
+        path = f"/{self.service}" + (f"/{self.db}" if self.db else "") \
+            if self.kind == "sentinel" else "/"
+        return f"{scheme}://{hosts}{path}"
+
+
+def parse_topology(url: str) -> Topology | None:
+    """The cluster or sentinel a URL names; None for a plain redis://, rediss:// or
+    unix:// URL. Raises InvalidRequest (field redis_url) for a malformed one."""
+    scheme, sep, _ = url.partition("://")
+    if scheme not in ("redis+cluster", "rediss+cluster", "redis+sentinel", "rediss+sentinel"):
+        return None
+    parts = urlsplit(url)
+    netloc = parts.netloc
+    username = password = None
+    if "@" in netloc:
+        userinfo, netloc = netloc.rsplit("@", 1)
+        user, _, pwd = userinfo.partition(":")
+        username, password = unquote(user) or None, unquote(pwd) or None
+    kind = scheme.split("+")[1]
+    nodes = []
+    for item in netloc.split(","):
+        host, _, port = item.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise InvalidRequest("redis_url", f"{kind} node {item!r} is not host:port "
+                                 f"(in {scheme}://host:port[,host:port...]/...)")
+        nodes.append((host.strip("[]"), int(port)))
+    path = [p for p in parts.path.split("/") if p]
+    service, db = "", 0
+    if kind == "cluster":
+        if path and path != ["0"]:
+            raise InvalidRequest("redis_url", "a cluster has only database 0: use "
+                                 f"{scheme}://host:port[,host:port...]/")
+    else:
+        if not path or len(path) > 2 or (len(path) == 2 and not path[1].isdigit()):
+            raise InvalidRequest("redis_url", "a sentinel URL names its service: "
+                                 f"{scheme}://host:port[,host:port...]/service_name[/db]")
+        service, db = unquote(path[0]), int(path[1]) if len(path) == 2 else 0
+    return Topology(kind, tuple(nodes), scheme.startswith("rediss"), service, db,
+                    username, password)
+
+
+def _topology_options(topo: Topology) -> dict[str, Any]:
+    options: dict[str, Any] = {**_options("redis://"), "ssl": topo.tls}
+    if topo.username:
+        options["username"] = topo.username
+    if topo.password:
+        options["password"] = topo.password
+    return options
+
+
+def _connect_topology(topo: Topology, url: str, max_connections: int, asyncio: bool) -> Any:
+    """redis-py's cluster or sentinel client for `topo`, sync or asyncio."""
+    if asyncio:
+        from redis.asyncio.retry import Retry as AsyncRetry
+        retry: Any = AsyncRetry(ExponentialWithJitterBackoff(cap=1.0, base=0.05),
+                                TOPOLOGY_RETRIES)
+    else:
+        retry = Retry(ExponentialWithJitterBackoff(cap=1.0, base=0.05), TOPOLOGY_RETRIES)
+    options = _topology_options(topo)
+    if topo.kind == "cluster":
+        if asyncio:
+            nodes = [redis.asyncio.cluster.ClusterNode(h, p) for h, p in topo.nodes]
+            client: Any = redis.asyncio.cluster.RedisCluster(
+                startup_nodes=nodes, retry=retry, max_connections=max(max_connections, 32),
+                **options)
+        else:
+            nodes = [redis.cluster.ClusterNode(h, p) for h, p in topo.nodes]
+            client = redis.cluster.RedisCluster(
+                startup_nodes=nodes, retry=retry, max_connections=max(max_connections, 32),
+                connection_pool_class=redis.BlockingConnectionPool,
+                **options)
+    else:
+        sentinel_options = {k: v for k, v in options.items()
+                            if k not in ("username", "password")}
+        module = redis.asyncio.sentinel if asyncio else redis.sentinel
+        sentinel = module.Sentinel(list(topo.nodes), sentinel_kwargs=sentinel_options,
+                                   **options)
+        client = sentinel.master_for(
+            topo.service, db=topo.db, retry=retry, retry_on_error=_TOPOLOGY_ERRORS,
+            max_connections=_pool_size(max_connections) + 2)
+    client.batchgate_topology = topo
+    client.batchgate_url = url
+    return client
+
+
+def topology_of(client: Any) -> Topology | None:
+    """The cluster or sentinel a client of `connect` talks to; None for one server."""
+    return getattr(client, "batchgate_topology", None)
+
+
+def is_cluster(client: Any) -> bool:
+    return isinstance(client, (redis.cluster.RedisCluster, redis.asyncio.cluster.RedisCluster))
+
+
 def connect(url: str = DEFAULT_REDIS_URL,
             max_connections: int = DEFAULT_MAX_CONNECTIONS) -> redis.Redis:
     """A sync client on a pool of at most `max_connections`; a thread finding all in use
     waits for one. Commands are retried on connection errors with jittered backoff;
-    every script batchgate runs is safe to resend (see the scripts' headers)."""
+    every script batchgate runs is safe to resend (see the scripts' headers). A
+    redis+cluster:// or redis+sentinel:// URL gives redis-py's cluster or sentinel
+    client, retrying through failovers (ClusterDown, MOVED, READONLY, lost connections)."""
+    topo = parse_topology(url)
+    if topo is not None:
+        return _connect_topology(topo, url, _pool_size(max_connections), asyncio=False)
     pool = redis.BlockingConnectionPool.from_url(
         url, max_connections=_pool_size(max_connections), timeout=None,
         retry=Retry(ExponentialWithJitterBackoff(cap=1.0, base=0.05), 3),
@@ -54,6 +196,9 @@ def connect_async(url: str = DEFAULT_REDIS_URL,
     """As `connect`, for asyncio: a task finding all connections in use awaits one."""
     from redis.asyncio.retry import Retry as AsyncRetry
 
+    topo = parse_topology(url)
+    if topo is not None:
+        return _connect_topology(topo, url, _pool_size(max_connections), asyncio=True)
     pool = redis.asyncio.BlockingConnectionPool.from_url(
         url, max_connections=_pool_size(max_connections), timeout=None,
         retry=AsyncRetry(ExponentialWithJitterBackoff(cap=1.0, base=0.05), 3),
@@ -66,7 +211,13 @@ def connect_async(url: str = DEFAULT_REDIS_URL,
 def dedicated(client: Any) -> Any:
     """A client with `client`'s settings on one connection of its own, for a loop that
     blocks in Redis (BLMPOP): it never waits behind, nor holds up, the pool's users.
-    Anything without a connection pool (a stand-in in tests) is returned as it is."""
+    Anything without a connection pool (a stand-in in tests) is returned as it is. A
+    cluster or sentinel client gets a fresh client of its own from the same URL."""
+    url = getattr(client, "batchgate_url", None)
+    if url is not None:
+        asyncio_client = isinstance(client, (redis.asyncio.Redis,
+                                             redis.asyncio.cluster.RedisCluster))
+        return (connect_async if asyncio_client else connect)(url, 1)
     pool = getattr(client, "connection_pool", None)
     kwargs = getattr(pool, "connection_kwargs", None)
     if kwargs is None:
@@ -109,3 +260,72 @@ class Backoff:
             log.warning("%s: Redis is back after %.1fs (%d failed attempts)", self.what,
                         time.monotonic() - self.since, self.failures)
         self.failures = 0
+
+
+# Errors after which a pipeline bound to one cluster node must find the slot's owner
+# again (a failover moved it) before a resend.
+_MOVED = (redis.exceptions.MovedError, redis.exceptions.AskError,
+          redis.exceptions.ClusterDownError, redis.exceptions.TryAgainError,
+          redis.ConnectionError, redis.TimeoutError, redis.exceptions.ReadOnlyError)
+
+
+def _node_clients(client: Any) -> dict[str, Any]:
+    nodes = getattr(client, "batchgate_nodes", None)
+    if nodes is None:
+        nodes = client.batchgate_nodes = {}
+    return nodes
+
+
+def slot_owner(client: Any, key: str) -> Any:
+    """The client to send a script and its WAIT on one connection: `client` itself for one
+    server or Sentinel; on a cluster, a plain client of the primary serving `key`'s slot
+    (the cluster client would route WAIT, which has no key, to some other node)."""
+    if not isinstance(client, redis.cluster.RedisCluster):
+        return client
+    node = client.get_node_from_key(key)
+    nodes = _node_clients(client)
+    if node.name not in nodes:
+        topo = topology_of(client)
+        options = _topology_options(topo) if topo else {}
+        nodes[node.name] = redis.Redis(host=node.host, port=node.port, **options)
+    return nodes[node.name]
+
+
+async def slot_owner_async(client: Any, key: str) -> Any:
+    """`slot_owner` for asyncio clients."""
+    if not isinstance(client, redis.asyncio.cluster.RedisCluster):
+        return client
+    await client.initialize()
+    node = client.get_node_from_key(key)
+    nodes = _node_clients(client)
+    if node.name not in nodes:
+        topo = topology_of(client)
+        options = _topology_options(topo) if topo else {}
+        nodes[node.name] = redis.asyncio.Redis(host=node.host, port=node.port, **options)
+    return nodes[node.name]
+
+
+def close_node_clients(client: Any) -> None:
+    """Close the per-node clients `slot_owner` made for `client` (a cluster's)."""
+    for node in getattr(client, "batchgate_nodes", {}).values():
+        node.close()
+
+
+async def aclose_node_clients(client: Any) -> None:
+    for node in getattr(client, "batchgate_nodes", {}).values():
+        await node.aclose()
+
+
+def refresh_topology(client: Any, exc: BaseException) -> None:
+    """After `exc` on a connection bound to one cluster node: ask the cluster again who
+    serves which slot (redis-py's own NodesManager), so the resend goes to the new owner."""
+    if isinstance(client, redis.cluster.RedisCluster) and isinstance(exc, _MOVED):
+        # still failing over: the caller's backoff tries again
+        with contextlib.suppress(redis.RedisError):
+            client.nodes_manager.initialize()
+
+
+async def refresh_topology_async(client: Any, exc: BaseException) -> None:
+    if isinstance(client, redis.asyncio.cluster.RedisCluster) and isinstance(exc, _MOVED):
+        with contextlib.suppress(redis.RedisError):
+            await client.nodes_manager.initialize()

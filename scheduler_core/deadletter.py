@@ -74,8 +74,8 @@ def list_dead(client: redis.Redis, queue: str, limit: int = 50,
     out = []
     for (member, score), reason, meta, job in zip(entries, reasons, metas, jobs, strict=True):
         attempts = priority = None
-        parts = _text(meta).split(":", 4) if meta is not None else []
-        if len(parts) == 5 and parts[0].isdigit() and parts[3].isdigit():
+        parts = _text(meta).split(":") if meta is not None else []  # 5-7 fields (keys.py)
+        if len(parts) >= 5 and parts[0].isdigit() and parts[3].isdigit():
             priority, attempts = int(parts[0]), int(parts[3])
         error_type, message = _reason(reason)
         if attempts and error_type == "DeadLettered":

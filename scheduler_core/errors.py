@@ -60,3 +60,14 @@ class RequestLost(RequestFailed):
     and is not dead-lettered. Redis lost it (restarted without persistence, flushed, a
     failover to a replica that lacked it), or its result expired (`result_ttl_s`) before it
     was collected. Nothing will answer it: submit it again if it should run."""
+
+
+class NotReplicated(BatchgateError):
+    """`wait_replicas` was asked for and fewer replicas confirmed the write in time: the
+    primary has it, but a failover now could lose it. A resend of the same call is safe."""
+
+    def __init__(self, wanted: int, acked: int, timeout_ms: int, replies: list | None = None):
+        self.wanted, self.acked = wanted, acked
+        self.replies = replies or []  # the replies of the calls (they did run)
+        super().__init__(f"{acked} of {wanted} replicas confirmed the write within "
+                         f"{timeout_ms} ms (WAIT); it is not acknowledged")

@@ -11,6 +11,7 @@ then the script's per-call keys (result:<id>, inbox:<producer>, idem:<key>).
 | `{bg:q}:pending:<0|1|2>`    | zset   | waiting request ids per priority, score = arrival (µs)    |
 | `{bg:q}:jobs`               | hash   | id -> request envelope (opaque orjson bytes)              |
 | `{bg:q}:meta`               | hash   | id -> "orig_prio:arrival_us:deadline_us:attempts:producer"|
+|                             |        | then ":cost" if cost != 1, ":cost:requested" if capped  |
 | `{bg:q}:owner`              | hash   | id -> batch id, while the request is in flight            |
 | `{bg:q}:inflight`           | zset   | batch id -> lease deadline (µs)                           |
 | `{bg:q}:batches`            | hash   | batch id -> "consumer|id,id,..."                          |
@@ -32,9 +33,19 @@ then the script's per-call keys (result:<id>, inbox:<producer>, idem:<key>).
 |                             |        | delay; runs when no level waits (expire_due moves it)     |
 | `{bg:q}:arrivals`          | hash   | epoch second -> requests enqueued (the measured rate)     |
 | `{bg:q}:cost_model`        | hash   | the fitted model time A + B·b (µs) and where it came from |
+| `{bg:q}:consumer:<name>`    | hash   | a consumer's host, pid, device, batches, current batch;   |
+|                             |        | written with each heartbeat, expires 30 s after the last  |
+| `{bg:q}:failures`           | list   | newest 100 failed requests (orjson), by the lease thread  |
 | `{bg:q}:result:<id>`        | string | result envelope, expires after result_ttl_s               |
 | `{bg:q}:inbox:<producer>`   | list   | result envelopes for one Producer instance, expires       |
 | `{bg:q}:idem:<key>`         | string | idempotency key -> request id, expires                    |
+| `{bg:q}:acks`               | string | counter written before each WAIT of `wait_replicas`       |
+
+The registry of queues (scheduler_core/registry.py) is one key outside every queue:
+
+| key                         | type   | holds                                                     |
+|-----------------------------|--------|-----------------------------------------------------------|
+| `batchgate:queues`          | zset   | queue name -> last seen (ms since the epoch)              |
 
 Bulk jobs (producer/bulk) keep their state outside any queue:
 
@@ -195,6 +206,13 @@ class QueueKeys:
     @property
     def cost_model(self) -> str:
         return self._k("cost_model")
+
+    def consumer_info(self, consumer: str) -> str:
+        return self._k(f"consumer:{consumer}")
+
+    @property
+    def failures(self) -> str:
+        return self._k("failures")
 
     def result(self, request_id: str) -> str:
         return self._k(f"result:{request_id}")

@@ -8,7 +8,7 @@ from typing import Any
 import click
 
 from scheduler_core.connection import DEFAULT_REDIS_URL
-from scheduler_core.policy import LIMITS, OnTimeout, Strategy
+from scheduler_core.policy import AUTO, CHOICES, LIMITS, MAX_COST_BUCKETS, Strategy
 
 
 def env_option(*decls: str, envvar: str, help: str, **kwargs: Any) -> Callable[[Any], Any]:
@@ -30,15 +30,33 @@ def _range(name: str) -> str:
     return f"{low}-{high}"
 
 
+class DelayType(click.ParamType):
+    """--max-queue-delay-ms: whole milliseconds, or `auto`."""
+
+    name = "MS|auto"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> int | str:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        text = str(value).strip().lower()
+        if text == AUTO:
+            return AUTO
+        try:
+            return int(text)
+        except ValueError:
+            self.fail(f"{value!r} is neither a whole number of ms nor 'auto'", param, ctx)
+
+
 # (flag, help) of each policy knob; unset ones stay None (= keep stored/default).
 POLICY_KNOBS: list[tuple[str, dict[str, Any], str]] = [
     ("--strategy", {"type": click.Choice([s.value for s in Strategy])},
      "Scheduling strategy [default: priority]."),
     ("--max-batch-size", {"type": int},
      f"Most requests per batch, {_range('max_batch_size')} [default: 32; fifo: 1]."),
-    ("--max-queue-delay-ms", {"type": int},
-     f"dynamic/priority: longest a partial batch waits, ms, {_range('max_queue_delay_ms')} "
-     "[default: 50]."),
+    ("--max-queue-delay-ms", {"type": DelayType()},
+     f"dynamic/priority: longest a partial batch waits, ms, {_range('max_queue_delay_ms')}, "
+     "or 'auto': derived from the measured arrival rate and the cost model to hold "
+     "--slo-p99-ms [default: 50]."),
     ("--aging-ms", {"type": int},
      f"priority: wait that promotes a request one level, ms, {_range('aging_ms')}; 0 = off "
      "[default: 5000]."),
@@ -49,6 +67,23 @@ POLICY_KNOBS: list[tuple[str, dict[str, Any], str]] = [
      f"Deliveries before a request is dead-lettered, {_range('max_attempts')} [default: 3]."),
     ("--result-ttl-s", {"type": int},
      f"Seconds results stay fetchable by id, {_range('result_ttl_s')} [default: 600]."),
+    ("--max-cost", {"type": int},
+     f"Largest cost of one request, {_range('max_cost')}; 0 = no cap [default: 0]."),
+    ("--over-cost", {"type": click.Choice(CHOICES["over_cost"])},
+     "A request above --max-cost: reject it at enqueue, or truncate its cost to the cap "
+     "(the model is told) [default: reject]."),
+    ("--max-batch-cost", {"type": int},
+     f"Cost budget of one batch (see --cost-mode), {_range('max_batch_cost')}; 0 = none; a "
+     "single request above it runs alone [default: 0]."),
+    ("--cost-mode", {"type": click.Choice(CHOICES["cost_mode"])},
+     "A batch's cost: sum of its costs, or padded = batch size x largest cost "
+     "[default: sum]."),
+    ("--cost-buckets", {"type": str},
+     f"Cost boundaries, e.g. 32,1024 (at most {MAX_COST_BUCKETS}): a batch holds one bucket "
+     "only; '' = one bucket [default: '']."),
+    ("--slo-p99-ms", {"type": int},
+     f"P99 latency target, ms, {_range('slo_p99_ms')}, that --max-queue-delay-ms auto holds "
+     "(required with it); 0 = none [default: 0]."),
     ("--timeout-high-ms", {"type": int},
      f"Default deadline of a HIGH request, ms after enqueue, {_range('timeout_high_ms')}; "
      "0 = none [default: 0]."),
@@ -61,7 +96,7 @@ POLICY_KNOBS: list[tuple[str, dict[str, Any], str]] = [
     ("--allow-timeout-override", {"type": int},
      "1: a request's own deadline_ms replaces its level's default timeout; 0: the default "
      "applies where the level has one [default: 1]."),
-    ("--on-timeout", {"type": click.Choice([o.value for o in OnTimeout])},
+    ("--on-timeout", {"type": click.Choice(CHOICES["on_timeout"])},
      "A request still waiting at its deadline: reject (DeadlineExceeded) or delay (it runs "
      "only when nothing else waits) [default: reject]."),
 ]
@@ -83,5 +118,5 @@ def policy_options(func: Any = None, *, env: bool = False) -> Any:
 
 
 def policy_values(kwargs: dict[str, Any]) -> dict[str, Any]:
-    names = ["strategy", *LIMITS, "on_timeout"]
+    names = ["strategy", *LIMITS, *CHOICES, "cost_buckets"]
     return {name: kwargs.pop(name, None) for name in names}

@@ -7,7 +7,9 @@ parameters, their defaults and their limits. A policy is stored with its queue i
 
 from __future__ import annotations
 
+import bisect
 import enum
+import re
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -44,16 +46,6 @@ class Strategy(str, enum.Enum):
         return self.value
 
 
-class OnTimeout(str, enum.Enum):
-    """What happens to a request still waiting at its deadline (docs/scheduling.md)."""
-
-    REJECT = "reject"  # it leaves the queue; its result is DeadlineExceeded
-    DELAY = "delay"  # it stays queued and runs only when nothing else waits
-
-    def __str__(self) -> str:
-        return self.value
-
-
 # (minimum, maximum) of each integer field; 0 means "off" where the field allows it.
 LIMITS: dict[str, tuple[int, int]] = {
     "max_batch_size": (1, 4096),
@@ -62,6 +54,9 @@ LIMITS: dict[str, tuple[int, int]] = {
     "max_queue_size": (0, 1_000_000_000),
     "max_attempts": (1, 100),
     "result_ttl_s": (1, 30 * 86_400),
+    "max_cost": (0, 1_000_000_000),  # 0 = no cap
+    "max_batch_cost": (0, 1_000_000_000),  # 0 = no budget per batch
+    "slo_p99_ms": (0, 600_000),
     # Default deadline of a request of each level, ms from its enqueue (like Triton's
     # default_timeout_microseconds); 0 = none. The bound is deadline_ms's.
     "timeout_high_ms": (0, 86_400_000),
@@ -70,7 +65,30 @@ LIMITS: dict[str, tuple[int, int]] = {
     "allow_timeout_override": (0, 1),  # 1: a request's own deadline_ms replaces the default
 }
 
-TEXT_FIELDS = ("strategy", "on_timeout")  # the fields that are not integers
+
+# How max_queue_delay_ms is chosen: "fixed" (the stored value) or "auto" (each consumer
+# derives it about once a second from the measured arrival rate and the cost model, aiming
+# at the largest batches whose predicted P99 stays under slo_p99_ms; scheduler_core/
+# auto_delay.py). Stored as the policy field `delay_mode`; users write
+# `--max-queue-delay-ms auto`.
+DELAY_MODES = ("fixed", "auto")
+AUTO = "auto"
+
+
+# A request's cost (Producer.submit(cost=...)): an integer in the user's own unit.
+MAX_REQUEST_COST = 1_000_000_000
+# The policy's string settings and the values each may take (configure.lua checks them too).
+CHOICES: dict[str, tuple[str, ...]] = {
+    "over_cost": ("reject", "truncate"),  # a request above max_cost: refused, or capped
+    "cost_mode": ("sum", "padded"),  # a batch's cost: sum of costs, or size x largest
+    "delay_mode": DELAY_MODES,
+    # a request still waiting at its deadline: DeadlineExceeded, or kept to run only
+    # when nothing else waits (docs/scheduling.md, "Deadlines")
+    "on_timeout": ("reject", "delay"),
+}
+_DIGITS = re.compile(r"[0-9]{1,10}")
+MAX_COST_BUCKETS = 4  # boundaries in cost_buckets: at most 5 buckets
+
 DEFAULT_MAX_BATCH_SIZE = 32
 DEFAULT_FIFO_BATCH_SIZE = 1  # fifo is strictly one by one unless asked otherwise
 
@@ -86,11 +104,22 @@ class Policy:
     max_queue_size: int = 0  # pending requests, all priorities; 0 = unbounded
     max_attempts: int = 3  # deliveries before a request is dead-lettered
     result_ttl_s: int = 600  # how long results stay fetchable by id
+    # Costs (docs/scheduling.md, "Requests of different cost"), in the requests' own unit.
+    max_cost: int = 0  # a request's largest cost; 0 = no cap
+    over_cost: str = "reject"  # above max_cost: "reject" at enqueue, or "truncate" to it
+    max_batch_cost: int = 0  # a batch's budget under cost_mode; 0 = none
+    cost_mode: str = "sum"  # "sum" of costs, or "padded": batch size x largest cost
+    cost_buckets: str = ""  # "32,1024": a batch holds costs <= 32, <= 1024 or > 1024 only
+    # P99 latency target (ms) of max_queue_delay_ms=auto; 0 = none (required with auto).
+    slo_p99_ms: int = 0
+    # "auto": consumers derive the delay (max_queue_delay_ms is then kept, unused, for a
+    # switch back to "fixed").
+    delay_mode: str = "fixed"
     timeout_high_ms: int = 0  # default deadline per level (ms after enqueue); 0 = none
     timeout_normal_ms: int = 0
     timeout_low_ms: int = 0
     allow_timeout_override: int = 1  # 1: a request's own deadline_ms replaces its default
-    on_timeout: OnTimeout = OnTimeout.REJECT  # reject (DeadlineExceeded) or delay
+    on_timeout: str = "reject"  # reject (DeadlineExceeded) or delay
 
     def __post_init__(self) -> None:
         try:
@@ -99,40 +128,63 @@ class Policy:
             raise InvalidPolicy(
                 "strategy", f"unknown strategy {self.strategy!r}; use fifo, dynamic or priority"
             ) from None
-        try:
-            object.__setattr__(self, "on_timeout", OnTimeout(self.on_timeout))
-        except ValueError:
-            raise InvalidPolicy(
-                "on_timeout", f"unknown on_timeout {self.on_timeout!r}; use reject or delay"
-            ) from None
         for name, (low, high) in LIMITS.items():
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise InvalidPolicy(name, f"must be an integer, got {value!r}")
             if not low <= value <= high:
                 raise InvalidPolicy(name, f"{value} is outside [{low}, {high}]")
+        for name, allowed in CHOICES.items():
+            if getattr(self, name) not in allowed:
+                raise InvalidPolicy(name, f"{getattr(self, name)!r}: use {' or '.join(allowed)}")
+        object.__setattr__(self, "cost_buckets", format_buckets(self.cost_buckets))
+        if self.delay_mode == AUTO and self.slo_p99_ms < 1:
+            high = LIMITS["slo_p99_ms"][1]
+            raise InvalidPolicy("slo_p99_ms", "max_queue_delay_ms=auto needs a P99 target: "
+                                f"give slo_p99_ms, 1-{high} ms")
+
+    @property
+    def auto_delay(self) -> bool:
+        return self.delay_mode == AUTO
+
+    @property
+    def bucket_bounds(self) -> tuple[int, ...]:
+        """cost_buckets as integers: bucket i holds costs <= bounds[i], the last the rest."""
+        return tuple(int(b) for b in self.cost_buckets.split(",")) if self.cost_buckets else ()
+
+    def bucket_of(self, cost: int) -> int:
+        """The bucket (0-based) a request of this cost belongs to."""
+        return bisect.bisect_left(self.bucket_bounds, cost)
 
     @classmethod
-    def build(cls, strategy: Strategy | str | None = None, **overrides: int | None) -> Policy:
-        """A policy from optional values: None means the default (fifo's batch size is 1)."""
+    def build(cls, strategy: Strategy | str | None = None,
+              **overrides: int | str | None) -> Policy:
+        """A policy from optional values: None means the default (fifo's batch size is 1).
+        max_queue_delay_ms="auto" means delay_mode="auto" (the stored fixed delay is kept);
+        a number means delay_mode="fixed"."""
         try:
             strat = Strategy(strategy) if strategy is not None else cls.strategy
         except ValueError:
             cls(strategy=strategy)  # type: ignore[arg-type] # InvalidPolicy naming the field
             raise
         values = {k: v for k, v in overrides.items() if v is not None}
+        delay = values.get("max_queue_delay_ms")
+        if isinstance(delay, str) and delay.strip().lower() == AUTO:
+            del values["max_queue_delay_ms"]
+            values["delay_mode"] = AUTO
+        elif delay is not None and "delay_mode" not in values:
+            values["delay_mode"] = "fixed"
         if strat is Strategy.FIFO:
             values.setdefault("max_batch_size", DEFAULT_FIFO_BATCH_SIZE)
         return cls(strategy=strat, **values)
 
     def to_dict(self) -> dict[str, Any]:
         """As JSON values: numbers as numbers (to_redis has strings, as Redis stores them)."""
-        return {**asdict(self), "strategy": self.strategy.value,
-                "on_timeout": self.on_timeout.value}
+        return {**asdict(self), "strategy": self.strategy.value}
 
     def to_redis(self) -> dict[str, str]:
         data = asdict(self)
-        data["strategy"], data["on_timeout"] = self.strategy.value, self.on_timeout.value
+        data["strategy"] = self.strategy.value
         return {k: str(v) for k, v in data.items()}
 
     def timeout_ms(self, priority: int) -> int:
@@ -154,7 +206,7 @@ class Policy:
         known = {f.name for f in fields(cls)}
         values: dict[str, object] = {}
         for name in known & data.keys():
-            values[name] = data[name] if name in TEXT_FIELDS else int(data[name])
+            values[name] = int(data[name]) if name in LIMITS else data[name]
         return cls(**values)  # type: ignore[arg-type]
 
     def differences(self, requested: dict[str, object]) -> dict[str, tuple[object, object]]:
@@ -164,11 +216,43 @@ class Policy:
             have = getattr(self, name)
             if name == "strategy":
                 want = Strategy(want)
-            elif name == "on_timeout" and want is not None:
-                want = OnTimeout(want)
+            elif name == "cost_buckets" and want is not None:
+                want = format_buckets(want)
+            elif name == "max_queue_delay_ms" and want is not None:
+                # "auto" asks for delay_mode auto; a number, for that fixed delay
+                if isinstance(want, str) and want.strip().lower() == AUTO:
+                    have, want = self.delay_mode, AUTO
+                elif self.auto_delay:
+                    have = AUTO
             if want is not None and have != want:
                 diff[name] = (have, want)
         return diff
+
+
+def format_buckets(value: object) -> str:
+    """cost_buckets in its stored form, "32,1024" (strictly increasing boundaries, each
+    within [1, MAX_REQUEST_COST], at most MAX_COST_BUCKETS), from that string, "" (none)
+    or a sequence of integers; InvalidPolicy naming cost_buckets otherwise."""
+    if isinstance(value, (list, tuple)):
+        parts = list(value)
+    elif isinstance(value, str):
+        parts = [p.strip() for p in value.split(",")] if value.strip() else []
+    else:
+        raise InvalidPolicy("cost_buckets", f"must be a string like '32,1024', got {value!r}")
+    bounds: list[int] = []
+    for part in parts:
+        if isinstance(part, bool) or not (isinstance(part, int) or
+                                          (isinstance(part, str) and _DIGITS.fullmatch(part))):
+            raise InvalidPolicy("cost_buckets", f"{part!r} is not a whole number")
+        bound = int(part)
+        if not 1 <= bound <= MAX_REQUEST_COST or (bounds and bound <= bounds[-1]):
+            raise InvalidPolicy("cost_buckets", f"{value!r}: boundaries must increase, each "
+                                                f"within [1, {MAX_REQUEST_COST}]")
+        bounds.append(bound)
+    if len(bounds) > MAX_COST_BUCKETS:
+        raise InvalidPolicy("cost_buckets", f"{len(bounds)} boundaries, over the limit of "
+                                            f"{MAX_COST_BUCKETS}")
+    return ",".join(str(b) for b in bounds)
 
 
 def _text(value: bytes | str) -> str:

@@ -10,7 +10,10 @@ leave through expire_due.lua first, so that it never fills or joins a batch). It
 script's twin, step by step (past_deadline, promote_aged, choose or take_delayed,
 isolate_retried, commit's states); tests/test_rules.py holds the two together on random
 queue states against a real Redis. `batchgate simulate` and the benchmark's in-process
-baseline decide with it, so the rules have one Python copy.
+baseline decide with it, so the rules have one Python copy. With a policy's cost settings
+(max_batch_cost, cost_buckets) a batch is fitted to the budget from one bucket
+(_CostRules: the script's read_cost_rules, fit and pick_costed); a request's cost is
+`Request.cost`, and `decide(..., prefer_bucket=N)` is a consumer's ARGV[3].
 
 Out of scope, as they come only from hand-written keys: members whose id no producer
 makes (the script dead-letters them) and members without meta.
@@ -18,8 +21,9 @@ makes (the script dead-letters them) and members without meta.
 A level is a sequence of Request sorted as Redis keeps a pending zset: by arrival, then
 id. An optional fourth level (DELAYED) holds the requests past their deadline under
 on_timeout = delay, as the `{bg:q}:delayed` zset does; they run only when the three
-levels are empty. `decide` reads O(max_batch_size) of each level (plus a bisection when aging is on)
-and never modifies them; `apply` makes the decision's writes on lists.
+levels are empty. `decide` reads O(max_batch_size) of each level (times the buckets with
+costs on; plus a bisection when aging is on) and never modifies them; `apply` makes the
+decision's writes on lists.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ class Request(NamedTuple):
     priority: int  # as submitted (meta); its level may be higher after aging
     deadline_us: int = 0  # 0: none
     attempts: int = 0  # deliveries so far; > 0 means re-delivered after a crash or hang
+    cost: int = 1  # as enqueued (capped under over_cost=truncate)
 
 
 class Picked(NamedTuple):
@@ -115,63 +120,83 @@ def first_deadline(levels: Levels) -> int:
                default=0)
 
 
-def decide(levels: Levels, now_us: int, policy: Policy,
+def decide(levels: Levels, now_us: int, policy: Policy, prefer_bucket: int = 0,
            first_deadline_us: int | None = None) -> Decision:
-    """What pop_batch.lua does with this queue state at `now_us` under `policy`.
+    """What pop_batch.lua does with this queue state at `now_us` under `policy`, for a
+    consumer that prefers cost bucket `prefer_bucket` (1-based; 0 = none).
 
     `first_deadline_us`: the earliest deadline among the waiting requests (0: none) where
     the caller keeps it, as Redis keeps the deadlines zset; None: found by a scan."""
     deadline = first_deadline(levels) if first_deadline_us is None else first_deadline_us
     if deadline and deadline <= now_us:  # past_deadline
         return EXPIRE
-    decision = _decide(levels, now_us, policy)
+    decision = _decide(levels, now_us, policy, prefer_bucket)
     if deadline and type(decision) is Wait:  # a wait ends by the earliest deadline
         return Wait(min(decision.wait_us, deadline - now_us), decision.promoted)
     return decision
 
 
-def _decide(levels: Levels, now_us: int, policy: Policy) -> Decision:
+def _decide(levels: Levels, now_us: int, policy: Policy, prefer_bucket: int) -> Decision:
     size, delay = policy.max_batch_size, policy.max_queue_delay_ms * 1000
     aging = policy.aging_ms * 1000 if policy.strategy is Strategy.PRIORITY else 0
+    costs = _CostRules.of(policy, prefer_bucket)
+    window = costs.window if costs else size  # requests read per level
     promoted: tuple[Promotion, ...] = ()
     if aging:
-        heads, counts, promoted = _promote(levels[:3], now_us, aging, size)
+        heads, counts, promoted = _promote(levels[:3], now_us, aging, size, window)
     else:
-        heads = [level[:size] for level in levels[:3]]
+        heads = [level[:window] for level in levels[:3]]
         counts = [len(level) for level in levels[:3]]
     total = counts[0] + counts[1] + counts[2]  # waiting at the three levels
     delayed = levels[DELAYED] if len(levels) > DELAYED else ()
     if total == 0 and not delayed:
         return NOTHING
     strategy = policy.strategy
+
+    def pick(levels: tuple[int, ...]) -> list[tuple[Request, int]]:
+        if costs:
+            return costs.pick(_take(heads, levels, window), now_us, delay, False) or []
+        return _take(heads, levels, size)
+
+    due: list[tuple[Request, int]] | None
     if total == 0:  # take_delayed: only when no level waits
-        heads.append(delayed[:size])
-        chosen = _take(heads, (DELAYED,), size)
+        heads.append(delayed[:window])
+        chosen = pick((DELAYED,))
     elif strategy is Strategy.FIFO:
-        chosen = _take(heads, (0, 1, 2), size)
+        chosen = pick((0, 1, 2))
     elif strategy is Strategy.DYNAMIC:  # all levels as one: full, or the oldest is due
         first = min(head[0].arrival_us for head in heads if head)
-        if total < size and now_us - first < delay:
+        if costs:
+            due = costs.pick(_take(heads, (0, 1, 2), window), now_us, delay, True)
+            if due is None:
+                return Wait(max(0, first + delay - now_us), promoted)
+            chosen = due
+        elif total < size and now_us - first < delay:
             return Wait(max(0, first + delay - now_us), promoted)
-        chosen = _take(heads, (0, 1, 2), size)
+        else:
+            chosen = _take(heads, (0, 1, 2), size)
     elif counts[0]:  # priority: HIGH at once
-        chosen = _take(heads, (0,), size)
+        chosen = pick((0,))
     elif counts[1]:  # NORMAL by the dynamic rule; LOW waits behind it
         first = heads[1][0].arrival_us
-        if counts[1] < size and now_us - first < delay:
-            due = first + delay
+        due = costs.pick(_take(heads, (1,), window), now_us, delay, True) if costs else None
+        if due is not None:
+            chosen = due
+        elif costs or (counts[1] < size and now_us - first < delay):
+            due_us = first + delay
             if aging:  # or until the next promotion (see pop_batch.lua)
-                due = min(due, first + 2 * aging)
+                due_us = min(due_us, first + 2 * aging)
                 cut = now_us - aging
                 younger = next((r.arrival_us for r in heads[1] if r.arrival_us > cut), None)
                 if younger is not None:
-                    due = min(due, younger + aging)
+                    due_us = min(due_us, younger + aging)
                 if counts[2]:
-                    due = min(due, heads[2][0].arrival_us + aging)
-            return Wait(max(0, due - now_us), promoted)
-        chosen = _take(heads, (1,), size)
+                    due_us = min(due_us, heads[2][0].arrival_us + aging)
+            return Wait(max(0, due_us - now_us), promoted)
+        else:
+            chosen = _take(heads, (1,), size)
     else:  # LOW when nothing else waits
-        chosen = _take(heads, (2,), size)
+        chosen = pick((2,))
     # isolate_retried: a re-delivered request runs alone, the batch ends before it;
     # commit: each request's state.
     picked = []
@@ -186,6 +211,63 @@ def _decide(levels: Levels, now_us: int, policy: Policy) -> Decision:
     return Batch(tuple(picked), total + len(delayed) - len(picked), promoted)
 
 
+class _CostRules(NamedTuple):
+    """pop_batch.lua's cost rules (read_cost_rules, fit, pick_costed): on when the policy
+    has a max_batch_cost or cost_buckets."""
+
+    size: int
+    budget: int  # max_batch_cost; 0 = none
+    padded: bool  # cost_mode padded: batch size x largest cost, else the sum
+    bounds: tuple[int, ...]  # cost_buckets
+    prefer: int  # the consumer's preferred bucket, 0-based; -1 = none
+
+    @classmethod
+    def of(cls, policy: Policy, prefer_bucket: int = 0) -> _CostRules | None:
+        if not policy.max_batch_cost and not policy.cost_buckets:
+            return None
+        return cls(policy.max_batch_size, policy.max_batch_cost,
+                   policy.cost_mode == "padded", policy.bucket_bounds, prefer_bucket - 1)
+
+    @property
+    def window(self) -> int:
+        """Requests read per level: one max_batch_size per bucket."""
+        return self.size * (len(self.bounds) + 1)
+
+    def fit(self, group: list[tuple[Request, int]]) -> tuple[list[tuple[Request, int]], bool]:
+        """The batch a bucket's requests make within max_batch_size and the budget, and
+        whether it is full (the first request always fits: alone if above the budget)."""
+        chosen: list[tuple[Request, int]] = []
+        total = top = 0
+        for c in group:
+            if len(chosen) == self.size:
+                return chosen, True
+            cost = c[0].cost
+            s, t = total + cost, max(top, cost)
+            if self.budget and chosen and ((len(chosen) + 1) * t if self.padded
+                                           else s) > self.budget:
+                return chosen, True
+            chosen.append(c)
+            total, top = s, t
+        return chosen, len(chosen) == self.size
+
+    def pick(self, cands: list[tuple[Request, int]], now_us: int, delay: int,
+             due_only: bool) -> list[tuple[Request, int]] | None:
+        """Group the candidates (oldest first) by bucket; the preferred bucket's group if
+        it is due (full, or its oldest waited `delay`; with due_only False, if it has
+        any), else the first due group in the order of their oldest requests; None if
+        none is due."""
+        groups: dict[int, list[tuple[Request, int]]] = {}
+        for c in cands:
+            groups.setdefault(bisect.bisect_left(self.bounds, c[0].cost), []).append(c)
+        preferred = groups.get(self.prefer)
+        order = groups.values() if preferred is None else (preferred, *groups.values())
+        for group in order:  # dicts keep insertion order: oldest head first
+            chosen, full = self.fit(group)
+            if not due_only or full or now_us - group[0][0].arrival_us >= delay:
+                return chosen
+        return None
+
+
 def _take(heads: list[Sequence[Request]], levels: tuple[int, ...],
           n: int) -> list[tuple[Request, int]]:
     """The n oldest of the given levels' heads, merged by arrival (a tie goes to the lower
@@ -198,20 +280,21 @@ def _take(heads: list[Sequence[Request]], levels: tuple[int, ...],
     return merged[:n]
 
 
-def _promote(levels: Levels, now: int, aging: int, size: int
+def _promote(levels: Levels, now: int, aging: int, size: int, n: int
              ) -> tuple[list[Sequence[Request]], list[int], tuple[Promotion, ...]]:
     """promote_aged: the first `size` requests and the count of each level once aged
     requests have moved up, and the moves. Each query takes at most 2 x size, in the
     script's order: LOW -> NORMAL; then NORMAL (the moved LOW included) that waited
     2 x aging -> HIGH; then NORMAL that waited aging -> HIGH if submitted NORMAL or HIGH
-    (those submitted LOW count against the limit but stay)."""
+    (those submitted LOW count against the limit but stay). The heads hold `window`
+    requests of each level (`n`: size, or more with costs on)."""
     high, normal, low = levels
     limit = 2 * size
     cut1, cut2 = now - aging, now - 2 * aging
     k2 = min(limit, bisect.bisect_right(low, cut1, key=_arrival))
     i1 = bisect.bisect_right(normal, cut1, key=_arrival)
     if not k2 and not i1:  # nothing has waited aging_ms (the common case)
-        return [level[:size] for level in levels], [len(level) for level in levels], ()
+        return [level[:n] for level in levels], [len(level) for level in levels], ()
     up1 = list(low[:k2])  # LOW -> NORMAL
     i2 = bisect.bisect_right(normal, cut2, key=_arrival)
     twice = sorted([*normal[:min(i2, limit)], *(r for r in up1 if r.arrival_us <= cut2)])
@@ -221,10 +304,10 @@ def _promote(levels: Levels, now: int, aging: int, size: int
     up0 = sorted(twice + once)  # -> HIGH
     gone = set(up0)
     from_low = {r.id for r in up1}
-    rest_normal = itertools.islice((r for r in normal if r not in gone), size)
-    heads = [sorted([*high[:size], *up0])[:size],
-             sorted([*rest_normal, *(r for r in up1 if r not in gone)])[:size],
-             low[k2:k2 + size]]
+    rest_normal = itertools.islice((r for r in normal if r not in gone), n)
+    heads = [sorted([*high[:n], *up0])[:n],
+             sorted([*rest_normal, *(r for r in up1 if r not in gone)])[:n],
+             low[k2:k2 + n]]
     counts = [len(high) + len(up0), len(normal) + k2 - len(up0), len(low) - k2]
     promoted = tuple(
         [Promotion(r, 2, 1) for r in up1 if r not in gone]
@@ -240,9 +323,15 @@ def apply(levels: Sequence[MutableSequence[Request]], decision: Decision) -> Non
         del level[bisect.bisect_left(level, request)]
         bisect.insort(levels[target], request)
     if isinstance(decision, Batch):
-        taken = [0, 0, 0, 0]
+        taken: list[list[Request]] = [[], [], [], []]
         for p in decision.picked:
-            taken[p.level] += 1
-        for level, n in enumerate(taken):
-            if n:
+            taken[p.level].append(p.request)
+        for level, requests in enumerate(taken):
+            n = len(requests)
+            if not n:
+                continue
+            if levels[level][n - 1] == requests[-1]:  # the head of the level, as usual
                 del levels[level][:n]
+            else:  # costs on: a bucket's requests, others left between them
+                for request in reversed(requests):
+                    del levels[level][bisect.bisect_left(levels[level], request)]

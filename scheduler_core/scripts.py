@@ -20,11 +20,18 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
+import redis
 from redis.exceptions import NoScriptError
 
-from scheduler_core.errors import InvalidRequest, QueueFull
+from scheduler_core.connection import (
+    refresh_topology,
+    refresh_topology_async,
+    slot_owner,
+    slot_owner_async,
+)
+from scheduler_core.errors import InvalidRequest, NotReplicated, QueueFull
 from scheduler_core.keys import QueueKeys, bulk_lease_key
-from scheduler_core.policy import LIMITS, OnTimeout, Strategy
+from scheduler_core.policy import CHOICES, LIMITS, MAX_COST_BUCKETS, MAX_REQUEST_COST, Strategy
 
 # Queue scripts, then the bulk job's lease (lua/bulk/, not queue keys). `Scripts` names
 # each by its path with '/' as '_': scripts.bulk_lease_renew.
@@ -79,16 +86,19 @@ def source(name: str) -> str:
 
 
 def _policy_lua(limits: dict[str, tuple[int, int]]) -> str:
-    """STRATEGIES, LIMITS (configure iterates them) and policy_range: the same ranges as
-    code, so that pop_batch, which runs per batch, builds no table of them."""
+    """STRATEGIES, LIMITS (configure iterates them), CHOICES (delay_mode, over_cost,
+    cost_mode, on_timeout) and policy_range: the same ranges as code, so that pop_batch,
+    which runs per batch, builds no table of them."""
     strategies = ", ".join(f"{s.value} = true" for s in Strategy)
-    on_timeout = ", ".join(f"{o.value} = true" for o in OnTimeout)
     bounds = [(field, int(low), int(high)) for field, (low, high) in limits.items()]
     ranges = ", ".join(f"{field} = {{{low}, {high}}}" for field, low, high in bounds)
     cases = "".join(f"  if field == '{field}' then return {low}, {high} end\n"
                     for field, low, high in bounds)
-    return (f"local STRATEGIES = {{{strategies}}}\n\nlocal ON_TIMEOUT = {{{on_timeout}}}\n\n"
-            f"local LIMITS = {{{ranges}}}\n\n"
+    choices = ", ".join(f"{field} = {{" + ", ".join(f"{v} = true" for v in values) + "}"
+                        for field, values in CHOICES.items())
+    return (f"local STRATEGIES = {{{strategies}}}\n\nlocal LIMITS = {{{ranges}}}\n\n"
+            f"local CHOICES = {{{choices}}}\n\n"
+            f"local MAX_COST_BUCKETS, MAX_REQUEST_COST = {MAX_COST_BUCKETS}, {MAX_REQUEST_COST}\n\n"
             f"local function policy_range(field)\n{cases}  return nil\nend")
 
 
@@ -117,32 +127,150 @@ class ScriptPipeline:
     """Script calls (and plain commands) sent in one round trip.
 
     redis-py's own pipelines check SCRIPT EXISTS before every execute, an extra round
-    trip on the consumer's hot path; this sends EVALSHA directly and re-runs only a call
-    that got NOSCRIPT (Redis restarted or flushed its script cache) through the Script
-    object, which loads it.
+    trip on the consumer's hot path (and a cluster pipeline refuses EVALSHA); this sends
+    EVALSHA directly and re-runs only a call that got NOSCRIPT (Redis restarted, failed
+    over or flushed its script cache) once the script is loaded.
+
+    With `replicas` > 0 the pipeline ends with `INCR {bg:<queue>}:acks` and `WAIT replicas
+    wait_timeout_ms` on the same connection, and `execute` raises NotReplicated (carrying
+    the replies) unless that many replicas confirmed every write up to the INCR. WAIT
+    waits for the connection's own last write; the INCR makes that write come after
+    the scripts' effects, and after those of an earlier copy of a resent call that landed
+    through another connection (a resend writes nothing), so one confirmed WAIT covers
+    them all. On a cluster the pipeline then goes to the primary serving the first key's
+    slot (all keys of a queue share it); a resend after a failover is the caller's
+    (every script is safe to resend). `pinned` sends it there without WAIT: a pipeline
+    with a keyless command that must read that server (TIME).
     """
 
-    def __init__(self, client: Any):
-        self.pipe = client.pipeline(transaction=False)
+    def __init__(self, client: Any, replicas: int = 0, wait_timeout_ms: int = 0,
+                 pinned: bool = False):
+        self.client = client
+        self.replicas, self.wait_timeout_ms = replicas, wait_timeout_ms
+        self.pinned = pinned
+        self._ops: list[tuple[Any, ...]] = []
         self._calls: list[tuple[Any, list[str], list[Any]] | None] = []
+        self.target: Any = client
 
     def script(self, script: Any, keys: list[str], args: list[Any]) -> None:
-        self.pipe.evalsha(script.sha, len(keys), *keys, *args)
+        self._ops.append(("EVALSHA", script.sha, len(keys), *keys, *args))
         self._calls.append((script, keys, args))
 
     def command(self, name: str, *args: Any) -> None:
-        getattr(self.pipe, name)(*args)
+        self._ops.append((name, *args))
         self._calls.append(None)
 
-    def execute(self) -> list[Any]:
-        replies = self.pipe.execute(raise_on_error=False)
-        for i, (reply, call) in enumerate(zip(replies, self._calls, strict=True)):
-            if isinstance(reply, NoScriptError) and call is not None:
-                script, keys, args = call
-                replies[i] = script(keys=keys, args=args)
-            elif isinstance(reply, Exception):
-                raise reply
+    def _first_key(self) -> str:
+        for op, call in zip(self._ops, self._calls, strict=True):
+            if call is not None:
+                return call[1][0]
+            return _first_key(op[1:])
+        return ""
+
+    def _build(self, target: Any) -> Any:
+        pipe = target.pipeline(transaction=False)
+        for op in self._ops:
+            if op[0] == "EVALSHA":
+                pipe.execute_command(*op)
+            else:
+                getattr(pipe, op[0])(*op[1:])
+        if self.replicas:
+            pipe.incr(acks_key(self._first_key()))
+            pipe.execute_command("WAIT", self.replicas, self.wait_timeout_ms)
+        return pipe
+
+    def execute(self, raise_on_error: bool = True) -> list[Any]:
+        """The replies in order. An error reply is raised (the first), or with
+        raise_on_error=False left in its place."""
+        if not self._ops:
+            return []
+        if self.replicas or self.pinned:
+            self.target = slot_owner(self.client, self._first_key())
+        try:
+            replies = self._build(self.target).execute(raise_on_error=False)
+        except redis.RedisError as exc:
+            refresh_topology(self.client, exc)
+            raise
+        acked = replies.pop() if self.replicas else None
+        if self.replicas:
+            replies.pop()  # the INCR
+        missing = self._missing(replies)
+        if missing:
+            again = ScriptPipeline(self.target, self.replicas, self.wait_timeout_ms)
+            for script in self._scripts_of(missing):
+                self.target.script_load(script.script)
+            for i in missing:
+                again.script(*self._calls[i])  # type: ignore[misc]
+            for i, reply in zip(missing, again.execute(raise_on_error=False), strict=True):
+                replies[i] = reply
+            acked = self.replicas  # the re-run's own WAIT confirmed everything
+        for reply in [*replies, acked]:
+            if isinstance(reply, redis.RedisError):
+                refresh_topology(self.client, reply)
+        return self._check(replies, acked, raise_on_error)
+
+    def _missing(self, replies: list[Any]) -> list[int]:
+        return [i for i, (reply, call) in enumerate(zip(replies, self._calls, strict=True))
+                if isinstance(reply, NoScriptError) and call is not None]
+
+    def _scripts_of(self, indexes: list[int]) -> list[Any]:
+        return list({id(c[0]): c[0] for i in indexes if (c := self._calls[i])}.values())
+
+    def _check(self, replies: list[Any], acked: Any, raise_on_error: bool) -> list[Any]:
+        if raise_on_error:
+            for reply in replies:
+                if isinstance(reply, Exception):
+                    raise reply
+        if self.replicas:
+            if isinstance(acked, Exception):
+                raise acked
+            if int(acked) < self.replicas:
+                raise NotReplicated(self.replicas, int(acked), self.wait_timeout_ms, replies)
         return replies
+
+
+class AsyncScriptPipeline(ScriptPipeline):
+    """ScriptPipeline for asyncio clients: `await pipe.execute()`."""
+
+    async def execute(self, raise_on_error: bool = True) -> list[Any]:  # type: ignore[override]
+        if not self._ops:
+            return []
+        if self.replicas or self.pinned:
+            self.target = await slot_owner_async(self.client, self._first_key())
+        try:
+            replies = await self._build(self.target).execute(raise_on_error=False)
+        except redis.RedisError as exc:
+            await refresh_topology_async(self.client, exc)
+            raise
+        acked = replies.pop() if self.replicas else None
+        if self.replicas:
+            replies.pop()  # the INCR
+        missing = self._missing(replies)
+        if missing:
+            again = AsyncScriptPipeline(self.target, self.replicas, self.wait_timeout_ms)
+            for script in self._scripts_of(missing):
+                await self.target.script_load(script.script)
+            for i in missing:
+                again.script(*self._calls[i])  # type: ignore[misc]
+            for i, reply in zip(missing, await again.execute(raise_on_error=False),
+                                strict=True):
+                replies[i] = reply
+            acked = self.replicas
+        for reply in [*replies, acked]:
+            if isinstance(reply, redis.RedisError):
+                await refresh_topology_async(self.client, reply)
+        return self._check(replies, acked, raise_on_error)
+
+
+def acks_key(key: str) -> str:
+    """`{bg:<queue>}:acks` of the queue that `key` belongs to (its hash tag)."""
+    end = key.find("}")
+    return (key[:end + 1] if key.startswith("{") and end > 0 else key) + ":acks"
+
+
+def _first_key(args: tuple[Any, ...]) -> str:
+    first = args[0] if args else ""
+    return first[0] if isinstance(first, list | tuple) else str(first)
 
 
 @dataclass(frozen=True)
@@ -152,6 +280,7 @@ class NewRequest:
     deadline_ms: int
     envelope: bytes
     idempotency_key: str | None = None
+    cost: int = 1  # in the user's unit, 1..MAX_REQUEST_COST (validated at the edge)
 
 
 def enqueue_call(keys: QueueKeys, producer: str, requests: list[NewRequest],
@@ -159,7 +288,8 @@ def enqueue_call(keys: QueueKeys, producer: str, requests: list[NewRequest],
     script_keys = list(keys.shared)
     args: list[Any] = [producer, len(requests), idempotency_ttl_s]
     for r in requests:
-        args += [r.id, r.priority, r.deadline_ms, r.envelope, 1 if r.idempotency_key else 0]
+        args += [r.id, r.priority, r.deadline_ms, r.envelope, 1 if r.idempotency_key else 0,
+                 r.cost]
         if r.idempotency_key:
             script_keys.append(keys.idempotency(r.idempotency_key))
     return script_keys, args
@@ -175,6 +305,10 @@ def enqueue_reply(keys: QueueKeys, reply: list[Any]) -> list[str]:
         raise InvalidRequest("id", f"request id {_text(reply[1])!r} already exists")
     if status == -3:
         raise InvalidRequest(_text(reply[1]), "rejected by the enqueue script")
+    if status == -4:  # a cost above the queue's max_cost (over_cost=reject)
+        index, cost, limit = (int(x) for x in reply[2:5])
+        raise InvalidRequest("cost", f"{cost} is over the queue's max_cost of {limit} "
+                                     f"(request {index} of the call; nothing was enqueued)")
     n = (len(reply) - 3) // 2  # the ids, then the deadline each request got
     return [_text(x) for x in reply[3:3 + n]]
 

@@ -1,6 +1,8 @@
 """The wire format: what producers, Redis and consumers exchange. orjson only, no pickle.
 
 Request envelope (value of `{bg:q}:jobs[id]`):   {"v": 1, "payload": <JSON value>}
+    optionally with "trace": {"traceparent": "00-...", "tracestate": "..."} (W3C trace
+    context of the producer's span, scheduler_core/tracing.py); absent without one.
 Result envelope (`result:<id>` and inbox items):
     {"v": 1, "id": "...", "ok": true,  "value": <JSON value>}
     {"v": 1, "id": "...", "ok": false, "error": {"type": "...", "message": "..."}}
@@ -117,14 +119,53 @@ def encode_payload(payload: Any, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> 
     return EncodedPayload(_dumps(payload, "payload", max_bytes))
 
 
-def encode_request(payload: Any, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> bytes:
+TRACE_FIELDS = ("traceparent", "tracestate")
+MAX_TRACE_FIELD = 512  # W3C: tracestate is at most 32 entries, 512 characters in practice
+
+
+def check_trace(trace: Any) -> dict[str, str]:
+    """A W3C trace context as the envelope carries it; InvalidRequest naming the field."""
+    if not isinstance(trace, dict) or "traceparent" not in trace:
+        raise InvalidRequest("trace", "must be an object with a traceparent")
+    for key, value in trace.items():
+        if key not in TRACE_FIELDS:
+            raise InvalidRequest(f"trace.{key}", f"unknown; use {' or '.join(TRACE_FIELDS)}")
+        if not isinstance(value, str) or len(value) > MAX_TRACE_FIELD:
+            raise InvalidRequest(f"trace.{key}",
+                                 f"must be a string of at most {MAX_TRACE_FIELD} characters")
+    return trace
+
+
+def encode_request(payload: Any, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+                   trace: dict[str, str] | None = None) -> bytes:
+    """A request envelope; `trace` (W3C trace context) only when given."""
     body = _within(payload.data, "payload", max_bytes) if isinstance(payload, EncodedPayload) \
         else _dumps(payload, "payload", max_bytes)
+    if trace:
+        return b'{"v":%d,"payload":%s,"trace":%s}' % (WIRE_VERSION, body,
+                                                      orjson.dumps(check_trace(trace)))
     return b'{"v":%d,"payload":%s}' % (WIRE_VERSION, body)
 
 
 def decode_request(data: bytes) -> Any:
     """The payload of a stored request; ValueError if the entry is malformed."""
+    return _request_envelope(data)["payload"]
+
+
+def decode_request_traced(data: bytes) -> tuple[Any, dict[str, str] | None]:
+    """(payload, trace context or None) of a stored request; ValueError if the entry is
+    malformed. A malformed trace is None: telemetry never fails a request."""
+    envelope = _request_envelope(data)
+    trace = envelope.get("trace")
+    if trace is not None:
+        try:
+            trace = check_trace(trace)
+        except InvalidRequest:
+            trace = None
+    return envelope["payload"], trace
+
+
+def _request_envelope(data: bytes) -> dict[str, Any]:
     try:
         envelope = orjson.loads(data)
     except orjson.JSONDecodeError as exc:
@@ -133,7 +174,7 @@ def decode_request(data: bytes) -> Any:
         raise ValueError(f"request envelope has no supported version (want v={WIRE_VERSION})")
     if "payload" not in envelope:
         raise ValueError("request envelope has no payload")
-    return envelope["payload"]
+    return envelope
 
 
 def encode_result(request_id: str, value: Any, max_bytes: int = DEFAULT_MAX_RESULT_BYTES) -> bytes:

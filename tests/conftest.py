@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 from helpers.processes import ConsumerProcess, RedisServer
+from helpers.topology import TopologyServer
 
 
 @pytest.fixture(scope="session")
@@ -15,6 +16,28 @@ def shared_redis() -> Iterator[RedisServer]:
     server = RedisServer()
     yield server
     server.close()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[TopologyServer]:
+    """A 6-node Redis Cluster (3 primaries, 3 replicas), started once for the session."""
+    server = TopologyServer("cluster")
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="session")
+def redis_sentinel() -> Iterator[TopologyServer]:
+    """1 primary, 2 replicas and 3 sentinels, started once for the session."""
+    server = TopologyServer("sentinel")
+    yield server
+    server.close()
+
+
+@pytest.fixture(params=["cluster", "sentinel"])
+def topology(request) -> TopologyServer:
+    """Each test using it runs on the cluster, then on the sentinel set."""
+    return request.getfixturevalue(f"redis_{request.param}")
 
 
 @pytest.fixture

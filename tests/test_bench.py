@@ -143,3 +143,22 @@ def test_profile_stages_smoke():
     for stage in ("enqueue", "pop", "complete", "deliver", "paced"):
         assert any(line.startswith(stage) and "Redis CPU" in line for line in lines), stage
     assert "10 batches, mean size 30.0" in proc.stdout  # 9 full, the last one of 12
+
+
+@pytest.mark.skipif(not shutil.which("redis-server"), reason="redis-server is not on PATH")
+def test_load_step_smoke(tmp_path: Path):
+    """batchgate/bench/load_step.py (the load step in docs/benchmarks.md) runs its three
+    modes, answers every request and writes its table, checks and plot; tiny phases (it
+    checks the harness, not the numbers)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "batchgate.bench.load_step", "--phase-s", "1.5", "--rates",
+         "20,200", "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert set(results["table"]) == {"fixed-5", "fixed-50", "auto"}
+    for rows in results["table"].values():
+        assert [r["rate"] for r in rows] == [20, 200]
+        assert all(r["unanswered"] == 0 and r["p99_ms"] > 0 for r in rows)
+    assert results["checks"] and "auto" in (tmp_path / "results.md").read_text()
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "load_step.png").stat().st_size > 1000

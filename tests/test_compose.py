@@ -123,7 +123,7 @@ def container_ports(service: dict[str, Any]) -> set[int]:
 def test_services_present():
     assert {"redis", "gateway", "rq-worker", "prometheus"} <= set(SERVICES)
     assert CONSUMERS, "no consumer service"
-    assert set(BATCHGATE_SERVICES) == {"gateway", *CONSUMERS}
+    assert set(BATCHGATE_SERVICES) == {"gateway", "exporter", *CONSUMERS}
     for name, service in SERVICES.items():
         assert service.get("image") or service.get("build"), name
 
@@ -253,6 +253,8 @@ def test_prometheus_scrapes_every_service(parse):
     expected = set()
     gateway = SERVICES["gateway"]
     expected.add(f"gateway:{parse(gateway['command'][1:], environment(gateway))[1]['port']}")
+    exporter = SERVICES["exporter"]
+    expected.add(f"exporter:{parse(exporter['command'][1:], environment(exporter))[1]['port']}")
     for name in CONSUMERS:
         service = SERVICES[name]
         params = parse(service["command"][1:], environment(service))[1]

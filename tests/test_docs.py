@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = "\n".join(p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob(
     "*.md"))])
 # Read by the test suite, not by a command (docs/guarantees.md describes them).
-TEST_ONLY_ENV = {"BATCHGATE_FULL", "BATCHGATE_FUZZ_EXAMPLES"}
+TEST_ONLY_ENV = {"BATCHGATE_FULL", "BATCHGATE_FUZZ_EXAMPLES", "BATCHGATE_CHROMIUM",
+                 "BATCHGATE_SCREENSHOT"}
 
 
 def commands() -> Iterator[tuple[list[str], click.Command]]:

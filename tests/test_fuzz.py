@@ -30,7 +30,7 @@ from producer import InvalidRequest, Priority, Producer
 from producer.validation import check_deadline, check_idempotency_key, check_timeout
 from scheduler_core.errors import InvalidPolicy
 from scheduler_core.keys import SHARED_KEYS, QueueKeys, validate_queue_name
-from scheduler_core.policy import LIMITS, Policy
+from scheduler_core.policy import CHOICES, LIMITS, Policy
 from scheduler_core.scripts import (
     NewRequest,
     cancel_keys,
@@ -286,8 +286,8 @@ class FakeScript:
         if args and args[0] in ("list", "expire"):  # the deadline timer: nothing is due
             return [0, -1, 0]
         self.calls.append((keys, args))
-        ids = args[3::5]  # then each one's deadline, as enqueue.lua answers
-        return [1, len(ids), len(ids), *(i.encode() for i in ids), *args[5::5]]
+        ids = args[3::6]  # then each one's deadline, as enqueue.lua answers
+        return [1, len(ids), len(ids), *(i.encode() for i in ids), *args[5::6]]
 
 
 class FakePipeline:
@@ -318,6 +318,9 @@ class NoRedis:
 
     def get(self, key):
         return None
+
+    def zadd(self, *args, **kwargs):  # the queue registry, after an accepted enqueue
+        return 1
 
     def info(self, section=None):
         return {"redis_version": "7.2.0"}  # passes the producer's version check
@@ -355,25 +358,27 @@ def test_fuzz_producer_constructor(batch):
 def test_fuzz_producer_submit():
     fake = NoRedis()
     producer = Producer(queue="fuzz", client=fake, max_payload_bytes=LIMIT)
-    fields = {"payload", "payloads", "priority", "deadline_ms", "idempotency_key"}
+    fields = {"payload", "payloads", "priority", "deadline_ms", "idempotency_key", "cost"}
     case = st.tuples(
         st.booleans(), payloads, st.lists(scalars, max_size=3),
         st.sampled_from(["high", "low", 0, 2, "urgent", 5, None, 1.0]) | scalars,
         st.none() | st.integers(-1, 90_000_000) | scalars,
-        st.none() | st.from_regex(r"[a-z{} :-]{0,12}", fullmatch=True) | scalars)
+        st.none() | st.from_regex(r"[a-z{} :-]{0,12}", fullmatch=True) | scalars,
+        st.integers(-1, 10**9 + 1) | st.lists(st.integers(0, 3), max_size=4) | scalars)
 
-    def check_one(many, payload, more, priority, deadline_ms, key):
+    def check_one(many, payload, more, priority, deadline_ms, key, cost):
         fake.calls.clear()
         try:
             if many:
                 batch = [payload, *more]
                 handles = producer.submit_many(batch, priority=priority,
                                                deadline_ms=deadline_ms,
-                                               idempotency_keys=[key] * len(batch))
+                                               idempotency_keys=[key] * len(batch), cost=cost)
             else:
                 batch = [payload]
                 handles = [producer.submit(payload, priority=priority,
-                                           deadline_ms=deadline_ms, idempotency_key=key)]
+                                           deadline_ms=deadline_ms, idempotency_key=key,
+                                           cost=cost)]
         except InvalidRequest as exc:
             assert field_of(exc) in fields, exc
             assert not fake.calls, "bad input reached Redis"
@@ -381,11 +386,13 @@ def test_fuzz_producer_submit():
         [(keys, args)] = fake.calls
         assert args[1] == len(batch) == len(handles) and isinstance(args[2], int)
         for i, value in enumerate(batch):
-            rid, prio, deadline, envelope, flag = args[3 + 5 * i: 8 + 5 * i]
+            rid, prio, deadline, envelope, flag, c = args[3 + 6 * i: 9 + 6 * i]
             assert re.fullmatch(r"[0-9a-f]{32}", rid) and prio in (0, 1, 2)
             assert isinstance(deadline, int) and 0 <= deadline <= 86_400_000
             assert decode_request(envelope) == normalise(value) and flag in (0, 1)
-        assert len(keys) == len(SHARED_KEYS) + sum(args[7::5])
+            assert type(c) is int and 1 <= c <= 10**9
+            assert c == (cost[i] if isinstance(cost, list) else cost)
+        assert len(keys) == len(SHARED_KEYS) + sum(args[7::6])
 
     @fuzz("submit")
     @given(batch=cases("submit", case))
@@ -531,7 +538,7 @@ TEMPLATES = {  # a valid call of each script against setup_state: (KEYS, ARGV)
 }
 ERROR_FIELDS = {m for path in LUA.glob("*.lua")
                 for m in re.findall(r"\{-3, '(\w+)'\}", path.read_text())} | {
-    "strategy", "on_timeout", *LIMITS}
+    "strategy", "cost_buckets", *CHOICES, *LIMITS}
 META = re.compile(rb"[0-2]:\d{1,17}:\d{1,17}:\d{1,9}:[A-Za-z0-9_.-]{0,128}")
 
 

@@ -6,6 +6,8 @@ and time."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import select
 import socket
 import threading
@@ -251,6 +253,93 @@ def test_workers_apply_the_limits(shared_redis, queue, start_gateway):
     with connect(gateway) as sock:
         status, _, _ = read_answer(sock)  # sent nothing
     assert status == 408
+
+
+def listening_inode(port: int) -> str:
+    """The inode of the socket listening on 127.0.0.1:`port` (Linux /proc/net/tcp)."""
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            fields = line.split()
+            if fields[1] == f"0100007F:{port:04X}" and fields[3] == "0A":  # LISTEN
+                return fields[9]
+    raise AssertionError(f"nothing listens on {port}")
+
+
+def fd_targets(pid: str) -> set[str]:
+    targets = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(FileNotFoundError):  # closed meanwhile
+            targets.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+    return targets
+
+
+def test_two_workers_accept_on_one_socket(shared_redis, queue, start_gateway):
+    """`--workers 2`: two worker processes, each holding the one listening socket (the
+    parent binds it; the kernel hands each new connection to one of them)."""
+    gateway = start_gateway(shared_redis.url, queue, "--workers", "2")
+    inode = listening_inode(gateway.port)
+
+    def holders() -> list[str]:
+        pid = gateway.proc.pid
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            children = f.read().split()
+        found = []
+        for child in children:
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                if b"multiprocessing.spawn" not in f.read():
+                    continue  # multiprocessing's resource tracker
+            if f"socket:[{inode}]" in fd_targets(child):
+                found.append(child)
+        return found
+
+    wait_for(lambda: len(holders()) == 2, SLACK_S, "two workers on the listening socket")
+    with httpx.Client(base_url=gateway.url) as http:
+        assert http.post("/v1/requests", json={"payload": 1}).status_code == 202
+
+
+def read_one(sock: socket.socket, buffered: bytes = b"",
+             head_only: bool = False) -> tuple[bytes, bytes, bytes]:
+    """One answer's head and body from a kept-alive connection (by its Content-Length;
+    none for a HEAD), and what was received after it."""
+    data = buffered
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536) or b""
+    head, _, rest = data.partition(b"\r\n\r\n")
+    fields = dict(line.split(b": ", 1) for line in head.split(b"\r\n")[1:])
+    length = 0 if head_only or head.startswith(b"HTTP/1.1 100") else \
+        int(fields.get(b"content-length", b"0"))
+    while len(rest) < length:
+        rest += sock.recv(65536)
+    return head, rest[:length], rest[length:]
+
+
+def test_answers_whole_on_a_kept_alive_connection(shared_redis, queue, start_consumer,
+                                                  start_gateway):
+    """The gateway writes an answer's head together with its body (protocol.HeldHead):
+    an interim 100 Continue still goes out before the body is sent, a HEAD answer (no
+    body) is not held back, and answers on one connection follow one another whole."""
+    start_consumer(shared_redis.url, queue, "--model", "consumer.models:noop")
+    gateway = start_gateway(shared_redis.url, queue)
+    body = b'{"payload": {"n": 1}, "wait": true, "timeout_s": 20}'
+    with connect(gateway) as sock:
+        sock.sendall(b"POST /v1/requests HTTP/1.1\r\nHost: gw\r\nContent-Type: "
+                     b"application/json\r\nExpect: 100-continue\r\nContent-Length: %d\r\n\r\n"
+                     % len(body))
+        interim, _, rest = read_one(sock)
+        assert interim.startswith(b"HTTP/1.1 100 "), interim
+        sock.sendall(body)
+        head, answered, rest = read_one(sock, rest)
+        assert head.startswith(b"HTTP/1.1 200 "), head
+        done = orjson.loads(answered)
+        assert done["result"] == {"n": 1}
+        path = f"/v1/requests/{done['id']}".encode()
+        sock.sendall(b"HEAD %s HTTP/1.1\r\nHost: gw\r\n\r\nGET %s HTTP/1.1\r\nHost: gw\r\n\r\n"
+                     % (path, path))  # pipelined
+        head, _, rest = read_one(sock, rest, head_only=True)
+        assert head.startswith(b"HTTP/1.1 200 ") and b"content-length: " in head.lower()
+        head, answered, rest = read_one(sock, rest)
+        assert head.startswith(b"HTTP/1.1 200 ") and orjson.loads(answered) == done
+        assert rest == b""
 
 
 # -- metrics, health, redirects ----------------------------------------------------------

@@ -1,8 +1,10 @@
 """scheduler_core.rules.decide is pop_batch.lua's twin: on thousands of random queue states
 and policies (every strategy, aging, deadlines, re-delivered requests, max_attempts,
-per-level default timeouts, requests delayed past their deadline) the function and the
-script, run on a real Redis, make the same decision: the same batch (ids, levels, states,
-what remains), the same wait, the same aging moves, the same "expire first" ({-4}).
+per-level default timeouts, requests delayed past their deadline, costs, cost buckets and
+a preferred bucket) the function and the script, run on a real Redis (a third of them with
+the delay passed in ARGV[4], as a consumer under max_queue_delay_ms=auto does), make the
+same decision: the same batch (ids, levels, states, costs, what remains), the same wait,
+the same aging moves, the same "expire first" ({-4}).
 
 The script reads the clock itself (Redis TIME) and notes it as the consumer's heartbeat;
 the function decides at exactly that time. Each case is built relative to a TIME read just
@@ -15,7 +17,7 @@ from __future__ import annotations
 import random
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 
@@ -44,12 +46,19 @@ SIZES = (1, 2, 3, 4, 8, 32)
 TIMEOUTS_MS = (0, 0, 250, 1000, 3000)  # per-level default timeouts drawn for a policy
 # A case's deadlines: none; all in the future; some within NEAR_US of now; some past.
 DEADLINE_MIXES = ("none", "future", "future", "near", "past")
+# Cost settings (a third of the cases): budgets, modes, buckets, and the costs drawn.
+BUDGETS = (0, 0, 4, 20, 64, 300)
+BUCKETS = ("", "", "4", "3,16", "2,8,32", "1,2,3,100")
+COSTS = (1, 1, 2, 3, 4, 5, 8, 16, 17, 33, 64, 200, 500)
 
 
 @dataclass
 class Case:
-    policy: Policy
-    levels: list[list[Request]]
+    policy: Policy  # the rules decide() applies
+    levels: list[list[Request]]  # HIGH, NORMAL, LOW, DELAYED
+    stored: Policy  # the policy hash; differs from `policy` when delay_ms overrides it
+    prefer: int = 0  # the consumer's preferred cost bucket (ARGV[3]), 1-based; 0 = none
+    delay_ms: int | None = None  # pop_batch's ARGV[4] (a consumer's auto delay)
 
 
 def random_case(rng: random.Random, t0: int) -> Case:
@@ -57,21 +66,26 @@ def random_case(rng: random.Random, t0: int) -> Case:
     partial = rng.random() < 0.35
     strategy = rng.choice([Strategy.DYNAMIC, Strategy.PRIORITY] if partial else list(Strategy))
     size = rng.choice(SIZES[3:] if partial else SIZES)
+    costed = rng.random() < 0.35
     policy = Policy(strategy=strategy, max_batch_size=size,
                     max_queue_delay_ms=rng.choice(DELAYS_MS[1:] if partial else DELAYS_MS),
                     aging_ms=rng.choice(AGINGS_MS), max_attempts=rng.randint(1, 4),
                     timeout_high_ms=rng.choice(TIMEOUTS_MS),
                     timeout_normal_ms=rng.choice(TIMEOUTS_MS),
                     timeout_low_ms=rng.choice(TIMEOUTS_MS),
-                    allow_timeout_override=rng.randint(0, 1))
+                    allow_timeout_override=rng.randint(0, 1),
+                    max_batch_cost=rng.choice(BUDGETS) if costed else 0,
+                    cost_mode=rng.choice(("sum", "padded")),
+                    cost_buckets=rng.choice(BUCKETS) if costed else "")
     mix = rng.choice(DEADLINE_MIXES)
+    cost_mix = rng.sample(COSTS, rng.randint(1, 4))
     thresholds = [t for t in (policy.max_queue_delay_ms, policy.aging_ms,
                               2 * policy.aging_ms) if t > 0]
     n = rng.randint(1, size - 1) if partial else rng.choice((0, 1, 2, 3, 5, 10, 20, 40, 80))
     weights = (0, 6, 3) if partial else (1, 6, 3)
     span_ms = (1.2 * policy.max_queue_delay_ms if partial
                else rng.choice((0.5, 1, 2, 4)) * max(thresholds, default=1000))  # of the ages
-    levels: list[list[Request]] = [[], [], [], []]  # HIGH, NORMAL, LOW, DELAYED
+    levels: list[list[Request]] = [[], [], [], []]
     taken: set[int] = set()
     for _ in range(n):
         prio = rng.choices((0, 1, 2), weights=weights)[0]
@@ -82,8 +96,9 @@ def random_case(rng: random.Random, t0: int) -> Case:
         taken.add(arrival)
         deadline = deadline_us(rng, policy, mix, prio, arrival, t0, n)
         attempts = 0 if rng.random() < 0.75 else rng.randint(1, policy.max_attempts + 1)
+        cost = rng.choice(cost_mix) if costed else 1
         levels[level].append(Request(arrival, uuid.UUID(int=rng.getrandbits(128)).hex[:12],
-                                     prio, deadline, attempts))
+                                     prio, deadline, attempts, cost))
     # Requests expire_due.lua delayed (on_timeout = delay): past their deadline, which
     # their meta no longer carries; they run only when the three levels are empty.
     if rng.random() < 0.3:
@@ -93,11 +108,17 @@ def random_case(rng: random.Random, t0: int) -> Case:
                 arrival = t0 - rng.randint(1, 10_000_000)
             taken.add(arrival)
             attempts = 0 if rng.random() < 0.8 else rng.randint(1, policy.max_attempts + 1)
+            cost = rng.choice(cost_mix) if costed else 1
             levels[DELAYED].append(Request(arrival, uuid.UUID(int=rng.getrandbits(128)).hex[:12],
-                                           rng.randint(0, 2), 0, attempts))
+                                           rng.randint(0, 2), 0, attempts, cost))
     for level in levels:
         level.sort()
-    return Case(policy, levels)
+    prefer = rng.choice((0, 0, 1, 2, 3)) if costed else 0
+    if rng.random() < 0.3:  # delay_mode=auto: the consumer passes the delay it derived
+        stored = replace(policy, max_queue_delay_ms=rng.choice(DELAYS_MS), delay_mode="auto",
+                         slo_p99_ms=60)
+        return Case(policy, levels, stored, prefer, policy.max_queue_delay_ms)
+    return Case(policy, levels, policy, prefer)
 
 
 def deadline_us(rng: random.Random, policy: Policy, mix: str, prio: int, arrival: int,
@@ -127,20 +148,25 @@ def age_us(rng: random.Random, thresholds: list[int], span_ms: float) -> int:
 
 
 def meta(r: Request) -> str:
-    return f"{r.priority}:{r.arrival_us}:{r.deadline_us}:{r.attempts}:prod"
+    # as enqueue.lua writes it: the cost only when not 1 (7 fields when it was capped)
+    base = f"{r.priority}:{r.arrival_us}:{r.deadline_us}:{r.attempts}:prod"
+    if r.cost == 1:
+        return base
+    return base + (f":{r.cost}" if r.cost % 2 else f":{r.cost}:{r.cost * 3}")
 
 
-def run_case(client, scripts: Scripts, rng: random.Random) -> tuple[Case, list, int, int,
-                                                                   list[list[str]]]:
+def run_case(client, scripts: Scripts, rng: random.Random) -> tuple[
+        Case, list, int, int, list[list[str]], set[str]]:
     """Build the case's state through the real keys (as enqueue.lua writes them, aged and
-    re-delivered ones as aging and requeue_expired.lua leave them), run pop_batch.lua;
-    (case, reply, TIME before, TIME after, pending ids per level after)."""
+    re-delivered ones as aging and requeue_expired.lua leave them, delayed ones as
+    expire_due.lua does), run pop_batch.lua; (case, reply, TIME before, TIME after,
+    pending ids per level and delayed ids after, the deadlines zset's ids after)."""
     sec, usec = client.time()
     t0 = sec * 1_000_000 + usec
     case = random_case(rng, t0)
     keys = QueueKeys(f"rules-{uuid.uuid4().hex[:12]}")
     pipe = client.pipeline(transaction=False)
-    pipe.hset(keys.policy, mapping=case.policy.to_redis())
+    pipe.hset(keys.policy, mapping=case.stored.to_redis())
     for level, requests in enumerate(case.levels):
         if requests:
             pipe.zadd(keys.pending(level) if level != DELAYED else keys.delayed,
@@ -150,7 +176,12 @@ def run_case(client, scripts: Scripts, rng: random.Random) -> tuple[Case, list, 
             with_deadline = {r.id: r.deadline_us for r in requests if r.deadline_us}
             if with_deadline:  # as enqueue.lua lists them
                 pipe.zadd(keys.deadlines, with_deadline)
-    pipe.evalsha(scripts.pop_batch.sha, len(keys.shared), *pop_keys(keys), "c1", 60_000)
+    # ARGV[3] (prefer) and ARGV[4] (delay) are absent, as consumers without them send.
+    optional = [case.prefer] if case.prefer or case.delay_ms is not None else []
+    if case.delay_ms is not None:
+        optional.append(case.delay_ms)
+    pipe.evalsha(scripts.pop_batch.sha, len(keys.shared), *pop_keys(keys), "c1", 60_000,
+                 *optional)
     pipe.zscore(keys.consumers, "c1")  # the script's clock: it notes the consumer's pop
     for level in range(3):
         pipe.zrange(keys.pending(level), 0, -1)
@@ -183,15 +214,17 @@ def test_decide_makes_the_decisions_of_pop_batch_lua(shared_redis):
     rng = random.Random(20261130)
     seen = {"batch": 0, "wait": 0, "aging wait": 0, "deadline wait": 0, "nothing": 0,
             "expire first": 0, "delayed batch": 0, EXHAUSTED: 0, "promoted": 0,
-            "isolated": 0, "borderline": 0}
+            "isolated": 0, "borderline": 0, "costed batch": 0, "costed wait": 0,
+            "budget cut": 0, "bucket cut": 0, "preferred": 0, "delay override wait": 0}
     started = time.monotonic()
     for i in range(CASES):
         case, reply, t0, now, after, deadlines_after = run_case(client, scripts, rng)
-        where = f"case {i}: {case.policy}, levels {case.levels}, reply {reply}"
+        where = f"case {i}: {case.policy}, prefer {case.prefer}, levels {case.levels}, " \
+                f"reply {reply}"
         assert t0 <= now, where
-        expected = decide(case.levels, now, case.policy)
+        expected = decide(case.levels, now, case.policy, case.prefer)
         # Cases the µs between the TIME read and the script decided.
-        seen["borderline"] += expected != decide(case.levels, t0, case.policy)
+        seen["borderline"] += expected != decide(case.levels, t0, case.policy, case.prefer)
         if int(reply[0]) == -4:
             assert isinstance(expected, Expire), where
             seen["expire first"] += 1
@@ -206,14 +239,20 @@ def test_decide_makes_the_decisions_of_pop_batch_lua(shared_redis):
                 seen["deadline wait"] += wait == min(
                     r.deadline_us for level in case.levels for r in level if r.deadline_us
                 ) - now if any(r.deadline_us for level in case.levels for r in level) else 0
+                seen["delay override wait"] += case.delay_ms is not None
                 seen["aging wait"] += case.policy.strategy is Strategy.PRIORITY and \
                     case.policy.aging_ms > 0
+                seen["costed wait"] += costed(case.policy)
         else:
             assert int(reply[1]) == now, where
             assert isinstance(expected, Batch), where
-            items = [reply[k:k + 7] for k in range(4, len(reply), 7)]
-            got = [(x[0].decode(), x[5].decode(), int(x[6])) for x in items]
-            assert got == [(p.request.id, p.state, p.level) for p in expected.picked], where
+            items = [reply[k:k + 9] for k in range(4, len(reply), 9)]
+            got = [(x[0].decode(), x[5].decode(), int(x[6]), int(x[7])) for x in items]
+            assert got == [(p.request.id, p.state, p.level, p.request.cost)
+                           for p in expected.picked], where
+            assert [int(x[8]) for x in items] == [
+                r.cost if r.cost % 2 else r.cost * 3 for r in (p.request for p in
+                                                             expected.picked)], where
             assert int(reply[3]) == expected.remaining, where
             assert [int(x[3]) for x in items] == [p.request.attempts + 1
                                                   for p in expected.picked], where
@@ -222,6 +261,15 @@ def test_decide_makes_the_decisions_of_pop_batch_lua(shared_redis):
             assert not expected.expired, where  # an expired request never joins a batch
             seen[EXHAUSTED] += len(expected.dead_lettered)
             seen["isolated"] += any(p.request.attempts for p in expected.picked)
+            if costed(case.policy):
+                seen["costed batch"] += 1
+                seen["preferred"] += bool(case.prefer) and case.policy.bucket_of(
+                    expected.picked[0].request.cost) == case.prefer - 1 and \
+                    expected.picked[0].request != min(r for level in case.levels
+                                                      for r in level)
+                cut_budget, cut_bucket = cuts(case, expected)
+                seen["budget cut"] += cut_budget
+                seen["bucket cut"] += cut_bucket
         assert after == ids_after(case, expected), where  # the aging moves and the pops
         assert deadlines_after == deadlines_left(case, expected), where
         seen["promoted"] += len(expected.promoted)
@@ -230,6 +278,25 @@ def test_decide_makes_the_decisions_of_pop_batch_lua(shared_redis):
     print(seen, f"{took:.1f} s")
     assert min(seen.values()) >= 50, seen
     assert took < 60, took
+
+
+def costed(policy: Policy) -> bool:
+    return bool(policy.max_batch_cost or policy.cost_buckets)
+
+
+def cuts(case: Case, batch: Batch) -> tuple[bool, bool]:
+    """Whether the batch was cut short by the budget, by its bucket: a same-level request
+    younger than the batch's newest (left waiting) that the budget or its bucket kept out."""
+    policy = case.policy
+    if len(batch.picked) >= policy.max_batch_size or any(p.request.attempts
+                                                         for p in batch.picked):
+        return False, False
+    level = batch.picked[0].level
+    bucket = policy.bucket_of(batch.picked[0].request.cost)
+    left = [r for r in case.levels[level] if r.id not in set(batch.ids)]
+    other = any(policy.bucket_of(r.cost) != bucket for r in left)
+    same = any(policy.bucket_of(r.cost) == bucket for r in left)
+    return same and policy.max_batch_cost > 0, other
 
 
 # -- the rules by example ---------------------------------------------------------------

@@ -23,6 +23,7 @@ from redis.exceptions import NoPermissionError
 from producer import InvalidRequest, Producer, RequestFailed
 from scheduler_core.admin import queue_stats
 from scheduler_core.keys import QueueKeys
+from scheduler_core.registry import known_queues
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("scheduler_core", "producer", "consumer", "batchgate")
@@ -104,8 +105,8 @@ def test_round_trip_never_imports_pickle_nor_calls_marshal(shared_redis, queue):
 ACL_COMMANDS = " ".join([
     "ping time multi exec evalsha eval script|load script|exists",
     "get set del exists incr expire",
-    "hget hset hdel hexists hmget hgetall hincrby hlen",
-    "zadd zrem zrange zrangebyscore zremrangebyscore zcard zscore bzpopmin",
+    "hget hset hdel hexists hmget hgetall hincrby hlen hkeys",
+    "zadd zrem zrange zrangebyscore zremrangebyscore zcard zcount zscore bzpopmin",
     "rpush lpush ltrim lrange blmpop",
 ]).split(" ")
 # redis-py announces itself with CLIENT SETINFO (Redis >= 7.2); refused, it is skipped.
@@ -114,7 +115,7 @@ OPTIONAL_COMMANDS = ["client|setinfo"]
 
 def acl_rule(keys: str = "~{bg:*", optional: bool = False) -> list[str]:
     commands = ACL_COMMANDS + (OPTIONAL_COMMANDS if optional else [])
-    return ["on", ">s3cret-pw", "resetkeys", keys, "resetchannels", "-@all",
+    return ["on", ">s3cret-pw", "resetkeys", keys, "~batchgate:queues", "resetchannels", "-@all",
             *(f"+{c}" for c in commands)]
 
 
@@ -148,6 +149,8 @@ def test_least_privilege_acl_user(redis_server, queue, start_consumer, tmp_path)
         assert p.submit({"i": "own queue"}).result(timeout=15)["echo"]["i"] == "own queue"
     with Producer(limited, queue + "-other") as p, pytest.raises(NoPermissionError):
         p.submit({"i": "someone else's queue"})
+    # The queue is in the registry (scheduler_core/registry.py), from both users.
+    assert known_queues(admin) == [queue]
     user = redis.Redis.from_url(url)
     stats = queue_stats(user, queue)
     assert stats.processed == 21 and stats.consumers_alive == 1  # + 1 expired

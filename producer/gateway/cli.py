@@ -6,6 +6,7 @@ Imports FastAPI and uvicorn only when run, so `batchgate --help` works without t
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import os
 
@@ -75,11 +76,16 @@ def gateway_command(redis_url: str, queue: str, host: str, port: int, token: str
     with contextlib.suppress(redis.ConnectionError, redis.TimeoutError):
         connect_checked(redis_url).close()
     app = create_app(redis_url, queue, token=token or None, max_body_bytes=max_body_bytes,
-                     request_timeout_s=request_timeout_s)  # validates before serving
+                     request_timeout_s=request_timeout_s, tune_gc=True)  # validates first
     level = logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
+    # uvloop (part of the gateway extra) where it installs; HTTP parsing is httptools'
+    # (PROTOCOL builds on uvicorn's httptools protocol).
+    loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
     click.echo(f"batchgate gateway for queue {queue!r} on http://{host}:{port} "
-               f"(auth: {'bearer token' if token else 'none'}, workers: {workers})", err=True)
+               f"(auth: {'bearer token' if token else 'none'}, workers: {workers}, "
+               f"loop: {loop})", err=True)
     options = {"host": host, "port": port, "access_log": access_log, "http": PROTOCOL,
+               "loop": loop,
                "log_level": level if level in ("debug", "info", "warning", "error") else "info"}
     # The protocol (slow headers) reads its timeout here, in every process.
     os.environ[REQUEST_TIMEOUT_ENV] = repr(request_timeout_s)

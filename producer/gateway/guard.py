@@ -9,8 +9,7 @@ middleware), so that nobody can make it read, hold or parse more than it allows:
 3. The body's time: one that has not fully arrived `request_timeout_s` after the headers
    is answered 408. (Slow headers are bounded by the server protocol: protocol.py.)
 
-A 401, 413 or 408 sent before the body was read closes the connection. Hooks may prepare
-a body before the app parses it (app.py encodes a large submit's payload in a thread).
+A 401, 413 or 408 sent before the body was read closes the connection.
 """
 
 from __future__ import annotations
@@ -27,8 +26,8 @@ from scheduler_core.wire import DEFAULT_MAX_PAYLOAD_BYTES
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
-# (scope, body) -> the body the app gets; may store what it prepared in the scope.
-Prepare = Callable[[Scope, bytes], Awaitable[bytes]]
+# asyncio.timeout_at (3.11+) arms a timer; wait_for would run a task per message.
+_timeout_at = getattr(asyncio, "timeout_at", None)
 
 PROTECTED_PREFIXES = ("/v1/",)  # /healthz and /metrics stay open (docs/gateway.md)
 # A body may be larger than the payload it carries (the other fields, whitespace, \u
@@ -67,12 +66,11 @@ def problem(error: str, message: str, field: str | None = None) -> dict[str, Any
 
 class RequestGuard:
     def __init__(self, app: Any, *, token: str | None, max_body_bytes: int,
-                 request_timeout_s: float, prepare: dict[tuple[str, str], Prepare] | None = None):
+                 request_timeout_s: float):
         self.app = app
         self.token = token.encode() if token else None
         self.max_body_bytes = max_body_bytes
         self.request_timeout_s = request_timeout_s
-        self.prepare = prepare or {}
 
     def authorized(self, scope: Scope) -> bool:
         """The request carries `Authorization: Bearer <token>` (or none is needed)."""
@@ -116,9 +114,6 @@ class RequestGuard:
             return
         if body is None:
             return  # the client left
-        prepare = self.prepare.get((scope["method"], scope["path"]))
-        if prepare is not None:
-            body = await prepare(scope, body)
         await self.app(scope, _replay(body, receive), send)
 
     async def _read(self, receive: Receive) -> bytes | None:
@@ -128,7 +123,11 @@ class RequestGuard:
         deadline = loop.time() + self.request_timeout_s
         chunks, size = [], 0
         while True:
-            message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+            if _timeout_at is None:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+            else:
+                async with _timeout_at(deadline):
+                    message = await receive()
             if message["type"] == "http.disconnect":
                 return None
             chunk = message.get("body", b"")

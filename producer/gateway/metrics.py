@@ -63,6 +63,10 @@ class MetricsMiddleware:
         self.app = app
         self.metrics = metrics
         self.routes = routes  # the app's, for requests answered before routing (guard.py)
+        # The labelled children, looked up once each: labels() costs more than the count.
+        # Bounded: every label comes from a fixed set.
+        self._children: dict[tuple[str, str, int], tuple[Any, Any]] = {}
+        self._submit_children: dict[tuple[bool, int], Any] = {}
 
     def endpoint(self, scope: dict[str, Any]) -> str:
         """The route template of the request's path, or "unmatched"."""
@@ -91,9 +95,19 @@ class MetricsMiddleware:
             elapsed = time.perf_counter() - start
             endpoint = self.endpoint(scope)
             method = scope["method"] if scope["method"] in METHODS else "other"
-            self.metrics.requests.labels(endpoint, method, str(status)).inc()
-            self.metrics.request_seconds.labels(endpoint, method).observe(elapsed)
+            key = (endpoint, method, status)
+            children = self._children.get(key)
+            if children is None:
+                children = self._children[key] = (
+                    self.metrics.requests.labels(endpoint, method, str(status)),
+                    self.metrics.request_seconds.labels(endpoint, method))
+            children[0].inc()
+            children[1].observe(elapsed)
             if endpoint == SUBMIT_PATH and method == "POST":
-                wait = scope.get("batchgate.wait", False)
-                self.metrics.submit_seconds.labels(
-                    "true" if wait else "false", str(status)).observe(elapsed)
+                submit_key = (bool(scope.get("batchgate.wait", False)), status)
+                child = self._submit_children.get(submit_key)
+                if child is None:
+                    child = self._submit_children[submit_key] = \
+                        self.metrics.submit_seconds.labels(
+                            "true" if submit_key[0] else "false", str(status))
+                child.observe(elapsed)

@@ -28,19 +28,36 @@ local function int(n)
   return string.format('%.0f', n)
 end
 
--- meta value: "orig_prio:arrival_us:deadline_us:attempts:producer"
+-- meta value: "orig_prio:arrival_us:deadline_us:attempts:producer[:cost[:requested]]"
+-- cost (default 1 when absent) is the request's cost as enqueued; requested, present only
+-- when over_cost=truncate capped it, the cost its producer asked for.
 local function parse_meta(raw)
   if not raw then return nil end
-  local p, a, d, n, producer = string.match(raw, '^([0-2]):(%d+):(%d+):(%d+):(.*)$')
-  if not p or #a > 17 or #d > 17 or #n > 9 then return nil end  -- absurd: by hand
+  local p, a, d, n, producer, c, r =
+    string.match(raw, '^([0-2]):(%d+):(%d+):(%d+):([^:]*):(%d+):(%d+)$')
+  if not p then
+    p, a, d, n, producer, c = string.match(raw, '^([0-2]):(%d+):(%d+):(%d+):([^:]*):(%d+)$')
+  end
+  if not p then
+    p, a, d, n, producer = string.match(raw, '^([0-2]):(%d+):(%d+):(%d+):(.*)$')
+  end
+  if not p or #a > 17 or #d > 17 or #n > 9 or (c and #c > 10) or (r and #r > 10) then
+    return nil  -- absurd: by hand
+  end
+  local cost = tonumber(c or '1')
   -- The digits are kept as read, so that writing the meta back formats no number.
   return {prio = tonumber(p), arrival = tonumber(a), deadline = tonumber(d),
-          attempts = tonumber(n), producer = producer, arrival_s = a, deadline_s = d}
+          attempts = tonumber(n), producer = producer, arrival_s = a, deadline_s = d,
+          cost = cost, requested = tonumber(r or c or '1')}
 end
 
 local function format_meta(m)
-  return m.prio .. ':' .. (m.arrival_s or int(m.arrival)) .. ':' ..
-         (m.deadline_s or int(m.deadline)) .. ':' .. int(m.attempts) .. ':' .. m.producer
+  local raw = m.prio .. ':' .. (m.arrival_s or int(m.arrival)) .. ':' ..
+              (m.deadline_s or int(m.deadline)) .. ':' .. int(m.attempts) .. ':' .. m.producer
+  local cost, requested = m.cost or 1, m.requested or m.cost or 1
+  if requested ~= cost then return raw .. ':' .. int(cost) .. ':' .. int(requested) end
+  if cost ~= 1 then return raw .. ':' .. int(cost) end
+  return raw  -- cost 1, the default: the five fields of before
 end
 
 -- Push recent samples to a capped list: the newest SAMPLES_KEPT stay. Trimmed only once

@@ -1,9 +1,10 @@
 -- The queue policy's rules, inlined where a script says "-- @include _policy.lua" (after
 -- _common.lua).
 
--- STRATEGIES, LIMITS (each integer field's {min, max}) and policy_range(field) (min, max
--- as code) are rendered here by scheduler_core/scripts.py from scheduler_core/policy.py
--- when the scripts load: that module is their one source.
+-- STRATEGIES, LIMITS (each integer field's {min, max}), CHOICES (each string field's
+-- values), MAX_COST_BUCKETS, MAX_REQUEST_COST and policy_range(field) (min, max as code)
+-- are rendered here by scheduler_core/scripts.py from scheduler_core/policy.py when the
+-- scripts load: that module is their one source.
 -- @render policy
 
 -- A stored or given policy field as a number if within its limits, else nil.
@@ -24,6 +25,21 @@ local function read_timeouts(policy)
     if not t.levels[i] then return nil end
   end
   if p[4] then t.override = policy_int('allow_timeout_override', p[4]) end
-  if not t.override or not ON_TIMEOUT[t.on_timeout] then return nil end
+  if not t.override or not CHOICES.on_timeout[t.on_timeout] then return nil end
   return t
+end
+
+-- cost_buckets ("" or "32,1024": strictly increasing, each in [1, MAX_REQUEST_COST], at
+-- most MAX_COST_BUCKETS) as a list of numbers, or nil if malformed.
+local function parse_buckets(s)
+  if s == nil or s == false or s == '' then return {} end
+  if type(s) ~= 'string' or #s > 64 then return nil end
+  local bounds = {}
+  for part in string.gmatch(s .. ',', '([^,]*),') do
+    local b = int_arg(part, 1, MAX_REQUEST_COST)
+    if not b or (bounds[1] and b <= bounds[#bounds]) then return nil end
+    bounds[#bounds + 1] = b
+  end
+  if #bounds > MAX_COST_BUCKETS then return nil end
+  return bounds
 end

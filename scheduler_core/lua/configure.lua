@@ -7,9 +7,9 @@ KEYS[1]  {bg:q}:policy   hash
 ARGV[1]  mode: 'ensure' (write only if the queue has no policy yet) | 'replace'
 ARGV[2..] field, value pairs: strategy and every field of LIMITS (rendered from
          scheduler_core.policy.LIMITS), each within its range (scheduler_core.policy.Policy
-         validates them first), optionally on_timeout ('reject' | 'delay'; absent: reject);
-         other fields are kept if their name is [a-z_] and their
-         value at most 256 bytes
+         validates them first); delay_mode, over_cost, cost_mode and on_timeout, if given, one of
+         CHOICES; cost_buckets, if given, "" or increasing boundaries "32,1024"; other
+         fields are kept if their name is [a-z_] and their value at most 256 bytes
 
 Returns  {written (0|1), field, value, ...}: the policy now stored.
 Errors   {-3, field} malformed argument, nothing written
@@ -27,10 +27,12 @@ for i = 2, #ARGV, 2 do
   local field, value = ARGV[i], ARGV[i + 1]
   if field == 'strategy' then
     if not STRATEGIES[value] then return {-3, field} end
-  elseif field == 'on_timeout' then
-    if not ON_TIMEOUT[value] then return {-3, field} end
   elseif LIMITS[field] then
     if not policy_int(field, value) then return {-3, field} end
+  elseif CHOICES[field] then
+    if not CHOICES[field][value] then return {-3, field} end
+  elseif field == 'cost_buckets' then
+    if not parse_buckets(value) then return {-3, field} end
   elseif #field > 64 or not string.match(field, '^[a-z_]+$') or #value > 256 then
     return {-3, 'fields'}
   end

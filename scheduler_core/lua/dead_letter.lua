@@ -68,7 +68,9 @@ for i = 1, n do
     local prio = (m and m.prio) or 1
     local arrival = arrivals.next()
     redis.call('HSET', meta, id, format_meta({prio = prio, arrival = arrival, deadline = 0,
-                                              attempts = 0, producer = ''}))
+                                              attempts = 0, producer = '',
+                                              cost = m and m.cost,
+                                              requested = m and m.requested}))
     redis.call('ZADD', pending[prio + 1], int(arrival), id)
     redis.call('ZREM', dead, id)
     redis.call('HDEL', dead_reason, id)

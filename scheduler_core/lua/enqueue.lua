@@ -2,7 +2,8 @@
 
 KEYS[1..23] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
             this script uses:
-KEYS[1]  {bg:q}:policy      hash   read: strategy, max_batch_size, max_queue_size and the
+KEYS[1]  {bg:q}:policy      hash   read: strategy, max_batch_size, max_queue_size, max_cost,
+                                   over_cost, max_batch_cost, cost_buckets and the
                                    deadline policy (timeout_<level>_ms,
                                    allow_timeout_override)
 KEYS[2]  {bg:q}:pending:0   zset   HIGH
@@ -14,6 +15,9 @@ KEYS[7]  {bg:q}:clock       string last arrival score issued
 KEYS[8]  {bg:q}:marker      zset   wake-up marker for idle consumers
 KEYS[9]  {bg:q}:stats       hash   read on rejection: the recent service rate
 KEYS[20] {bg:q}:deadlines   zset   id -> deadline (µs) of each new request that has one
+KEYS[22] {bg:q}:arrivals    hash   epoch second (decimal string) -> requests enqueued in
+                                   that second (scheduler_core/load.py reads the rate);
+                                   fields older than ARRIVALS_KEEP_S are removed
 KEYS[24..] {bg:q}:idem:<key> string one per request whose idem flag is 1, in order
 read, not passed: {bg:q}:result:<id> of the id an idempotency key names (the caller cannot
          know it; same hash tag, so the slot of the keys above)
@@ -22,8 +26,8 @@ ARGV[1]  producer id (owner of the inbox results go to; may be empty)
          ids: 1-128 characters from letters, digits, '_', '.', '-'
 ARGV[2]  n, the number of requests (1..10000)
 ARGV[3]  idempotency key TTL in seconds (1..315360000)
-ARGV[4+5i..8+5i] for request i: id, priority (0|1|2), deadline_ms
-         (0 = none, ..86400000), envelope bytes, idem flag (0|1)
+ARGV[4+6i..9+6i] for request i: id, priority (0|1|2), deadline_ms
+         (0 = none, ..86400000), envelope bytes, idem flag (0|1), cost (1..1000000000)
 Integer arguments are plain decimal digits ('1.5', 'nan', '1e3' are malformed).
 
 Returns  {1, added, depth_after, id_1 .. id_n, deadline_ms_1 .. deadline_ms_n}
@@ -41,7 +45,13 @@ Errors   {-1, depth, max_queue_size, adding, rate_mrps}  queue full, nothing wri
          never holds a place);
          rate_mrps: recent service rate (milli-requests/s; 0 = none measured lately)
          {-3, field}                          malformed argument, nothing written
-         {-3, 'policy'}  the stored deadline policy is outside the policy LIMITS
+         {-3, 'policy'}                       the stored deadline policy is outside the
+                                              policy LIMITS
+         {-4, 'cost', i, cost, max_cost}      request i (0-based) costs more than the
+                                              policy's max_cost (over_cost=reject);
+                                              nothing written. With over_cost=truncate its
+                                              cost is capped to max_cost instead and the
+                                              meta keeps the cost asked for
 
 Arrival scores come from TIME and are strictly increasing per queue, so ties keep
 arrival order. A consumer is woken when a new deadline is the queue's earliest, so that
@@ -50,6 +60,25 @@ an idle one re-arms its timer for it. Work is bounded by n.
 -- @include _common.lua
 -- @include _policy.lua
 -- @include _queue.lua
+
+local ARRIVALS_KEEP_S = 120
+
+-- Count `n` arrivals in the current second. The first call of a second also drops the
+-- fields 121-130 s old (one HDEL); only after a long silence can older ones remain, and
+-- once the hash has more fields than a window holds they are swept (bounded by that size).
+local function count_arrivals(key, now, n)
+  local second = math.floor(now / 1000000)
+  if redis.call('HINCRBY', key, int(second), n) ~= n then return end
+  local old = {}
+  for age = ARRIVALS_KEEP_S + 1, ARRIVALS_KEEP_S + 10 do old[#old + 1] = int(second - age) end
+  redis.call('HDEL', key, unpack(old))
+  if redis.call('HLEN', key) > ARRIVALS_KEEP_S + 10 then
+    for _, field in ipairs(redis.call('HKEYS', key)) do
+      local s = tonumber(field)
+      if not s or s < second - ARRIVALS_KEEP_S then redis.call('HDEL', key, field) end
+    end
+  end
+end
 
 local policy = KEYS[1]
 local pending_high = KEYS[2]
@@ -61,19 +90,26 @@ local clock = KEYS[7]
 local marker = KEYS[8]
 local stats = KEYS[9]
 local deadlines = KEYS[20]
+local arrivals = KEYS[22]
 local FIRST_IDEM = 24  -- KEYS[24..]: the idempotency keys, in order
 
 local n = int_arg(ARGV[2], 1, 10000)
-if not n or #ARGV ~= 3 + 5 * n then return {-3, 'n'} end
+if not n or #ARGV ~= 3 + 6 * n then return {-3, 'n'} end
 local idem_ttl = int_arg(ARGV[3], 1, 315360000)
 if not idem_ttl then return {-3, 'idempotency_ttl'} end
 local producer = ARGV[1]
 if producer ~= '' and not valid_id(producer) then return {-3, 'producer'} end
 
-local rules = redis.call('HMGET', policy, 'strategy', 'max_batch_size', 'max_queue_size')
+local rules = redis.call('HMGET', policy, 'strategy', 'max_batch_size', 'max_queue_size',
+                         'max_cost', 'over_cost', 'max_batch_cost', 'cost_buckets')
 local strategy = rules[1] or 'fifo'
 local batch_size = tonumber(rules[2]) or 1
 local limit = tonumber(rules[3]) or 0
+local max_cost = tonumber(rules[4]) or 0  -- 0: no cap
+local truncate = rules[5] == 'truncate'
+-- With a cost budget or buckets, a new request may fill its bucket (by size or budget)
+-- while the queue as a whole is far from max_batch_size: every arrival wakes a consumer.
+local costed = (tonumber(rules[6]) or 0) > 0 or (rules[7] and rules[7] ~= '')
 local timeouts = read_timeouts(policy)
 if not timeouts then return {-3, 'policy'} end
 local now = now_us()
@@ -87,12 +123,17 @@ local total = depth[1] + depth[2] + depth[3]
 local effective, fresh, seen_keys = {}, 0, {}
 local key_index = FIRST_IDEM
 for i = 0, n - 1 do
-  local base = 4 + 5 * i
+  local base = 4 + 6 * i
   local id, prio = ARGV[base], int_arg(ARGV[base + 1], 0, 2)
   local deadline_ms = int_arg(ARGV[base + 2], 0, 86400000)
+  local cost = int_arg(ARGV[base + 5], 1, MAX_REQUEST_COST)
   if not valid_id(id) then return {-3, 'id'} end
   if not prio then return {-3, 'priority'} end
   if not deadline_ms then return {-3, 'deadline_ms'} end
+  if not cost then return {-3, 'cost'} end
+  if max_cost > 0 and cost > max_cost and not truncate then
+    return {-4, 'cost', i, cost, max_cost}
+  end
   if ARGV[base + 4] ~= '0' and ARGV[base + 4] ~= '1' then return {-3, 'idempotency_key'} end
   local existing = false
   if ARGV[base + 4] == '1' then
@@ -138,19 +179,22 @@ end
 local first_deadline = redis.call('ZRANGE', deadlines, 0, 0, 'WITHSCORES')[2]
 first_deadline = first_deadline and tonumber(first_deadline) or math.huge
 local given = {}  -- the deadline each request got, ms
-local arrivals = arrival_clock(clock, now)
-local wake = (strategy == 'fifo')
+local scores = arrival_clock(clock, now)
+local wake = (strategy == 'fifo') or costed
 key_index = FIRST_IDEM
 for i = 0, n - 1 do
-  local base = 4 + 5 * i
+  local base = 4 + 6 * i
   local id, prio, deadline_ms = ARGV[base], tonumber(ARGV[base + 1]), tonumber(ARGV[base + 2])
+  local requested = tonumber(ARGV[base + 5])
+  local cost = requested
+  if max_cost > 0 and cost > max_cost then cost = max_cost end  -- truncate (checked above)
   local idem_key = nil
   if ARGV[base + 4] == '1' then
     idem_key = KEYS[key_index]
     key_index = key_index + 1
   end
   if not effective[i + 1] then
-    local arrival = arrivals.next()
+    local arrival = scores.next()
     local default = timeouts.levels[prio + 1]
     if default > 0 and (deadline_ms == 0 or timeouts.override == 0) then
       deadline_ms = default
@@ -168,7 +212,8 @@ for i = 0, n - 1 do
     redis.call('ZADD', pending[prio + 1], int(arrival), id)
     redis.call('HSET', jobs, id, ARGV[base + 3])
     redis.call('HSET', meta, id, format_meta({prio = prio, arrival = arrival,
-      deadline = deadline, attempts = 0, producer = producer}))
+      deadline = deadline, attempts = 0, producer = producer, cost = cost,
+      requested = requested}))
     if idem_key then redis.call('SET', idem_key, id, 'EX', idem_ttl) end  -- free or stale
     effective[i + 1] = id
     -- Wake an idle consumer only when its next decision may have changed: the request
@@ -184,8 +229,9 @@ for i = 0, n - 1 do
     total = total + 1
   end
 end
-arrivals.save()
+scores.save()
 if wake then wake_consumers(marker) end
+if fresh > 0 then count_arrivals(arrivals, now, fresh) end
 
 local reply = {1, fresh, total}
 for i = 1, n do reply[#reply + 1] = effective[i] end

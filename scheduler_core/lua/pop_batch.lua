@@ -9,12 +9,19 @@ This is where the scheduling rules live (docs/scheduling.md explains them):
             else LOW -> up to max_batch_size LOW.
             Aging: a request that has waited aging_ms moves up one level, 2 x aging_ms two
             levels, so NORMAL and LOW are served even under sustained HIGH load.
+  costs     (policy max_batch_cost > 0 or cost_buckets set; see pick_costed) wherever a
+            rule above takes requests, it takes them from one cost bucket only, within
+            the batch's cost budget; where it waits for a batch to fill (dynamic, NORMAL),
+            a bucket is released when full (max_batch_size, or its budget) or when its
+            oldest request has waited max_queue_delay_ms: the due bucket whose oldest
+            request is oldest goes first, unless the consumer prefers a bucket (ARGV[3])
+            and that bucket is due (or, where the rule takes at once, waits at all).
 Deadlines: while any waiting request is past its deadline the reply is {-4}: the caller
             takes them out with expire_due.lua and pops again, so an expired request never
             fills or joins a batch. A wait ends no later than the earliest deadline.
 Delayed:   requests past their deadline under on_timeout = delay (expire_due.lua moved
             them) run only when no level has a request waiting: up to max_batch_size of
-            them, oldest first, as level 3.
+            them, oldest first (with costs, by pick_costed's rule), as level 3.
 
 KEYS[1..23] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
             this script uses:
@@ -39,13 +46,19 @@ KEYS[21] {bg:q}:delayed     zset  id -> arrival (µs), past its deadline, runs w
 
 ARGV[1]  consumer name (no '|')
 ARGV[2]  lease in ms (100..86400000)
+ARGV[3]  optional: the bucket this consumer prefers, 1-based (1 = the cheapest); 0 or
+         absent = none; ignored without cost_buckets (0..MAX_COST_BUCKETS + 1)
+ARGV[4]  optional: the max_queue_delay_ms to apply instead of the stored one (within its
+         LIMITS): the delay a consumer derived under delay_mode=auto
 
-Returns  {batch_id, now_us, lease_deadline_us, remaining, then per request 7 values:
+Returns  {batch_id, now_us, lease_deadline_us, remaining, then per request 9 values:
           id, envelope (false if missing), arrival_us, attempts (this delivery, 1-based),
-          producer, state, level (0-2, or 3: from the delayed set)}
+          producer, state, level (0-2, or 3: from the delayed set), cost, requested}
          remaining: requests still pending after this batch (all priorities and the
          delayed ones); a
          consumer fetches its next batch while the model runs only when it is > 0
+         cost: the request's cost (capped to max_cost under over_cost=truncate);
+         requested: the cost its producer asked for (= cost unless capped)
          state: 'run' | 'expired' (deadline passed: do not run) |
                 'exhausted' (max_attempts deliveries used: dead-letter it)
          {0, wait_us}  nothing due; µs until the next request falls due or the earliest
@@ -60,9 +73,10 @@ A request delivered before (its batch was re-queued after a crash or hang) is re
 in a batch of its own, so that a poison payload fails alone. A member whose id no producer
 makes (written by hand) is dead-lettered here, never delivered; if that leaves nothing,
 the reply is {0, 0} (pop again at once).
-Work is bounded: at most 2 x max_batch_size promotions and max_batch_size pops per call.
-The body runs as named steps: read_policy, past_deadline, promote_aged, choose (or
-take_delayed), drop_malformed, isolate_retried, commit.
+Work is bounded: at most 2 x max_batch_size promotions and max_batch_size pops per call;
+with costs, at most (buckets x max_batch_size) requests read per level (at most 5 x 4096).
+The body runs as named steps: read_policy, past_deadline, promote_aged, choose
+(pick_costed when costs are on) or take_delayed, drop_malformed, isolate_retried, commit.
 ]]
 -- @include _common.lua
 -- @include _policy.lua
@@ -89,17 +103,36 @@ local delayed = KEYS[21]
 
 local pending = {pending_high, pending_normal, pending_low, delayed}  -- by level + 1
 
+-- The cost settings (absent in a policy stored before them: off) into `rules`: budget
+-- (max_batch_cost, 0 = none), padded (cost_mode), bounds (cost_buckets), costed (any of
+-- them on) and window (requests read per level: one max_batch_size per bucket, so that
+-- whenever the window holds max_batch_size of some bucket that bucket is seen full).
+-- False if a stored value is malformed.
+local function read_cost_rules(rules, budget, mode, buckets)
+  rules.budget = budget and policy_int('max_batch_cost', budget)
+  rules.bounds = parse_buckets(buckets)
+  if (budget and not rules.budget) or not rules.bounds
+     or (mode and mode ~= 'sum' and mode ~= 'padded') then  -- CHOICES.cost_mode, no table
+    return false
+  end
+  rules.budget, rules.padded = rules.budget or 0, mode == 'padded'
+  rules.costed = rules.budget > 0 or #rules.bounds > 0
+  rules.window = rules.batch_size * (#rules.bounds + 1)
+  return true
+end
+
 -- The stored policy's rules (times in µs), or nil and the error reply.
 local function read_policy()
   local p = redis.call('HMGET', policy, 'strategy', 'max_batch_size', 'max_queue_delay_ms',
-                       'aging_ms', 'max_attempts')
+                       'aging_ms', 'max_attempts', 'max_batch_cost', 'cost_mode',
+                       'cost_buckets')
   if not p[1] then return nil, {-1} end
   local rules = {strategy = p[1], batch_size = policy_int('max_batch_size', p[2]),
                  delay = policy_int('max_queue_delay_ms', p[3]),
                  aging = policy_int('aging_ms', p[4]),
                  max_attempts = policy_int('max_attempts', p[5])}
   if not (rules.batch_size and rules.delay and rules.aging and rules.max_attempts)
-     or not STRATEGIES[rules.strategy] then
+     or not STRATEGIES[rules.strategy] or not read_cost_rules(rules, p[6], p[7], p[8]) then
     return nil, {-3, 'policy'}  -- altered by hand: nothing written
   end
   rules.delay, rules.aging = rules.delay * 1000, rules.aging * 1000
@@ -158,24 +191,97 @@ local function take(count, levels, n)
   return chosen
 end
 
+-- The bucket (1-based) of a cost: the first boundary it does not exceed, else the last.
+local function bucket_of(bounds, cost)
+  for i, bound in ipairs(bounds) do
+    if cost <= bound then return i end
+  end
+  return #bounds + 1
+end
+
+-- The batch a bucket's requests (in arrival order) make within max_batch_size and the
+-- budget, and whether it is full: max_batch_size reached, or the next request would
+-- overrun the budget. The first request always fits: one above the budget runs alone.
+local function fit(rules, group)
+  local chosen, sum, top = {}, 0, 0
+  for _, c in ipairs(group) do
+    if #chosen == rules.batch_size then return chosen, true end
+    local s, t = sum + c.cost, math.max(top, c.cost)
+    if rules.budget > 0 and #chosen > 0 and
+       (rules.padded and (#chosen + 1) * t or s) > rules.budget then
+      return chosen, true
+    end
+    chosen[#chosen + 1] = c
+    sum, top = s, t
+  end
+  return chosen, #chosen == rules.batch_size
+end
+
+-- The rule's batch with costs on: the oldest `window` requests of `levels`, grouped by
+-- bucket, each group fitted to the budget. due_only (the dynamic rule): the first group,
+-- in the order of their oldest requests, that is full or whose oldest has waited the
+-- delay; nil if none is. Otherwise the group of the oldest request.
+local function pick_costed(rules, count, levels, now, due_only)
+  local cands = take(count, levels, rules.window)
+  local ids = {}
+  for i, c in ipairs(cands) do ids[i] = c.id end
+  local raw = redis.call('HMGET', meta, unpack(ids))
+  local groups, order = {}, {}
+  for i, c in ipairs(cands) do
+    local m = parse_meta(raw[i])
+    c.cost = m and m.cost or 1
+    local b = bucket_of(rules.bounds, c.cost)
+    if not groups[b] then
+      groups[b] = {}
+      order[#order + 1] = b
+    end
+    table.insert(groups[b], c)
+  end
+  local function due(b)
+    local chosen, full = fit(rules, groups[b])
+    if not due_only or full or now - groups[b][1].score >= rules.delay then return chosen end
+    return nil
+  end
+  local preferred = groups[rules.prefer] and due(rules.prefer)
+  if preferred then return preferred end
+  for _, b in ipairs(order) do
+    local chosen = due(b)
+    if chosen then return chosen end
+  end
+  return nil
+end
+
+-- The rule's batch from `levels`: the oldest max_batch_size, or pick_costed's.
+local function pick(rules, count, levels, now)
+  if rules.costed then return pick_costed(rules, count, levels, now, false) end
+  return take(count, levels, rules.batch_size)
+end
+
 -- The strategy's batch {id, score, level}..., or nil and the reply {0, wait_us} when
 -- nothing is due yet. count: pending requests per level + 1; total: their sum.
 local function choose(rules, count, total, now)
   local strategy, batch_size, delay, aging = rules.strategy, rules.batch_size, rules.delay,
                                              rules.aging
-  if strategy == 'fifo' then return take(count, {0, 1, 2}, batch_size) end
+  if strategy == 'fifo' then return pick(rules, count, {0, 1, 2}, now) end
   if strategy == 'dynamic' then
     local first = math.huge
     for level = 0, 2 do first = math.min(first, oldest(level) or math.huge) end
+    if rules.costed then
+      local chosen = pick_costed(rules, count, {0, 1, 2}, now, true)
+      if chosen then return chosen end
+      return nil, {0, math.max(0, first + delay - now)}
+    end
     if total < batch_size and now - first < delay then
       return nil, {0, math.max(0, first + delay - now)}
     end
     return take(count, {0, 1, 2}, batch_size)
   end
-  if count[1] > 0 then return take(count, {0}, batch_size) end
+  if count[1] > 0 then return pick(rules, count, {0}, now) end
   if count[2] > 0 then
     local first = oldest(1)
-    if count[2] < batch_size and now - first < delay then
+    local chosen = rules.costed and pick_costed(rules, count, {1}, now, true)
+    if chosen then return chosen end
+    if rules.costed or (count[2] < batch_size and now - first < delay) then
       local due = first + delay
       if aging > 0 then
         -- Until the next promotion. A NORMAL request that waited aging_ms already was
@@ -191,7 +297,7 @@ local function choose(rules, count, total, now)
     end
     return take(count, {1}, batch_size)
   end
-  return take(count, {2}, batch_size)
+  return pick(rules, count, {2}, now)
 end
 
 -- Whether a waiting request is past its deadline (then nothing may be batched before
@@ -203,8 +309,8 @@ local function past_deadline(now)
 end
 
 -- Delayed requests (past their deadline under on_timeout = delay) when no level waits.
-local function take_delayed(count, batch_size)
-  return take(count, {3}, batch_size)
+local function take_delayed(rules, count, now)
+  return pick(rules, count, {3}, now)
 end
 
 -- Members whose id no producer makes (written by hand) leave the queue for the
@@ -266,7 +372,8 @@ local function commit(rules, consumer, lease_ms, chosen, metas, ids, total, now)
     local arrival = c.score
     if arrival ~= arrival or arrival == math.huge or arrival == -math.huge then arrival = now end
     local m = metas[i] or {prio = c.level, arrival = arrival, deadline = 0,
-                           attempts = rules.max_attempts, producer = ''}
+                           attempts = rules.max_attempts, producer = '', cost = 1,
+                           requested = 1}
     local state = 'run'
     if m.attempts >= rules.max_attempts then
       state = 'exhausted'
@@ -285,6 +392,7 @@ local function commit(rules, consumer, lease_ms, chosen, metas, ids, total, now)
                                                             m.arrival_s or int(m.arrival),
                                                             m.attempts
     reply[r + 5], reply[r + 6], reply[r + 7] = m.producer, state, c.level
+    reply[r + 8], reply[r + 9] = int(m.cost), int(m.requested)
   end
   for level = 0, 3 do
     local members = by_level[level + 1]
@@ -304,13 +412,19 @@ local function commit(rules, consumer, lease_ms, chosen, metas, ids, total, now)
 end
 
 local consumer, lease_ms = ARGV[1], int_arg(ARGV[2], 100, 86400000)
+local prefer = int_arg(ARGV[3] or '0', 0, MAX_COST_BUCKETS + 1)
 if type(consumer) ~= 'string' or consumer == '' or string.find(consumer, '|') then
   return {-3, 'consumer'}
 end
 if not lease_ms then return {-3, 'lease_ms'} end
+if not prefer then return {-3, 'prefer_bucket'} end
+local delay_ms = ARGV[4] and policy_int('max_queue_delay_ms', ARGV[4])
+if ARGV[4] and not delay_ms then return {-3, 'delay_ms'} end
 
 local rules, err = read_policy()
 if not rules then return err end
+rules.prefer = prefer
+if delay_ms then rules.delay = delay_ms * 1000 end
 local now = now_us()
 redis.call('ZADD', consumers, int(now), consumer)
 local expired, first_deadline = past_deadline(now)
@@ -324,12 +438,14 @@ local total = waiting + count[4]
 if total == 0 then return {0, -1} end
 local chosen, wait
 if waiting == 0 then
-  chosen = take_delayed(count, rules.batch_size)
+  chosen = take_delayed(rules, count, now)
 else
   chosen, wait = choose(rules, count, waiting, now)
 end
 if not chosen then
-  if first_deadline then wait[2] = math.min(wait[2], first_deadline - now) end
+  if first_deadline and (wait[2] < 0 or first_deadline - now < wait[2]) then
+    wait[2] = first_deadline - now
+  end
   return wait
 end
 chosen = drop_malformed(chosen, now)

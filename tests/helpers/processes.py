@@ -74,10 +74,11 @@ class ConsumerProcess(LoggedProcess):
     """`batchgate consumer ...` as a real child process."""
 
     def __init__(self, redis_url: str, queue: str, *args: str, cwd: str | None = None,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, wrap: list[str] | None = None):
+        """`wrap` runs it through a prefix (e.g. `ip netns exec NAME`: another host)."""
         assert BATCHGATE, "the batchgate command is not installed (pip install -e .)"
-        super().__init__([BATCHGATE, "consumer", "--redis-url", redis_url, "--queue", queue,
-                          *args], "bg-consumer-", cwd, env)
+        super().__init__([*(wrap or []), BATCHGATE, "consumer", "--redis-url", redis_url,
+                          "--queue", queue, *args], "bg-consumer-", cwd, env)
 
     def wait_ready(self, timeout: float = 30.0) -> ConsumerProcess:
         deadline = time.monotonic() + timeout

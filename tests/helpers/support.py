@@ -15,6 +15,7 @@ import redis
 
 from helpers.processes import BATCHGATE  # noqa: F401 - re-exported
 from scheduler_core.admin import ensure_policy
+from scheduler_core.connection import connect
 from scheduler_core.keys import QueueKeys
 
 # A model module as a user would write one: imported by `batchgate consumer` from its
@@ -95,7 +96,7 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 15.0, what: str = "c
 
 def configure(url: str, queue: str, **policy: Any) -> None:
     """Store a queue's policy before any consumer runs (as `batchgate policy set` would)."""
-    client = redis.Redis.from_url(url)
+    client = connect(url)  # any URL form: one server, a cluster, a sentinel set
     try:
         ensure_policy(client, queue, policy)
     finally:

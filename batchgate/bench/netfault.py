@@ -1,0 +1,174 @@
+"""How round-trip time between consumer hosts and Redis moves latency and throughput,
+measured beside `batchgate simulate` given the same RTT.
+
+    sudo python -m batchgate.bench.netfault [--rtt-ms 0,1,10] [--requests 4000]
+
+Two consumers (`consumers.models:synthetic`, 5 + 0.5·b ms per batch; dynamic, batches of
+up to 32, no queue delay) run each in a network namespace of its own, joined to Redis by
+a veth pair; the producer runs beside Redis. The delay is `tc netem` on both ends of
+each pair, or, where the kernel has no netem, a user-space relay on the host end that
+holds each chunk RTT/2 per direction (the figures say which, and the RTT measured from
+inside a namespace: PING, median of 50). For each RTT:
+
+  light load: 100 requests one after another, submit to result (p50, p99)
+  saturation: --requests submitted at once, requests/s until the last result
+
+and `batchgate simulate` on the same policy, cost and consumers, with the RTT added to
+its per-batch overhead (--overhead-ms: a completion and the next pop are one round trip)
+and to its transport latency (--transport-ms: a wake-up reaches the consumer, a result
+reaches Redis).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from batchgate.embedded import EmbeddedRedis
+from batchgate.netns import ConsumerHost, DelayProxy, NetemUnavailable, unavailable_reason
+from batchgate.processes import ChildProcess
+from producer import Producer
+
+POLICY = ["--strategy", "dynamic", "--max-batch-size", "32", "--max-queue-delay-ms", "0"]
+COST_MS = "5+0.5*b"  # the synthetic model's default
+BASE_OVERHEAD_MS, BASE_TRANSPORT_MS = 0.14, 1.22  # simulate's defaults (loopback)
+PING_SOURCE = ("import redis, statistics, sys, time\n"
+               "c = redis.Redis(host=sys.argv[1], port=int(sys.argv[2]))\n"
+               "c.ping(); t = []\n"
+               "for _ in range(50):\n"
+               "    s = time.perf_counter(); c.ping(); t.append(time.perf_counter() - s)\n"
+               "print(statistics.median(t) * 1000)\n")
+
+
+def _batchgate() -> str:
+    found = shutil.which("batchgate", path=os.path.dirname(sys.executable)) or \
+        shutil.which("batchgate")
+    if found is None:
+        raise SystemExit("the batchgate command is not installed (pip install -e .)")
+    return found
+
+
+def measure(rtt_ms: float, requests: int, log: Any = print) -> dict[str, Any]:
+    hosts = [ConsumerHost(), ConsumerHost()]
+    proxies: list[DelayProxy] = []
+    children: list[ChildProcess] = []
+    work = Path(tempfile.mkdtemp(prefix="batchgate-netfault-"))
+    server = None
+    try:
+        server = EmbeddedRedis("--bind", "127.0.0.1", *(h.host_ip for h in hosts),
+                               "--protected-mode", "no")
+        how = "netem"
+        endpoints = []
+        for host in hosts:
+            try:
+                host.netem(delay_ms=rtt_ms / 2)
+                endpoints.append((host.host_ip, server.port))
+            except NetemUnavailable:
+                how = "relay" if rtt_ms else "none"
+                if rtt_ms:
+                    proxy = DelayProxy(host.host_ip, "127.0.0.1", server.port, rtt_ms)
+                    proxies.append(proxy)
+                    endpoints.append((host.host_ip, proxy.port))
+                else:
+                    endpoints.append((host.host_ip, server.port))
+        measured = float(subprocess.run(
+            hosts[0].argv([sys.executable, "-c", PING_SOURCE, *map(str, endpoints[0])]),
+            capture_output=True, text=True, check=True).stdout)
+        queue = f"rtt-{int(rtt_ms * 1000)}"
+        for i, (host, (ip, port)) in enumerate(zip(hosts, endpoints, strict=True)):
+            argv = host.argv([_batchgate(), "consumer", "--redis-url",
+                              f"redis://{ip}:{port}/0", "--queue", queue, "--model",
+                              "consumer.models:synthetic", *POLICY, "--name", f"h{i}"])
+            children.append(ChildProcess(argv, work / f"c{i}.log", b"ready on queue"))
+        deadline = time.monotonic() + 60
+        while not all(c.ready() for c in children):
+            if time.monotonic() > deadline:
+                raise RuntimeError("consumers not ready")
+            time.sleep(0.05)
+        with Producer(server.url, queue) as p:
+            p.submit({"warm": 1}).result(timeout=30)
+            e2e = []
+            for i in range(100):
+                started = time.perf_counter()
+                p.submit({"i": i}).result(timeout=30)
+                e2e.append((time.perf_counter() - started) * 1000)
+            started = time.perf_counter()
+            handles = []
+            for first in range(0, requests, 500):
+                handles += p.submit_many([{"i": i} for i in range(first,
+                                                                 min(requests, first + 500))])
+            for handle in handles:
+                handle.result(timeout=120)
+            rate = requests / (time.perf_counter() - started)
+        e2e.sort()
+        figures = {"rtt_ms": rtt_ms, "delay_by": how, "rtt_measured_ms": round(measured, 2),
+                   "light_p50_ms": round(statistics.median(e2e), 2),
+                   "light_p99_ms": round(e2e[98], 2), "saturated_rps": round(rate)}
+        figures.update(simulated(measured if rtt_ms else 0.0))
+        log(json.dumps(figures))
+        return figures
+    finally:
+        for child in children:
+            child.kill()
+        for proxy in proxies:
+            proxy.close()
+        if server is not None:
+            server.close()
+        for host in hosts:
+            host.close()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def simulated(rtt_ms: float) -> dict[str, Any]:
+    """`batchgate simulate` with the RTT added to its per-batch overhead and transport."""
+    def sim(*args: str) -> dict[str, Any]:
+        out = subprocess.run([_batchgate(), "simulate", *POLICY, "--consumers", "2",
+                              "--cost-ms", COST_MS, "--overhead-ms",
+                              f"{BASE_OVERHEAD_MS + rtt_ms:.3f}", "--transport-ms",
+                              f"{BASE_TRANSPORT_MS + rtt_ms:.3f}", "--json", *args],
+                             capture_output=True, text=True, check=True).stdout
+        return json.loads(out)
+    light = sim("--rate", "10", "--duration-s", "60")
+    heavy = sim("--rate", "20000", "--duration-s", "0.2")
+    return {"sim_light_p50_ms": light["latency_ms"]["all"]["p50"],
+            "sim_saturated_rps": heavy["throughput_rps"]}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rtt-ms", default="0,1,10",
+                        help="comma-separated round-trip times to add, ms")
+    parser.add_argument("--requests", type=int, default=4000)
+    args = parser.parse_args(argv)
+    reason = unavailable_reason()
+    if reason is not None:
+        raise SystemExit(f"cannot make consumer hosts here: {reason}")
+    rows = []
+    for rtt in (float(x) for x in args.rtt_ms.split(",")):
+        with contextlib.suppress(KeyboardInterrupt):
+            rows.append(measure(rtt, args.requests,
+                                log=lambda line: print(line, file=sys.stderr, flush=True)))
+    base = rows[0] if rows else None
+    print("| RTT added | delay by | RTT measured | light p50 (sim) | light p99 | "
+          "saturated req/s (sim) |")
+    print("|---|---|---|---|---|---|")
+    for row in rows:
+        rel = f" ({row['saturated_rps'] / base['saturated_rps']:.2f}x)" if base else ""
+        print(f"| {row['rtt_ms']:g} ms | {row['delay_by']} | {row['rtt_measured_ms']} ms | "
+              f"{row['light_p50_ms']} ms ({row['sim_light_p50_ms']:.2f}) | "
+              f"{row['light_p99_ms']} ms | {row['saturated_rps']}{rel} "
+              f"({row['sim_saturated_rps']:.0f}) |")
+
+
+if __name__ == "__main__":
+    main()

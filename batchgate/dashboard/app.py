@@ -1,0 +1,184 @@
+"""The dashboard's FastAPI app: the page, its live feed (server-sent events) and, with a
+token, the actions (policy change, dead-letter retry and purge).
+
+Every URL the page uses is relative, so it works under any path prefix (a proxy that
+strips it, or --root-path / X-Forwarded-Prefix for one that does not).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import redis
+from fastapi import FastAPI, Request
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
+from starlette.concurrency import run_in_threadpool
+
+from scheduler_core.admin import read_policy, store_policy
+from scheduler_core.deadletter import purge, retry
+from scheduler_core.errors import BatchgateError, InvalidRequest
+from scheduler_core.keys import validate_queue_name
+from scheduler_core.policy import LIMITS, Policy, Strategy
+from scheduler_core.registry import register_queue
+from scheduler_core.snapshot import Rates, snapshot_all
+
+STATIC = Path(__file__).parent / "static"
+MAX_IDS = 1000  # dead-letter ids per action call
+
+
+class Feed:
+    """The snapshot of every queue, shared by all viewers: read from Redis at most once
+    per `interval_s`, whatever the number of open pages."""
+
+    def __init__(self, client: redis.Redis, interval_s: float, only: list[str] | None):
+        self._client, self.interval_s, self._only = client, interval_s, only
+        self._rates = Rates()
+        self._lock = asyncio.Lock()
+        self._at = float("-inf")
+        self._body = b""
+
+    def _read(self) -> bytes:
+        try:
+            snaps = [self._rates.update(s) for s in snapshot_all(self._client, self._only)]
+        except redis.RedisError as exc:  # the page says so, and keeps what it shows
+            return orjson.dumps({"error": f"cannot read Redis: {exc}", "at": time.time()})
+        return orjson.dumps({"queues": snaps, "at": time.time()})
+
+    async def latest(self) -> bytes:
+        async with self._lock:
+            if time.monotonic() - self._at >= self.interval_s * 0.9:
+                self._body = await run_in_threadpool(self._read)
+                self._at = time.monotonic()
+            return self._body
+
+
+def _error(status: int, message: str, field: str | None = None) -> JSONResponse:
+    body: dict[str, Any] = {"error": message}
+    if field:
+        body["field"] = field
+    return JSONResponse(body, status_code=status)
+
+
+def create_app(client: redis.Redis, token: str | None = None, interval_s: float = 0.5,
+               only: list[str] | None = None, root_path: str = "") -> FastAPI:
+    app = FastAPI(title="batchgate dashboard", root_path=root_path, docs_url=None,
+                  redoc_url=None, openapi_url=None)
+    feed = Feed(client, interval_s, only)
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+
+    @app.middleware("http")
+    async def forwarded_prefix(request: Request, call_next: Any) -> Response:
+        # Behind a proxy that keeps its prefix: the app's own URLs start there.
+        prefix = request.headers.get("x-forwarded-prefix")
+        if prefix and not root_path:
+            request.scope["root_path"] = prefix.rstrip("/")
+        response = await call_next(request)
+        return response
+
+    @app.get("/", include_in_schema=False)
+    async def index() -> FileResponse:
+        return FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-cache"})
+
+    @app.get("/api/config")
+    async def config() -> dict[str, Any]:
+        return {"actions": token is not None, "interval_s": interval_s,
+                "strategies": [s.value for s in Strategy],
+                "limits": {k: list(v) for k, v in LIMITS.items()}}
+
+    @app.get("/api/snapshot")
+    async def snapshot() -> Response:
+        return Response(await feed.latest(), media_type="application/json")
+
+    @app.get("/events")
+    async def events(request: Request) -> StreamingResponse:
+        async def stream() -> AsyncIterator[bytes]:
+            yield f"retry: {int(interval_s * 1000)}\n\n".encode()
+            while not await request.is_disconnected():
+                yield b"data: " + await feed.latest() + b"\n\n"
+                await asyncio.sleep(interval_s)
+        return StreamingResponse(stream(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache",
+                                          "X-Accel-Buffering": "no"})
+
+    def authorized(request: Request) -> JSONResponse | None:
+        if token is None:
+            return _error(403, "the dashboard is read-only: start it with --token to allow "
+                               "actions")
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(),
+                                                                 token.encode()):
+            return _error(401, "missing or wrong token (Authorization: Bearer TOKEN)")
+        return None
+
+    async def body_of(request: Request) -> dict[str, Any]:
+        try:
+            body = orjson.loads(await request.body() or b"{}")
+        except orjson.JSONDecodeError as exc:
+            raise InvalidRequest("body", f"not JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise InvalidRequest("body", "must be a JSON object")
+        return body
+
+    async def act(request: Request, queue: str, work: Any) -> JSONResponse:
+        denied = authorized(request)
+        if denied is not None:
+            return denied
+        try:
+            validate_queue_name(queue)
+            body = await body_of(request)
+            return JSONResponse(await run_in_threadpool(work, body))
+        except InvalidRequest as exc:
+            return _error(400, str(exc), exc.field)
+        except BatchgateError as exc:
+            return _error(409, str(exc))
+
+    def dead_ids(body: dict[str, Any]) -> list[str] | None:
+        if body.get("all") is True and "ids" not in body:
+            return None
+        ids = body.get("ids")
+        if not isinstance(ids, list) or not ids or len(ids) > MAX_IDS \
+                or not all(isinstance(i, str) and 0 < len(i) <= 256 for i in ids):
+            raise InvalidRequest("ids", f"give 1-{MAX_IDS} request ids (strings), or "
+                                        '{"all": true}')
+        return ids
+
+    @app.post("/api/queues/{queue}/dead-letters/retry")
+    async def retry_dead(queue: str, request: Request) -> JSONResponse:
+        def work(body: dict[str, Any]) -> dict[str, int]:
+            done, skipped = retry(client, queue, dead_ids(body))
+            return {"retried": done, "skipped": skipped}
+        return await act(request, queue, work)
+
+    @app.post("/api/queues/{queue}/dead-letters/purge")
+    async def purge_dead(queue: str, request: Request) -> JSONResponse:
+        def work(body: dict[str, Any]) -> dict[str, int]:
+            done, skipped = purge(client, queue, dead_ids(body))
+            return {"purged": done, "skipped": skipped}
+        return await act(request, queue, work)
+
+    @app.post("/api/queues/{queue}/policy")
+    async def set_policy(queue: str, request: Request) -> JSONResponse:
+        def work(body: dict[str, Any]) -> dict[str, Any]:
+            known = {"strategy", *LIMITS}
+            unknown = sorted(set(body) - known)
+            if unknown:
+                raise InvalidRequest(unknown[0], f"not a policy field (known: "
+                                                 f"{', '.join(sorted(known))})")
+            current = read_policy(client, queue)
+            merged: dict[str, Any] = current.to_dict() if current else {}
+            merged.update(body)
+            stored = store_policy(client, queue, Policy.build(**merged), replace=True)
+            with contextlib.suppress(redis.ResponseError):  # an ACL limited to the queue
+                register_queue(client, queue)
+            return {"policy": stored.to_dict()}
+        return await act(request, queue, work)
+
+    return app

@@ -1,0 +1,370 @@
+"""`batchgate exporter`: Prometheus metrics of every queue, read from Redis alone.
+
+No consumer needs to run, so an autoscaler (KEDA, an HPA on external metrics) can start
+consumers from zero; and each queue is reported once, however many consumers serve it.
+The queues come from the registry (scheduler_core/registry.py) or from --queue. Every
+scrape reads Redis afresh: one TIME, the registry, then one MULTI per queue (a consistent
+snapshot of that queue), for at most --max-queues queues and the newest --samples latency
+samples of each. Metric names: docs/observability.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import click
+import redis
+
+from scheduler_core.admin import CONSUMER_ALIVE_S, scaling_signal
+from scheduler_core.connection import slot_owner
+from scheduler_core.errors import InvalidRequest
+from scheduler_core.keys import QUEUE_NAME, QueueKeys, validate_queue_name
+from scheduler_core.options import env_option, redis_url_option
+from scheduler_core.policy import LIMITS, Policy, Priority
+from scheduler_core.registry import known_queues
+
+log = logging.getLogger("batchgate.exporter")
+
+DEFAULT_PORT = 9120
+DEFAULT_MAX_QUEUES = 100
+DEFAULT_SAMPLES = 1000
+MAX_SAMPLES = 10_000  # what the sample lists keep (scheduler_core/lua/_common.lua)
+QUANTILES = (0.5, 0.9, 0.99)
+# {bg:q}:stats counter -> (metric, outcome label or None)
+REQUEST_COUNTERS = {"processed": "ok", "failed": "failed", "expired": "expired",
+                    "cancelled": "cancelled"}
+OTHER_COUNTERS = {
+    "requeued": ("batchgate_queue_requeued_requests",
+                 "Requests returned to the queue after their batch's lease expired."),
+    "batches": ("batchgate_queue_batches", "Batches popped."),
+    "batched_requests": ("batchgate_queue_batched_requests",
+                         "Requests popped in batches (divide by batches: mean batch size)."),
+    "dead_retried": ("batchgate_queue_dead_letters_retried",
+                     "Dead letters sent back to the queue (dead-letter retry)."),
+    "dead_purged": ("batchgate_queue_dead_letters_purged", "Dead letters purged."),
+}
+# Policy knob -> (gauge, unit divisor to seconds or 1)
+POLICY_GAUGES = {
+    "max_batch_size": ("batchgate_queue_policy_max_batch_size", 1),
+    "max_queue_delay_ms": ("batchgate_queue_policy_max_queue_delay_seconds", 1000),
+    "aging_ms": ("batchgate_queue_policy_aging_seconds", 1000),
+    "max_queue_size": ("batchgate_queue_policy_max_queue_size", 1),
+    "max_attempts": ("batchgate_queue_policy_max_attempts", 1),
+    "result_ttl_s": ("batchgate_queue_policy_result_ttl_seconds", 1),
+    "max_cost": ("batchgate_queue_policy_max_cost", 1),
+    "max_batch_cost": ("batchgate_queue_policy_max_batch_cost", 1),
+    "slo_p99_ms": ("batchgate_queue_policy_slo_p99_seconds", 1000),
+    "timeout_high_ms": ("batchgate_queue_policy_timeout_high_seconds", 1000),
+    "timeout_normal_ms": ("batchgate_queue_policy_timeout_normal_seconds", 1000),
+    "timeout_low_ms": ("batchgate_queue_policy_timeout_low_seconds", 1000),
+    "allow_timeout_override": ("batchgate_queue_policy_allow_timeout_override", 1),
+}
+assert set(POLICY_GAUGES) == set(LIMITS), "every policy knob is exported"
+
+
+@dataclass(frozen=True)
+class ExporterConfig:
+    queues: tuple[str, ...] = ()  # only these (registered or not); empty: the registry's
+    max_queues: int = DEFAULT_MAX_QUEUES
+    samples: int = DEFAULT_SAMPLES
+
+    def __post_init__(self) -> None:
+        for name in self.queues:
+            validate_queue_name(name)
+        for field, value, high in (("max_queues", self.max_queues, 10_000),
+                                   ("samples", self.samples, MAX_SAMPLES)):
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high:
+                raise InvalidRequest(field, f"{value!r} is outside [1, {high}]")
+
+
+def quantile(values: list[int], q: float) -> int:
+    """Nearest-rank quantile of sorted `values` (not empty)."""
+    return values[min(len(values) - 1, max(0, int(q * len(values) + 0.5) - 1))]
+
+
+@dataclass
+class QueueReading:
+    """One queue's keys as one MULTI read them."""
+
+    policy: dict[bytes, bytes]
+    depth: list[int]
+    oldest_us: list[float]
+    owned: int
+    batches_in_flight: int
+    consumers_alive: int
+    counters: dict[str, int]
+    dead: int
+    waits: list[int]
+    e2e: list[int]
+    model: list[int]
+    delayed: int = 0  # past their deadline under on_timeout=delay, run when idle
+
+
+def read_queue(client: redis.Redis, queue: str, now_us: int, samples: int) -> QueueReading:
+    keys = QueueKeys(queue)
+    # One MULTI: on a cluster, on the primary serving the queue's slot.
+    pipe = slot_owner(client, keys.policy).pipeline(transaction=True)
+    pipe.hgetall(keys.policy)
+    for key in keys.pending_all:
+        pipe.zcard(key)
+    for key in keys.pending_all:
+        pipe.zrange(key, 0, 0, withscores=True)
+    pipe.hlen(keys.owner)
+    pipe.zcard(keys.inflight)
+    pipe.zcount(keys.consumers, now_us - int(CONSUMER_ALIVE_S * 1_000_000), "+inf")
+    pipe.hgetall(keys.stats)
+    pipe.zcard(keys.dead)
+    pipe.lrange(keys.wait_samples, 0, samples - 1)
+    pipe.lrange(keys.e2e_samples, 0, samples - 1)
+    pipe.lrange(keys.model_samples, 0, samples - 1)
+    pipe.zcard(keys.delayed)
+    policy, d0, d1, d2, o0, o1, o2, owned, batches, alive, counters, dead, waits, e2e, \
+        model, delayed = pipe.execute()
+    return QueueReading(
+        policy=policy, depth=[d0, d1, d2],
+        oldest_us=[score for first in (o0, o1, o2) for _, score in first],
+        owned=owned, batches_in_flight=batches, consumers_alive=alive,
+        counters={k.decode(): int(v) for k, v in counters.items() if v.lstrip(b"-").isdigit()},
+        dead=dead, waits=_ints(waits), e2e=_ints(e2e),
+        model=_ints(sample.partition(b":")[2] for sample in model),  # "size:model_us"
+        delayed=delayed)
+
+
+def _ints(raw: Any) -> list[int]:
+    raw = list(raw)
+    try:
+        return sorted(map(int, raw))
+    except ValueError:  # a hand-written entry: skip what is not a number
+        return sorted(int(x) for x in raw if x.isdigit())
+
+
+class Families:
+    """The metric families of one scrape, filled queue by queue."""
+
+    def __init__(self) -> None:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        gauge, counter = GaugeMetricFamily, CounterMetricFamily
+        q = ["queue"]
+        self.depth = gauge("batchgate_queue_depth", "Requests waiting, per priority "
+                           "(delayed: past their deadline, on_timeout=delay).",
+                           labels=["queue", "priority"])
+        self.oldest = gauge("batchgate_queue_oldest_wait_seconds",
+                            "Age of the oldest waiting request (0 when none waits).", labels=q)
+        self.in_flight = gauge("batchgate_queue_in_flight_requests",
+                               "Requests in a batch being run.", labels=q)
+        self.in_flight_batches = gauge("batchgate_queue_in_flight_batches",
+                                       "Batches being run (leases held).", labels=q)
+        self.consumers = gauge("batchgate_queue_consumers_alive",
+                               f"Consumers that heartbeat in the last {CONSUMER_ALIVE_S:g} s.",
+                               labels=q)
+        self.dead = gauge("batchgate_queue_dead_letters", "Requests in the dead-letter set.",
+                          labels=q)
+        self.requests = counter("batchgate_queue_requests",
+                                "Requests answered, by outcome (every consumer).",
+                                labels=["queue", "outcome"])
+        self.others = {field: counter(name, text, labels=q)
+                       for field, (name, text) in OTHER_COUNTERS.items()}
+        self.wait = gauge("batchgate_queue_wait_seconds",
+                          "Enqueue to pop, quantile of the newest samples.",
+                          labels=["queue", "quantile"])
+        self.e2e = gauge("batchgate_queue_end_to_end_seconds",
+                         "Enqueue to result, quantile of the newest samples.",
+                         labels=["queue", "quantile"])
+        self.model = gauge("batchgate_queue_model_seconds",
+                           "Model time per batch, quantile of the newest samples.",
+                           labels=["queue", "quantile"])
+        self.samples = gauge("batchgate_queue_latency_samples",
+                             "Samples the quantiles were taken from, per kind.",
+                             labels=["queue", "kind"])
+        self.policy_info = gauge("batchgate_queue_policy_info",
+                                 "The queue's stored policy (value 1; absent: no policy yet).",
+                                 labels=["queue", "strategy"])
+        self.arrival_rate = gauge("batchgate_queue_arrival_rate",
+                                  "Requests enqueued per second, over the last 10 s.", labels=q)
+        self.recommended = gauge("batchgate_recommended_consumers",
+                                 "Consumers the planner says the queue's policy needs to meet "
+                                 "its slo_p99_ms at the measured arrival rate.", labels=q)
+        self.policy = {knob: gauge(name, f"Policy knob {knob}" + (" (in seconds)." if div > 1
+                                                                 else "."), labels=q)
+                       for knob, (name, div) in POLICY_GAUGES.items()}
+
+    def add(self, queue: str, now_us: int, r: QueueReading,
+            policy: Policy | None = None) -> None:
+        for level, count in zip(Priority, r.depth, strict=True):
+            self.depth.add_metric([queue, level.name.lower()], count)
+        self.depth.add_metric([queue, "delayed"], r.delayed)
+        self.oldest.add_metric([queue], max(0, now_us - min(r.oldest_us)) / 1e6
+                               if r.oldest_us else 0)
+        self.in_flight.add_metric([queue], r.owned)
+        self.in_flight_batches.add_metric([queue], r.batches_in_flight)
+        self.consumers.add_metric([queue], r.consumers_alive)
+        self.dead.add_metric([queue], r.dead)
+        for field, outcome in REQUEST_COUNTERS.items():
+            self.requests.add_metric([queue, outcome], r.counters.get(field, 0))
+        for field, family in self.others.items():
+            family.add_metric([queue], r.counters.get(field, 0))
+        for family, kind, values in ((self.wait, "wait", r.waits), (self.e2e, "end_to_end", r.e2e),
+                                     (self.model, "model", r.model)):
+            self.samples.add_metric([queue, kind], len(values))
+            if values:  # no samples, no quantile (not a misleading 0)
+                for q in QUANTILES:
+                    family.add_metric([queue, f"{q:g}"], quantile(values, q) / 1e6)
+        if policy is not None:
+            self.policy_info.add_metric([queue, policy.strategy.value], 1)
+            for knob, (_, div) in POLICY_GAUGES.items():
+                self.policy[knob].add_metric([queue], getattr(policy, knob) / div)
+
+    def add_scaling(self, queue: str, signal: dict[str, Any]) -> None:
+        self.arrival_rate.add_metric([queue], signal["arrival_rate_rps"])
+        if signal["recommended_consumers"] is not None:  # no target or no cost model yet
+            self.recommended.add_metric([queue], signal["recommended_consumers"])
+
+    def all(self) -> Iterator[Any]:
+        yield from (self.depth, self.oldest, self.in_flight, self.in_flight_batches,
+                    self.consumers, self.dead, self.requests, *self.others.values(), self.wait,
+                    self.e2e, self.model, self.samples, self.policy_info,
+                    *self.policy.values(), self.arrival_rate, self.recommended)
+
+
+class QueueCollector:
+    """A prometheus_client collector: reads Redis at each scrape, nothing in between."""
+
+    def __init__(self, client: redis.Redis, config: ExporterConfig):
+        self.client, self.config = client, config
+        self._warned: set[str] = set()  # say once per problem, not once per scrape
+        self._lock = threading.Lock()
+
+    def queues(self) -> tuple[list[str], int]:
+        """The queues to read this scrape, and how many more the cap left out."""
+        if self.config.queues:
+            names = sorted(set(self.config.queues))
+        else:
+            names = []
+            for name in known_queues(self.client):
+                if QUEUE_NAME.fullmatch(name):
+                    names.append(name)
+                else:
+                    self._warn(f"bad:{name}", "registry holds %r, not a queue name; skipped",
+                               name)
+            names.sort()
+        kept = names[:self.config.max_queues]
+        if len(names) > len(kept):
+            self._warn("cap", "%d queues registered, exporting the first %d by name "
+                       "(--max-queues)", len(names), len(kept))
+        return kept, len(names) - len(kept)
+
+    def policy(self, queue: str, reading: QueueReading) -> Policy | None:
+        """The queue's stored policy; None if it has none, or one that does not parse
+        (written by hand or by a newer version: the rest of the queue is still exported)."""
+        if not reading.policy:
+            return None
+        try:
+            return Policy.from_redis(reading.policy)
+        except ValueError as exc:  # InvalidPolicy too
+            self._warn(f"policy:{queue}", "queue %r: stored policy not exported: %s", queue,
+                       exc)
+            return None
+
+    def add_scaling(self, families: Families, queue: str) -> None:
+        """Arrival rate and recommended consumers (scheduler_core.admin.scaling_signal; the
+        planner caches its answers per rate band, policy and cost model)."""
+        try:
+            families.add_scaling(queue, scaling_signal(self.client, queue))
+        except redis.RedisError:
+            raise
+        except Exception as exc:  # a planner failure drops these two, not the scrape
+            self._warn(f"scaling:{queue}", "queue %r: recommended_consumers failed: %s",
+                       queue, exc)
+
+    def _warn(self, key: str, message: str, *args: Any) -> None:
+        with self._lock:
+            if key in self._warned:
+                return
+            self._warned.add(key)
+        log.warning(message, *args)
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import GaugeMetricFamily
+
+        started = time.perf_counter()
+        up = GaugeMetricFamily("batchgate_exporter_redis_up",
+                               "1 if the last scrape read Redis, else 0.")
+        exported = GaugeMetricFamily("batchgate_exporter_queues", "Queues exported.")
+        skipped = GaugeMetricFamily("batchgate_exporter_queues_skipped",
+                                    "Registered queues left out by --max-queues.")
+        families = Families()
+        try:
+            now_s, now_frac = self.client.time()
+            now_us = now_s * 1_000_000 + now_frac
+            names, left_out = self.queues()
+            for name in names:
+                reading = read_queue(self.client, name, now_us, self.config.samples)
+                families.add(name, now_us, reading, self.policy(name, reading))
+                self.add_scaling(families, name)
+        except redis.RedisError as exc:
+            log.warning("scrape cannot read Redis: %s", exc)
+            up.add_metric([], 0)
+            yield up
+            return
+        up.add_metric([], 1)
+        exported.add_metric([], len(names))
+        skipped.add_metric([], left_out)
+        yield from families.all()
+        seconds = GaugeMetricFamily("batchgate_exporter_scrape_seconds",
+                                    "Time this scrape took to read Redis.")
+        seconds.add_metric([], time.perf_counter() - started)
+        yield from (up, exported, skipped, seconds)
+
+
+def build_registry(client: redis.Redis, config: ExporterConfig) -> Any:
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+    registry.register(QueueCollector(client, config))
+    return registry
+
+
+@click.command("exporter")
+@redis_url_option
+@click.option("--queue", "queues", multiple=True,
+              help="Export only this queue, registered or not (repeat for more). "
+                   "Default: every queue in the registry.")
+@env_option("--host", envvar="BATCHGATE_EXPORTER_HOST", default="0.0.0.0", show_default=True,
+            help="Address to serve /metrics on.")
+@env_option("--port", envvar="BATCHGATE_EXPORTER_PORT", default=DEFAULT_PORT,
+            show_default=True, type=click.IntRange(1, 65535), help="Port to serve /metrics on.")
+@env_option("--max-queues", envvar="BATCHGATE_EXPORTER_MAX_QUEUES", default=DEFAULT_MAX_QUEUES,
+            show_default=True, type=click.IntRange(1, 10_000),
+            help="Most queues read per scrape (the first by name); the rest are counted in "
+                 "batchgate_exporter_queues_skipped.")
+@env_option("--samples", envvar="BATCHGATE_EXPORTER_SAMPLES", default=DEFAULT_SAMPLES,
+            show_default=True, type=click.IntRange(1, MAX_SAMPLES),
+            help="Newest latency samples per list the quantiles are taken from.")
+def exporter_command(redis_url: str, queues: tuple[str, ...], host: str, port: int,
+                     max_queues: int, samples: int) -> None:
+    """Serve Prometheus metrics of every queue (depth, in flight, consumers, counters,
+    latency quantiles, policy), read from Redis at each scrape: no consumer needed."""
+    try:
+        from prometheus_client import start_http_server
+    except ImportError:
+        raise click.ClickException("the exporter needs prometheus_client: pip install "
+                                   "'batchgate[metrics]'") from None
+    from scheduler_core.connection import connect
+
+    config = ExporterConfig(tuple(queues), max_queues, samples)
+    client = connect(redis_url)
+    server, thread = start_http_server(port, addr=host, registry=build_registry(client, config))
+    log.info("exporter ready on http://%s:%d/metrics (%s)", host, port,
+             ", ".join(config.queues) if config.queues else "every registered queue")
+    try:
+        thread.join()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.shutdown()

@@ -1,0 +1,192 @@
+"""`batchgate plan`: the cheapest policy and consumer count that meet a P99 target at a
+load, found with the simulator (scheduler_core.planner does the search)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Any
+
+import click
+import orjson
+
+from batchgate.simulate import CostModel, _policy_option, parse_cost_mix, parse_mix
+from scheduler_core.compat import connect_checked
+from scheduler_core.cost_model import read_cost_model
+from scheduler_core.errors import InvalidRequest
+from scheduler_core.keys import QueueKeys
+from scheduler_core.options import redis_url_option
+from scheduler_core.planner import (
+    DEFAULT_REQUESTS,
+    Costs,
+    Load,
+    Option,
+    Plan,
+    Target,
+    plan,
+)
+from scheduler_core.policy import Policy
+from scheduler_core.simulation import DEFAULT_OVERHEAD_MS, DEFAULT_TRANSPORT_MS, mean_cost
+
+
+def _policy_line(option: Option) -> str:
+    p = option.policy
+    if p.strategy.value == "fifo":
+        return f"fifo, max_batch_size {p.max_batch_size}"
+    return f"{p.strategy}, max_batch_size {p.max_batch_size}, max_queue_delay_ms " \
+           f"{p.max_queue_delay_ms}"
+
+
+def _p99(option: Option, level: str) -> str:
+    value = option.result.latency_ms[level]["p99"]
+    return "-" if value is None else f"{value:.1f}"
+
+
+def render(out: dict[str, Any], answer: Plan, target: Target) -> str:
+    goal = f"p99 <= {target.slo_p99_ms:g} ms"
+    if target.slo_high_p99_ms is not None:
+        goal += f", HIGH p99 <= {target.slo_high_p99_ms:g} ms"
+    costs = f", costs {out['cost_mix']}" if out.get("cost_mix") else ""
+    lines = [f"{out['rate']:,g} req/s (mix {out['mix']}{costs}), target {goal}, t(b) = "
+             f"{out['cost_ms']} ms", ""]
+    best = answer.best
+    if best is None:
+        return "\n".join([*lines, "nothing to simulate"])
+    r = best.result
+    if answer.feasible:
+        lines.append(f"cheapest: {best.consumers} consumer(s), {_policy_line(best)}   "
+                     f"(headroom {best.headroom:.0%})")
+    else:
+        closest = f"p99 {answer.closest_slo_p99_ms:g} ms"
+        if answer.closest_slo_high_p99_ms is not None:
+            closest += f", HIGH p99 {answer.closest_slo_high_p99_ms:g} ms"
+        lines += [f"no configuration meets the target with at most {out['max_consumers']} "
+                  "consumer(s)",
+                  f"closest reachable: {closest}, with {best.consumers} consumer(s), "
+                  f"{_policy_line(best)}"]
+    lines += [f"predicted: throughput {r.throughput_rps:,.1f} req/s, mean batch "
+              f"{r.mean_batch}, utilisation {r.utilisation:.1%}, p99 all {_p99(best, 'all')} "
+              f"ms, high {_p99(best, 'high')}, normal {_p99(best, 'normal')}, low "
+              f"{_p99(best, 'low')}"]
+    if answer.runners_up:
+        lines += ["", "runners-up (as many consumers):",
+                  f"{'strategy':>10}{'batch':>7}{'delay ms':>10}{'p99 ms':>9}{'HIGH p99':>10}"
+                  f"{'headroom':>10}"]
+        for o in answer.runners_up:
+            delay = "-" if o.policy.strategy.value == "fifo" else str(o.policy.max_queue_delay_ms)
+            lines.append(f"{o.policy.strategy.value:>10}{o.policy.max_batch_size:>7}"
+                         f"{delay:>10}{_p99(o, 'all'):>9}{_p99(o, 'high'):>10}"
+                         f"{o.headroom:>10.0%}")
+    lines.append(f"\n{answer.simulations} simulations in {out['wall_s']:.2f} s")
+    if out.get("applied"):
+        lines.append(f"stored as the policy of queue {out['queue']!r}")
+    return "\n".join(lines)
+
+
+@click.command("plan")
+@click.option("--rate", type=float, required=True,
+              help="Arrival rate to plan for, requests/s, (0, 10000000].")
+@click.option("--slo-p99-ms", type=float, required=True,
+              help="Target: p99 latency of all requests (submit to result), ms.")
+@click.option("--slo-high-p99-ms", type=float, default=None,
+              help="Target for HIGH requests' p99 too, ms [default: none].")
+@click.option("--mix", default="high=10,normal=60,low=30", show_default=True,
+              help="Weights of the priorities among arrivals.")
+@click.option("--cost-ms", default=None,
+              help="The model's time for a batch of b, A+B*b ms, or per unit of cost, A+B*c "
+                   "(as simulate) [default: the stored cost model of --queue].")
+@click.option("--cost-mix", default=None,
+              help="Request costs as COST:WEIGHT,..., e.g. 16:80,256:20 (as simulate) "
+                   "[default: every request costs 1].")
+@_policy_option("--max-cost")
+@_policy_option("--over-cost")
+@_policy_option("--max-batch-cost")
+@_policy_option("--cost-mode")
+@_policy_option("--cost-buckets")
+@click.option("--queue", default=None,
+              help="Queue whose stored cost model to plan with (unless --cost-ms), and whose "
+                   "policy --apply sets.")
+@redis_url_option
+@click.option("--max-consumers", type=click.IntRange(1, 4096), default=64, show_default=True,
+              help="Most consumers a configuration may have.")
+@click.option("--requests", type=click.IntRange(100, 1_000_000), default=DEFAULT_REQUESTS,
+              show_default=True,
+              help="Requests simulated per configuration tried (the answer is checked on 5x "
+                   "as many).")
+@click.option("--overhead-ms", type=float, default=DEFAULT_OVERHEAD_MS, show_default=True,
+              help="Scheduler time per batch besides the model, ms (as simulate).")
+@click.option("--transport-ms", type=float, default=DEFAULT_TRANSPORT_MS, show_default=True,
+              help="Latency per request outside queue and model, ms (as simulate).")
+@click.option("--seed", type=int, default=1, show_default=True,
+              help="Random seed of the simulated arrivals.")
+@click.option("--apply", is_flag=True,
+              help="Store the policy found for --queue (only if the target is met).")
+@click.option("--json", "as_json", is_flag=True, help="Print the answer as JSON.")
+def plan_command(rate: float, slo_p99_ms: float, slo_high_p99_ms: float | None, mix: str,
+                 cost_ms: str | None, queue: str | None, redis_url: str, max_consumers: int,
+                 requests: int, overhead_ms: float, transport_ms: float, seed: int,
+                 apply: bool, as_json: bool, cost_mix: str | None = None,
+                 max_cost: int | None = None, over_cost: str | None = None,
+                 max_batch_cost: int | None = None, cost_mode: str | None = None,
+                 cost_buckets: str | None = None) -> None:
+    """Find the cheapest configuration (fewest consumers, then the most headroom) whose
+    simulated p99 meets the target at --rate: strategy, max_batch_size,
+    max_queue_delay_ms and consumers. Without one, say the closest target reachable and
+    the consumers it takes. Exits 0 either way. The cost settings are not searched: every
+    configuration has those given (or the queue's)."""
+    started = time.perf_counter()
+    target = Target(slo_p99_ms, slo_high_p99_ms)
+    weights = parse_mix(mix)
+    mix_of_costs = tuple(parse_cost_mix(cost_mix)) if cost_mix is not None else ()
+    load = Load(rate, weights, requests, seed, mix_of_costs)
+    if queue is None and (apply or cost_ms is None):
+        raise InvalidRequest("queue", "--apply needs --queue" if apply else
+                             "give --cost-ms, or --queue to use its stored cost model")
+    client = connect_checked(redis_url) if queue is not None else None
+    keys = QueueKeys(queue) if queue is not None else None
+    base = Policy()
+    if client is not None and keys is not None:
+        from scheduler_core.admin import read_policy
+
+        base = read_policy(client, keys.queue) or base
+    cost_knobs = {k: v for k, v in (("max_cost", max_cost), ("over_cost", over_cost),
+                                    ("max_batch_cost", max_batch_cost),
+                                    ("cost_mode", cost_mode), ("cost_buckets", cost_buckets))
+                  if v is not None}
+    base = replace(base, **cost_knobs)  # validated as Policy validates
+    if cost_ms is not None:
+        model = CostModel.parse(cost_ms)
+    else:
+        assert client is not None and keys is not None
+        stored = read_cost_model(client, keys)
+        if stored is None:
+            raise InvalidRequest("queue", f"queue {queue!r} has no stored cost model yet "
+                                          "(batchgate profile --queue, or run consumers); "
+                                          "give --cost-ms")
+        model = CostModel(stored.base_ms, stored.per_item_ms)
+    costs = Costs(model, overhead_ms, transport_ms,
+                  mean_cost(mix_of_costs, base) if mix_of_costs else 1.0)
+    answer = plan(load, target, costs, max_consumers, base)
+    out: dict[str, Any] = answer.to_dict()
+    out.update({"rate": rate, "mix": mix, "slo_p99_ms": slo_p99_ms,
+                "slo_high_p99_ms": slo_high_p99_ms, "cost_ms": str(model).removesuffix(" ms"),
+                "cost_mix": cost_mix,
+                "max_consumers": max_consumers, "queue": queue, "applied": False})
+    if apply:
+        if answer.feasible and answer.best is not None and client is not None:
+            from scheduler_core.admin import read_policy, store_policy
+
+            current = read_policy(client, queue) or Policy()  # type: ignore[arg-type]
+            best = answer.best.policy
+            merged = {**current.to_dict(), "strategy": best.strategy.value,
+                      "max_batch_size": best.max_batch_size,
+                      "max_queue_delay_ms": best.max_queue_delay_ms, **cost_knobs}
+            store_policy(client, queue, Policy.build(**merged), replace=True)  # type: ignore[arg-type]
+            out["applied"] = True
+        else:
+            click.echo("nothing applied: no configuration meets the target", err=True)
+    out["wall_s"] = round(time.perf_counter() - started, 3)
+    if as_json:
+        click.echo(orjson.dumps(out, option=orjson.OPT_INDENT_2).decode())
+    else:
+        click.echo(render(out, answer, target))

@@ -1,0 +1,399 @@
+"""The simulator behind `batchgate simulate` and `batchgate plan`: a queue's latency and
+throughput predicted before deploying it (it lives in scheduler_core so that consumers can
+plan too: `recommended_consumers`).
+
+A discrete-event simulation of N consumers on one queue. Requests arrive (offsets and
+priorities given); whenever a consumer is free it pops at once, and the batch is whatever
+`scheduler_core.rules.decide` (pop_batch.lua's twin: the same rules, no copy of them
+here) says. A popped batch of b occupies its consumer for the per-batch overhead plus the
+model time t(b) = A + B·b (or, with request costs, A + B·Σcost under cost_mode sum,
+A + B·b·max cost under padded); its requests' results are seen a transport time later
+(submit to queue and result back to the producer, which occupies no consumer). While
+every consumer is busy, requests queue. A consumer told "nothing due for W µs" sleeps
+until then or until something changes (an arrival, another consumer finishing), as a
+real one sleeps until its due timer or a wake-up.
+
+Requests may carry costs; the policy's cost settings then apply as pop_batch.lua applies
+them, requests above max_cost are refused (counted, not run) or capped
+(over_cost=truncate), and the result reports latency per cost and the padding waste
+Σ(max − cost) / Σ max over the batches.
+
+Not modelled: deadlines, failures and retries, max_queue_size.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import itertools
+import math
+import random
+import re
+import time
+from collections.abc import Iterator, MutableSequence, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from scheduler_core.errors import InvalidRequest
+from scheduler_core.policy import MAX_COST_BUCKETS, Policy
+from scheduler_core.rules import Batch, Request, Wait, apply, decide
+
+PRIORITIES = ("high", "normal", "low")
+MIX = (0.1, 0.6, 0.3)  # share of HIGH, NORMAL, LOW requests
+# The gap between two batches of one consumer at saturation, p50 (docs/benchmarks.md,
+# "Saturation: the scheduler's cost between batches").
+DEFAULT_OVERHEAD_MS = 0.14
+# submit -> enqueue (0.65 ms) plus model end -> result seen (0.57 ms), p50 at light load
+# (docs/benchmarks.md, "Light load: the latency floor").
+DEFAULT_TRANSPORT_MS = 1.22
+# A wait of 0 that is not a batch (pop_batch.lua gives one while a promotion is pending):
+# a consumer pops again after a round trip; never less than this.
+MIN_REPOLL_US = 100
+MAX_REQUESTS = 20_000_000  # about 2 GB of Python objects at the peak
+PERCENTILES = (50, 95, 99)
+_NUMBER = r"(\d+(?:\.\d*)?|\.\d+)"
+_COST = re.compile(rf"^(?:{_NUMBER}(?:\+{_NUMBER}\*?([bc]))?|{_NUMBER}\*?([bc]))$")
+
+@dataclass(frozen=True)
+class ModelTime:
+    """t(b) = base_ms + per_item_ms × b, a model call on a batch of b; or, per unit of
+    request cost, base_ms + per_cost_ms × c where c is the batch's Σcost (cost_mode sum)
+    or b × its largest cost (padded: what a padded tensor computes)."""
+
+    base_ms: float
+    per_item_ms: float = 0.0
+    per_cost_ms: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("base_ms", "per_item_ms", "per_cost_ms"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and 0 <= value <= 3_600_000):
+                raise InvalidRequest("cost_ms", f"{name} must be within [0, 3600000] ms, "
+                                                f"got {value!r}")
+
+    @classmethod
+    def parse(cls, text: str) -> ModelTime:
+        """"A+B*b" ("5+0.5*b", "5", "0.5*b"; spaces ignored), in ms; "A+B*c" per unit of
+        cost (c: Σcost, or b × max cost under cost_mode padded)."""
+        m = _COST.match(text.replace(" ", ""))
+        if not m:
+            raise InvalidRequest("cost_ms", f"{text!r} is not A+B*b or A+B*c (e.g. 5+0.5*b, "
+                                            "5, 0.5*b, 2+0.01*c; ms for a batch of b)")
+        base, per, var, per_alone, var_alone = m.groups()
+        slope = float(per or per_alone or 0)
+        if (var or var_alone) == "c":
+            return cls(float(base or 0), 0.0, slope)
+        return cls(float(base or 0), slope)
+
+    def us(self, batch: int, cost_units: int = 0) -> int:
+        """µs for a batch of `batch` requests whose cost is `cost_units` (Σcost or b × max
+        cost, as the policy's cost_mode counts)."""
+        return round((self.base_ms + self.per_item_ms * batch + self.per_cost_ms * cost_units)
+                     * 1000)
+
+    def __str__(self) -> str:
+        if self.per_cost_ms:
+            return f"{self.base_ms:g}+{self.per_cost_ms:g}*c ms"
+        return f"{self.base_ms:g}+{self.per_item_ms:g}*b ms"
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    policy: Policy = field(default_factory=Policy)
+    cost: ModelTime = field(default_factory=lambda: ModelTime(5.0, 0.5))
+    consumers: int = 2
+    overhead_ms: float = DEFAULT_OVERHEAD_MS  # per batch, besides the model
+    transport_ms: float = DEFAULT_TRANSPORT_MS  # per request: to the queue and back
+    # Each consumer's --prefer-bucket (1-based, 0 = none), one per consumer; () = none.
+    # Idle consumers pop lowest first.
+    prefer_buckets: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.consumers, bool) or not isinstance(self.consumers, int) or \
+                not 1 <= self.consumers <= 4096:
+            raise InvalidRequest("consumers", f"must be an integer in [1, 4096], got "
+                                              f"{self.consumers!r}")
+        for name in ("overhead_ms", "transport_ms"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and 0 <= value <= 60_000):
+                raise InvalidRequest(name, f"must be within [0, 60000] ms, got {value!r}")
+        prefs = self.prefer_buckets
+        if prefs and (len(prefs) != self.consumers or not all(
+                type(b) is int and 0 <= b <= MAX_COST_BUCKETS + 1 for b in prefs)):
+            raise InvalidRequest("prefer_buckets", f"{prefs!r}: one bucket per consumer, each "
+                                                   f"0-{MAX_COST_BUCKETS + 1} (0 = none)")
+
+
+@dataclass(frozen=True)
+class SimResult:
+    requests: int
+    batches: int
+    span_s: float  # first arrival to last result
+    throughput_rps: float
+    mean_batch: float
+    utilisation: float  # share of the consumers' time spent in the model
+    latency_ms: dict[str, dict[str, float | None]]  # all/high/normal/low -> p50..max
+    counts: dict[str, int]  # requests per priority
+    batch_histogram: dict[int, int]  # batch size -> batches
+    wall_s: float  # how long the simulation took
+    # With request costs: latency per cost (as submitted), the padding waste
+    # Σ(max - cost) / Σ max over the batches, requests refused over max_cost, and those
+    # whose cost max_cost capped.
+    latency_by_cost: dict[int, dict[str, float | None]] = field(default_factory=dict)
+    padding_waste: float = 0.0
+    rejected: int = 0
+    truncated: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"throughput_rps": self.throughput_rps, "mean_batch": self.mean_batch,
+                "utilisation": self.utilisation, "latency_ms": self.latency_ms,
+                "requests": self.requests, "counts": self.counts, "batches": self.batches,
+                "span_s": self.span_s,
+                "batch_histogram": {str(k): v for k, v in self.batch_histogram.items()},
+                "latency_by_cost_ms": {str(k): v for k, v in self.latency_by_cost.items()},
+                "padding_waste": self.padding_waste, "rejected": self.rejected,
+                "truncated": self.truncated, "wall_s": self.wall_s}
+
+
+def simulate(config: SimConfig, times: list[float], prios: list[int],
+             costs: list[int] | None = None) -> SimResult:
+    """Run the queue on these arrivals (offsets in s, sorted; priorities 0-2; costs, each
+    >= 1, as submitted: None for all 1)."""
+    started = time.perf_counter()
+    n = len(times)
+    if n != len(prios):
+        raise InvalidRequest("arrivals", f"{n} times but {len(prios)} priorities")
+    if costs is not None and len(costs) != n:
+        raise InvalidRequest("costs", f"{n} times but {len(costs)} costs")
+    if n > MAX_REQUESTS:
+        raise InvalidRequest("arrivals", f"{n} requests; at most {MAX_REQUESTS:,}")
+    arrival = _arrival_scores(times)
+    policy = config.policy
+    # Without costs every request costs 1: a batch of b costs b units in either cost_mode.
+    cost = [config.cost.us(b, b) for b in range(policy.max_batch_size + 1)]
+    # Costs as enqueue.lua stores them: capped (truncate) or refused (reject) over max_cost.
+    stored, refused, capped = _stored_costs(policy, costs, n)
+    padded = policy.cost_mode == "padded"
+    per_cost = config.cost.per_cost_ms > 0
+    pad_total = pad_waste = 0
+    overhead = round(config.overhead_ms * 1000)
+    transport = round(config.transport_ms * 1000)
+    repoll = max(overhead, MIN_REPOLL_US)
+    levels = [_Level(), _Level(), _Level()]
+    done = [0] * n  # when each request's result is seen (µs)
+    histogram = [0] * (policy.max_batch_size + 1)
+    free_at: list[tuple[int, int]] = []  # heap: (when a busy consumer finishes, which)
+    idle = list(range(config.consumers))  # the idle consumers, lowest first
+    prefer = config.prefer_buckets or (0,) * config.consumers
+    timer, model_us, waiting = math.inf, 0, 0
+    i, next_arrival = 0, (arrival[0] if n else math.inf)
+    push, pop = heapq.heappush, heapq.heappop
+    while True:
+        now = min(next_arrival, free_at[0][0] if free_at else math.inf,
+                  timer if idle else math.inf)
+        if now == math.inf:
+            break
+        while free_at and free_at[0][0] == now:
+            bisect.insort(idle, pop(free_at)[1])
+        if next_arrival == now:  # scores are unique, as Redis' arrival clock makes them
+            prio = prios[i]
+            if stored is None:
+                levels[prio].append(Request(now, i, prio))
+                waiting += 1
+            elif stored[i]:  # 0: refused at enqueue (over max_cost)
+                levels[prio].append(Request(now, i, prio, cost=stored[i]))
+                waiting += 1
+            i += 1
+            next_arrival = arrival[i] if i < n else math.inf
+        if not idle:
+            continue  # every consumer busy: the request waits
+        timer = math.inf
+        # Pop at once while consumers are free and batches due (with nothing waiting,
+        # decide would say Nothing).
+        while idle and waiting:
+            decision = decide(levels, now, policy, prefer_bucket=prefer[idle[0]],
+                              first_deadline_us=0)  # no simulated request has a deadline
+            apply(levels, decision)
+            if type(decision) is Batch:
+                size = len(decision.picked)
+                model = cost[size]
+                if stored is not None:
+                    batch_costs = [p.request.cost for p in decision.picked]
+                    top = max(batch_costs)
+                    pad_total += size * top
+                    pad_waste += size * top - sum(batch_costs)
+                    if per_cost:
+                        model = config.cost.us(size, size * top if padded else sum(batch_costs))
+                end = now + overhead + model
+                seen = end + transport
+                for p in decision.picked:
+                    done[p.request.id] = seen  # type: ignore[index]
+                push(free_at, (end, idle.pop(0)))
+                waiting -= size
+                histogram[size] += 1
+                model_us += model
+            else:
+                if type(decision) is Wait:
+                    timer = now + (decision.wait_us or repoll)
+                break
+    result = _result(config, arrival, prios, done, histogram, model_us,
+                     time.perf_counter() - started, costs, stored if refused else None)
+    if costs is None:
+        return result
+    return replace(result, padding_waste=round(pad_waste / pad_total, 4) if pad_total else 0.0,
+                   rejected=refused, truncated=capped)
+
+
+def _stored_costs(policy: Policy, costs: list[int] | None, n: int
+                  ) -> tuple[list[int] | None, int, int]:
+    """Each request's cost as stored (0: refused over max_cost), refused, capped."""
+    if costs is None:
+        return None, 0, 0
+    cap = policy.max_cost
+    if not cap:
+        return list(costs), 0, 0
+    if policy.over_cost == "truncate":
+        return [min(c, cap) for c in costs], 0, sum(c > cap for c in costs)
+    return [c if c <= cap else 0 for c in costs], sum(c > cap for c in costs), 0
+
+
+class _Level(MutableSequence[Request]):
+    """A pending level whose head leaves in O(1) and where requests near the head are
+    inserted and removed in O(distance from it), as in a zset. On a plain list each pop
+    would move the whole backlog: quadratic once a simulated queue is overloaded."""
+
+    __slots__ = ("items", "start")
+
+    def __init__(self) -> None:
+        self.items: list[Any] = []  # items[:start] are gone (None)
+        self.start = 0
+
+    def __len__(self) -> int:
+        return len(self.items) - self.start
+
+    def __iter__(self) -> Iterator[Request]:
+        return itertools.islice(self.items, self.start, None)
+
+    def __getitem__(self, k: Any) -> Any:
+        if type(k) is slice:
+            if k.start is None and k.step is None and k.stop is not None and k.stop >= 0:
+                return self.items[self.start:self.start + k.stop]  # level[:n], the usual
+            lo, hi, step = k.indices(len(self))
+            return self.items[self.start + lo:self.start + hi:step]
+        return self.items[self.start + (k if k >= 0 else len(self) + k)]
+
+    def __setitem__(self, k: Any, value: Any) -> None:
+        raise NotImplementedError  # decide and apply never replace in place
+
+    def __delitem__(self, k: Any) -> None:
+        items, start = self.items, self.start
+        if isinstance(k, slice):  # apply: the batch leaves the head
+            lo, hi, _ = k.indices(len(self))
+            if lo != 0:
+                raise NotImplementedError
+            items[start:start + hi] = [None] * hi
+            self.start = start + hi
+            if self.start > 4096 and self.start > len(items) // 2:
+                del items[:self.start]
+                self.start = 0
+        elif k < len(self) // 2:  # near the head: shift the requests before it
+            items[start + 1:start + k + 1] = items[start:start + k]
+            items[start] = None
+            self.start = start + 1
+        else:
+            del items[start + k]
+
+    def insert(self, k: int, value: Request) -> None:
+        start = self.start
+        if start and k < len(self) // 2:  # room before the head: shift the requests before
+            self.items[start - 1:start + k - 1] = self.items[start:start + k]
+            self.items[start + k - 1] = value
+            self.start = start - 1
+        else:
+            self.items.insert(start + k, value)
+
+    def append(self, value: Request) -> None:
+        self.items.append(value)
+
+
+def _arrival_scores(times: list[float]) -> list[int]:
+    """Arrival times in µs, strictly increasing as Redis' arrival clock issues them."""
+    scores, last = [0] * len(times), -1
+    for k, t in enumerate(times):
+        last = max(round(t * 1e6), last + 1)
+        scores[k] = last
+    return scores
+
+
+def _result(config: SimConfig, arrival: list[int], prios: list[int], done: list[int],
+            histogram: list[int], model_us: int, wall_s: float,
+            costs: list[int] | None = None, stored: list[int] | None = None) -> SimResult:
+    ran = [k for k, c in enumerate(stored) if c] if stored is not None else None
+    if ran is not None:  # the refused never ran: latency and throughput are of the rest
+        arrival, prios, done = ([v[k] for k in ran] for v in (arrival, prios, done))
+        costs = [costs[k] for k in ran] if costs is not None else None
+    n = len(arrival)
+    latency = [d - a for d, a in zip(done, arrival, strict=True)]
+    by_prio: list[list[int]] = [[], [], []]
+    for lat, prio in zip(latency, prios, strict=True):
+        by_prio[prio].append(lat)
+    by_cost: dict[int, list[int]] = {}
+    for lat, c in zip(latency, costs or (), strict=False):
+        by_cost.setdefault(c, []).append(lat)
+    span_us = (max(done) - arrival[0]) if n else 0
+    batches = sum(histogram)
+    return SimResult(
+        requests=n, batches=batches, span_s=span_us / 1e6,
+        throughput_rps=round(n / (span_us / 1e6), 1) if span_us else 0.0,
+        mean_batch=round(n / batches, 2) if batches else 0.0,
+        utilisation=round(model_us / (config.consumers * span_us), 4) if span_us else 0.0,
+        latency_ms={"all": _summary(latency),
+                    **{PRIORITIES[p]: _summary(by_prio[p]) for p in range(3)}},
+        counts={PRIORITIES[p]: len(by_prio[p]) for p in range(3)},
+        batch_histogram={b: k for b, k in enumerate(histogram) if k},
+        wall_s=round(wall_s, 3),
+        latency_by_cost={c: _summary(by_cost[c]) for c in sorted(by_cost)})
+
+
+def _summary(latency_us: list[int]) -> dict[str, float | None]:
+    """p50/p95/p99 (nearest rank) and max, in ms; None where no request."""
+    if not latency_us:
+        return {**{f"p{q}": None for q in PERCENTILES}, "max": None}
+    ordered = sorted(latency_us)
+    n = len(ordered)
+    out: dict[str, float | None] = {
+        f"p{q}": ordered[max(0, math.ceil(q / 100 * n) - 1)] / 1000 for q in PERCENTILES}
+    out["max"] = ordered[-1] / 1000
+    return out
+
+
+def poisson(rate: float, requests: int, mix: Sequence[float] = MIX,
+            seed: int = 1) -> tuple[list[float], list[int]]:
+    """`requests` Poisson arrivals at `rate` per s (offsets in s) and their priorities,
+    drawn with `mix` as the weights of HIGH, NORMAL, LOW."""
+    rng = random.Random(seed)
+    times, at = [0.0] * requests, 0.0
+    for k in range(requests):
+        at += rng.expovariate(rate)
+        times[k] = at
+    return times, rng.choices((0, 1, 2), weights=mix, k=requests)
+
+
+def draw_costs(n: int, mix: Sequence[tuple[int, float]], seed: int = 1) -> list[int]:
+    """n costs drawn from the mix, (cost, weight) pairs, seeded (a stream of their own:
+    the arrivals of a seed stay those of batchgate bench)."""
+    rng = random.Random(f"costs-{seed}")
+    values, weights = zip(*mix, strict=True)
+    return rng.choices(values, weights=weights, k=n)
+
+
+def mean_cost(mix: Sequence[tuple[int, float]], policy: Policy) -> float:
+    """A request's expected cost as the queue runs it: capped at max_cost under
+    over_cost=truncate, 0 when refused (reject)."""
+    total = sum(w for _, w in mix)
+    cap = policy.max_cost
+    if not cap:
+        return sum(c * w for c, w in mix) / total
+    if policy.over_cost == "truncate":
+        return sum(min(c, cap) * w for c, w in mix) / total
+    return sum(c * w for c, w in mix if c <= cap) / total

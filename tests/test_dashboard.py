@@ -1,0 +1,291 @@
+"""`batchgate dashboard`: its HTTP API against a real Redis, and the page in a real,
+headless Chromium (Debian's, driven by Playwright) with a real consumer."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+from helpers.processes import BATCHGATE, ConsumerProcess, free_port
+from helpers.servers import ServerProcess
+from helpers.support import wait_for
+
+from producer import Producer
+from scheduler_core.keys import QueueKeys
+
+pytest.importorskip("fastapi")
+
+TOKEN = "s3cret-token"
+CHROMIUM = next((p for p in (os.environ.get("BATCHGATE_CHROMIUM"), shutil.which("chromium"),
+                             "/usr/bin/chromium") if p and os.path.exists(p)), None)
+SCREENSHOT = Path(__file__).resolve().parents[1] / "docs" / "img" / "dashboard.png"
+
+
+def start_dashboard(redis_url: str, *extra: str) -> ServerProcess:
+    port = free_port()
+    return ServerProcess([BATCHGATE, "dashboard", "--redis-url", redis_url, "--port", str(port),
+                          *extra], port, ready_path="/api/config")
+
+
+@pytest.fixture
+def dashboards() -> Iterator:
+    started: list[ServerProcess] = []
+
+    def start(redis_url: str, *extra: str) -> ServerProcess:
+        server = start_dashboard(redis_url, *extra)
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.close()
+
+
+def dead_letter(redis_url: str, client, queue: str, payload) -> str:
+    """A request dead-lettered the way max_attempts does it: submitted with no consumer
+    running, its delivery count then set to the limit (3), so the next pop gives up."""
+    with Producer(redis_url, queue) as producer:
+        handle = producer.submit(payload)
+        request_id = handle.id
+    keys = QueueKeys(queue)
+    prio, arrival, deadline, _, owner = client.hget(keys.meta, request_id).decode().split(":", 4)
+    client.hset(keys.meta, request_id, f"{prio}:{arrival}:{deadline}:3:{owner}")
+    return request_id
+
+
+def events(url: str, count: int) -> list[dict]:
+    """The first `count` data messages of the server-sent event stream."""
+    out = []
+    with httpx.stream("GET", url + "/events", timeout=10) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                out.append(orjson.loads(line[6:]))
+                if len(out) == count:
+                    break
+    return out
+
+
+def test_the_feed_lists_every_registered_queue_and_actions_need_the_token(
+        shared_redis, queue, start_consumer, dashboards):
+    other = queue + "-b"
+    start_consumer(shared_redis.url, queue, "--model", "consumer.models:noop")
+    with Producer(shared_redis.url, other) as producer:
+        producer.submit({"i": 1})  # no consumer on this one: it waits
+    client = shared_redis.client()
+    dead = dead_letter(shared_redis.url, client, queue, {"i": "dead"})
+    wait_for(lambda: client.zcard(QueueKeys(queue).dead) == 1, 15, "the dead letter")
+    read_only = dashboards(shared_redis.url)
+    feed = events(read_only.url, 3)
+    names = {s["queue"] for s in feed[-1]["queues"]}
+    assert {queue, other} <= names
+    by_name = {s["queue"]: s for s in feed[-1]["queues"]}
+    assert by_name[other]["depth"]["normal"] == 1
+    assert by_name[queue]["consumers"][0]["host"]
+    assert [d["id"] for d in by_name[queue]["dead"]["shown"]] == [dead]
+    # Updates every --interval (0.5 s): well within a second, with slack for a busy host.
+    gaps = [b["at"] - a["at"] for a, b in zip(feed, feed[1:], strict=False)]
+    assert min(gaps) > 0 and min(gaps) < 1.0, gaps
+    # Read-only: every action is refused, and nothing changes.
+    for path, body in (("dead-letters/retry", {"ids": [dead]}), ("dead-letters/purge",
+                                                                  {"all": True}),
+                       ("policy", {"max_batch_size": 4})):
+        answer = httpx.post(f"{read_only.url}/api/queues/{queue}/{path}", json=body,
+                            headers={"Authorization": f"Bearer {TOKEN}"})
+        assert answer.status_code == 403 and "--token" in answer.json()["error"]
+    assert client.hget(QueueKeys(queue).policy, "max_batch_size") == b"32"
+    assert client.zcard(QueueKeys(queue).dead) == 1
+
+    with_token = dashboards(shared_redis.url, "--token", TOKEN)
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    url = f"{with_token.url}/api/queues/{queue}/policy"
+    assert httpx.post(url, json={"max_batch_size": 4}).status_code == 401
+    assert httpx.post(url, json={"max_batch_size": 4},
+                      headers={"Authorization": "Bearer wrong-token"}).status_code == 401
+    bad = httpx.post(url, json={"max_batch_size": 0}, headers=auth)
+    assert bad.status_code == 400 and bad.json()["field"] == "max_batch_size"
+    text = httpx.post(url, json={"max_batch_size": "abc"}, headers=auth)
+    assert text.status_code == 400 and text.json()["field"] == "max_batch_size"
+    unknown = httpx.post(url, json={"batch": 3}, headers=auth)
+    assert unknown.status_code == 400 and unknown.json()["field"] == "batch"
+    assert client.hget(QueueKeys(queue).policy, "max_batch_size") == b"32"  # nothing written
+    good = httpx.post(url, json={"max_batch_size": 4}, headers=auth)
+    assert good.status_code == 200 and good.json()["policy"]["max_batch_size"] == 4
+    assert client.hget(QueueKeys(queue).policy, "max_batch_size") == b"4"
+    purge_url = f"{with_token.url}/api/queues/{queue}/dead-letters/purge"
+    assert httpx.post(purge_url, json={"ids": []}, headers=auth).status_code == 400
+    assert httpx.post(purge_url, json={"ids": [dead]}, headers=auth).json() == {
+        "purged": 1, "skipped": 0}
+    assert client.zcard(QueueKeys(queue).dead) == 0
+    assert not client.hexists(QueueKeys(queue).jobs, dead)
+
+
+def test_the_page_works_behind_a_path_prefix(shared_redis, queue, dashboards):
+    with Producer(shared_redis.url, queue) as producer:
+        producer.submit({"i": 1})
+    server = dashboards(shared_redis.url, "--root-path", "/bg")
+    page = httpx.get(server.url + "/bg/")
+    assert page.status_code == 200
+    # Every URL in the page is relative: it resolves under the prefix.
+    for ref in ('href="static/dashboard.css"', 'src="static/dashboard.js"'):
+        assert ref in page.text
+    assert "http" not in page.text.replace('charset="utf-8"', "")
+    assert httpx.get(server.url + "/bg/static/dashboard.js").status_code == 200
+    script = httpx.get(server.url + "/bg/static/dashboard.js").text
+    assert 'fetch("api/config")' in script and 'new EventSource("events")' in script
+    assert "//" not in "".join(line.split("//")[0] for line in script.splitlines()
+                               if "http" in line.split("//")[0])  # no absolute URL
+    snap = httpx.get(server.url + "/bg/api/snapshot").json()
+    assert queue in {s["queue"] for s in snap["queues"]}
+    # A proxy that keeps its prefix and says so in X-Forwarded-Prefix, no --root-path.
+    plain = dashboards(shared_redis.url)
+    answer = httpx.get(plain.url + "/proxy/api/config",
+                       headers={"X-Forwarded-Prefix": "/proxy"})
+    assert answer.status_code == 200 and "actions" in answer.json()
+    assert httpx.get(plain.url + "/api/config").status_code == 200  # one that strips it
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed (apt-get install "
+                    "chromium; CI installs it): the browser test needs a real browser")
+def test_the_page_shows_depth_live_and_retries_a_dead_letter(shared_redis, queue,
+                                                              dashboards, tmp_path):
+    sync_api = pytest.importorskip("playwright.sync_api")
+    client = shared_redis.client()
+    dead = dead_letter(shared_redis.url, client, queue, {"i": "dead"})
+    server = dashboards(shared_redis.url, "--token", TOKEN, "--queue", queue)
+    consumer = None
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM,
+                                     args=["--no-sandbox", "--disable-gpu"])
+        try:
+            page = browser.new_page(viewport={"width": 1200, "height": 1100})
+            page.goto(server.url + "/")
+            card = page.locator(f"section.queue[data-queue='{queue}']")
+            normal = card.locator("[data-f='depth.normal']")
+            sync_api.expect(normal).to_have_text("1", timeout=10_000)  # the one to die
+
+            # Submitted with no consumer: the page shows the depth rise, without reload.
+            with Producer(shared_redis.url, queue) as producer:
+                handles = [producer.submit({"i": i}, priority="high") for i in range(40)]
+                sync_api.expect(card.locator("[data-f='depth.high']")).to_have_text(
+                    "40", timeout=5_000)
+                # Drained by a real consumer (4 per batch, 0.5 s each): it falls, live.
+                consumer = ConsumerProcess(shared_redis.url, queue, "--model",
+                                           "consumer.models:synthetic", "--model-arg",
+                                           "base_ms=500", "--max-batch-size", "4",
+                                           "--device", "cpu").wait_ready()
+                depths, shot = [], os.environ.get("BATCHGATE_SCREENSHOT")
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline:
+                    depth = int(card.locator("[data-f='depth.high']").inner_text())
+                    if not depths or depths[-1] != depth:
+                        depths.append(depth)
+                    if shot and 0 < depth <= 24:  # docs/img/dashboard.png: a busy queue
+                        page.screenshot(path=shot, full_page=True)
+                        shot = None
+                    if depth == 0:
+                        break
+                    time.sleep(0.05)
+                # Several steps down to 0 seen in one page load: updated without reload.
+                assert depths[-1] == 0 and len(depths) >= 4, depths
+                assert depths == sorted(depths, reverse=True), depths
+                row = card.locator(".consumers tbody tr")
+                sync_api.expect(row).to_have_count(1, timeout=10_000)
+                sync_api.expect(row).to_contain_text("cpu")  # its --device
+                for handle in handles:
+                    handle.result(timeout=30)
+
+            # The dead letter: listed, retried with the token after the confirmation.
+            row = card.locator(f".dead tbody tr[data-id='{dead}']")
+            sync_api.expect(row).to_have_count(1, timeout=10_000)
+            page.fill("#token", TOKEN)
+            questions: list[str] = []
+
+            def answer(dialog) -> None:
+                questions.append(dialog.message)
+                dialog.accept()
+
+            page.on("dialog", answer)
+            row.locator("button.retry").click()
+            sync_api.expect(row).to_have_count(0, timeout=10_000)
+            assert questions == [f"Retry request {dead} of queue {queue}?"]
+            sync_api.expect(page.locator("#notice")).to_contain_text('"retried":1')
+            sync_api.expect(card.locator("[data-f='dead_letters']")).to_have_text("0")
+
+            # The policy, changed from the page: confirmed, then shown as stored.
+            card.locator(".policy-edit summary").click()
+            card.locator(".policy-form input[name='max_batch_size']").fill("8")
+            card.locator(".policy-form button[type='submit']").click()
+            sync_api.expect(card.locator(".policy-line")).to_contain_text("batch ≤ 8",
+                                                                          timeout=10_000)
+            assert questions[-1] == f"Change the policy of queue {queue}?"
+        finally:
+            browser.close()
+            if consumer is not None:
+                consumer.close()
+    assert client.zcard(QueueKeys(queue).dead) == 0
+    assert client.hget(QueueKeys(queue).policy, "max_batch_size") == b"8"
+    wait_for(lambda: client.exists(QueueKeys(queue).result(dead)), 15,
+             "the retried request's result")
+
+
+def test_the_feed_says_when_redis_cannot_be_read(redis_server, queue, dashboards):
+    with Producer(redis_server.url, queue) as producer:
+        producer.submit({"i": 1})
+    server = dashboards(redis_server.url, "--queue", queue)
+    assert events(server.url, 1)[0]["queues"][0]["queue"] == queue
+    redis_server.close()
+    message = events(server.url, 2)[-1]  # the first may be the one read before
+    assert message["error"].startswith("cannot read Redis") and "queues" not in message
+    assert server.proc.poll() is None  # still serving: the page shows the error
+
+
+def test_the_page_ships_in_the_wheel():
+    """Everything the page loads is package data (pyproject.toml), in one flat folder."""
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    data = tomllib.loads((root / "pyproject.toml").read_text())
+    assert "dashboard/static/*" in data["tool"]["setuptools"]["package-data"]["batchgate"]
+    static = root / "batchgate" / "dashboard" / "static"
+    assert {p.name for p in static.iterdir()} == {"index.html", "dashboard.js",
+                                                   "dashboard.css"}
+    page = (static / "index.html").read_text() + (static / "dashboard.js").read_text()
+    assert "https://" not in page and "http://" not in page.replace(
+        "http://www.w3.org/2000/svg", "")  # no CDN: nothing loaded from elsewhere
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed (apt-get install "
+                    "chromium; CI installs it): the browser test needs a real browser")
+def test_the_page_under_a_prefix_is_read_only_without_a_token(shared_redis, queue,
+                                                               dashboards):
+    sync_api = pytest.importorskip("playwright.sync_api")
+    client = shared_redis.client()
+    dead_letter(shared_redis.url, client, queue, {"i": "dead"})
+    server = dashboards(shared_redis.url, "--root-path", "/bg", "--queue", queue)
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM,
+                                     args=["--no-sandbox", "--disable-gpu"])
+        try:
+            page = browser.new_page()
+            requested: list[str] = []
+            page.on("request", lambda request: requested.append(request.url))
+            page.goto(server.url + "/bg/")
+            card = page.locator(f"section.queue[data-queue='{queue}']")
+            sync_api.expect(card.locator("[data-f='depth.normal']")).to_have_text(
+                "1", timeout=10_000)
+            sync_api.expect(page.locator("#mode")).to_have_text("read-only")
+            assert not page.locator("#token").is_visible()
+            for action in (".retry-all", ".purge-all", ".policy-edit"):
+                assert not card.locator(action).is_visible(), action
+            # Everything the page loaded came from under the prefix, nothing from elsewhere.
+            assert requested and all(u.startswith(server.url + "/bg/") for u in requested), \
+                requested
+        finally:
+            browser.close()

@@ -1,0 +1,214 @@
+"""The queue registry, the per-queue snapshot (scheduler_core.snapshot) and `batchgate top`,
+against a real Redis with real consumers."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import subprocess
+import time
+
+import pytest
+from click.testing import CliRunner
+from helpers.processes import BATCHGATE
+from helpers.support import wait_for
+
+from batchgate.cli import main as cli
+from producer import AsyncProducer, Producer
+from scheduler_core import registry
+from scheduler_core.keys import QueueKeys
+from scheduler_core.registry import QUEUES_KEY, known_queues, register_queue
+from scheduler_core.snapshot import Rates, queue_snapshot
+
+
+def test_consumers_producers_and_policy_set_register_their_queue(redis_server, queue,
+                                                                 start_consumer):
+    client = redis_server.client()
+    assert known_queues(client) == []
+    start_consumer(redis_server.url, queue + "-c", "--model", "consumer.models:noop")
+    assert known_queues(client) == [queue + "-c"]  # at start, before its first heartbeat
+
+    with Producer(redis_server.url, queue + "-p") as producer:
+        producer.submit(1)
+        producer.submit(2)
+
+    async def submit_async() -> None:
+        async with AsyncProducer(redis_server.url, queue + "-a") as producer:
+            await producer.submit(1)
+    asyncio.run(submit_async())
+
+    out = CliRunner().invoke(cli, ["policy", "set", "--redis-url", redis_server.url,
+                                   "--queue", queue + "-s", "--max-batch-size", "8"])
+    assert out.exit_code == 0, out.output
+    assert known_queues(client) == sorted(queue + s for s in ("-a", "-c", "-p", "-s"))
+    # Found without KEYS or SCAN: one sorted set, scored by when each was last seen (ms).
+    seen = dict(client.zrange(QUEUES_KEY, 0, -1, withscores=True))
+    assert all(abs(score / 1000 - time.time()) < 60 for score in seen.values())
+
+
+def test_a_queue_with_no_keys_left_drops_out_after_stale_s_and_one_with_keys_stays(
+        redis_server, queue, monkeypatch):
+    client = redis_server.client()
+    with Producer(redis_server.url, queue) as producer:
+        producer.submit(1)  # keys stay: a pending request
+    register_queue(client, queue + "-gone")  # no keys at all
+    old = int((time.time() - registry.STALE_S - 60) * 1000)
+    client.zadd(QUEUES_KEY, {queue: old, queue + "-gone": old})
+    client.zadd(QUEUES_KEY, {"not a valid {name}": old})  # written by hand: never listed
+    assert known_queues(client, prune=False) == [queue, queue + "-gone"]
+    assert known_queues(client) == [queue]
+    assert client.zscore(QUEUES_KEY, queue) > old  # marked seen again: not checked again
+    assert client.zscore(QUEUES_KEY, queue + "-gone") is None
+    # Recent and without keys (registered, nothing submitted yet): kept.
+    register_queue(client, queue + "-new")
+    assert known_queues(client) == [queue, queue + "-new"]
+
+
+def test_snapshot_of_a_busy_queue(redis_server, queue, start_consumer):
+    client = redis_server.client()
+    start_consumer(redis_server.url, queue, "--model", "consumer.models:synthetic",
+                   "--model-arg", "base_ms=40", "--max-batch-size", "8", "--device", "cpu")
+    rates = Rates()
+    first = rates.update(queue_snapshot(client, queue))
+    assert first["rates"] is None  # rates need two snapshots
+    with Producer(redis_server.url, queue) as producer:
+        handles = [producer.submit({"i": i}) for i in range(60)]
+        handles.append(producer.submit({"fail": True}))
+        busy = queue_snapshot(client, queue)
+        assert sum(busy["depth"].values()) + busy["in_flight_requests"] > 0
+        for handle in handles[:-1]:
+            handle.result(timeout=30)
+    wait_for(lambda: queue_snapshot(client, queue)["recent_failures"], 10,
+             "the failure to be published by the lease thread")
+    snap = rates.update(queue_snapshot(client, queue))
+    assert snap["completed"] == 61 and snap["processed"] == 60 and snap["failed"] == 1
+    assert snap["rates"]["completed_per_s"] > 0
+    assert snap["rates"]["arrived_per_s"] > 0
+    assert snap["queue_wait_ms"]["p50"] is not None and snap["end_to_end_ms"]["p99"] >= \
+        snap["end_to_end_ms"]["p50"]
+    sizes = {int(k): v for k, v in snap["batch_sizes"].items()}
+    assert sum(size * n for size, n in sizes.items()) == 61 and max(sizes) <= 8
+    [consumer] = snap["consumers"]
+    assert consumer["device"] == "cpu" and consumer["host"] and consumer["pid"].isdigit()
+    assert consumer["heartbeat_age_s"] < 5
+    wait_for(lambda: queue_snapshot(client, queue)["consumers"][0]["batches"] == sum(
+        sizes.values()), 10, "the consumer's batch count in its info hash")
+    [failure] = snap["recent_failures"]
+    assert failure["type"] == "ValueError" and failure["id"] == handles[-1].id
+    assert snap["dead"] == {"total": 0, "shown": []}
+    assert snap["policy"]["max_batch_size"] == 8
+
+
+def test_a_consumer_that_stops_leaves_no_info_behind(redis_server, queue, start_consumer):
+    client = redis_server.client()
+    consumer = start_consumer(redis_server.url, queue, "--model", "consumer.models:noop")
+    wait_for(lambda: [c for c in queue_snapshot(client, queue)["consumers"] if c["host"]], 10,
+             "the consumer's info hash")
+    name = queue_snapshot(client, queue)["consumers"][0]["name"]
+    assert client.pttl(QueueKeys(queue).consumer_info(name)) > 0  # lapses if it crashes
+    assert consumer.stop() == 0
+    assert queue_snapshot(client, queue)["consumers"] == []
+    assert not client.exists(QueueKeys(queue).consumer_info(name))
+
+
+def test_top_shows_a_busy_queue_and_exits(redis_server, queue, start_consumer):
+    start_consumer(redis_server.url, queue, "--model", "consumer.models:synthetic",
+                   "--model-arg", "base_ms=200", "--max-batch-size", "2")
+    with Producer(redis_server.url, queue) as producer:
+        for i in range(200):  # 20 s of work: still busy however slowly top starts
+            producer.submit({"i": i}, priority="low")
+        out = subprocess.run([BATCHGATE, "top", "--redis-url", redis_server.url,
+                              "--iterations", "2", "--interval", "0.5"],
+                             capture_output=True, text=True, timeout=60,
+                             env={**os.environ, "COLUMNS": "120"})
+    assert out.returncode == 0, out.stderr
+    frames = out.stdout.split(queue)
+    assert len(frames) == 3, out.stdout  # two refreshes, one panel each
+    first, second = frames[1], frames[2]
+    assert "priority, batch<=2" in first
+    assert re.search(r"arrived/s\s+-", first) and re.search(r"arrived/s\s+\d", second)
+    low = [int(line.split("low")[1].split()[0]) for line in (first, second)]
+    assert low[0] > 0 and low[1] <= low[0]
+    assert "completed/s" in second and "size 2" in second and "batches/s" in second
+    # --queue filters; an unknown queue shows empty figures rather than failing.
+    out = CliRunner().invoke(cli, ["top", "--redis-url", redis_server.url, "--once",
+                                   "--queue", queue + "-other"])
+    assert out.exit_code == 0 and queue + "-other" in out.output
+    assert f"{queue} " not in out.output.replace(queue + "-other", "")
+    bad = CliRunner().invoke(cli, ["top", "--redis-url", redis_server.url, "--once",
+                                   "--queue", "bad name"])
+    assert bad.exit_code == 2 and "queue" in bad.output
+
+
+@pytest.mark.parametrize("signal_name", ["SIGINT"])
+def test_top_exits_cleanly_on_ctrl_c(redis_server, queue, signal_name):
+    import signal
+
+    client = redis_server.client()
+    register_queue(client, queue)
+    before = len(client.client_list())
+    proc = subprocess.Popen([BATCHGATE, "top", "--redis-url", redis_server.url,
+                             "--interval", "0.2"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    # Running (a busy host may take seconds to start it): its connection is open.
+    wait_for(lambda: len(client.client_list()) > before, 60, "top to connect to Redis")
+    time.sleep(0.5)
+    proc.send_signal(getattr(signal, signal_name))
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err and queue in out
+
+
+def test_rates_are_counted_over_the_window():
+    def snap(t: float, completed: int, depth: int, batches: int) -> dict:
+        return {"queue": "q", "time_s": t, "completed": completed, "batches": batches,
+                "depth": {"high": 0, "normal": depth, "low": 0}, "in_flight_requests": 0,
+                "dead_letters": 0, "consumers": [{"name": "c", "batches": batches}]}
+    rates = Rates(window_s=5.0)
+    assert rates.update(snap(100.0, 0, 0, 0))["rates"] is None
+    rates.update(snap(102.0, 10, 5, 2))
+    # At t=106 the sample of t=100 is 6 s old, t=102 only 4: rates over 106-100 = 6 s.
+    got = rates.update(snap(106.0, 40, 2, 8))
+    assert got["rates"]["completed_per_s"] == 40 / 6
+    assert got["rates"]["arrived_per_s"] == (40 + 2) / 6  # answered + still waiting
+    assert got["consumers"][0]["batches_per_s"] == 8 / 6
+    # At t=108: t=102 is now the newest sample at least 5 s old.
+    got = rates.update(snap(108.0, 50, 0, 10))
+    assert got["rates"]["interval_s"] == 6.0 and got["rates"]["completed_per_s"] == 40 / 6
+
+
+def test_without_access_to_the_registry_everything_else_works(redis_server, queue,
+                                                             start_consumer):
+    from test_security import acl_rule
+
+    admin = redis_server.client()
+    rule = [r for r in acl_rule() if r != "~batchgate:queues"]  # the documented one, less it
+    admin.execute_command("ACL", "SETUSER", "no-registry", "reset", *rule)
+    url = f"redis://no-registry:s3cret-pw@127.0.0.1:{redis_server.port}/0"
+    consumer = start_consumer(url, queue, "--model", "consumer.models:synthetic",
+                              "--model-arg", "base_ms=1")
+    with Producer(url, queue) as producer:
+        assert producer.submit({"i": 1}).result(timeout=15) == {"i": 1}
+        with pytest.raises(Exception, match="synthetic failure"):
+            producer.submit({"fail": True}).result(timeout=15)
+    assert known_queues(admin) == []  # not registered: NOPERM on batchgate:queues
+    # The consumer's own figures are still published (its info hash, its failures).
+    wait_for(lambda: queue_snapshot(admin, queue)["recent_failures"], 10, "the failure")
+    assert queue_snapshot(admin, queue)["consumers"][0]["host"]
+    assert consumer.proc.poll() is None and "Traceback" not in consumer.output()
+
+
+def test_a_lean_snapshot_skips_the_lists(redis_server, queue):
+    """What an exporter polling often asks for: the figures without the listings."""
+    client = redis_server.client()
+    with Producer(redis_server.url, queue) as producer:
+        producer.submit(1)
+    client.lpush(QueueKeys(queue).failures, b'{"id": "x"}')
+    full, lean = queue_snapshot(client, queue), queue_snapshot(client, queue, 0, 0)
+    assert full["recent_failures"] == [{"id": "x"}] and lean["recent_failures"] == []
+    assert lean["dead"] == {"total": 0, "shown": []} and lean["depth"] == full["depth"]
+    # An adaptive delay (max_queue_delay_ms=auto) shows where the queue's stats hold one.
+    assert full["adaptive_delay"] == {}
+    client.hset(QueueKeys(queue).stats, "adaptive_delay_us", 1234)
+    assert queue_snapshot(client, queue)["adaptive_delay"] == {"adaptive_delay_us": 1234}

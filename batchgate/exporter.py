@@ -59,6 +59,10 @@ POLICY_GAUGES = {
     "max_cost": ("batchgate_queue_policy_max_cost", 1),
     "max_batch_cost": ("batchgate_queue_policy_max_batch_cost", 1),
     "slo_p99_ms": ("batchgate_queue_policy_slo_p99_seconds", 1000),
+    "timeout_high_ms": ("batchgate_queue_policy_timeout_high_seconds", 1000),
+    "timeout_normal_ms": ("batchgate_queue_policy_timeout_normal_seconds", 1000),
+    "timeout_low_ms": ("batchgate_queue_policy_timeout_low_seconds", 1000),
+    "allow_timeout_override": ("batchgate_queue_policy_allow_timeout_override", 1),
 }
 assert set(POLICY_GAUGES) == set(LIMITS), "every policy knob is exported"
 
@@ -98,6 +102,7 @@ class QueueReading:
     waits: list[int]
     e2e: list[int]
     model: list[int]
+    delayed: int = 0  # past their deadline under on_timeout=delay, run when idle
 
 
 def read_queue(client: redis.Redis, queue: str, now_us: int, samples: int) -> QueueReading:
@@ -117,15 +122,17 @@ def read_queue(client: redis.Redis, queue: str, now_us: int, samples: int) -> Qu
     pipe.lrange(keys.wait_samples, 0, samples - 1)
     pipe.lrange(keys.e2e_samples, 0, samples - 1)
     pipe.lrange(keys.model_samples, 0, samples - 1)
+    pipe.zcard(keys.delayed)
     policy, d0, d1, d2, o0, o1, o2, owned, batches, alive, counters, dead, waits, e2e, \
-        model = pipe.execute()
+        model, delayed = pipe.execute()
     return QueueReading(
         policy=policy, depth=[d0, d1, d2],
         oldest_us=[score for first in (o0, o1, o2) for _, score in first],
         owned=owned, batches_in_flight=batches, consumers_alive=alive,
         counters={k.decode(): int(v) for k, v in counters.items() if v.lstrip(b"-").isdigit()},
         dead=dead, waits=_ints(waits), e2e=_ints(e2e),
-        model=_ints(sample.partition(b":")[2] for sample in model))  # "size:model_us"
+        model=_ints(sample.partition(b":")[2] for sample in model),  # "size:model_us"
+        delayed=delayed)
 
 
 def _ints(raw: Any) -> list[int]:
@@ -144,7 +151,8 @@ class Families:
 
         gauge, counter = GaugeMetricFamily, CounterMetricFamily
         q = ["queue"]
-        self.depth = gauge("batchgate_queue_depth", "Requests waiting, per priority.",
+        self.depth = gauge("batchgate_queue_depth", "Requests waiting, per priority "
+                           "(delayed: past their deadline, on_timeout=delay).",
                            labels=["queue", "priority"])
         self.oldest = gauge("batchgate_queue_oldest_wait_seconds",
                             "Age of the oldest waiting request (0 when none waits).", labels=q)
@@ -190,6 +198,7 @@ class Families:
             policy: Policy | None = None) -> None:
         for level, count in zip(Priority, r.depth, strict=True):
             self.depth.add_metric([queue, level.name.lower()], count)
+        self.depth.add_metric([queue, "delayed"], r.delayed)
         self.oldest.add_metric([queue], max(0, now_us - min(r.oldest_us)) / 1e6
                                if r.oldest_us else 0)
         self.in_flight.add_metric([queue], r.owned)

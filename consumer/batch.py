@@ -1,7 +1,8 @@
 """What a pop hands the consumer loop, and what the loop hands complete.lua.
 
-A pop yields one of three next steps: a Batch to run, Idle (nothing due: block), or
-PopNow (pop again at once).
+A pop yields one of four next steps: a Batch to run, Idle (nothing due: block), PopNow
+(pop again at once), or ExpireDue (requests past their deadline wait: expire them, then
+pop).
 """
 
 from __future__ import annotations
@@ -73,8 +74,14 @@ class PopNow:
     """Pop at once: nothing rode in with the last completion."""
 
 
+@dataclass(frozen=True)
+class ExpireDue:
+    """pop_batch.lua's {-4}: a waiting request is past its deadline; expire_due first."""
+
+
 IDLE_UNTIL_WOKEN = Idle()
 POP_NOW = PopNow()
+EXPIRE_DUE = ExpireDue()
 Next = Batch | Idle | PopNow  # what the consumer loop does next
 
 
@@ -90,11 +97,12 @@ class Finished:
     last: bool = True  # the batch's final completion: observed, its model time recorded
 
 
-def parse_pop(reply: list[Any]) -> Batch | Idle:
-    """pop_batch.lua's reply: a Batch, or Idle until the next request falls due.
-
-    LookupError if the queue has no policy."""
+def parse_pop(reply: list[Any]) -> Batch | Idle | ExpireDue:
+    """pop_batch.lua's reply: a Batch, Idle until the next request falls due, or
+    ExpireDue. LookupError if the queue has no policy."""
     head = int(reply[0])
+    if head == -4:
+        return EXPIRE_DUE
     if head == 0:
         wait_us = int(reply[1])
         return Idle(wait_us / 1000) if wait_us >= 0 else IDLE_UNTIL_WOKEN

@@ -7,6 +7,11 @@ is deemed hung, and the consumer lets go of everything it holds: that batch's le
 no longer renewed, the batch fetched ahead is given back to the queue at once, and once
 the hung batch's lease has lapsed (max_batch_ms + lease_ms) the process is told to exit:
 Python cannot interrupt a thread stuck in a model, so only a fresh process recovers.
+
+While the consumer holds a batch (its loop cannot), the thread also keeps the queue's
+deadlines: each renewal reads the earliest deadline still waiting, and the thread wakes at
+that moment to take the requests past their deadline out of the queue (expire_due), then
+re-arms itself at the next one. An idle consumer's own due timer covers them otherwise.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import orjson
 import redis
 
 from consumer.batch import Batch
+from scheduler_core.deadlines import expire_due
 from scheduler_core.keys import QueueKeys
 from scheduler_core.registry import REGISTER_EVERY_S, register_queue
 from scheduler_core.scripts import ScriptPipeline, Scripts, extend_lease_keys, requeue_keys
@@ -74,7 +80,8 @@ class LeaseKeeper:
 
     def __init__(self, client: redis.Redis, scripts: Scripts, keys: QueueKeys, consumer: str,
                  times: LeaseTimes, held: Held, on_policy: Callable[[dict[bytes, bytes]], None],
-                 on_hung: Callable[[], None], report: Report | None = None):
+                 on_hung: Callable[[], None], report: Report | None = None,
+                 result_ttl_s: Callable[[], int] = lambda: 600):
         self._redis, self._scripts, self._keys = client, scripts, keys
         self._consumer, self._times, self._held = consumer, times, held
         self._on_policy, self._on_hung = on_policy, on_hung
@@ -87,6 +94,8 @@ class LeaseKeeper:
         self._hung = False  # `_watched` ran past max_batch_ms
         self._warned: Batch | None = None  # the batch whose lost lease was reported
         self._released: set[str] = set()  # ids of fetched-ahead batches given back
+        self._result_ttl_s = result_ttl_s  # the policy's, for a queue that lost its own
+        self._deadline_at: float | None = None  # monotonic: the earliest deadline known
 
     def start(self) -> None:
         self._thread.start()
@@ -96,13 +105,43 @@ class LeaseKeeper:
         self._thread.join(timeout=5)
 
     def _loop(self) -> None:
-        while not self._stop.wait(self._times.interval_s):
+        next_tick = time.monotonic() + self._times.interval_s
+        while True:
+            wake = next_tick if self._deadline_at is None else min(next_tick, self._deadline_at)
+            if self._stop.wait(max(0.0, wake - time.monotonic())):
+                return
+            now = time.monotonic()
             try:
-                self._tick()
+                if self._deadline_at is not None and now >= self._deadline_at:
+                    self._deadline_at = None
+                    self._expire(now)
+                if now >= next_tick:
+                    next_tick = now + self._times.interval_s
+                    self._tick()
             except redis.RedisError as exc:
                 log.debug("lease renewal failed: %s", exc)
             except Exception:  # a dead lease thread would lose every batch: carry on
                 log.exception("lease thread: unexpected error")
+
+    def _expire(self, now: float) -> None:
+        """The earliest deadline has come: expire what is due while the consumer holds a
+        batch (an idle consumer's pop does it), and arm for the next deadline."""
+        if self._held.current() is None and self._held.in_model() is None:
+            return  # idle: its due timer and pop_batch's {-4} take care of it
+        sweep = expire_due(self._scripts, self._keys, self._result_ttl_s())
+        if sweep.more:
+            self._deadline_at = now
+        elif sweep.next_in_s is not None:
+            self._deadline_at = now + sweep.next_in_s
+
+    def _arm(self, first: list[Any], redis_now: tuple[int, int]) -> None:
+        """Arm for the earliest deadline read with a renewal (zrange with scores)."""
+        if not first:
+            return
+        now_us = redis_now[0] * 1_000_000 + redis_now[1]
+        at = time.monotonic() + max(0.0, (first[0][1] - now_us) / 1e6)
+        if self._deadline_at is None or at < self._deadline_at:
+            self._deadline_at = at
 
     def _tick(self) -> None:
         now = time.monotonic()
@@ -198,7 +237,7 @@ class LeaseKeeper:
         only), shorten the leases of `release`, sweep lapsed leases (while hung the loop
         cannot), and read the policy. Whether `current`'s lease was extended, and the
         stored policy."""
-        pipe = ScriptPipeline(self._redis)
+        pipe = ScriptPipeline(self._redis, pinned=True)  # TIME: the queue's own server
         lease = self._times.lease_ms
         calls: list[tuple[Batch | None, int]] = [(current, lease), *((b, lease) for b in others),
                                                   *((b, RELEASE_LEASE_MS) for b in release)]
@@ -209,5 +248,8 @@ class LeaseKeeper:
         if sweep:
             pipe.script(self._scripts.requeue_expired, requeue_keys(self._keys), [100])
         pipe.command("hgetall", self._keys.policy)
+        pipe.command("zrange", self._keys.deadlines, 0, 0, False, True)  # with scores
+        pipe.command("time")
         replies = pipe.execute()
-        return int(replies[0]) != 0, replies[-1]
+        self._arm(replies[-2], replies[-1])
+        return int(replies[0]) != 0, replies[-3]

@@ -29,6 +29,7 @@ from consumer.batch import (
     Answers,
     Batch,
     Cost,
+    ExpireDue,
     Finished,
     Idle,
     Item,
@@ -42,6 +43,7 @@ from consumer.overlap import Overlap
 from consumer.refit import CostRefit
 from scheduler_core.admin import ensure_policy, store_policy, unknown_requests
 from scheduler_core.connection import DEFAULT_REDIS_URL, Backoff, connect
+from scheduler_core.deadlines import expire_due
 from scheduler_core.errors import InvalidRequest, NotReplicated
 from scheduler_core.keys import QueueKeys
 from scheduler_core.policy import MAX_COST_BUCKETS, Policy
@@ -215,7 +217,9 @@ class Consumer:
         lease = LeaseKeeper(self.redis, self.scripts, self.keys, self.config.name,
                             LeaseTimes(self.config.lease_ms, self.config.max_batch_ms), held,
                             on_policy=self._policy_seen, on_hung=self._exit_hung,
-                            report=Report(self._about, self.failures))
+                            report=Report(self._about, self.failures),
+                            result_ttl_s=lambda: self.policy.result_ttl_s if self.policy
+                            else 600)
         lease.start()
         refit = CostRefit(self.redis, self.keys, self.config.cost_refit_s) \
             if self.config.cost_refit_s else None
@@ -296,10 +300,29 @@ class Consumer:
 
     def _parse(self, reply: list[Any]) -> Next:
         try:
-            return parse_pop(reply)
+            step = parse_pop(reply)
         except LookupError:
             self._restore_policy()
             return POP_NOW
+        if isinstance(step, ExpireDue):
+            self._expire_due()
+            return POP_NOW
+        return step
+
+    def _expire_due(self) -> None:
+        """Take the requests past their deadline out of the queue (their producers get
+        DeadlineExceeded), so that none of them fills or joins a batch."""
+        assert self.policy is not None
+        try:
+            sweep = expire_due(self.scripts, self.keys, self.policy.result_ttl_s)
+        except InvalidRequest as exc:  # a stored policy altered by hand: do not spin
+            log.error("queue %r: cannot expire requests past their deadline: %s",
+                      self.config.queue, exc)
+            self.stopping.wait(1.0)
+            return
+        if sweep.expired or sweep.delayed:
+            log.debug("expired %d, delayed %d requests past their deadline", sweep.expired,
+                      sweep.delayed)
 
     # -- the queue's policy, as it changes under us ------------------------------------
     def _restore_policy(self) -> None:

@@ -23,6 +23,7 @@ from producer.validation import check_timeout
 from scheduler_core import connection
 from scheduler_core.compat import require_redis_version_async
 from scheduler_core.connection import Backoff, dedicated
+from scheduler_core.deadlines import expire_due_async
 from scheduler_core.policy import Priority
 from scheduler_core.registry import register_queue_async
 from scheduler_core.scripts import AsyncScriptPipeline, Scripts
@@ -100,6 +101,10 @@ class AsyncProducer(ProducerBase[AsyncHandle]):
         self._kick_scheduled = False
         self._sends: set[asyncio.Task[None]] = set()
         self._sweeper: asyncio.Task[None] | None = None
+        # The deadline timer: a call at the earliest deadline, moved when an earlier comes.
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at: float | None = None
+        self._expirer: asyncio.Task[None] | None = None
 
     async def submit(self, payload: Any, priority: Priority | int | str = Priority.NORMAL,
                      deadline_ms: float | None = None,
@@ -120,11 +125,13 @@ class AsyncProducer(ProducerBase[AsyncHandle]):
 
     async def close(self) -> None:
         self._closed = True
+        if self._timer is not None:
+            self._timer.cancel()
         if self._pending:
             self._kick()
         while self._sends:  # submits already queued get their answer
             await asyncio.gather(*self._sends, return_exceptions=True)
-        for task in (self._listener, self._sweeper):
+        for task in (self._listener, self._sweeper, self._expirer):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -159,8 +166,43 @@ class AsyncProducer(ProducerBase[AsyncHandle]):
         except BaseException:
             self._forget(submission.requests)
             raise
-        self._accepted(submission.requests, handles, ids)
+        if self._accepted(submission.requests, handles, ids, submission.deadlines):
+            self._arm_timer()
         return handles
+
+    # -- the deadline timer ------------------------------------------------------------
+    def _arm_timer(self) -> None:
+        """Call _on_deadline at the earliest deadline of this producer's requests (the
+        event loop's timer: no polling)."""
+        at = self._next_deadline
+        if self._closed or at is None or (self._timer is not None and self._timer_at == at):
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = at
+        self._timer = asyncio.get_running_loop().call_later(
+            max(0.0, at - time.monotonic()), self._on_deadline)
+
+    def _on_deadline(self) -> None:
+        self._timer = self._timer_at = None
+        if self._expirer is None or self._expirer.done():
+            self._expirer = asyncio.get_running_loop().create_task(self._expire_due())
+        else:  # one still running: look again shortly
+            self._timer_at = time.monotonic() + 0.001
+            self._timer = asyncio.get_running_loop().call_later(0.001, self._on_deadline)
+
+    async def _expire_due(self) -> None:
+        """Take the requests past their deadline out of the queue (expire_due.lua): their
+        results reach the inbox, and the listener resolves the handles."""
+        due = self._take_due()
+        if due:
+            try:
+                await self._expire_all_due()
+            except Exception as exc:  # Redis away, or a policy altered by hand
+                log.warning("async producer: could not expire requests past their "
+                            "deadline (%s); trying again", exc)
+                self._expiry_failed(due)
+        self._arm_timer()
 
     async def _enqueue(self, sub: Submission, loop: asyncio.AbstractEventLoop) -> list[str]:
         if self._in_flight == 0 and not self._pending:
@@ -286,17 +328,7 @@ class AsyncProducer(ProducerBase[AsyncHandle]):
             log.exception("async producer listener: sweep failed")
 
     async def _sweep_once(self) -> None:
-        expire, poll = self._due()
-        for chunk in expire:
-            calls = self._expire_calls(chunk)
-            pipe = AsyncScriptPipeline(self._redis)
-            for keys, args, _ in calls:
-                pipe.script(self._scripts.cancel, keys, args)
-            try:
-                replies = await pipe.execute(raise_on_error=False)
-            except redis.RedisError as exc:
-                replies = [exc] * len(chunk)
-            self._expired(chunk, replies, calls)
+        _, poll = self._due()
         for chunk in poll:
             try:  # on a cluster, the MULTI goes to the primary serving the queue's slot
                 owner = await connection.slot_owner_async(self._redis, self.keys.jobs)
@@ -319,8 +351,15 @@ class AsyncProducer(ProducerBase[AsyncHandle]):
                                envelope)
 
     async def _expire(self, handle: AsyncHandle) -> None:
+        """As Producer._expire."""
         handle._deadline_at = None
         try:
-            await self._cancel(handle, deadline=True)
+            await self._expire_all_due()
         except (redis.ConnectionError, redis.TimeoutError):
             base.rearm(handle)
+
+    async def _expire_all_due(self) -> None:
+        """As Producer._expire_all_due."""
+        while (await expire_due_async(self._scripts, self.keys,
+                                      self.config.result_ttl_s)).more:
+            pass

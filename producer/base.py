@@ -4,9 +4,12 @@ arguments and how concurrent submits are coalesced. The subclasses add only thei
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -28,6 +31,7 @@ from scheduler_core.scripts import (
     Scripts,
     cancel_keys,
     enqueue_call,
+    enqueue_deadlines,
     enqueue_reply,
 )
 from scheduler_core.wire import Result, decode_result, lost_result
@@ -72,6 +76,7 @@ class SubmittedHandle(Protocol):
     _deadline_at: float | None  # time.monotonic() after which the producer may expire it
     _accepted_at: float  # time.monotonic() when Redis accepted it
     _poll_at: float | None  # when the listener next checks its stored result
+    _result: Result | None  # set once it has ended
 
     def _resolve(self, result: Result) -> None:
         """Deliver its result (the first call wins; later ones are ignored)."""
@@ -91,6 +96,7 @@ class Submission:
     requests: list[NewRequest]
     size: int = 0  # envelope bytes
     ids: list[str] | None = None
+    deadlines: list[int] | None = None  # ms: the deadline each got (the policy's default)
     error: BaseException | None = None
     waiter: Any = field(default=None, repr=False)  # the I/O side's signal (lock, future)
     handed: list[Submission] | None = field(default=None, repr=False)  # sync: lead this
@@ -137,6 +143,14 @@ class ProducerBase(Generic[H]):
         self._on_result = on_result
         self._pending: deque[Submission] = deque()
         self._in_flight = 0
+        # The deadline timer's heap of (deadline, seq, handle), and its next firing: the
+        # earliest deadline of a waiting handle (time.monotonic()). Entries of handles
+        # that ended meanwhile are dropped as they reach the top, so the timer wakes for
+        # waiting handles only: about once per deadline span, plus once per expiry. Weak
+        # references: a handle that has ended is not kept alive until its deadline.
+        self._deadlines: list[tuple[float, int, weakref.ref[H]]] = []
+        self._deadline_seq = itertools.count()
+        self._next_deadline: float | None = None
         self._registered = False  # the queue in the registry (scheduler_core/registry.py)
 
     def _prepare(self, payloads: Iterable[Any], priority: Any, deadline_ms: Any,
@@ -157,13 +171,21 @@ class ProducerBase(Generic[H]):
             for r in requests:
                 self._handles.pop(r.id, None)
 
-    def _accepted(self, requests: list[NewRequest], handles: list[H], ids: list[str]) -> None:
+    def _accepted(self, requests: list[NewRequest], handles: list[H], ids: list[str],
+                  deadlines: list[int] | None = None) -> bool:
         """Arm deadlines and polls; an idempotent duplicate is answered under the first
-        request's id."""
+        request's id. `deadlines`: the deadline (ms) each request got from enqueue.lua,
+        its own or its level's default. True if the earliest deadline moved earlier (the
+        deadline timer must be re-armed)."""
         now = time.monotonic()
+        given = deadlines or [r.deadline_ms for r in requests]
+        earlier = False
         with self._lock:
-            for request, h, effective in zip(requests, handles, ids, strict=True):
-                h._deadline_at = local_deadline(request.deadline_ms)
+            for request, h, effective, deadline_ms in zip(requests, handles, ids, given,
+                                                          strict=True):
+                h._deadline_at = local_deadline(deadline_ms)
+                if h._deadline_at is not None:
+                    earlier |= self._push_deadline(h)
                 h._accepted_at, h._poll_at = now, now + POLL_S
                 if effective != request.id:
                     self._handles.pop(request.id, None)
@@ -172,6 +194,7 @@ class ProducerBase(Generic[H]):
                         self._duplicates.setdefault(effective, []).append(h)
                     else:
                         self._handles[effective] = h
+        return earlier
 
     def _take(self, request_id: str) -> list[H]:
         """Unregister and return every handle waiting for `request_id`."""
@@ -214,9 +237,11 @@ class ProducerBase(Generic[H]):
                 return False
             batch[0].error = exc
             return True
+        deadlines = enqueue_deadlines(reply)
         start = 0
         for sub in batch:
             sub.ids = ids[start:start + len(sub.requests)]
+            sub.deadlines = deadlines[start:start + len(sub.requests)]
             start += len(sub.requests)
         return True
 
@@ -232,6 +257,7 @@ class ProducerBase(Generic[H]):
                 continue
             try:
                 sub.ids = enqueue_reply(self.keys, reply)
+                sub.deadlines = enqueue_deadlines(reply)
             except (QueueFull, InvalidRequest) as exc:
                 sub.error = exc
 
@@ -241,23 +267,57 @@ class ProducerBase(Generic[H]):
             if sub.ids is None and sub.error is None:
                 sub.error = exc
 
+    # -- the deadline timer -------------------------------------------------------------
+    def _push_deadline(self, h: H) -> bool:
+        """Add `h` at its _deadline_at (under self._lock); True if it is the earliest."""
+        at = h._deadline_at
+        assert at is not None
+        heapq.heappush(self._deadlines, (at, next(self._deadline_seq), weakref.ref(h)))
+        if self._next_deadline is None or at < self._next_deadline:
+            self._next_deadline = at
+            return True
+        return False
+
+    def _take_due(self) -> list[H]:
+        """The waiting handles past their deadline (one expiry attempt each); the timer's
+        next time becomes the earliest deadline of the others."""
+        heap, due = self._deadlines, []
+        with self._lock:
+            now = time.monotonic()
+            while heap:
+                at, _, ref = heap[0]
+                h = ref()
+                live = h is not None and h._deadline_at == at and h._result is None
+                if live and at > now:
+                    break
+                heapq.heappop(heap)
+                if h is not None and live:
+                    h._deadline_at = None
+                    due.append(h)
+            self._next_deadline = heap[0][0] if heap else None
+        return due
+
+    def _expiry_failed(self, handles: list[H]) -> None:
+        """An expiry that could not reach Redis: try again a little later."""
+        with self._lock:
+            for h in handles:
+                rearm(h)
+                self._push_deadline(h)
+
     # -- the listener's sweep ------------------------------------------------------------
     def _due(self) -> tuple[list[list[H]], list[list[H]]]:
-        """Chunks of the handles past their deadline (to expire: one attempt each) and of
-        those due for a check of their stored result (the next one planned)."""
+        """Chunks of the handles due for a check of their stored result (the next one
+        planned); their deadlines are the deadline timer's."""
         with self._lock:
             handles = [*self._handles.values(),
                        *(h for more in self._duplicates.values() for h in more)]
         now = time.monotonic()
-        expire, poll = [], []
+        poll = []
         for h in handles:
-            if h._deadline_at is not None and now >= h._deadline_at:
-                h._deadline_at = None
-                expire.append(h)
-            elif h._poll_at is not None and now >= h._poll_at:
+            if h._poll_at is not None and now >= h._poll_at:
                 h._poll_at = now + min(POLL_MAX_S, max(POLL_S, now - h._accepted_at))
                 poll.append(h)
-        return _chunks(expire), _chunks(poll)
+        return [], _chunks(poll)
 
     def _poll_reads(self, pipe: Any, handles: list[H]) -> list[H]:
         """Queue on `pipe` (a MULTI, sync or asyncio) the reads of a poll of `handles`:
@@ -288,17 +348,6 @@ class ProducerBase(Generic[H]):
                         lost[0].id)
         for handle in lost:
             self._resolve_all(handle, lost_result(handle.id))
-
-    def _expire_calls(self, handles: list[H]) -> list[tuple[list[str], list[Any], bytes]]:
-        return [self._cancel_call(h.id, deadline=True) for h in handles]
-
-    def _expired(self, handles: list[H], replies: list[Any],
-                 calls: list[tuple[list[str], list[Any], bytes]]) -> None:
-        for handle, reply, (_, _, envelope) in zip(handles, replies, calls, strict=True):
-            if isinstance(reply, Exception):
-                rearm(handle)
-            else:
-                self._cancelled(handle, reply, envelope)
 
     # -- cancel, poll ------------------------------------------------------------------
     def _cancel_call(self, request_id: str, deadline: bool) -> tuple[list[str], list[Any], bytes]:

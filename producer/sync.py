@@ -37,6 +37,7 @@ from scheduler_core.connection import (
     refresh_topology,
     slot_owner,
 )
+from scheduler_core.deadlines import expire_due
 from scheduler_core.policy import Priority
 from scheduler_core.registry import register_queue
 from scheduler_core.scripts import ScriptPipeline, Scripts
@@ -194,6 +195,8 @@ class Producer(ProducerBase[Handle]):
         self._listener: threading.Thread | None = None
         self._listener_redis: Any = None
         self._send_lock = threading.Lock()
+        self._timer: threading.Thread | None = None  # the deadline timer, made by a deadline
+        self._timer_cond = threading.Condition()
 
     # -- public API -----------------------------------------------------------------
     def submit(self, payload: Any, priority: Priority | int | str = Priority.NORMAL,
@@ -247,6 +250,10 @@ class Producer(ProducerBase[Handle]):
 
     def close(self) -> None:
         self._closed.set()
+        with self._timer_cond:
+            self._timer_cond.notify_all()
+        if self._timer is not None:
+            self._timer.join(timeout=5)
         if self._listener is not None:
             self._wake_listener()
             self._listener.join(timeout=5)
@@ -277,8 +284,44 @@ class Producer(ProducerBase[Handle]):
         except BaseException:
             self._forget(submission.requests)
             raise
-        self._accepted(submission.requests, handles, ids)
+        if self._accepted(submission.requests, handles, ids, submission.deadlines):
+            self._arm_timer()
         return handles
+
+    # -- the deadline timer ------------------------------------------------------------
+    def _arm_timer(self) -> None:
+        """A new earliest deadline: (start and) wake the deadline timer to wait for it."""
+        with self._timer_cond:
+            if self._timer is None:
+                self._timer = threading.Thread(
+                    target=self._deadline_loop, name=f"batchgate-deadlines-{self.id[:8]}",
+                    daemon=True)
+                self._timer.start()
+            self._timer_cond.notify_all()
+
+    def _deadline_loop(self) -> None:
+        """Wait for the earliest deadline of this producer's requests, then take the
+        requests past their deadline out of the queue (expire_due.lua: their results
+        reach the inbox, and the listener resolves the handles). No polling: it sleeps
+        until that moment, or until an earlier deadline arrives."""
+        while True:
+            with self._timer_cond:
+                while not self._closed.is_set():
+                    at = self._next_deadline
+                    delay = None if at is None else at - time.monotonic()
+                    if delay is not None and delay <= 0:
+                        break
+                    self._timer_cond.wait(delay)
+                if self._closed.is_set():
+                    return
+            due = self._take_due()
+            if due:
+                try:
+                    self._expire_all_due()
+                except Exception as exc:  # Redis away, or a policy altered by hand
+                    log.warning("producer: could not expire requests past their deadline "
+                                "(%s); trying again", exc)
+                    self._expiry_failed(due)
 
     def _enqueue(self, sub: Submission) -> list[str]:
         """Send `sub` with whatever else waits to be sent, and return its ids.
@@ -424,19 +467,9 @@ class Producer(ProducerBase[Handle]):
                 next_sweep = time.monotonic() + POLL_S
 
     def _sweep(self) -> None:
-        """Expire the requests past their deadline that nobody waiting in result() has
-        expired, and fetch stored results that the inbox did not deliver."""
-        expire, poll = self._due()
-        for chunk in expire:
-            calls = self._expire_calls(chunk)
-            pipe = ScriptPipeline(self._redis)
-            for keys, args, _ in calls:
-                pipe.script(self._scripts.cancel, keys, args)
-            try:
-                replies = pipe.execute(raise_on_error=False)
-            except redis.RedisError as exc:
-                replies = [exc] * len(chunk)
-            self._expired(chunk, replies, calls)
+        """Fetch stored results that the inbox did not deliver (the deadline timer
+        expires requests)."""
+        _, poll = self._due()
         for chunk in poll:
             try:  # on a cluster, the MULTI goes to the primary serving the queue's slot
                 pipe = slot_owner(self._redis, self.keys.jobs).pipeline(transaction=True)
@@ -470,9 +503,17 @@ class Producer(ProducerBase[Handle]):
         return self._cancelled(handle, self._scripts.cancel(keys=keys, args=args), envelope)
 
     def _expire(self, handle: Handle) -> None:
-        """Past its deadline and still waiting: remove it so it is never run."""
-        handle._deadline_at = None  # one attempt; if running, its result will come
+        """Past its deadline: take what is due out of the queue (expire_due.lua) so it
+        is never run; its DeadlineExceeded reaches the inbox. One attempt; if it is
+        already running, or delayed (on_timeout = delay), its result will come."""
+        handle._deadline_at = None
         try:
-            self._cancel(handle, deadline=True)
+            self._expire_all_due()
         except (redis.ConnectionError, redis.TimeoutError):
             rearm(handle)
+
+    def _expire_all_due(self) -> None:
+        """Sweeps until no request is past its deadline: the handles taken off the timer
+        are not looked at again (each sweep is bounded; Redis serves others between)."""
+        while expire_due(self._scripts, self.keys, self.config.result_ttl_s).more:
+            pass

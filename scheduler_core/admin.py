@@ -89,6 +89,8 @@ class QueueStats:
     queue_wait_ms: dict[str, float | None]
     end_to_end_ms: dict[str, float | None]
     model_ms: dict[str, float | None]  # per batch
+    delayed: int = 0  # waiting past their deadline (on_timeout = delay), run when idle
+    past_deadline: int = 0  # waiting past their deadline, about to be expired
     # requests/s enqueued over the last 10 complete seconds (enqueue.lua's counts)
     arrival_rate_rps: float = 0.0
     # the max_queue_delay_ms pop_batch applies: the stored one, or under
@@ -120,13 +122,14 @@ def queue_stats(client: redis.Redis, queue: str) -> QueueStats:
     # (a cluster pipeline takes no keyless command).
     owner = slot_owner(client, keys.policy)
     try:
-        return _queue_stats(owner.pipeline(transaction=True), queue, keys)
+        return _queue_stats(owner, queue, keys)
     except redis.RedisError as exc:
         refresh_topology(client, exc)
         raise
 
 
-def _queue_stats(pipe: Any, queue: str, keys: QueueKeys) -> QueueStats:
+def _queue_stats(owner: Any, queue: str, keys: QueueKeys) -> QueueStats:
+    pipe = owner.pipeline(transaction=True)
     pipe.time()
     pipe.hgetall(keys.policy)
     for key in keys.pending_all:
@@ -142,9 +145,11 @@ def _queue_stats(pipe: Any, queue: str, keys: QueueKeys) -> QueueStats:
     pipe.lrange(keys.e2e_samples, 0, SAMPLES_READ - 1)
     pipe.lrange(keys.model_samples, 0, SAMPLES_READ - 1)
     pipe.hgetall(keys.arrivals)
+    pipe.zcard(keys.delayed)
     (now_s, now_frac), policy, d0, d1, d2, o0, o1, o2, owned, batches_in_flight, consumers, \
-        counters, dead, waits, e2e, model, arrivals = pipe.execute()
+        counters, dead, waits, e2e, model, arrivals, delayed = pipe.execute()
     now_us = now_s * 1_000_000 + now_frac
+    past_deadline = owner.zcount(keys.deadlines, "-inf", now_us)  # at the TIME above
     oldest = [score for first in (o0, o1, o2) for _, score in first]
     counters = {k.decode(): int(v) for k, v in counters.items()}
     alive_after = now_us - CONSUMER_ALIVE_S * 1_000_000
@@ -169,6 +174,8 @@ def _queue_stats(pipe: Any, queue: str, keys: QueueKeys) -> QueueStats:
         queue_wait_ms=_percentiles(waits),
         end_to_end_ms=_percentiles(e2e),
         model_ms=_percentiles([sample.partition(b":")[2] for sample in model]),  # size:us
+        delayed=delayed,
+        past_deadline=past_deadline,
         arrival_rate_rps=rate_from(arrivals, int(now_s)),
         max_queue_delay_ms_in_use=_delay_in_use(stored, counters, alive_after),
     )
@@ -262,7 +269,7 @@ def queue_lookup(pipe: Any, keys: QueueKeys, request_id: str) -> None:
     transaction, so a request moving between states is seen in one of them."""
     pipe.get(keys.result(request_id))
     pipe.hexists(keys.owner, request_id)
-    for key in keys.pending_all:
+    for key in [*keys.pending_all, keys.delayed]:  # delayed: past its deadline, queued
         pipe.zscore(key, request_id)
     pipe.hget(keys.dead_reason, request_id)
 

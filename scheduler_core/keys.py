@@ -27,8 +27,10 @@ then the script's per-call keys (result:<id>, inbox:<producer>, idem:<key>).
 |                             |        | (each list is trimmed back to 10,000 at 10,500 entries)   |
 | `{bg:q}:dead`               | zset   | dead-lettered ids -> time (µs); envelope kept in jobs     |
 | `{bg:q}:dead:reason`        | hash   | dead-lettered id -> reason                                |
-| `{bg:q}:deadlines`         | zset   | pending id -> its deadline (µs), for requests with one    |
-| `{bg:q}:delayed`           | zset   | id -> arrival (µs): past its deadline, runs when idle     |
+| `{bg:q}:deadlines`         | zset   | waiting id -> its deadline (µs), for requests with one    |
+|                             |        | (enqueue adds, pop/cancel/expire_due remove)              |
+| `{bg:q}:delayed`           | zset   | id -> arrival (µs): past its deadline under on_timeout =  |
+|                             |        | delay; runs when no level waits (expire_due moves it)     |
 | `{bg:q}:arrivals`          | hash   | epoch second -> requests enqueued (the measured rate)     |
 | `{bg:q}:cost_model`        | hash   | the fitted model time A + B·b (µs) and where it came from |
 | `{bg:q}:consumer:<name>`    | hash   | a consumer's host, pid, device, batches, current batch;   |

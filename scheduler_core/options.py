@@ -84,6 +84,21 @@ POLICY_KNOBS: list[tuple[str, dict[str, Any], str]] = [
     ("--slo-p99-ms", {"type": int},
      f"P99 latency target, ms, {_range('slo_p99_ms')}, that --max-queue-delay-ms auto holds "
      "(required with it); 0 = none [default: 0]."),
+    ("--timeout-high-ms", {"type": int},
+     f"Default deadline of a HIGH request, ms after enqueue, {_range('timeout_high_ms')}; "
+     "0 = none [default: 0]."),
+    ("--timeout-normal-ms", {"type": int},
+     f"Default deadline of a NORMAL request, ms, {_range('timeout_normal_ms')}; 0 = none "
+     "[default: 0]."),
+    ("--timeout-low-ms", {"type": int},
+     f"Default deadline of a LOW request, ms, {_range('timeout_low_ms')}; 0 = none "
+     "[default: 0]."),
+    ("--allow-timeout-override", {"type": int},
+     "1: a request's own deadline_ms replaces its level's default timeout; 0: the default "
+     "applies where the level has one [default: 1]."),
+    ("--on-timeout", {"type": click.Choice(CHOICES["on_timeout"])},
+     "A request still waiting at its deadline: reject (DeadlineExceeded) or delay (it runs "
+     "only when nothing else waits) [default: reject]."),
 ]
 
 

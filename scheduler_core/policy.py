@@ -57,6 +57,12 @@ LIMITS: dict[str, tuple[int, int]] = {
     "max_cost": (0, 1_000_000_000),  # 0 = no cap
     "max_batch_cost": (0, 1_000_000_000),  # 0 = no budget per batch
     "slo_p99_ms": (0, 600_000),
+    # Default deadline of a request of each level, ms from its enqueue (like Triton's
+    # default_timeout_microseconds); 0 = none. The bound is deadline_ms's.
+    "timeout_high_ms": (0, 86_400_000),
+    "timeout_normal_ms": (0, 86_400_000),
+    "timeout_low_ms": (0, 86_400_000),
+    "allow_timeout_override": (0, 1),  # 1: a request's own deadline_ms replaces the default
 }
 
 
@@ -76,6 +82,9 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "over_cost": ("reject", "truncate"),  # a request above max_cost: refused, or capped
     "cost_mode": ("sum", "padded"),  # a batch's cost: sum of costs, or size x largest
     "delay_mode": DELAY_MODES,
+    # a request still waiting at its deadline: DeadlineExceeded, or kept to run only
+    # when nothing else waits (docs/scheduling.md, "Deadlines")
+    "on_timeout": ("reject", "delay"),
 }
 _DIGITS = re.compile(r"[0-9]{1,10}")
 MAX_COST_BUCKETS = 4  # boundaries in cost_buckets: at most 5 buckets
@@ -106,6 +115,11 @@ class Policy:
     # "auto": consumers derive the delay (max_queue_delay_ms is then kept, unused, for a
     # switch back to "fixed").
     delay_mode: str = "fixed"
+    timeout_high_ms: int = 0  # default deadline per level (ms after enqueue); 0 = none
+    timeout_normal_ms: int = 0
+    timeout_low_ms: int = 0
+    allow_timeout_override: int = 1  # 1: a request's own deadline_ms replaces its default
+    on_timeout: str = "reject"  # reject (DeadlineExceeded) or delay
 
     def __post_init__(self) -> None:
         try:
@@ -172,6 +186,19 @@ class Policy:
         data = asdict(self)
         data["strategy"] = self.strategy.value
         return {k: str(v) for k, v in data.items()}
+
+    def timeout_ms(self, priority: int) -> int:
+        """The default deadline of a request submitted at `priority` (0 = none)."""
+        return (self.timeout_high_ms, self.timeout_normal_ms, self.timeout_low_ms)[priority]
+
+    def deadline_ms(self, priority: int, requested_ms: int) -> int:
+        """The deadline enqueue.lua gives a request (0 = none): its own deadline_ms where
+        it has one and the policy allows it to override the level's default, else the
+        default (a level without one keeps the request's own)."""
+        default = self.timeout_ms(priority)
+        if default and (not requested_ms or not self.allow_timeout_override):
+            return default
+        return requested_ms
 
     @classmethod
     def from_redis(cls, raw: dict[bytes | str, bytes | str]) -> Policy:

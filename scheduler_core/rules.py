@@ -5,7 +5,9 @@ Given the requests waiting at each level (HIGH, NORMAL, LOW), the time and the q
 policy, it says what one `pop_batch.lua` call would do: a Batch (which requests, from
 which level, which of them are run, answered as expired or dead-lettered), Wait (nothing
 due for `wait_us`) or Nothing (no request waits), together with the aging promotions
-the call makes on the way. It is the script's twin, step by step (promote_aged, choose,
+the call makes on the way, or Expire (a waiting request is past its deadline: it must
+leave through expire_due.lua first, so that it never fills or joins a batch). It is the
+script's twin, step by step (past_deadline, promote_aged, choose or take_delayed,
 isolate_retried, commit's states); tests/test_rules.py holds the two together on random
 queue states against a real Redis. `batchgate simulate` and the benchmark's in-process
 baseline decide with it, so the rules have one Python copy. With a policy's cost settings
@@ -17,9 +19,11 @@ Out of scope, as they come only from hand-written keys: members whose id no prod
 makes (the script dead-letters them) and members without meta.
 
 A level is a sequence of Request sorted as Redis keeps a pending zset: by arrival, then
-id. `decide` reads O(max_batch_size) of each level (times the buckets with costs on;
-plus a bisection when aging is on) and never modifies them; `apply` makes the decision's
-writes on lists.
+id. An optional fourth level (DELAYED) holds the requests past their deadline under
+on_timeout = delay, as the `{bg:q}:delayed` zset does; they run only when the three
+levels are empty. `decide` reads O(max_batch_size) of each level (times the buckets with
+costs on; plus a bisection when aging is on) and never modifies them; `apply` makes the
+decision's writes on lists.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from typing import NamedTuple
 from scheduler_core.policy import Policy, Strategy
 
 RUN, EXPIRED, EXHAUSTED = "run", "expired", "exhausted"  # the script's item states
+DELAYED = 3  # the level of the delayed set (past their deadline, on_timeout = delay)
 _arrival = attrgetter("arrival_us")
 
 
@@ -95,26 +100,56 @@ class Nothing(NamedTuple):
     promoted: tuple[Promotion, ...] = ()
 
 
-Decision = Batch | Wait | Nothing
+class Expire(NamedTuple):
+    """A waiting request is past its deadline: expire the due ones, then decide again
+    (pop_batch.lua's {-4}). Nothing moved."""
+
+    promoted: tuple[Promotion, ...] = ()
+
+
+Decision = Batch | Wait | Nothing | Expire
 Levels = Sequence[Sequence[Request]]
 NOTHING = Nothing()
+EXPIRE = Expire()
 
 
-def decide(levels: Levels, now_us: int, policy: Policy, prefer_bucket: int = 0) -> Decision:
+def first_deadline(levels: Levels) -> int:
+    """The earliest deadline of the requests waiting in the three levels (0: none), as
+    the `{bg:q}:deadlines` zset holds them. O(waiting requests)."""
+    return min((r.deadline_us for level in levels[:3] for r in level if r.deadline_us),
+               default=0)
+
+
+def decide(levels: Levels, now_us: int, policy: Policy, prefer_bucket: int = 0,
+           first_deadline_us: int | None = None) -> Decision:
     """What pop_batch.lua does with this queue state at `now_us` under `policy`, for a
-    consumer that prefers cost bucket `prefer_bucket` (1-based; 0 = none)."""
+    consumer that prefers cost bucket `prefer_bucket` (1-based; 0 = none).
+
+    `first_deadline_us`: the earliest deadline among the waiting requests (0: none) where
+    the caller keeps it, as Redis keeps the deadlines zset; None: found by a scan."""
+    deadline = first_deadline(levels) if first_deadline_us is None else first_deadline_us
+    if deadline and deadline <= now_us:  # past_deadline
+        return EXPIRE
+    decision = _decide(levels, now_us, policy, prefer_bucket)
+    if deadline and type(decision) is Wait:  # a wait ends by the earliest deadline
+        return Wait(min(decision.wait_us, deadline - now_us), decision.promoted)
+    return decision
+
+
+def _decide(levels: Levels, now_us: int, policy: Policy, prefer_bucket: int) -> Decision:
     size, delay = policy.max_batch_size, policy.max_queue_delay_ms * 1000
     aging = policy.aging_ms * 1000 if policy.strategy is Strategy.PRIORITY else 0
     costs = _CostRules.of(policy, prefer_bucket)
     window = costs.window if costs else size  # requests read per level
     promoted: tuple[Promotion, ...] = ()
     if aging:
-        heads, counts, promoted = _promote(levels, now_us, aging, size, window)
+        heads, counts, promoted = _promote(levels[:3], now_us, aging, size, window)
     else:
-        heads = [level[:window] for level in levels]
-        counts = [len(level) for level in levels]
-    total = counts[0] + counts[1] + counts[2]
-    if total == 0:
+        heads = [level[:window] for level in levels[:3]]
+        counts = [len(level) for level in levels[:3]]
+    total = counts[0] + counts[1] + counts[2]  # waiting at the three levels
+    delayed = levels[DELAYED] if len(levels) > DELAYED else ()
+    if total == 0 and not delayed:
         return NOTHING
     strategy = policy.strategy
 
@@ -124,7 +159,10 @@ def decide(levels: Levels, now_us: int, policy: Policy, prefer_bucket: int = 0) 
         return _take(heads, levels, size)
 
     due: list[tuple[Request, int]] | None
-    if strategy is Strategy.FIFO:
+    if total == 0:  # take_delayed: only when no level waits
+        heads.append(delayed[:window])
+        chosen = pick((DELAYED,))
+    elif strategy is Strategy.FIFO:
         chosen = pick((0, 1, 2))
     elif strategy is Strategy.DYNAMIC:  # all levels as one: full, or the oldest is due
         first = min(head[0].arrival_us for head in heads if head)
@@ -170,7 +208,7 @@ def decide(levels: Levels, now_us: int, policy: Policy, prefer_bucket: int = 0) 
         picked.append(Picked(r, level, state))
         if r.attempts:
             break
-    return Batch(tuple(picked), total - len(picked), promoted)
+    return Batch(tuple(picked), total + len(delayed) - len(picked), promoted)
 
 
 class _CostRules(NamedTuple):
@@ -285,7 +323,7 @@ def apply(levels: Sequence[MutableSequence[Request]], decision: Decision) -> Non
         del level[bisect.bisect_left(level, request)]
         bisect.insort(levels[target], request)
     if isinstance(decision, Batch):
-        taken: list[list[Request]] = [[], [], []]
+        taken: list[list[Request]] = [[], [], [], []]
         for p in decision.picked:
             taken[p.level].append(p.request)
         for level, requests in enumerate(taken):

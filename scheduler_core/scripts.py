@@ -36,7 +36,8 @@ from scheduler_core.policy import CHOICES, LIMITS, MAX_COST_BUCKETS, MAX_REQUEST
 # Queue scripts, then the bulk job's lease (lua/bulk/, not queue keys). `Scripts` names
 # each by its path with '/' as '_': scripts.bulk_lease_renew.
 SCRIPT_NAMES = ("enqueue", "pop_batch", "complete", "extend_lease", "requeue_expired",
-                "configure", "cancel", "dead_letter", "bulk/lease_renew", "bulk/lease_release")
+                "configure", "cancel", "dead_letter", "expire_due", "bulk/lease_renew",
+                "bulk/lease_release")
 _INCLUDE = re.compile(r"^-- @include (\S+)[ \t]*\n", re.MULTILINE)
 _RENDER_POLICY = re.compile(r"^-- @render policy[ \t]*$", re.MULTILINE)
 _COMMENT = re.compile(r"--\[\[.*?\]\]|--[^\n]*", re.DOTALL)  # no '--' in the strings
@@ -86,8 +87,8 @@ def source(name: str) -> str:
 
 def _policy_lua(limits: dict[str, tuple[int, int]]) -> str:
     """STRATEGIES, LIMITS (configure iterates them), CHOICES (delay_mode, over_cost,
-    cost_mode) and policy_range: the same ranges as code, so that pop_batch, which runs per
-    batch, builds no table of them."""
+    cost_mode, on_timeout) and policy_range: the same ranges as code, so that pop_batch,
+    which runs per batch, builds no table of them."""
     strategies = ", ".join(f"{s.value} = true" for s in Strategy)
     bounds = [(field, int(low), int(high)) for field, (low, high) in limits.items()]
     ranges = ", ".join(f"{field} = {{{low}, {high}}}" for field, low, high in bounds)
@@ -113,6 +114,7 @@ class Scripts:
     configure: Any
     cancel: Any
     dead_letter: Any
+    expire_due: Any
     bulk_lease_renew: Any
     bulk_lease_release: Any
 
@@ -137,12 +139,15 @@ class ScriptPipeline:
     through another connection (a resend writes nothing), so one confirmed WAIT covers
     them all. On a cluster the pipeline then goes to the primary serving the first key's
     slot (all keys of a queue share it); a resend after a failover is the caller's
-    (every script is safe to resend).
+    (every script is safe to resend). `pinned` sends it there without WAIT: a pipeline
+    with a keyless command that must read that server (TIME).
     """
 
-    def __init__(self, client: Any, replicas: int = 0, wait_timeout_ms: int = 0):
+    def __init__(self, client: Any, replicas: int = 0, wait_timeout_ms: int = 0,
+                 pinned: bool = False):
         self.client = client
         self.replicas, self.wait_timeout_ms = replicas, wait_timeout_ms
+        self.pinned = pinned
         self._ops: list[tuple[Any, ...]] = []
         self._calls: list[tuple[Any, list[str], list[Any]] | None] = []
         self.target: Any = client
@@ -179,7 +184,7 @@ class ScriptPipeline:
         raise_on_error=False left in its place."""
         if not self._ops:
             return []
-        if self.replicas:
+        if self.replicas or self.pinned:
             self.target = slot_owner(self.client, self._first_key())
         try:
             replies = self._build(self.target).execute(raise_on_error=False)
@@ -230,7 +235,7 @@ class AsyncScriptPipeline(ScriptPipeline):
     async def execute(self, raise_on_error: bool = True) -> list[Any]:  # type: ignore[override]
         if not self._ops:
             return []
-        if self.replicas:
+        if self.replicas or self.pinned:
             self.target = await slot_owner_async(self.client, self._first_key())
         try:
             replies = await self._build(self.target).execute(raise_on_error=False)
@@ -304,7 +309,15 @@ def enqueue_reply(keys: QueueKeys, reply: list[Any]) -> list[str]:
         index, cost, limit = (int(x) for x in reply[2:5])
         raise InvalidRequest("cost", f"{cost} is over the queue's max_cost of {limit} "
                                      f"(request {index} of the call; nothing was enqueued)")
-    return [_text(x) for x in reply[3:]]
+    n = (len(reply) - 3) // 2  # the ids, then the deadline each request got
+    return [_text(x) for x in reply[3:3 + n]]
+
+
+def enqueue_deadlines(reply: list[Any]) -> list[int]:
+    """The deadline (ms after enqueue, 0 = none) each request of an accepted enqueue got:
+    its own, or its level's default timeout (Policy.deadline_ms)."""
+    n = (len(reply) - 3) // 2
+    return [int(x) for x in reply[3 + n:]]
 
 
 def retry_after(reply: list[Any], depth: int, limit: int, adding: int) -> float | None:
@@ -334,6 +347,11 @@ def complete_keys(keys: QueueKeys, items: list[tuple[str, str]]) -> list[str]:
 
 def cancel_keys(keys: QueueKeys, request_id: str, producer: str) -> list[str]:
     return [*keys.shared, keys.result(request_id), keys.inbox(producer)]
+
+
+def expire_keys(keys: QueueKeys, items: list[tuple[str, str]]) -> list[str]:
+    """expire_due.lua's KEYS: `items` are (request id, producer) pairs, in ARGV's order."""
+    return complete_keys(keys, items)
 
 
 def dead_letter_keys(keys: QueueKeys, request_ids: list[str]) -> list[str]:

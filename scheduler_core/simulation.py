@@ -211,7 +211,8 @@ def simulate(config: SimConfig, times: list[float], prios: list[int],
         # Pop at once while consumers are free and batches due (with nothing waiting,
         # decide would say Nothing).
         while idle and waiting:
-            decision = decide(levels, now, policy, prefer[idle[0]])
+            decision = decide(levels, now, policy, prefer_bucket=prefer[idle[0]],
+                              first_deadline_us=0)  # no simulated request has a deadline
             apply(levels, decision)
             if type(decision) is Batch:
                 size = len(decision.picked)

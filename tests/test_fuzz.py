@@ -38,6 +38,7 @@ from scheduler_core.scripts import (
     configure_keys,
     dead_letter_keys,
     enqueue_call,
+    expire_keys,
     extend_lease_keys,
     pop_keys,
     requeue_keys,
@@ -282,9 +283,11 @@ class FakeScript:
         if client is not None:  # the listener expiring requests: each reply "finished"
             client.queued += 1
             return client
+        if args and args[0] in ("list", "expire"):  # the deadline timer: nothing is due
+            return [0, -1, 0]
         self.calls.append((keys, args))
-        ids = args[3::6]
-        return [1, len(ids), len(ids), *(i.encode() for i in ids)]
+        ids = args[3::6]  # then each one's deadline, as enqueue.lua answers
+        return [1, len(ids), len(ids), *(i.encode() for i in ids), *args[5::6]]
 
 
 class FakePipeline:
@@ -501,8 +504,9 @@ def setup_state(r: redis.Redis) -> None:
                                              result_ttl_s=60).to_redis())
     pipe.zadd(Q.pending(1), {"r1": 1000, "r2": 2000})
     pipe.zadd(Q.pending(0), {"r3": 3000})
+    pipe.zadd(Q.deadlines, {"r2": 9e15})  # r2 has a deadline, not yet passed
     pipe.hset(Q.jobs, mapping={k: ENV for k in ("r1", "r2", "r3", "f1", "d1")})
-    pipe.hset(Q.meta, mapping={"r1": "1:1000:0:0:prod", "r2": "1:2000:0:0:prod",
+    pipe.hset(Q.meta, mapping={"r1": "1:1000:0:0:prod", "r2": "1:2000:9000000000000000:0:prod",
                                "r3": "0:3000:0:0:prod", "f1": "1:500:0:1:prod",
                                "d1": "1:100:0:4:prod"})
     pipe.hset(Q.owner, "f1", "7")
@@ -528,10 +532,13 @@ TEMPLATES = {  # a valid call of each script against setup_state: (KEYS, ARGV)
     "cancel": (cancel_keys(Q, "r1", "prod"), ["r1", 60, encode_error("r1", "Cancelled", "x"),
                                               "cancelled"]),
     "dead_letter": (dead_letter_keys(Q, ["d1"]), ["retry", 1, "d1"]),
+    "expire_due": (expire_keys(Q, [("r2", "prod")]), ["expire", 60, 1, "r2",
+                                                      encode_error("r2", "DeadlineExceeded",
+                                                                   "x")]),
 }
 ERROR_FIELDS = {m for path in LUA.glob("*.lua")
-                for m in re.findall(r"\{-3, '(\w+)'\}", path.read_text())} | {"strategy",
-                                                                             *LIMITS, *CHOICES}
+                for m in re.findall(r"\{-3, '(\w+)'\}", path.read_text())} | {
+    "strategy", "cost_buckets", *CHOICES, *LIMITS}
 META = re.compile(rb"[0-2]:\d{1,17}:\d{1,17}:\d{1,9}:[A-Za-z0-9_.-]{0,128}")
 
 

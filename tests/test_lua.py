@@ -58,7 +58,8 @@ def test_every_keys_builder_starts_with_the_shared_keys():
 
 
 # -- policy limits: one source ------------------------------------------------------------
-NARROWED = {field: (low + 1, high - 1) for field, (low, high) in LIMITS.items()}
+NARROWED = {field: (low + 1, high - 1) if high - low >= 2 else (low, high)  # 0/1 flags stay
+            for field, (low, high) in LIMITS.items()}
 POP_READS = ("max_batch_size", "max_queue_delay_ms", "aging_ms", "max_attempts")
 
 

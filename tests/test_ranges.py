@@ -32,6 +32,10 @@ POLICY_RANGES = {
     "max_cost": (0, 10**9),
     "max_batch_cost": (0, 10**9),
     "slo_p99_ms": (0, 600_000),
+    "timeout_high_ms": (0, 86_400_000),
+    "timeout_normal_ms": (0, 86_400_000),
+    "timeout_low_ms": (0, 86_400_000),
+    "allow_timeout_override": (0, 1),
 }
 CONSUMER_RANGES = {"lease_ms": (100, 86_400_000), "max_result_bytes": (16, 536_870_912)}
 PRODUCER_RANGES = {"max_payload_bytes": (16, 512 << 20), "idempotency_ttl_s": (1, 2_592_000)}
@@ -248,7 +252,10 @@ def test_policy_set_reaches_running_consumers_and_show_prints_it(shared_redis, q
                               "max_queue_size": 0, "max_attempts": 3, "result_ttl_s": 600,
                               "max_cost": 0, "over_cost": "reject", "max_batch_cost": 0,
                               "cost_mode": "sum", "cost_buckets": "",
-                              "slo_p99_ms": 0, "delay_mode": "fixed"}
+                              "slo_p99_ms": 0, "delay_mode": "fixed",
+                              "timeout_high_ms": 0, "timeout_normal_ms": 0,
+                              "timeout_low_ms": 0, "allow_timeout_override": 1,
+                              "on_timeout": "reject"}
     with Producer(url, queue) as p:
         waiting = p.submit({"i": 0})
         wait_for(lambda: client.zcard(QueueKeys(queue).pending(1)) == 1, what="it to queue")

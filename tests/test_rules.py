@@ -1,8 +1,10 @@
 """scheduler_core.rules.decide is pop_batch.lua's twin: on thousands of random queue states
-and policies (every strategy, aging, deadlines, re-delivered requests, max_attempts) the
-function and the script, run on a real Redis (a third of them with the delay passed in
-ARGV[3], as a consumer under max_queue_delay_ms=auto does), make the same decision: the same batch
-(ids, levels, states, what remains), the same wait, the same aging moves.
+and policies (every strategy, aging, deadlines, re-delivered requests, max_attempts,
+per-level default timeouts, requests delayed past their deadline, costs, cost buckets and
+a preferred bucket) the function and the script, run on a real Redis (a third of them with
+the delay passed in ARGV[4], as a consumer under max_queue_delay_ms=auto does), make the
+same decision: the same batch (ids, levels, states, costs, what remains), the same wait,
+the same aging moves, the same "expire first" ({-4}).
 
 The script reads the clock itself (Redis TIME) and notes it as the consumer's heartbeat;
 the function decides at exactly that time. Each case is built relative to a TIME read just
@@ -22,10 +24,11 @@ import pytest
 from scheduler_core.keys import QueueKeys
 from scheduler_core.policy import Policy, Strategy
 from scheduler_core.rules import (
+    DELAYED,
     EXHAUSTED,
-    EXPIRED,
     RUN,
     Batch,
+    Expire,
     Nothing,
     Promotion,
     Request,
@@ -40,6 +43,9 @@ NEAR_US = 2000  # a pipelined script call takes ~0.1-1 ms after the TIME read
 DELAYS_MS = (0, 300, 1000, 2500)
 AGINGS_MS = (0, 400, 1000, 1500)
 SIZES = (1, 2, 3, 4, 8, 32)
+TIMEOUTS_MS = (0, 0, 250, 1000, 3000)  # per-level default timeouts drawn for a policy
+# A case's deadlines: none; all in the future; some within NEAR_US of now; some past.
+DEADLINE_MIXES = ("none", "future", "future", "near", "past")
 # Cost settings (a third of the cases): budgets, modes, buckets, and the costs drawn.
 BUDGETS = (0, 0, 4, 20, 64, 300)
 BUCKETS = ("", "", "4", "3,16", "2,8,32", "1,2,3,100")
@@ -49,7 +55,7 @@ COSTS = (1, 1, 2, 3, 4, 5, 8, 16, 17, 33, 64, 200, 500)
 @dataclass
 class Case:
     policy: Policy  # the rules decide() applies
-    levels: list[list[Request]]
+    levels: list[list[Request]]  # HIGH, NORMAL, LOW, DELAYED
     stored: Policy  # the policy hash; differs from `policy` when delay_ms overrides it
     prefer: int = 0  # the consumer's preferred cost bucket (ARGV[3]), 1-based; 0 = none
     delay_ms: int | None = None  # pop_batch's ARGV[4] (a consumer's auto delay)
@@ -64,9 +70,14 @@ def random_case(rng: random.Random, t0: int) -> Case:
     policy = Policy(strategy=strategy, max_batch_size=size,
                     max_queue_delay_ms=rng.choice(DELAYS_MS[1:] if partial else DELAYS_MS),
                     aging_ms=rng.choice(AGINGS_MS), max_attempts=rng.randint(1, 4),
+                    timeout_high_ms=rng.choice(TIMEOUTS_MS),
+                    timeout_normal_ms=rng.choice(TIMEOUTS_MS),
+                    timeout_low_ms=rng.choice(TIMEOUTS_MS),
+                    allow_timeout_override=rng.randint(0, 1),
                     max_batch_cost=rng.choice(BUDGETS) if costed else 0,
                     cost_mode=rng.choice(("sum", "padded")),
                     cost_buckets=rng.choice(BUCKETS) if costed else "")
+    mix = rng.choice(DEADLINE_MIXES)
     cost_mix = rng.sample(COSTS, rng.randint(1, 4))
     thresholds = [t for t in (policy.max_queue_delay_ms, policy.aging_ms,
                               2 * policy.aging_ms) if t > 0]
@@ -74,7 +85,7 @@ def random_case(rng: random.Random, t0: int) -> Case:
     weights = (0, 6, 3) if partial else (1, 6, 3)
     span_ms = (1.2 * policy.max_queue_delay_ms if partial
                else rng.choice((0.5, 1, 2, 4)) * max(thresholds, default=1000))  # of the ages
-    levels: list[list[Request]] = [[], [], []]
+    levels: list[list[Request]] = [[], [], [], []]
     taken: set[int] = set()
     for _ in range(n):
         prio = rng.choices((0, 1, 2), weights=weights)[0]
@@ -83,12 +94,23 @@ def random_case(rng: random.Random, t0: int) -> Case:
         while arrival in taken:  # Redis' arrival clock makes scores unique per queue
             arrival = t0 - age_us(rng, thresholds, span_ms)
         taken.add(arrival)
-        deadline = rng.choice((0, 0, 0, t0 + rng.randint(-NEAR_US, NEAR_US),
-                               t0 - rng.randint(1, 5_000_000), t0 + rng.randint(1, 5_000_000)))
+        deadline = deadline_us(rng, policy, mix, prio, arrival, t0, n)
         attempts = 0 if rng.random() < 0.75 else rng.randint(1, policy.max_attempts + 1)
         cost = rng.choice(cost_mix) if costed else 1
         levels[level].append(Request(arrival, uuid.UUID(int=rng.getrandbits(128)).hex[:12],
                                      prio, deadline, attempts, cost))
+    # Requests expire_due.lua delayed (on_timeout = delay): past their deadline, which
+    # their meta no longer carries; they run only when the three levels are empty.
+    if rng.random() < 0.3:
+        for _ in range(rng.choice((1, 2, 5, 40))):
+            arrival = t0 - rng.randint(1, 10_000_000)
+            while arrival in taken:
+                arrival = t0 - rng.randint(1, 10_000_000)
+            taken.add(arrival)
+            attempts = 0 if rng.random() < 0.8 else rng.randint(1, policy.max_attempts + 1)
+            cost = rng.choice(cost_mix) if costed else 1
+            levels[DELAYED].append(Request(arrival, uuid.UUID(int=rng.getrandbits(128)).hex[:12],
+                                           rng.randint(0, 2), 0, attempts, cost))
     for level in levels:
         level.sort()
     prefer = rng.choice((0, 0, 1, 2, 3)) if costed else 0
@@ -97,6 +119,25 @@ def random_case(rng: random.Random, t0: int) -> Case:
                          slo_p99_ms=60)
         return Case(policy, levels, stored, prefer, policy.max_queue_delay_ms)
     return Case(policy, levels, policy, prefer)
+
+
+def deadline_us(rng: random.Random, policy: Policy, mix: str, prio: int, arrival: int,
+                t0: int, n: int) -> int:
+    """A deadline as enqueue.lua gives it: the request's own deadline_ms, or its level's
+    default timeout (Policy.deadline_ms), counted from its enqueue; then placed per mix
+    (about one request of the case near or past it)."""
+    own_ms = rng.choice((0, 0, 100, 2000))
+    ms = policy.deadline_ms(prio, own_ms)
+    if not ms or mix == "none":
+        return 0
+    odds = min(0.5, 1.5 / n)
+    if mix == "near" and rng.random() < odds:
+        return t0 + rng.randint(-NEAR_US, NEAR_US)
+    if mix == "past" and rng.random() < odds:
+        return t0 - rng.randint(1, 5_000_000)
+    # Not yet due: one that would be (its age is random) is moved ahead, near enough to
+    # end a wait now and then.
+    return max(arrival + ms * 1000, t0 + rng.randint(NEAR_US, 1_000_000))
 
 
 def age_us(rng: random.Random, thresholds: list[int], span_ms: float) -> int:
@@ -114,11 +155,12 @@ def meta(r: Request) -> str:
     return base + (f":{r.cost}" if r.cost % 2 else f":{r.cost}:{r.cost * 3}")
 
 
-def run_case(client, scripts: Scripts, rng: random.Random) -> tuple[Case, list, int, int,
-                                                                   list[list[str]]]:
+def run_case(client, scripts: Scripts, rng: random.Random) -> tuple[
+        Case, list, int, int, list[list[str]], set[str]]:
     """Build the case's state through the real keys (as enqueue.lua writes them, aged and
-    re-delivered ones as aging and requeue_expired.lua leave them), run pop_batch.lua;
-    (case, reply, TIME before, TIME after, pending ids per level after)."""
+    re-delivered ones as aging and requeue_expired.lua leave them, delayed ones as
+    expire_due.lua does), run pop_batch.lua; (case, reply, TIME before, TIME after,
+    pending ids per level and delayed ids after, the deadlines zset's ids after)."""
     sec, usec = client.time()
     t0 = sec * 1_000_000 + usec
     case = random_case(rng, t0)
@@ -127,9 +169,13 @@ def run_case(client, scripts: Scripts, rng: random.Random) -> tuple[Case, list, 
     pipe.hset(keys.policy, mapping=case.stored.to_redis())
     for level, requests in enumerate(case.levels):
         if requests:
-            pipe.zadd(keys.pending(level), {r.id: r.arrival_us for r in requests})
+            pipe.zadd(keys.pending(level) if level != DELAYED else keys.delayed,
+                      {r.id: r.arrival_us for r in requests})
             pipe.hset(keys.meta, mapping={r.id: meta(r) for r in requests})
             pipe.hset(keys.jobs, mapping={r.id: b'{"v":1}' for r in requests})
+            with_deadline = {r.id: r.deadline_us for r in requests if r.deadline_us}
+            if with_deadline:  # as enqueue.lua lists them
+                pipe.zadd(keys.deadlines, with_deadline)
     # ARGV[3] (prefer) and ARGV[4] (delay) are absent, as consumers without them send.
     optional = [case.prefer] if case.prefer or case.delay_ms is not None else []
     if case.delay_ms is not None:
@@ -139,11 +185,14 @@ def run_case(client, scripts: Scripts, rng: random.Random) -> tuple[Case, list, 
     pipe.zscore(keys.consumers, "c1")  # the script's clock: it notes the consumer's pop
     for level in range(3):
         pipe.zrange(keys.pending(level), 0, -1)
+    pipe.zrange(keys.delayed, 0, -1)
+    pipe.zrange(keys.deadlines, 0, -1)
     pipe.delete(*keys.shared)
     replies = pipe.execute()
-    reply, now = replies[-6], int(replies[-5])
-    after = [[x.decode() for x in ids] for ids in replies[-4:-1]]
-    return case, reply, t0, now, after
+    reply, now = replies[-8], int(replies[-7])
+    after = [[x.decode() for x in ids] for ids in replies[-6:-2]]
+    deadlines_after = {x.decode() for x in replies[-2]}
+    return case, reply, t0, now, after, deadlines_after
 
 
 def ids_after(case: Case, decision) -> list[list[str]]:
@@ -152,25 +201,34 @@ def ids_after(case: Case, decision) -> list[list[str]]:
     return [[r.id for r in level] for level in levels]
 
 
+def deadlines_left(case: Case, decision) -> set[str]:
+    """The deadlines zset after the pop: a popped request leaves it."""
+    gone = set(decision.ids) if isinstance(decision, Batch) else set()
+    return {r.id for level in case.levels for r in level if r.deadline_us} - gone
+
+
 def test_decide_makes_the_decisions_of_pop_batch_lua(shared_redis):
     client = shared_redis.client()
     scripts = Scripts(client)
     scripts.pop_batch(keys=pop_keys(QueueKeys("rules-load")), args=["c", 60_000])  # load it
     rng = random.Random(20261130)
-    seen = {"batch": 0, "wait": 0, "aging wait": 0, "nothing": 0, EXPIRED: 0, EXHAUSTED: 0,
-            "promoted": 0, "isolated": 0, "borderline": 0, "costed batch": 0,
-            "costed wait": 0, "budget cut": 0, "bucket cut": 0, "preferred": 0,
-            "delay override wait": 0}
+    seen = {"batch": 0, "wait": 0, "aging wait": 0, "deadline wait": 0, "nothing": 0,
+            "expire first": 0, "delayed batch": 0, EXHAUSTED: 0, "promoted": 0,
+            "isolated": 0, "borderline": 0, "costed batch": 0, "costed wait": 0,
+            "budget cut": 0, "bucket cut": 0, "preferred": 0, "delay override wait": 0}
     started = time.monotonic()
     for i in range(CASES):
-        case, reply, t0, now, after = run_case(client, scripts, rng)
+        case, reply, t0, now, after, deadlines_after = run_case(client, scripts, rng)
         where = f"case {i}: {case.policy}, prefer {case.prefer}, levels {case.levels}, " \
                 f"reply {reply}"
         assert t0 <= now, where
         expected = decide(case.levels, now, case.policy, case.prefer)
         # Cases the µs between the TIME read and the script decided.
         seen["borderline"] += expected != decide(case.levels, t0, case.policy, case.prefer)
-        if int(reply[0]) == 0:
+        if int(reply[0]) == -4:
+            assert isinstance(expected, Expire), where
+            seen["expire first"] += 1
+        elif int(reply[0]) == 0:
             wait = int(reply[1])
             if wait == -1:
                 assert isinstance(expected, Nothing), where
@@ -178,6 +236,9 @@ def test_decide_makes_the_decisions_of_pop_batch_lua(shared_redis):
             else:
                 assert isinstance(expected, Wait) and expected.wait_us == wait, where
                 seen["wait"] += 1
+                seen["deadline wait"] += wait == min(
+                    r.deadline_us for level in case.levels for r in level if r.deadline_us
+                ) - now if any(r.deadline_us for level in case.levels for r in level) else 0
                 seen["delay override wait"] += case.delay_ms is not None
                 seen["aging wait"] += case.policy.strategy is Strategy.PRIORITY and \
                     case.policy.aging_ms > 0
@@ -196,7 +257,8 @@ def test_decide_makes_the_decisions_of_pop_batch_lua(shared_redis):
             assert [int(x[3]) for x in items] == [p.request.attempts + 1
                                                   for p in expected.picked], where
             seen["batch"] += 1
-            seen[EXPIRED] += len(expected.expired)
+            seen["delayed batch"] += any(p.level == DELAYED for p in expected.picked)
+            assert not expected.expired, where  # an expired request never joins a batch
             seen[EXHAUSTED] += len(expected.dead_lettered)
             seen["isolated"] += any(p.request.attempts for p in expected.picked)
             if costed(case.policy):
@@ -209,6 +271,7 @@ def test_decide_makes_the_decisions_of_pop_batch_lua(shared_redis):
                 seen["budget cut"] += cut_budget
                 seen["bucket cut"] += cut_bucket
         assert after == ids_after(case, expected), where  # the aging moves and the pops
+        assert deadlines_after == deadlines_left(case, expected), where
         seen["promoted"] += len(expected.promoted)
     took = time.monotonic() - started
     # Every outcome is exercised, many times over.
@@ -251,14 +314,39 @@ def test_a_redelivered_request_runs_alone_and_ends_the_batch_before_it():
     assert isinstance(second, Batch) and second.ids == ["c"]
 
 
-def test_expired_and_exhausted_requests_are_answered_not_run():
-    policy = Policy(strategy=Strategy.DYNAMIC, max_batch_size=2, max_attempts=2)
-    levels = [[], [req(1, "late", deadline_us=5_000), req(2, "ok", deadline_us=50_000)], []]
-    batch = decide(levels, 10_000, policy)
-    assert isinstance(batch, Batch)
-    assert [p.state for p in batch.picked] == [EXPIRED, RUN]
-    dead = decide([[req(1, "x", attempts=2)], [], []], 100_000, policy)  # its window is over
+def test_expired_requests_leave_first_and_exhausted_ones_are_answered_not_run():
+    """A request past its deadline is never batched: the pop says "expire first"; once it
+    has left, the other is due only when its own window ends."""
+    policy = Policy(strategy=Strategy.DYNAMIC, max_batch_size=2, max_attempts=2,
+                    max_queue_delay_ms=100)
+    levels = [[], [req(1, "late", deadline_us=5_000), req(2, "ok", deadline_us=500_000)], []]
+    assert isinstance(decide(levels, 10_000, policy), Expire)  # not a "full" batch of 2
+    del levels[1][0]  # expire_due.lua took it out
+    wait = decide(levels, 10_000, policy)
+    assert isinstance(wait, Wait) and wait.wait_us == 92_000  # 2 ms + 100 ms - 10 ms
+    dead = decide([[req(1, "x", attempts=2)], [], []], 200_000, policy)  # its window is over
     assert isinstance(dead, Batch) and [r.id for r in dead.dead_lettered] == ["x"]
+    assert [p.state for p in dead.picked] == [EXHAUSTED]
+
+
+def test_a_wait_ends_at_the_earliest_deadline():
+    policy = Policy(strategy=Strategy.PRIORITY, max_batch_size=4, max_queue_delay_ms=500)
+    levels = [[], [req(0, "n", deadline_us=200_000)], []]
+    wait = decide(levels, 50_000, policy)
+    assert isinstance(wait, Wait) and wait.wait_us == 150_000  # not 450 ms
+
+
+def test_delayed_requests_run_only_when_nothing_else_waits():
+    """on_timeout = delay: past their deadline, they run once the three levels are empty,
+    even behind a partial NORMAL batch that is not due yet."""
+    policy = Policy(strategy=Strategy.PRIORITY, max_batch_size=4, max_queue_delay_ms=500)
+    late = req(0, "late", prio=0)
+    levels = [[], [req(10, "n")], [], [late]]
+    assert isinstance(decide(levels, 20_000, policy), Wait)
+    levels[1].clear()
+    batch = decide(levels, 20_000, policy)
+    assert isinstance(batch, Batch) and batch.ids == ["late"] and batch.picked[0].level == DELAYED
+    assert batch.picked[0].state == RUN and batch.remaining == 0
 
 
 def test_normal_waits_for_its_window_or_its_promotion():
@@ -281,8 +369,19 @@ def test_thresholds_are_reached_at_equality():
     assert isinstance(decide([[], [req(0, "n")], []], 50_000, policy), Batch)
     aged = decide([[], [], [req(0, "l", prio=2)]], 100_000, policy)
     assert isinstance(aged, Batch) and aged.picked[0].level == 1
-    expired = decide([[req(0, "h", prio=0, deadline_us=7_000)], [], []], 7_000, policy)
-    assert isinstance(expired, Batch) and expired.picked[0].state == EXPIRED
+    assert isinstance(decide([[req(0, "h", prio=0, deadline_us=7_000)], [], []], 7_000,
+                             policy), Expire)
+    assert isinstance(decide([[req(0, "h", prio=0, deadline_us=7_000)], [], []], 6_999,
+                             policy), Batch)
+
+
+def test_per_level_default_timeouts_and_their_override():
+    policy = Policy(timeout_high_ms=100, timeout_normal_ms=0, timeout_low_ms=5000)
+    assert policy.deadline_ms(0, 0) == 100  # the level's default
+    assert policy.deadline_ms(0, 30) == 30  # its own replaces it (override allowed)
+    assert policy.deadline_ms(1, 0) == 0 and policy.deadline_ms(1, 70) == 70  # no default
+    strict = Policy(timeout_low_ms=5000, allow_timeout_override=0)
+    assert strict.deadline_ms(2, 60_000) == 5000 and strict.deadline_ms(1, 60_000) == 60_000
 
 
 @pytest.mark.parametrize("strategy", list(Strategy))

@@ -106,7 +106,7 @@ ACL_COMMANDS = " ".join([
     "ping time multi exec evalsha eval script|load script|exists",
     "get set del exists incr expire",
     "hget hset hdel hexists hmget hgetall hincrby hlen hkeys",
-    "zadd zrem zrange zrangebyscore zremrangebyscore zcard zscore bzpopmin",
+    "zadd zrem zrange zrangebyscore zremrangebyscore zcard zcount zscore bzpopmin",
     "rpush lpush ltrim lrange blmpop",
 ]).split(" ")
 # redis-py announces itself with CLIENT SETINFO (Redis >= 7.2); refused, it is skipped.

@@ -61,7 +61,8 @@ class Rules:
 
     def collect(self, now: float) -> tuple[list[Req], float | None]:
         """(batch, None) or ([], seconds until something falls due; None if empty)."""
-        decision = decide(self.levels, round(now * 1e6), self.policy)
+        decision = decide(self.levels, round(now * 1e6), self.policy,
+                          first_deadline_us=0)  # no request has a deadline here
         apply(self.levels, decision)
         if isinstance(decision, Batch):
             return [self.waiting.pop(p.request.id) for p in decision.picked], None

@@ -77,6 +77,7 @@ from scheduler_core.connection import (
     refresh_topology_async,
     slot_owner_async,
 )
+from scheduler_core.deadlines import expire_due_async
 from scheduler_core.keys import QueueKeys
 from scheduler_core.scripts import Scripts, cancel_keys
 from scheduler_core.wire import DEFAULT_MAX_PAYLOAD_BYTES, decode_result
@@ -160,7 +161,11 @@ class Gateway:
         deadline_us = int(fields[2]) if len(fields) >= 5 and fields[2].isdigit() else 0
         if not 0 < deadline_us <= seconds * 1_000_000 + micros:  # Redis' clock, as the Lua
             return False
-        return await self._cancel(request_id, meta, deadline=True) == 1
+        # expire_due.lua, as every server-side expiry: DeadlineExceeded, or under
+        # on_timeout = delay a move to the delayed set.
+        sweep = await expire_due_async(self.scripts, self.keys,
+                                       self.producer.config.result_ttl_s)
+        return bool(sweep.expired or sweep.delayed)
 
     async def _cancel(self, request_id: str, meta: bytes | None, deadline: bool) -> int:
         owner = self.producer.id

@@ -10,6 +10,8 @@ KEYS[5]  {bg:q}:jobs          hash
 KEYS[6]  {bg:q}:meta          hash
 KEYS[9]  {bg:q}:stats         hash  counters
 KEYS[11] {bg:q}:owner         hash  id -> batch id while in flight
+KEYS[20] {bg:q}:deadlines     zset  pending id -> deadline (µs)
+KEYS[21] {bg:q}:delayed       zset  past its deadline, waiting to run when idle
 KEYS[24] {bg:q}:result:<id>   string
 KEYS[25] {bg:q}:inbox:<producer>  list, the producer's inbox (any key if none)
 
@@ -35,6 +37,8 @@ local jobs = KEYS[5]
 local meta = KEYS[6]
 local stats = KEYS[9]
 local owner = KEYS[11]
+local deadlines = KEYS[20]
+local delayed = KEYS[21]
 local result = KEYS[24]
 local inbox = KEYS[25]
 
@@ -47,8 +51,9 @@ local ttl = int_arg(redis.call('HGET', policy, 'result_ttl_s'), 1, 315360000)
 
 local id, envelope, counter = ARGV[1], ARGV[3], ARGV[4]
 if redis.call('HEXISTS', owner, id) == 1 then return 2 end
-for _, pending in ipairs({pending_high, pending_normal, pending_low}) do
+for _, pending in ipairs({pending_high, pending_normal, pending_low, delayed}) do
   if redis.call('ZREM', pending, id) == 1 then
+    redis.call('ZREM', deadlines, id)
     local m = parse_meta(redis.call('HGET', meta, id))
     redis.call('HDEL', jobs, id)
     redis.call('HDEL', meta, id)

@@ -7,7 +7,7 @@ KEYS[1]  {bg:q}:policy   hash
 ARGV[1]  mode: 'ensure' (write only if the queue has no policy yet) | 'replace'
 ARGV[2..] field, value pairs: strategy and every field of LIMITS (rendered from
          scheduler_core.policy.LIMITS), each within its range (scheduler_core.policy.Policy
-         validates them first); delay_mode, over_cost and cost_mode, if given, one of
+         validates them first); delay_mode, over_cost, cost_mode and on_timeout, if given, one of
          CHOICES; cost_buckets, if given, "" or increasing boundaries "32,1024"; other
          fields are kept if their name is [a-z_] and their value at most 256 bytes
 

@@ -3,7 +3,9 @@
 KEYS[1..23] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
             this script uses:
 KEYS[1]  {bg:q}:policy      hash   read: strategy, max_batch_size, max_queue_size, max_cost,
-                                   over_cost, max_batch_cost, cost_buckets
+                                   over_cost, max_batch_cost, cost_buckets and the
+                                   deadline policy (timeout_<level>_ms,
+                                   allow_timeout_override)
 KEYS[2]  {bg:q}:pending:0   zset   HIGH
 KEYS[3]  {bg:q}:pending:1   zset   NORMAL
 KEYS[4]  {bg:q}:pending:2   zset   LOW
@@ -12,6 +14,7 @@ KEYS[6]  {bg:q}:meta        hash   id -> meta
 KEYS[7]  {bg:q}:clock       string last arrival score issued
 KEYS[8]  {bg:q}:marker      zset   wake-up marker for idle consumers
 KEYS[9]  {bg:q}:stats       hash   read on rejection: the recent service rate
+KEYS[20] {bg:q}:deadlines   zset   id -> deadline (µs) of each new request that has one
 KEYS[22] {bg:q}:arrivals    hash   epoch second (decimal string) -> requests enqueued in
                                    that second (scheduler_core/load.py reads the rate);
                                    fields older than ARRIVALS_KEEP_S are removed
@@ -27,15 +30,23 @@ ARGV[4+6i..9+6i] for request i: id, priority (0|1|2), deadline_ms
          (0 = none, ..86400000), envelope bytes, idem flag (0|1), cost (1..1000000000)
 Integer arguments are plain decimal digits ('1.5', 'nan', '1e3' are malformed).
 
-Returns  {1, added, depth_after, id_1 .. id_n}  where id_i is the id now holding request
+Returns  {1, added, depth_after, id_1 .. id_n, deadline_ms_1 .. deadline_ms_n}
+         deadline_ms_i: the deadline request i got, ms after its enqueue (0 = none; 0
+         too where it was already queued): its own, or its level's default timeout
+         (timeout_<level>_ms) where it gave none or allow_timeout_override is 0.
+         id_i is the id now holding request
          i: its own, or the earlier request's id when its idempotency key was seen before
          and Redis still knows that request (waiting, in flight, dead-lettered, or with a
          result); a key whose request is gone (result expired, data lost) is taken over.
          An id that is already queued or in flight is not added again, so a client may
          resend an enqueue whose reply it lost.
 Errors   {-1, depth, max_queue_size, adding, rate_mrps}  queue full, nothing written;
+         depth counts waiting requests not yet past their deadline (an expired one
+         never holds a place);
          rate_mrps: recent service rate (milli-requests/s; 0 = none measured lately)
          {-3, field}                          malformed argument, nothing written
+         {-3, 'policy'}                       the stored deadline policy is outside the
+                                              policy LIMITS
          {-4, 'cost', i, cost, max_cost}      request i (0-based) costs more than the
                                               policy's max_cost (over_cost=reject);
                                               nothing written. With over_cost=truncate its
@@ -43,7 +54,8 @@ Errors   {-1, depth, max_queue_size, adding, rate_mrps}  queue full, nothing wri
                                               meta keeps the cost asked for
 
 Arrival scores come from TIME and are strictly increasing per queue, so ties keep
-arrival order. Work is bounded by n.
+arrival order. A consumer is woken when a new deadline is the queue's earliest, so that
+an idle one re-arms its timer for it. Work is bounded by n.
 ]]
 -- @include _common.lua
 -- @include _policy.lua
@@ -77,6 +89,7 @@ local meta = KEYS[6]
 local clock = KEYS[7]
 local marker = KEYS[8]
 local stats = KEYS[9]
+local deadlines = KEYS[20]
 local arrivals = KEYS[22]
 local FIRST_IDEM = 24  -- KEYS[24..]: the idempotency keys, in order
 
@@ -97,6 +110,9 @@ local truncate = rules[5] == 'truncate'
 -- With a cost budget or buckets, a new request may fill its bucket (by size or budget)
 -- while the queue as a whole is far from max_batch_size: every arrival wakes a consumer.
 local costed = (tonumber(rules[6]) or 0) > 0 or (rules[7] and rules[7] ~= '')
+local timeouts = read_timeouts(policy)
+if not timeouts then return {-3, 'policy'} end
+local now = now_us()
 
 local pending = {pending_high, pending_normal, pending_low}
 local depth = {redis.call('ZCARD', pending_high), redis.call('ZCARD', pending_normal),
@@ -144,18 +160,25 @@ for i = 0, n - 1 do
     fresh = fresh + 1
   end
 end
+-- Requests past their deadline hold no place: they leave at once (expire_due.lua).
+local live = total
 if limit > 0 and total + fresh > limit then
+  live = total - redis.call('ZCOUNT', deadlines, '-inf', int(now))
+end
+if limit > 0 and live + fresh > limit then
   -- The rate complete.lua measured, decayed when no window has closed for over 2 s
   -- (consumers stalled or gone): then it is at most rate_count / time since.
   local r = redis.call('HMGET', stats, 'rate_mrps', 'rate_since_us', 'rate_count')
   local rate, since = tonumber(r[1]) or 0, tonumber(r[2])
   local idle = since and (now_us() - since) or 0
   if idle > 2000000 then rate = math.min(rate, (tonumber(r[3]) or 0) * 1e9 / idle) end
-  return {-1, total, limit, fresh, int(rate)}
+  return {-1, live, limit, fresh, int(rate)}
 end
 
 -- Pass 2: write.
-local now = now_us()
+local first_deadline = redis.call('ZRANGE', deadlines, 0, 0, 'WITHSCORES')[2]
+first_deadline = first_deadline and tonumber(first_deadline) or math.huge
+local given = {}  -- the deadline each request got, ms
 local scores = arrival_clock(clock, now)
 local wake = (strategy == 'fifo') or costed
 key_index = FIRST_IDEM
@@ -172,8 +195,20 @@ for i = 0, n - 1 do
   end
   if not effective[i + 1] then
     local arrival = scores.next()
+    local default = timeouts.levels[prio + 1]
+    if default > 0 and (deadline_ms == 0 or timeouts.override == 0) then
+      deadline_ms = default
+    end
+    given[i + 1] = deadline_ms
     local deadline = 0
-    if deadline_ms > 0 then deadline = now + deadline_ms * 1000 end
+    if deadline_ms > 0 then
+      deadline = now + deadline_ms * 1000
+      redis.call('ZADD', deadlines, int(deadline), id)
+      -- The queue's earliest deadline: an idle consumer re-arms its timer for it.
+      if deadline < first_deadline then
+        first_deadline, wake = deadline, true
+      end
+    end
     redis.call('ZADD', pending[prio + 1], int(arrival), id)
     redis.call('HSET', jobs, id, ARGV[base + 3])
     redis.call('HSET', meta, id, format_meta({prio = prio, arrival = arrival,
@@ -200,4 +235,5 @@ if fresh > 0 then count_arrivals(arrivals, now, fresh) end
 
 local reply = {1, fresh, total}
 for i = 1, n do reply[#reply + 1] = effective[i] end
+for i = 1, n do reply[#reply + 1] = given[i] or 0 end
 return reply

@@ -16,6 +16,12 @@ This is where the scheduling rules live (docs/scheduling.md explains them):
             oldest request has waited max_queue_delay_ms: the due bucket whose oldest
             request is oldest goes first, unless the consumer prefers a bucket (ARGV[3])
             and that bucket is due (or, where the rule takes at once, waits at all).
+Deadlines: while any waiting request is past its deadline the reply is {-4}: the caller
+            takes them out with expire_due.lua and pops again, so an expired request never
+            fills or joins a batch. A wait ends no later than the earliest deadline.
+Delayed:   requests past their deadline under on_timeout = delay (expire_due.lua moved
+            them) run only when no level has a request waiting: up to max_batch_size of
+            them, oldest first (with costs, by pick_costed's rule), as level 3.
 
 KEYS[1..23] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
             this script uses:
@@ -35,6 +41,8 @@ KEYS[14] {bg:q}:consumers   zset  consumer -> last heartbeat (µs)
 KEYS[15] {bg:q}:dead        zset  dead-lettered id -> time (µs)
 KEYS[16] {bg:q}:dead:reason hash  dead-lettered id -> error envelope
 KEYS[17] {bg:q}:samples:wait list recent queue waits (µs), capped
+KEYS[20] {bg:q}:deadlines   zset  pending id -> deadline (µs); popped ids leave it
+KEYS[21] {bg:q}:delayed     zset  id -> arrival (µs), past its deadline, runs when idle
 
 ARGV[1]  consumer name (no '|')
 ARGV[2]  lease in ms (100..86400000)
@@ -45,14 +53,18 @@ ARGV[4]  optional: the max_queue_delay_ms to apply instead of the stored one (wi
 
 Returns  {batch_id, now_us, lease_deadline_us, remaining, then per request 9 values:
           id, envelope (false if missing), arrival_us, attempts (this delivery, 1-based),
-          producer, state, level, cost, requested}
-         remaining: requests still pending after this batch (all priorities); a
+          producer, state, level (0-2, or 3: from the delayed set), cost, requested}
+         remaining: requests still pending after this batch (all priorities and the
+         delayed ones); a
          consumer fetches its next batch while the model runs only when it is > 0
          cost: the request's cost (capped to max_cost under over_cost=truncate);
          requested: the cost its producer asked for (= cost unless capped)
          state: 'run' | 'expired' (deadline passed: do not run) |
                 'exhausted' (max_attempts deliveries used: dead-letter it)
-         {0, wait_us}  nothing due; µs until the next request falls due, -1 if none
+         {0, wait_us}  nothing due; µs until the next request falls due or the earliest
+               deadline passes, -1 if none
+         {-4}  a waiting request is past its deadline: run expire_due.lua, then pop again
+               (nothing written but the heartbeat)
 Errors   {-1}  queue has no policy (no consumer configured it yet)
          {-3, field} malformed argument, or {-3, 'policy'}: the stored policy is unreadable
                or outside the policy LIMITS; nothing written
@@ -63,8 +75,8 @@ makes (written by hand) is dead-lettered here, never delivered; if that leaves n
 the reply is {0, 0} (pop again at once).
 Work is bounded: at most 2 x max_batch_size promotions and max_batch_size pops per call;
 with costs, at most (buckets x max_batch_size) requests read per level (at most 5 x 4096).
-The body runs as named steps: read_policy, promote_aged, choose (pick_costed when costs
-are on), drop_malformed, isolate_retried, commit.
+The body runs as named steps: read_policy, past_deadline, promote_aged, choose
+(pick_costed when costs are on) or take_delayed, drop_malformed, isolate_retried, commit.
 ]]
 -- @include _common.lua
 -- @include _policy.lua
@@ -86,8 +98,10 @@ local consumers = KEYS[14]
 local dead = KEYS[15]
 local dead_reason = KEYS[16]
 local wait_samples = KEYS[17]
+local deadlines = KEYS[20]
+local delayed = KEYS[21]
 
-local pending = {pending_high, pending_normal, pending_low}  -- by level + 1
+local pending = {pending_high, pending_normal, pending_low, delayed}  -- by level + 1
 
 -- The cost settings (absent in a policy stored before them: off) into `rules`: budget
 -- (max_batch_cost, 0 = none), padded (cost_mode), bounds (cost_buckets), costed (any of
@@ -286,6 +300,19 @@ local function choose(rules, count, total, now)
   return pick(rules, count, {2}, now)
 end
 
+-- Whether a waiting request is past its deadline (then nothing may be batched before
+-- expire_due.lua takes it out), and the earliest deadline (µs; nil if none).
+local function past_deadline(now)
+  local first = redis.call('ZRANGE', deadlines, 0, 0, 'WITHSCORES')
+  local at = first[1] and tonumber(first[2])
+  return at ~= nil and at <= now, at
+end
+
+-- Delayed requests (past their deadline under on_timeout = delay) when no level waits.
+local function take_delayed(rules, count, now)
+  return pick(rules, count, {3}, now)
+end
+
 -- Members whose id no producer makes (written by hand) leave the queue for the
 -- dead-letter set instead of a batch.
 local function drop_malformed(chosen, now)
@@ -335,7 +362,7 @@ local function commit(rules, consumer, lease_ms, chosen, metas, ids, total, now)
   local lease_deadline = now + lease_ms * 1000
   local reply = {batch_id, int(now), int(lease_deadline), total - #chosen}
   ids = {unpack(ids, 1, #chosen)}  -- what is left after isolate_retried
-  local waits, by_level, meta_fields, owner_fields = {}, {{}, {}, {}}, {}, {}
+  local waits, by_level, meta_fields, owner_fields = {}, {{}, {}, {}, {}}, {}, {}
   local envelopes = redis.call('HMGET', jobs, unpack(ids))
   for i, c in ipairs(chosen) do
     local id = c.id
@@ -367,10 +394,11 @@ local function commit(rules, consumer, lease_ms, chosen, metas, ids, total, now)
     reply[r + 5], reply[r + 6], reply[r + 7] = m.producer, state, c.level
     reply[r + 8], reply[r + 9] = int(m.cost), int(m.requested)
   end
-  for level = 0, 2 do
+  for level = 0, 3 do
     local members = by_level[level + 1]
     if #members > 0 then redis.call('ZREM', pending[level + 1], unpack(members)) end
   end
+  redis.call('ZREM', deadlines, unpack(ids))  -- deadlines holds waiting requests only
   redis.call('HSET', meta, unpack(meta_fields))
   redis.call('HSET', owner, unpack(owner_fields))
   redis.call('ZADD', inflight, int(lease_deadline), batch_id)
@@ -399,14 +427,27 @@ rules.prefer = prefer
 if delay_ms then rules.delay = delay_ms * 1000 end
 local now = now_us()
 redis.call('ZADD', consumers, int(now), consumer)
+local expired, first_deadline = past_deadline(now)
+if expired then return {-4} end
 if rules.strategy == 'priority' and rules.aging > 0 then promote_aged(rules, now) end
 
 local count = {redis.call('ZCARD', pending_high), redis.call('ZCARD', pending_normal),
-               redis.call('ZCARD', pending_low)}
-local total = count[1] + count[2] + count[3]
+               redis.call('ZCARD', pending_low), redis.call('ZCARD', delayed)}
+local waiting = count[1] + count[2] + count[3]
+local total = waiting + count[4]
 if total == 0 then return {0, -1} end
-local chosen, wait = choose(rules, count, total, now)
-if not chosen then return wait end
+local chosen, wait
+if waiting == 0 then
+  chosen = take_delayed(rules, count, now)
+else
+  chosen, wait = choose(rules, count, waiting, now)
+end
+if not chosen then
+  if first_deadline and (wait[2] < 0 or first_deadline - now < wait[2]) then
+    wait[2] = first_deadline - now
+  end
+  return wait
+end
 chosen = drop_malformed(chosen, now)
 if #chosen == 0 then return {0, 0} end
 local metas, ids = isolate_retried(chosen)

@@ -15,6 +15,9 @@ KEYS[10] {bg:q}:inflight    zset  batch id -> lease deadline (µs)
 KEYS[11] {bg:q}:owner       hash  id -> batch id
 KEYS[12] {bg:q}:batches     hash  batch id -> "consumer|ids"
 KEYS[14] {bg:q}:consumers   zset  consumer -> last heartbeat (µs); pruned here after 1 h
+KEYS[20] {bg:q}:deadlines   zset  pending id -> deadline (µs): a returned request with a
+                                  deadline is listed again (expire_due.lua answers it
+                                  if it has passed)
 
 ARGV[1]  most batches to reap in this call (1..1000)
 
@@ -34,6 +37,7 @@ local inflight = KEYS[10]
 local owner = KEYS[11]
 local batches = KEYS[12]
 local consumers = KEYS[14]
+local deadlines = KEYS[20]
 
 local limit = int_arg(ARGV[1], 1, 1000)
 if not limit then return {-3, 'limit'} end
@@ -50,6 +54,7 @@ for _, batch_id in ipairs(expired) do
       local prio, arrival = 2, now
       if m then prio, arrival = m.prio, m.arrival end
       redis.call('ZADD', pending[prio + 1], int(arrival), id)
+      if m and m.deadline > 0 then redis.call('ZADD', deadlines, m.deadline_s, id) end
       redis.call('HDEL', owner, id)
       requeued = requeued + 1
     end

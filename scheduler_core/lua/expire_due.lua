@@ -1,0 +1,154 @@
+--[[ expire_due: take the waiting requests whose deadline has passed out of the queue.
+
+Called in two steps, so that every key it writes is passed in KEYS: 'list' names the due
+requests (and, under on_timeout = delay, moves them to the delayed set itself: that needs
+no per-call key); 'expire' answers those listed with their DeadlineExceeded envelope,
+stored under result:<id> and pushed to the producer's inbox as cancel.lua and
+complete.lua do. A request is answered only while it still waits past its deadline, so
+of several callers (consumers, their lease threads, producers) exactly one delivers it.
+
+KEYS[1..23] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
+            this script uses:
+KEYS[1]  {bg:q}:policy      hash  on_timeout, result_ttl_s
+KEYS[2]  {bg:q}:pending:0   zset  HIGH
+KEYS[3]  {bg:q}:pending:1   zset  NORMAL
+KEYS[4]  {bg:q}:pending:2   zset  LOW
+KEYS[5]  {bg:q}:jobs        hash  id -> envelope
+KEYS[6]  {bg:q}:meta        hash  id -> meta (deadline cleared when delayed)
+KEYS[8]  {bg:q}:marker      zset  wake-up marker (a delayed request may be due at once)
+KEYS[9]  {bg:q}:stats       hash  counters: expired, delayed
+KEYS[20] {bg:q}:deadlines   zset  pending id -> deadline (µs)
+KEYS[21] {bg:q}:delayed     zset  id -> arrival (µs): past its deadline, runs when idle
+KEYS[24+2i] {bg:q}:result:<id_i>       ('expire' only) result of listed request i
+KEYS[25+2i] {bg:q}:inbox:<producer_i>  ('expire' only) its producer's inbox (any key if
+            it has none)
+
+ARGV[1]  mode: 'list' | 'expire'
+list:    ARGV[2] limit, the most requests to list or delay (1..1000)
+expire:  ARGV[2] result TTL, seconds, if the queue has no policy (1..315360000)
+         ARGV[3] n (1..1000); ARGV[4+2i], ARGV[5+2i] for request i: id, result envelope
+
+Returns  list:   {now_us, next_deadline_us, delayed, id_1, producer_1, ...}: the due
+                 requests to expire (at most limit; none under on_timeout = delay, which
+                 moves up to limit of them to the delayed set: `delayed`);
+                 next_deadline_us: the earliest deadline still waiting, -1 if none
+         expire: {expired, next_deadline_us, due_left}: requests answered (the others
+                 listed were cancelled, popped or answered meanwhile); due_left: 1 if
+                 more requests are past their deadline (call again), else 0
+Errors   {-3, field} malformed argument, or {-3, 'policy'}: the stored deadline policy is
+         outside the policy LIMITS; nothing written
+
+Work is bounded by limit (list) and n (expire).
+]]
+-- @include _common.lua
+-- @include _policy.lua
+-- @include _queue.lua
+
+local policy = KEYS[1]
+local pending_high = KEYS[2]
+local pending_normal = KEYS[3]
+local pending_low = KEYS[4]
+local jobs = KEYS[5]
+local meta = KEYS[6]
+local marker = KEYS[8]
+local stats = KEYS[9]
+local deadlines = KEYS[20]
+local delayed = KEYS[21]
+
+local pending = {pending_high, pending_normal, pending_low}
+
+-- Take `id` out of whichever level holds it (aging may have moved it); false if none.
+local function unqueue(id)
+  for _, level in ipairs(pending) do
+    if redis.call('ZREM', level, id) == 1 then return true end
+  end
+  return false
+end
+
+-- on_timeout = delay: the request stays, in the delayed set, without its deadline.
+local function delay(id, now)
+  local m = parse_meta(redis.call('HGET', meta, id))
+  redis.call('ZREM', deadlines, id)
+  if not unqueue(id) then return false end
+  local arrival = now
+  if m then
+    arrival = m.arrival
+    m.deadline, m.deadline_s = 0, nil
+    redis.call('HSET', meta, id, format_meta(m))
+  end
+  redis.call('ZADD', delayed, int(arrival), id)
+  return true
+end
+
+local function next_deadline()
+  local first = redis.call('ZRANGE', deadlines, 0, 0, 'WITHSCORES')
+  if first[1] then return first[2] end
+  return -1
+end
+
+local mode = ARGV[1]
+if mode ~= 'list' and mode ~= 'expire' then return {-3, 'mode'} end
+local timeouts = read_timeouts(policy)
+if not timeouts then return {-3, 'policy'} end
+local now = now_us()
+
+if mode == 'list' then
+  local limit = int_arg(ARGV[2], 1, 1000)
+  if not limit or #ARGV ~= 2 then return {-3, 'limit'} end
+  local due = redis.call('ZRANGEBYSCORE', deadlines, '-inf', int(now), 'LIMIT', 0, limit)
+  local reply = {int(now), 0, 0}
+  if timeouts.on_timeout == 'delay' then
+    local moved = 0
+    for _, id in ipairs(due) do
+      if delay(id, now) then moved = moved + 1 end
+    end
+    if moved > 0 then
+      redis.call('HINCRBY', stats, 'delayed', moved)
+      wake_consumers(marker)
+    end
+    reply[3] = moved
+  elseif #due > 0 then
+    local metas = redis.call('HMGET', meta, unpack(due))
+    for i, id in ipairs(due) do
+      local m = parse_meta(metas[i])
+      reply[#reply + 1] = id
+      reply[#reply + 1] = m and m.producer or ''
+    end
+  end
+  reply[2] = next_deadline()
+  return reply
+end
+
+local ttl_arg = int_arg(ARGV[2], 1, 315360000)
+if not ttl_arg then return {-3, 'result_ttl_s'} end
+local n = int_arg(ARGV[3], 1, 1000)
+if not n or #ARGV ~= 3 + 2 * n or #KEYS ~= 23 + 2 * n then return {-3, 'n'} end
+-- The queue's current result_ttl_s, as the consumers use it, not the caller's copy.
+local ttl = int_arg(redis.call('HGET', policy, 'result_ttl_s'), 1, 315360000) or ttl_arg
+local expired, moved = 0, 0
+for i = 0, n - 1 do
+  local id, envelope = ARGV[4 + 2 * i], ARGV[5 + 2 * i]
+  local deadline = tonumber(redis.call('ZSCORE', deadlines, id))
+  if deadline and deadline <= now then
+    if timeouts.on_timeout == 'delay' then  -- changed since the list
+      if delay(id, now) then moved = moved + 1 end
+    else
+      local m = parse_meta(redis.call('HGET', meta, id))
+      redis.call('ZREM', deadlines, id)
+      if unqueue(id) then
+        redis.call('HDEL', jobs, id)
+        redis.call('HDEL', meta, id)
+        store_result(KEYS[24 + 2 * i], envelope, ttl)
+        if m and m.producer ~= '' then deliver_results(KEYS[25 + 2 * i], ttl, envelope) end
+        expired = expired + 1
+      end
+    end
+  end
+end
+if expired > 0 then redis.call('HINCRBY', stats, 'expired', expired) end
+if moved > 0 then
+  redis.call('HINCRBY', stats, 'delayed', moved)
+  wake_consumers(marker)
+end
+local left = redis.call('ZRANGEBYSCORE', deadlines, '-inf', int(now), 'LIMIT', 0, 1)
+return {expired, next_deadline(), #left}

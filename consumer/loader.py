@@ -4,7 +4,9 @@ ATTR names either a model (called with the list of payloads of a batch, returnin
 of results of the same length) or a zero-argument factory, a class or a function, that
 returns one. A model with the attribute `accepts_costs = True` is called as
 `model(payloads, costs=costs)` instead: costs[i] is request i's cost (consumer.batch.Cost,
-an int with `.requested` and `.truncated`), see docs/scheduling.md. `--model-arg
+an int with `.requested` and `.truncated`), see docs/scheduling.md. A model with
+`streams = True` is also given `emit=`: it calls `emit({index: part, ...})` once per step
+to stream partial results (consumer/streaming.py, docs/streaming.md). `--model-arg
 key=value` pairs are passed to the factory as keyword arguments. MODULE is imported from
 the working directory and PYTHONPATH.
 """

@@ -41,6 +41,7 @@ from consumer.lease import EXIT_MODEL_HUNG, Held, LeaseKeeper, LeaseTimes, Repor
 from consumer.loader import BatchModel
 from consumer.overlap import Overlap
 from consumer.refit import CostRefit
+from consumer.streaming import Emit, StreamWriter
 from scheduler_core.admin import ensure_policy, store_policy, unknown_requests
 from scheduler_core.connection import DEFAULT_REDIS_URL, Backoff, connect
 from scheduler_core.deadlines import expire_due
@@ -177,6 +178,11 @@ class Consumer:
         """Whether the model opted into the costs (`accepts_costs = True`): a property, as
         the CLI sets `model` after construction."""
         return bool(getattr(self.model, "accepts_costs", False))
+
+    @property
+    def _model_streams(self) -> bool:
+        """Whether the model streams partial results (`streams = True`, consumer/streaming.py)."""
+        return bool(getattr(self.model, "streams", False))
 
     # -- lifecycle ------------------------------------------------------------------
     def start(self) -> Policy:
@@ -436,7 +442,14 @@ class Consumer:
         try:
             costs = [Cost(item.cost, item.requested) for item, _ in runnable] \
                 if self._model_takes_costs else None
-            results = self._run_isolated([payload for _, payload in runnable], costs)
+            writer = self._stream_writer(batch, [item for item, _ in runnable]) \
+                if self._model_streams else None
+            if writer is not None:
+                writer.start()
+            results = self._run_isolated([payload for _, payload in runnable], costs,
+                                         writer.emitter() if writer is not None else None)
+            if writer is not None:
+                writer.finish()
         finally:
             self._in_model = None
         model_s = time.perf_counter() - started
@@ -551,25 +564,35 @@ class Consumer:
                               "message": str(message)[:200], "consumer": self.config.name,
                               "at_ms": int(time.time() * 1000)})
 
-    def _run_isolated(self, payloads: list[Any],
-                      costs: list[Cost] | None = None) -> list[tuple[bool, Any]]:
+    def _stream_writer(self, batch: Batch, items: list[Item]) -> StreamWriter:
+        return StreamWriter(self.redis, self.scripts.stream_append, self.keys, batch.id, items,
+                            self.policy.result_ttl_s if self.policy else 600,
+                            self.config.max_result_bytes)
+
+    def _run_isolated(self, payloads: list[Any], costs: list[Cost] | None = None,
+                      emit: Emit | None = None) -> list[tuple[bool, Any]]:
         """Run the model; if it raises, split the batch to isolate the failing payloads,
         so one poison request fails alone and the others are answered. A model that
         opts in (`accepts_costs`) is also given the requests' costs: model(payloads,
-        costs=...)."""
+        costs=...); one that streams (`streams`) its emit: model(payloads, emit=...)."""
+        kwargs: dict[str, Any] = {}
+        if costs is not None:
+            kwargs["costs"] = costs
+        if emit is not None:
+            kwargs["emit"] = emit
         try:
-            results = self.model(payloads) if costs is None else \
-                self.model(payloads, costs=costs)
+            results = self.model(payloads, **kwargs) if kwargs else self.model(payloads)
         except Exception as exc:  # the model's failure is the request's, not ours
             if len(payloads) == 1:
                 message = _describe(exc)
                 log.warning("model raised on a request: %s: %s", type(exc).__name__, message)
                 return [(False, (type(exc).__name__, message))]
-            half = len(payloads) // 2
-            if costs is None:
-                return self._run_isolated(payloads[:half]) + self._run_isolated(payloads[half:])
-            return self._run_isolated(payloads[:half], costs[:half]) + \
-                self._run_isolated(payloads[half:], costs[half:])
+            half, size = len(payloads) // 2, len(payloads)
+            return self._run_isolated(payloads[:half],
+                                      None if costs is None else costs[:half],
+                                      None if emit is None else emit.split(0, half)) + \
+                self._run_isolated(payloads[half:], None if costs is None else costs[half:],
+                                   None if emit is None else emit.split(half, size))
         try:
             results = list(results)
         except TypeError:

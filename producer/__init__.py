@@ -18,7 +18,7 @@ from scheduler_core.errors import (
     RequestLost,
 )
 from scheduler_core.policy import Priority
-from scheduler_core.wire import Result
+from scheduler_core.wire import Restart, Result
 
 __all__ = [
     "AsyncHandle",
@@ -32,5 +32,6 @@ __all__ = [
     "RequestCancelled",
     "RequestFailed",
     "RequestLost",
+    "Restart",
     "Result",
 ]

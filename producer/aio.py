@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any
 
 import redis
@@ -27,6 +27,7 @@ from scheduler_core.deadlines import expire_due_async
 from scheduler_core.policy import Priority
 from scheduler_core.registry import register_queue_async
 from scheduler_core.scripts import AsyncScriptPipeline, Scripts
+from scheduler_core.streams import BLOCK_MS, END_WAIT_S, READ_COUNT, StreamCursor
 from scheduler_core.wire import Result, decode_result
 
 log = logging.getLogger("batchgate.producer")
@@ -76,6 +77,32 @@ class AsyncHandle:
                 await self._producer._poll(self)
         assert self._result is not None
         return self._result.unwrap()
+
+    async def stream(self, timeout: float | None = None) -> AsyncIterator[Any]:
+        """As `Handle.stream`, an async iterator: `async for part in handle.stream()`."""
+        timeout = check_timeout(timeout)
+        end = None if timeout is None else time.monotonic() + timeout
+        cursor = StreamCursor(self._producer.keys.stream(self.id))
+        client = self._producer._redis
+        while True:
+            finished = self._result is not None  # before the read: the parts come first
+            if not finished and cursor.ended:  # this run is over: its result is coming
+                if self._waiter is None:
+                    self._waiter = asyncio.get_running_loop().create_future()
+                await asyncio.wait((self._waiter,), timeout=END_WAIT_S)
+                finished = self._result is not None
+            block = None if finished or cursor.ended else BLOCK_MS
+            reply = await client.xread({cursor.key: cursor.last}, count=READ_COUNT,
+                                       block=block)
+            for event in cursor.feed(reply):
+                yield event
+            if finished and not reply:
+                return
+            now = time.monotonic()
+            if not finished and end is not None and now >= end:
+                raise TimeoutError(f"no result for request {self.id} within {timeout}s")
+            if not finished and self._deadline_at is not None and now >= self._deadline_at:
+                await self._producer._expire(self)
 
     async def cancel(self) -> CancelOutcome:
         """As `Handle.cancel`, awaitable."""

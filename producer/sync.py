@@ -41,6 +41,7 @@ from scheduler_core.deadlines import expire_due
 from scheduler_core.policy import Priority
 from scheduler_core.registry import register_queue
 from scheduler_core.scripts import ScriptPipeline, Scripts
+from scheduler_core.streams import BLOCK_MS, END_WAIT_S, READ_COUNT, StreamCursor
 from scheduler_core.wire import Result, decode_result
 
 log = logging.getLogger("batchgate.producer")
@@ -152,6 +153,34 @@ class Handle:
                 self._producer._poll(self)
         assert self._result is not None
         return self._result.unwrap()
+
+    def stream(self, timeout: float | None = None) -> Iterator[Any]:
+        """The request's partial results as its model emits them (a model that streams,
+        docs/streaming.md), in order; a `Restart` when the request starts over (drop the
+        parts received so far: those after it are the new run's, from the first). The
+        iteration ends once the result is in (fetch it with `result()`, which does not
+        wait then); a model that does not stream yields nothing. TimeoutError if the
+        result has not arrived within `timeout` seconds. Each read borrows a connection
+        of the producer's pool for at most 250 ms (streams.BLOCK_MS)."""
+        timeout = check_timeout(timeout)
+        end = None if timeout is None else time.monotonic() + timeout
+        cursor = StreamCursor(self._producer.keys.stream(self.id))
+        client = self._producer._redis
+        while True:
+            finished = self._result is not None  # before the read: the parts come first
+            if not finished and cursor.ended:  # this run is over: its result is coming
+                self._wait(END_WAIT_S)
+                finished = self._result is not None
+            block = None if finished or cursor.ended else BLOCK_MS
+            reply = client.xread({cursor.key: cursor.last}, count=READ_COUNT, block=block)
+            yield from cursor.feed(reply)
+            if finished and not reply:
+                return
+            now = time.monotonic()
+            if not finished and end is not None and now >= end:
+                raise TimeoutError(f"no result for request {self.id} within {timeout}s")
+            if not finished and self._deadline_at is not None and now >= self._deadline_at:
+                self._producer._expire(self)
 
     def cancel(self) -> CancelOutcome:
         """Remove the request if it is still waiting: 'cancelled' (it will never run, its

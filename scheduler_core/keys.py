@@ -38,6 +38,8 @@ then the script's per-call keys (result:<id>, inbox:<producer>, idem:<key>).
 | `{bg:q}:failures`           | list   | newest 100 failed requests (orjson), by the lease thread  |
 | `{bg:q}:result:<id>`        | string | result envelope, expires after result_ttl_s               |
 | `{bg:q}:inbox:<producer>`   | list   | result envelopes for one Producer instance, expires       |
+| `{bg:q}:stream:<id>`        | stream | partial results of a streaming model (capped, expires     |
+|                             |        | after result_ttl_s), docs/streaming.md                    |
 | `{bg:q}:idem:<key>`         | string | idempotency key -> request id, expires                    |
 | `{bg:q}:acks`               | string | counter written before each WAIT of `wait_replicas`       |
 
@@ -216,6 +218,9 @@ class QueueKeys:
 
     def result(self, request_id: str) -> str:
         return self._k(f"result:{request_id}")
+
+    def stream(self, request_id: str) -> str:
+        return self._k(f"stream:{request_id}")
 
     def inbox(self, producer: str) -> str:
         return self._k(f"inbox:{producer}")

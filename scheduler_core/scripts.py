@@ -36,7 +36,8 @@ from scheduler_core.policy import CHOICES, LIMITS, MAX_COST_BUCKETS, MAX_REQUEST
 # Queue scripts, then the bulk job's lease (lua/bulk/, not queue keys). `Scripts` names
 # each by its path with '/' as '_': scripts.bulk_lease_renew.
 SCRIPT_NAMES = ("enqueue", "pop_batch", "complete", "extend_lease", "requeue_expired",
-                "configure", "cancel", "dead_letter", "expire_due", "bulk/lease_renew",
+                "configure", "cancel", "dead_letter", "expire_due", "stream_append",
+                "bulk/lease_renew",
                 "bulk/lease_release")
 _INCLUDE = re.compile(r"^-- @include (\S+)[ \t]*\n", re.MULTILINE)
 _RENDER_POLICY = re.compile(r"^-- @render policy[ \t]*$", re.MULTILINE)
@@ -115,6 +116,7 @@ class Scripts:
     cancel: Any
     dead_letter: Any
     expire_due: Any
+    stream_append: Any
     bulk_lease_renew: Any
     bulk_lease_release: Any
 
@@ -352,6 +354,11 @@ def cancel_keys(keys: QueueKeys, request_id: str, producer: str) -> list[str]:
 def expire_keys(keys: QueueKeys, items: list[tuple[str, str]]) -> list[str]:
     """expire_due.lua's KEYS: `items` are (request id, producer) pairs, in ARGV's order."""
     return complete_keys(keys, items)
+
+
+def stream_keys(keys: QueueKeys, request_ids: list[str]) -> list[str]:
+    """stream_append.lua's KEYS: one stream key per entry, in ARGV's order."""
+    return [*keys.shared, *(keys.stream(rid) for rid in request_ids)]
 
 
 def dead_letter_keys(keys: QueueKeys, request_ids: list[str]) -> list[str]:

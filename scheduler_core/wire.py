@@ -237,3 +237,40 @@ def decode_result(data: bytes) -> Result:
         error_type=str(error.get("type", "RequestFailed")),
         message=str(error.get("message", "")),
     )
+
+
+# Partial results (`{bg:q}:stream:<id>`, a Redis stream; docs/streaming.md). Each entry has
+# one field: STREAM_PART -> orjson of a part, STREAM_RESTART -> the attempt that starts
+# over (a re-delivered request runs again from the start), STREAM_END -> b"" (this run's
+# parts are all written; its result follows).
+STREAM_PART, STREAM_RESTART, STREAM_END = "p", "r", "e"
+
+
+@dataclass(frozen=True)
+class Restart:
+    """What `handle.stream()` yields when the request starts over (its consumer died, or
+    its batch was split to isolate a failing request): drop the parts received so far;
+    the parts that follow are the new run's, from the first. `attempt` is the delivery
+    that restarts (1 for a re-run within one delivery)."""
+
+    attempt: int
+
+
+def encode_part(value: Any, max_bytes: int = DEFAULT_MAX_RESULT_BYTES) -> bytes:
+    """A partial result as a stream entry stores it; InvalidRequest(field='part') if the
+    value is not sendable."""
+    return _dumps(value, "part", max_bytes)
+
+
+def decode_stream_entry(fields: dict[Any, Any]) -> tuple[str, Any]:
+    """(kind, value) of one stream entry: (STREAM_PART, the part), (STREAM_RESTART,
+    Restart), or (STREAM_END, None)."""
+    for raw_kind, raw in fields.items():
+        kind = raw_kind.decode() if isinstance(raw_kind, bytes) else str(raw_kind)
+        if kind == STREAM_PART:
+            return kind, orjson.loads(raw)
+        if kind == STREAM_RESTART:
+            return kind, Restart(int(raw))
+        if kind == STREAM_END:
+            return kind, None
+    raise ValueError(f"stream entry has no known field: {sorted(map(str, fields))}")

@@ -72,9 +72,10 @@ def minilm(device: str = "cpu", max_tokens: int = 256):
 def generator(device: str = "cpu", max_new_tokens: int = 32, max_new_tokens_cap: int = 256,
               checkpoint: str | None = None, seed: int = 0, vocab: int = 4096,
               layers: int = 4, dim: int = 256, heads: int = 4, positions: int = 1024,
-              dtype: str = "float32"):
+              dtype: str = "float32", stream: bool = False):
     """Payload: {"prompt": str} or {"tokens": [ids]}, optionally "max_new_tokens".
-    Result: {"tokens": [new ids], "text": str, "new_tokens": n}. Weights are seeded
+    Result: {"tokens": [new ids], "text": str, "new_tokens": n}. With stream=true, each
+    step's token streams as {"token": id, "text": str} (docs/streaming.md). Weights are seeded
     (meaningless text, real compute) unless `checkpoint` names a save_pretrained
     directory; vocab/layers/dim/heads/positions size the seeded model only."""
     from consumer.models.generator import Generator, build_gpt2, load_checkpoint
@@ -85,4 +86,4 @@ def generator(device: str = "cpu", max_new_tokens: int = 32, max_new_tokens_cap:
         model = build_gpt2(vocab=vocab, layers=layers, dim=dim, heads=heads,
                            positions=positions, seed=seed)
     return Generator(model, device=device, max_new_tokens=max_new_tokens,
-                     max_new_tokens_cap=max_new_tokens_cap, dtype=dtype)
+                     max_new_tokens_cap=max_new_tokens_cap, dtype=dtype, stream=stream)

@@ -20,6 +20,10 @@ The budget of each request, in this order: the `costs` the runner passes (one pe
 request), else the payload's `"max_new_tokens"`, else the `max_new_tokens` model argument;
 always capped at `max_new_tokens_cap`.
 
+With `stream=true` (a model argument) it streams (`streams`, docs/streaming.md): after
+each step, one emit for the whole batch with each unfinished row's new token as
+{"token": id, "text": str}; the result is the same as without.
+
 Tokens: a prompt's UTF-8 bytes are its token ids (0-255); an id decodes to the byte
 `id % 256`, so every generated id has a (meaningless) text.
 """
@@ -28,7 +32,7 @@ from __future__ import annotations
 
 import inspect
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -77,7 +81,8 @@ class Generator:
 
     def __init__(self, model: Any, device: str = "cpu", max_new_tokens: int = 32,
                  max_new_tokens_cap: int = 256, dtype: str = "float32",
-                 warmup_batches: Sequence[int] = (1, 4), warmup_new_tokens: int = 4):
+                 warmup_batches: Sequence[int] = (1, 4), warmup_new_tokens: int = 4,
+                 stream: bool = False):
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         if not _int(max_new_tokens_cap) or max_new_tokens_cap < 1:
@@ -95,6 +100,9 @@ class Generator:
                              "byte tokens a prompt is made of")
         if self.positions < 2:
             raise ValueError(f"the model has {self.positions} positions; it needs >= 2")
+        if not isinstance(stream, bool):
+            raise ValueError(f"stream must be true or false, got {stream!r}")
+        self.streams = stream  # emit each step's tokens (consumer/streaming.py)
         self.max_new_tokens = max_new_tokens
         self.cap = max_new_tokens_cap
         # transformers 5 calls the KV cache `cache`; 4.x called it `past_key_values`.
@@ -163,8 +171,10 @@ class Generator:
         return out
 
     # -- the model --------------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], budgets: list[int]) -> list[list[int]]:
-        """Greedy generation of budgets[i] tokens after prompts[i], all rows together."""
+    def generate(self, prompts: list[list[int]], budgets: list[int],
+                 emit: Callable[[dict[int, Any]], None] | None = None) -> list[list[int]]:
+        """Greedy generation of budgets[i] tokens after prompts[i], all rows together;
+        `emit`, if given, gets each step's new tokens of the rows still within budget."""
         rows, longest, steps = len(prompts), max(map(len, prompts)), max(budgets)
         ids = torch.zeros((rows, longest), dtype=torch.long)
         mask = torch.zeros((rows, longest), dtype=torch.long)
@@ -185,6 +195,10 @@ class Generator:
                 cache = getattr(out, self._cache_arg)
                 ids = out.logits[:, -1, :].argmax(-1, keepdim=True)
                 new[:, step] = ids[:, 0]
+                if emit is not None:
+                    tokens = ids[:, 0].tolist()
+                    emit({r: {"token": t, "text": chr(t % 256)}
+                          for r, t in enumerate(tokens) if step < budgets[r]})
                 mask = torch.cat([mask, mask.new_ones((rows, 1))], dim=1)
                 positions = positions[:, -1:] + 1
         generated = new.cpu().tolist()
@@ -197,14 +211,14 @@ class Generator:
         for size in batch_sizes:
             self.generate([[1] * length] * size, [steps] * size)
 
-    def __call__(self, payloads: list[Any],
-                 costs: list[int] | None = None) -> list[dict[str, Any]]:
+    def __call__(self, payloads: list[Any], costs: list[int] | None = None,
+                 emit: Callable[[dict[int, Any]], None] | None = None) -> list[dict[str, Any]]:
         requests = self.requests(payloads, costs)  # all validated before anything runs
         if not requests:
             return []
         prompts, budgets = [r[0] for r in requests], [r[1] for r in requests]
         results = []
-        for tokens in self.generate(prompts, budgets):
+        for tokens in self.generate(prompts, budgets, emit):
             text = bytes(t % 256 for t in tokens).decode("utf-8", errors="replace")
             results.append({"tokens": tokens, "text": text, "new_tokens": len(tokens)})
         return results

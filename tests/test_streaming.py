@@ -1,0 +1,131 @@
+"""Streaming partial results (issue 16 §4, docs/streaming.md), with real consumer
+processes: parts arrive before the result and in order, the result arrives once, a crash
+re-runs the request from the start behind a restart marker, and a fenced-out batch cannot
+append."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+from helpers.failure_support import CountingProducer, wait_for
+
+from producer import AsyncProducer, Producer, Restart
+from scheduler_core.keys import QueueKeys
+from scheduler_core.scripts import Scripts, stream_keys
+
+HELPERS = str(Path(__file__).resolve().parent / "helpers")
+
+
+def steps(start_consumer, url, queue, *args, parts=5, sleep_ms=100, ready=True):
+    return start_consumer(url, queue, "--model", "stream_models:Steps", "--model-arg",
+                          f"parts={parts}", "--model-arg", f"sleep_ms={sleep_ms}", *args,
+                          cwd=HELPERS, ready=ready)
+
+
+def test_parts_arrive_in_order_before_the_result(shared_redis, queue, start_consumer):
+    steps(start_consumer, shared_redis.url, queue, "--strategy", "dynamic",
+          "--max-batch-size", "4", "--max-queue-delay-ms", "50", parts=5, sleep_ms=150)
+    with CountingProducer(shared_redis.url, queue) as p:
+        handles = p.submit_many([{"i": i} for i in range(3)])
+        seen, done_at_part = [], []
+        for part in handles[0].stream(timeout=30):
+            seen.append(part)
+            done_at_part.append(handles[0].done())
+        assert seen == [{"i": 0, "step": s} for s in range(5)]
+        assert not any(done_at_part[:-1])  # the parts came while the batch ran
+        assert handles[0].result(timeout=0.1) == {"i": 0, "parts": 5}
+        assert [list(h.stream(timeout=30)) for h in handles[1:]] == \
+            [[{"i": i, "step": s} for s in range(5)] for i in (1, 2)]
+        assert [h.result(timeout=5)["i"] for h in handles] == [0, 1, 2]
+        time.sleep(0.3)
+        assert all(p.deliveries[h.id] == 1 for h in handles)
+
+
+def test_async_stream(shared_redis, queue, start_consumer):
+    steps(start_consumer, shared_redis.url, queue, parts=4, sleep_ms=100)
+
+    async def main():
+        async with AsyncProducer(shared_redis.url, queue) as p:
+            handle = await p.submit({"i": 7})
+            parts = [part async for part in handle.stream(timeout=30)]
+            return parts, await handle.result(timeout=1)
+
+    parts, result = asyncio.run(main())
+    assert parts == [{"i": 7, "step": s} for s in range(4)]
+    assert result == {"i": 7, "parts": 4}
+
+
+def test_a_model_that_does_not_stream_yields_nothing(shared_redis, queue, start_consumer):
+    start_consumer(shared_redis.url, queue, "--model", "consumer.models:noop")
+    with Producer(shared_redis.url, queue) as p:
+        handle = p.submit({"x": 1})
+        assert list(handle.stream(timeout=30)) == []
+        assert handle.done()
+
+
+def test_a_crash_mid_stream_restarts_it(redis_server, queue, start_consumer):
+    """SIGKILL after some parts: a second consumer re-runs the request once the lease
+    lapses; the stream shows the first run's parts, a Restart(2), then the full sequence;
+    the result arrives once."""
+    url = redis_server.url
+    first = steps(start_consumer, url, queue, "--lease-ms", "500", parts=6, sleep_ms=150)
+    with CountingProducer(url, queue) as p:
+        handle = p.submit({"i": 1})
+        events = []
+        for event in handle.stream(timeout=60):
+            events.append(event)
+            if len(events) == 2:
+                first.kill()
+                steps(start_consumer, url, queue, "--lease-ms", "500", parts=6, sleep_ms=150)
+        assert events[:2] == [{"i": 1, "step": 0}, {"i": 1, "step": 1}]
+        assert events[2:] == [Restart(2), *({"i": 1, "step": s} for s in range(6))]
+        assert handle.result(timeout=1) == {"i": 1, "parts": 6}
+        time.sleep(0.3)
+        assert p.deliveries[handle.id] == 1
+
+
+def test_a_fenced_out_batch_cannot_append(redis_server, queue, start_consumer):
+    """Only the batch holding the request's lease may write its stream: a stale batch id
+    is refused and nothing is written."""
+    url = redis_server.url
+    steps(start_consumer, url, queue, parts=3, sleep_ms=300)
+    client = redis_server.client()
+    keys = QueueKeys(queue)
+    with Producer(url, queue) as p:
+        handle = p.submit({"i": 3})
+        wait_for(lambda: client.hlen(keys.owner) == 1, 15, "the request in flight")
+        batch = client.hget(keys.owner, handle.id).decode()
+        stale = str(int(batch) + 1000)
+        append = Scripts(client).stream_append
+        reply = append(keys=stream_keys(keys, [handle.id]),
+                       args=[stale, 60, 100, 1, handle.id, "p", b'"forged"'])
+        assert reply == [-1]
+        # A live batch that does not own the request is refused entry by entry.
+        other = p.submit({"i": 4})
+        reply = append(keys=stream_keys(keys, [other.id]),
+                       args=[batch, 60, 100, 1, other.id, "p", b'"forged"'])
+        assert reply == [0, 1]
+        assert list(handle.stream(timeout=30)) == [{"i": 3, "step": s} for s in range(3)]
+        assert list(other.stream(timeout=30)) == [{"i": 4, "step": s} for s in range(3)]
+
+
+def test_generator_streams_its_tokens(shared_redis, queue, start_consumer):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from test_generator import TINY_ARGS
+
+    start_consumer(shared_redis.url, queue, "--model", "consumer.models:generator",
+                   *TINY_ARGS, "--model-arg", "stream=true", "--strategy", "dynamic",
+                   "--max-batch-size", "4", "--max-queue-delay-ms", "100")
+    with Producer(shared_redis.url, queue) as p:
+        handles = p.submit_many([{"prompt": "Hello", "max_new_tokens": 6},
+                                 {"prompt": "abc", "max_new_tokens": 3}])
+        streams = [list(h.stream(timeout=60)) for h in handles]
+        results = [h.result(timeout=5) for h in handles]
+    for parts, result in zip(streams, results, strict=True):
+        assert [part["token"] for part in parts] == result["tokens"]
+        assert "".join(part["text"] for part in parts) == \
+            "".join(chr(t % 256) for t in result["tokens"])

@@ -108,6 +108,7 @@ ACL_COMMANDS = " ".join([
     "hget hset hdel hexists hmget hgetall hincrby hlen hkeys",
     "zadd zrem zrange zrangebyscore zremrangebyscore zcard zcount zscore bzpopmin",
     "rpush lpush ltrim lrange blmpop",
+    "xadd xread",
 ]).split(" ")
 # redis-py announces itself with CLIENT SETINFO (Redis >= 7.2); refused, it is skipped.
 OPTIONAL_COMMANDS = ["client|setinfo"]

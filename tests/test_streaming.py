@@ -129,3 +129,46 @@ def test_generator_streams_its_tokens(shared_redis, queue, start_consumer):
         assert [part["token"] for part in parts] == result["tokens"]
         assert "".join(part["text"] for part in parts) == \
             "".join(chr(t % 256) for t in result["tokens"])
+
+
+def sse_events(response) -> list[tuple[str, object, float]]:
+    """(event, data, arrival time) of each server-sent event, read as it arrives."""
+    import json
+
+    events, name = [], None
+    for line in response.iter_lines():
+        if line.startswith("event: "):
+            name = line[len("event: "):]
+        elif line.startswith("data: "):
+            events.append((name, json.loads(line[len("data: "):]), time.monotonic()))
+    return events
+
+
+def test_gateway_streams_server_sent_events(shared_redis, queue, start_consumer):
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    from helpers.servers import gateway_factory
+
+    steps(start_consumer, shared_redis.url, queue, parts=4, sleep_ms=200)
+    factory = gateway_factory()
+    start_gateway = next(factory)
+    try:
+        gateway = start_gateway(shared_redis.url, queue)
+        with httpx.Client(base_url=gateway.url, timeout=30) as http:
+            sent = time.monotonic()
+            with http.stream("POST", "/v1/requests",
+                             json={"payload": {"i": 5}, "stream": True}) as response:
+                assert response.status_code == 200
+                assert response.headers["content-type"].startswith("text/event-stream")
+                request_id = response.headers["x-request-id"]
+                events = sse_events(response)
+            assert [(e, d) for e, d, _ in events] == [
+                *(("part", {"i": 5, "step": s}) for s in range(4)),
+                ("result", {"id": request_id, "status": "done",
+                            "result": {"i": 5, "parts": 4}})]
+            # The first part came while the model still ran (3 more steps of 200 ms).
+            assert events[0][2] - sent < events[-1][2] - sent - 0.3
+            bad = http.post("/v1/requests", json={"payload": 1, "stream": "yes"})
+            assert bad.status_code == 422 and bad.json()["field"] == "stream"
+    finally:
+        next(factory, None)

@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+import orjson
 import redis
 
 from producer.gateway.guard import Receive, Scope, Send, answer, header
@@ -33,7 +34,7 @@ from producer.gateway.schemas import (
     state_body,
 )
 from scheduler_core.errors import InvalidRequest, QueueFull, RequestFailed
-from scheduler_core.wire import lost_result
+from scheduler_core.wire import Restart, lost_result
 
 if TYPE_CHECKING:
     from producer.gateway.app import Gateway
@@ -63,6 +64,12 @@ class ApiError(Exception):
         if field is not None:
             self.body["field"] = field
         self.headers = headers or {}
+
+
+def sse(event: str, data: Any) -> dict[str, Any]:
+    """One server-sent event as an ASGI body message (more to come)."""
+    return {"type": "http.response.body", "more_body": True,
+            "body": b"event: " + event.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"}
 
 
 def not_found(request_id: str) -> ApiError:
@@ -167,7 +174,7 @@ class HotPath:
             path, method = scope["path"], scope["method"]
             if path == SUBMIT_PATH and method == "POST":
                 scope["route"] = self.submit_route
-                await self.serve(self.submit(scope, receive), send)
+                await self.serve(self.submit(scope, receive, send), send)
                 return
             if path.startswith(REQUEST_PREFIX) and method in ("GET", "HEAD") and \
                     "/" not in path[len(REQUEST_PREFIX):] and len(path) > len(REQUEST_PREFIX):
@@ -193,14 +200,52 @@ class HotPath:
             raise not_found(request_id)
         return state_answer(state)
 
-    async def submit(self, scope: Scope, receive: Receive) -> Answer | None:
+    async def stream(self, handle: Any, timeout_s: float, send: Send) -> None:
+        """`"stream": true`: server-sent events, `part`/`restart` as they come, then the
+        final `result`, `error` or `timeout` with the request's state."""
+        await send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
+            (b"x-request-id", handle.id.encode())]})
+        waiting = self.metrics.waiting
+        waiting.inc()
+        final = "timeout"
+        try:
+            try:
+                async for event in handle.stream(timeout=timeout_s):
+                    if isinstance(event, Restart):
+                        await send(sse("restart", {"restart": event.attempt}))
+                    else:
+                        await send(sse("part", event))
+            except TimeoutError:
+                pass
+            except redis.RedisError as exc:  # the answer has begun: the final event says it
+                await send({**sse("error", {"id": handle.id, "error": "redis_unavailable",
+                                            "message": str(exc)}), "more_body": False})
+                return
+            if handle.done():
+                try:
+                    value = await handle.result(timeout=0)
+                    final, state = "result", {"id": handle.id, "status": "done",
+                                              "result": value}
+                except RequestFailed:  # failed, expired or cancelled: its state says which
+                    final = "error"
+                    state = await self.gateway().lookup(handle.id) or \
+                        state_body(lost_result(handle.id))
+            else:
+                state = await self.gateway().lookup(handle.id) or \
+                    {"id": handle.id, "status": "queued"}
+        finally:
+            waiting.dec()
+        await send({**sse(final, state), "more_body": False})
+
+    async def submit(self, scope: Scope, receive: Receive, send: Send) -> Answer | None:
         """POST /v1/requests: 202 with the id, or with `wait` the request's state once it
-        is done or `timeout_s` passed."""
+        is done or `timeout_s` passed; with `stream`, server-sent events (sent here)."""
         body = await read_body(receive)
         if body is None:
             return None  # the client left
         submit = await self.parse(scope, body)
-        scope[WAIT] = submit.wait
+        scope[WAIT] = submit.wait or submit.stream
         gateway = self.gateway()
         try:
             handle = await gateway.producer.submit(
@@ -208,6 +253,9 @@ class HotPath:
                 idempotency_key=submit.idempotency_key, cost=submit.cost)
         except QueueFull as exc:
             raise queue_full(exc) from None
+        if submit.stream:
+            await self.stream(handle, submit.timeout_s, send)
+            return None
         if not submit.wait:
             return state_answer({"id": handle.id, "status": "queued"})
         waiting = self.metrics.waiting

@@ -82,10 +82,20 @@ class SubmitRequest(BaseModel):
                                "cost_buckets count. Over max_cost: 422 naming `cost` (or, "
                                "with over_cost=truncate, capped).")
     wait: bool = Field(default=False, description="Wait for the result and return it.")
+    stream: bool = Field(
+        default=False,
+        description="Answer with server-sent events (text/event-stream): `part` for each "
+                    "partial result a streaming model emits (data: the part), `restart` "
+                    "when the request starts over (data: {\"restart\": attempt}; drop the "
+                    "parts so far), then one final event with the RequestState: `result` "
+                    "(done), `error` (failed, expired, cancelled) or `timeout` (no result "
+                    "within timeout_s: queued or running), and the answer ends. "
+                    "See docs/streaming.md.")
     timeout_s: Annotated[float, Field(ge=0, le=MAX_WAIT_S)] = Field(
         default=DEFAULT_WAIT_S,
         description="With wait: seconds to wait. If no result came by then the answer is "
-                    "202 with status queued/running, and the request stays queued.")
+                    "202 with status queued/running, and the request stays queued. With "
+                    "stream: seconds the stream waits for the result.")
 
 
 class ErrorInfo(BaseModel):
@@ -150,6 +160,7 @@ class Submit:
     wait: bool
     timeout_s: float
     cost: int = 1
+    stream: bool = False
 
 
 def loads(body: bytes) -> Any:
@@ -199,6 +210,9 @@ def check_submit(body: Any, max_payload_bytes: int) -> Submit:
     wait = body.get("wait", False)
     if not isinstance(wait, bool):
         raise InvalidRequest("wait", f"must be true or false, got {wait!r}")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise InvalidRequest("stream", f"must be true or false, got {stream!r}")
     timeout_s = body.get("timeout_s", DEFAULT_WAIT_S)
     checked = None if timeout_s is None else check_timeout(timeout_s, "timeout_s")
     if checked is None or checked > MAX_WAIT_S:
@@ -209,7 +223,7 @@ def check_submit(body: Any, max_payload_bytes: int) -> Submit:
         raise InvalidRequest(unknown, "Extra inputs are not permitted (the fields are "
                                       f"{', '.join(SUBMIT_FIELDS)})")
     return Submit(encode_payload(body["payload"], max_payload_bytes), priority, deadline_ms,
-                  key, wait, checked, cost)
+                  key, wait, checked, cost, stream)
 
 
 def _priority(value: Any) -> Priority:

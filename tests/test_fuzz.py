@@ -43,6 +43,7 @@ from scheduler_core.scripts import (
     pop_keys,
     requeue_keys,
     source,
+    stream_keys,
 )
 from scheduler_core.wire import decode_request, encode_error, encode_request
 
@@ -54,7 +55,7 @@ PLAN = {
     "payload": (200, 10), "priority": (100, 10), "scalars": (100, 10), "policy": (100, 10),
     "queue": (100, 10), "consumer_config": (50, 10), "producer_config": (50, 10),
     "submit": (200, 5), "cli_submit": (100, 4), "cli_admin": (50, 4),
-    "lua": (60, 5),  # per script: 8 scripts
+    "lua": (60, 5),  # per script: 10 scripts
     "hand_written": (60, 4),
 }
 MIN_TOTAL_CASES = 10_000
@@ -535,6 +536,8 @@ TEMPLATES = {  # a valid call of each script against setup_state: (KEYS, ARGV)
     "expire_due": (expire_keys(Q, [("r2", "prod")]), ["expire", 60, 1, "r2",
                                                       encode_error("r2", "DeadlineExceeded",
                                                                    "x")]),
+    "stream_append": (stream_keys(Q, ["f1", "f1"]), ["7", 60, 100, 2, "f1", "r", 2, "f1", "p",
+                                                     b'{"t":1}']),
 }
 ERROR_FIELDS = {m for path in LUA.glob("*.lua")
                 for m in re.findall(r"\{-3, '(\w+)'\}", path.read_text())} | {

@@ -58,6 +58,7 @@ FIELDS = {
                                  st.sampled_from(["", "has space", "a\n", "x" * 200,
                                                   "x" * 201, None, 7]), ANYTHING),
     "wait": st.one_of(st.booleans(), ANYTHING),
+    "stream": st.one_of(st.booleans(), ANYTHING),
     "timeout_s": st.one_of(st.floats(-1, 301), st.integers(-1, 301),
                            st.sampled_from([0, 300, 300.0001, None, True, "5", math.inf,
                                             math.nan]), ANYTHING),
@@ -97,13 +98,14 @@ def test_the_gateway_reads_a_body_as_its_spec_describes_it(body):
     assert submit.deadline_ms == model.deadline_ms
     assert submit.idempotency_key == model.idempotency_key
     assert submit.wait is model.wait
+    assert submit.stream is model.stream
     assert submit.timeout_s == model.timeout_s
     assert orjson.loads(submit.payload.data) == model.payload
 
 
 def test_fields_and_messages():
     assert SUBMIT_FIELDS == ("payload", "priority", "deadline_ms", "idempotency_key", "cost",
-                             "wait", "timeout_s")
+                             "wait", "stream", "timeout_s")
     cases = [
         (b'{"payload": ', "body", "body: JSON decode error"),
         (b"\xff\xfe{", "body", "body: There was an error parsing the body"),
@@ -117,6 +119,7 @@ def test_fields_and_messages():
          "deadline_ms: must be a whole number of milliseconds"),
         (b'{"payload": 1, "timeout_s": 301}', "timeout_s", "timeout_s: must be a number"),
         (b'{"payload": 1, "wait": "yes"}', "wait", "wait: must be true or false"),
+        (b'{"payload": 1, "stream": 1}', "stream", "stream: must be true or false"),
         (b'{"payload": 1, "cost": 0}', "cost", "cost: 0 is outside [1, 1000000000]"),
         (b'{"payload": 1, "cost": "5"}', "cost", "cost: must be a whole number"),
         (b'{"payload": 1, "deadline": 5}', "deadline", "deadline: Extra inputs"),

@@ -22,6 +22,7 @@ from scheduler_core.scripts import (
     pop_keys,
     render,
     requeue_keys,
+    stream_keys,
 )
 
 LUA = Path(__file__).resolve().parent.parent / "scheduler_core" / "lua"
@@ -55,6 +56,7 @@ def test_every_keys_builder_starts_with_the_shared_keys():
     assert complete_keys(q, [("a", "p")]) == [*shared, q.result("a"), q.inbox("p")]
     assert cancel_keys(q, "a", "p") == [*shared, q.result("a"), q.inbox("p")]
     assert dead_letter_keys(q, ["a", "b"]) == [*shared, q.result("a"), q.result("b")]
+    assert stream_keys(q, ["a", "a"]) == [*shared, q.stream("a"), q.stream("a")]
 
 
 # -- policy limits: one source ------------------------------------------------------------

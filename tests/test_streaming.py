@@ -168,6 +168,8 @@ def test_gateway_streams_server_sent_events(shared_redis, queue, start_consumer)
                             "result": {"i": 5, "parts": 4}})]
             # The first part came while the model still ran (3 more steps of 200 ms).
             assert events[0][2] - sent < events[-1][2] - sent - 0.3
+            spec = http.get("/openapi.json").json()["components"]["schemas"]["SubmitRequest"]
+            assert spec["properties"]["stream"]["type"] == "boolean"
             bad = http.post("/v1/requests", json={"payload": 1, "stream": "yes"})
             assert bad.status_code == 422 and bad.json()["field"] == "stream"
     finally:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from helpers.failure_support import CountingProducer, wait_for
 
-from producer import AsyncProducer, Producer, Restart
+from producer import AsyncProducer, Producer, RequestFailed, Restart
 from scheduler_core.keys import QueueKeys
 from scheduler_core.scripts import Scripts, stream_keys
 
@@ -85,6 +85,23 @@ def test_a_crash_mid_stream_restarts_it(redis_server, queue, start_consumer):
         assert handle.result(timeout=1) == {"i": 1, "parts": 6}
         time.sleep(0.3)
         assert p.deliveries[handle.id] == 1
+
+
+def test_a_batch_split_around_a_failure_restarts_its_mates_streams(shared_redis, queue,
+                                                                  start_consumer):
+    """The model raises on one request after a step: the batch is split, each half runs
+    again, so the other request's stream restarts (Restart(1)) then runs in full."""
+    steps(start_consumer, shared_redis.url, queue, "--strategy", "dynamic",
+          "--max-batch-size", "2", "--max-queue-delay-ms", "500", parts=3, sleep_ms=50)
+    with Producer(shared_redis.url, queue) as p:
+        good, bad = p.submit_many([{"i": 0}, {"i": 1, "raise": True}])
+        assert list(good.stream(timeout=30)) == [
+            {"i": 0, "step": 0}, Restart(1), *({"i": 0, "step": s} for s in range(3))]
+        assert good.result(timeout=1) == {"i": 0, "parts": 3}
+        assert list(bad.stream(timeout=30)) == [
+            {"i": 1, "step": 0}, Restart(1), {"i": 1, "step": 0}]
+        with pytest.raises(RequestFailed, match="poison payload"):
+            bad.result(timeout=1)
 
 
 def test_a_fenced_out_batch_cannot_append(redis_server, queue, start_consumer):

@@ -9,7 +9,8 @@ from typing import Any
 
 class Steps:
     """Payload {"i": any}: `parts` steps, `sleep_ms` apart; step s emits {"i", "step": s}
-    for every request of the batch. Result: {"i", "parts": parts}."""
+    for every request of the batch. Result: {"i", "parts": parts}. A payload with
+    "raise": true makes the batch raise after its first step."""
 
     streams = True
 
@@ -20,4 +21,6 @@ class Steps:
         for step in range(self.parts):
             time.sleep(self.sleep_s)
             emit({r: {"i": p["i"], "step": step} for r, p in enumerate(payloads)})
+            if any(p.get("raise") for p in payloads):
+                raise ValueError("poison payload")
         return [{"i": p["i"], "parts": self.parts} for p in payloads]

@@ -18,7 +18,7 @@ import redis
 from consumer.batch import Item
 from scheduler_core.keys import QueueKeys
 from scheduler_core.scripts import stream_keys
-from scheduler_core.wire import STREAM_END, STREAM_PART, STREAM_RESTART, encode_part
+from scheduler_core.wire import STREAM_PART, STREAM_RESTART, encode_part
 
 log = logging.getLogger("batchgate.consumer")
 
@@ -58,10 +58,6 @@ class StreamWriter:
                 entries.append((item.id, STREAM_RESTART, str(item.attempts)))
             entries.append((item.id, STREAM_PART, encode_part(part, self.max_part_bytes)))
         self._append(entries)
-
-    def finish(self) -> None:
-        """Every request's parts are written: its result follows."""
-        self._append([(item.id, STREAM_END, "") for item in self.items])
 
     def _append(self, entries: list[tuple[str, str, Any]]) -> None:
         for at in range(0, len(entries), MAX_ENTRIES_PER_CALL):

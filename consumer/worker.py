@@ -448,8 +448,6 @@ class Consumer:
                 writer.start()
             results = self._run_isolated([payload for _, payload in runnable], costs,
                                          writer.emitter() if writer is not None else None)
-            if writer is not None:
-                writer.finish()
         finally:
             self._in_model = None
         model_s = time.perf_counter() - started

@@ -19,6 +19,7 @@ import redis.asyncio
 
 from producer import base
 from producer.base import CancelOutcome, OnResult, ProducerBase, Submission
+from producer.streams import AsyncStreamHub
 from producer.validation import check_timeout
 from scheduler_core import connection
 from scheduler_core.compat import require_redis_version_async
@@ -27,10 +28,11 @@ from scheduler_core.deadlines import expire_due_async
 from scheduler_core.policy import Priority
 from scheduler_core.registry import register_queue_async
 from scheduler_core.scripts import AsyncScriptPipeline, Scripts
-from scheduler_core.streams import BLOCK_MS, END_WAIT_S, READ_COUNT, StreamCursor
+from scheduler_core.streams import READ_COUNT
 from scheduler_core.wire import Result, decode_result
 
 log = logging.getLogger("batchgate.producer")
+RESOLVED = object()  # put in an open stream's events when the result is in
 
 
 class AsyncHandle:
@@ -42,12 +44,16 @@ class AsyncHandle:
         self._poll_at: float | None = None
         self._result: Result | None = None
         self._waiter: asyncio.Future[None] | None = None  # made when someone awaits
+        self._streams: list[asyncio.Queue[Any]] | None = None  # open stream()s' events
 
     def _resolve(self, result: Result) -> None:
         if self._result is None:
             self._result = result
             if self._waiter is not None and not self._waiter.done():
                 self._waiter.set_result(None)
+            streams, self._streams = self._streams, None
+            for events in streams or ():
+                events.put_nowait(RESOLVED)
 
     def done(self) -> bool:
         return self._result is not None
@@ -82,27 +88,44 @@ class AsyncHandle:
         """As `Handle.stream`, an async iterator: `async for part in handle.stream()`."""
         timeout = check_timeout(timeout)
         end = None if timeout is None else time.monotonic() + timeout
-        cursor = StreamCursor(self._producer.keys.stream(self.id))
+        hub = self._producer._stream_hub()
+        cursor, events = hub.open(self._producer.keys.stream(self.id))
+        if self._result is None:  # _resolve wakes the stream up (RESOLVED) from now on
+            self._streams = [*(self._streams or ()), events]
+        try:
+            while self._result is None:
+                now = time.monotonic()
+                if end is not None and now >= end:
+                    if not await self._producer._poll(self):
+                        raise TimeoutError(f"no result for request {self.id} within "
+                                           f"{timeout}s")
+                    break
+                step = base.POLL_MAX_S if end is None else min(base.POLL_MAX_S, end - now)
+                if self._deadline_at is not None:
+                    step = min(step, self._deadline_at - now)
+                try:
+                    event = await asyncio.wait_for(events.get(), max(0.0, step))
+                except asyncio.TimeoutError:
+                    if self._deadline_at is not None and time.monotonic() >= self._deadline_at:
+                        await self._producer._expire(self)
+                    elif step == base.POLL_MAX_S:
+                        await self._producer._poll(self)
+                    continue
+                if event is not RESOLVED:
+                    yield event
+        finally:
+            hub.close_stream(cursor.key)  # the reader delivers nothing more: the rest is ours
+        while not events.empty():
+            event = events.get_nowait()
+            if event is not RESOLVED:
+                yield event
         client = self._producer._redis
-        while True:
-            finished = self._result is not None  # before the read: the parts come first
-            if not finished and cursor.ended:  # this run is over: its result is coming
-                if self._waiter is None:
-                    self._waiter = asyncio.get_running_loop().create_future()
-                await asyncio.wait((self._waiter,), timeout=END_WAIT_S)
-                finished = self._result is not None
-            block = None if finished or cursor.ended else BLOCK_MS
-            reply = await client.xread({cursor.key: cursor.last}, count=READ_COUNT,
-                                       block=block)
+        while True:  # the parts were written before the result: this read sees them all
+            reply = await client.xread({cursor.key: cursor.last}, count=READ_COUNT)
+            if not reply:
+                return
             for event in cursor.feed(reply):
                 yield event
-            if finished and not reply:
-                return
-            now = time.monotonic()
-            if not finished and end is not None and now >= end:
-                raise TimeoutError(f"no result for request {self.id} within {timeout}s")
-            if not finished and self._deadline_at is not None and now >= self._deadline_at:
-                await self._producer._expire(self)
 
     async def cancel(self) -> CancelOutcome:
         """As `Handle.cancel`, awaitable."""
@@ -125,6 +148,7 @@ class AsyncProducer(ProducerBase[AsyncHandle]):
         self._closed = False
         self._listener: asyncio.Task[None] | None = None
         self._listener_redis: Any = None
+        self._stream_reader: AsyncStreamHub | None = None
         self._kick_scheduled = False
         self._sends: set[asyncio.Task[None]] = set()
         self._sweeper: asyncio.Task[None] | None = None
@@ -150,6 +174,12 @@ class AsyncProducer(ProducerBase[AsyncHandle]):
         raw = await self._redis.get(self.keys.result(request_id))
         return decode_result(raw) if raw is not None else None
 
+    def _stream_hub(self) -> AsyncStreamHub:
+        """The reader of this producer's open streams, made on first use."""
+        if self._stream_reader is None:
+            self._stream_reader = AsyncStreamHub(self._redis, self.id)
+        return self._stream_reader
+
     async def close(self) -> None:
         self._closed = True
         if self._timer is not None:
@@ -165,6 +195,8 @@ class AsyncProducer(ProducerBase[AsyncHandle]):
                     await task
         if self._listener_redis is not None and self._listener_redis is not self._redis:
             await self._listener_redis.aclose()
+        if self._stream_reader is not None:
+            await self._stream_reader.close()
         if self._owns_client:
             await connection.aclose_node_clients(self._redis)
             await self._redis.aclose()

@@ -25,6 +25,7 @@ from producer.base import (
     rearm,
     take_batch,
 )
+from producer.streams import StreamHub
 from producer.validation import check_timeout
 from scheduler_core.compat import require_redis_version
 from scheduler_core.connection import (
@@ -41,12 +42,13 @@ from scheduler_core.deadlines import expire_due
 from scheduler_core.policy import Priority
 from scheduler_core.registry import register_queue
 from scheduler_core.scripts import ScriptPipeline, Scripts
-from scheduler_core.streams import BLOCK_MS, END_WAIT_S, READ_COUNT, StreamCursor
+from scheduler_core.streams import READ_COUNT
 from scheduler_core.wire import Result, decode_result
 
 log = logging.getLogger("batchgate.producer")
 _RESOLVING = threading.Lock()
 DoneCallback = Callable[["Handle"], Any]
+RESOLVED = object()  # put in an open stream's events when the result is in
 
 
 class Handle:
@@ -65,6 +67,7 @@ class Handle:
         self._pending = threading.Lock()
         self._pending.acquire()
         self._callbacks: list[DoneCallback] | None = None
+        self._streams: list[queue.SimpleQueue[Any]] | None = None  # open stream()s' events
         self._future: concurrent.futures.Future[Any] | None = None
 
     def __repr__(self) -> str:
@@ -76,7 +79,10 @@ class Handle:
                 return
             self._result = result
             callbacks, self._callbacks = self._callbacks, None
+            streams, self._streams = self._streams, None
         self._pending.release()
+        for events in streams or ():
+            events.put(RESOLVED)
         for fn in callbacks or ():
             self._call(fn)
 
@@ -158,29 +164,53 @@ class Handle:
         """The request's partial results as its model emits them (a model that streams,
         docs/streaming.md), in order; a `Restart` when the request starts over (drop the
         parts received so far: those after it are the new run's, from the first). The
-        iteration ends once the result is in (fetch it with `result()`, which does not
-        wait then); a model that does not stream yields nothing. TimeoutError if the
-        result has not arrived within `timeout` seconds. Each read borrows a connection
-        of the producer's pool for at most 250 ms (streams.BLOCK_MS)."""
+        iteration ends once the result is in (then `result()` does not wait); a model
+        that does not stream yields nothing. TimeoutError if the result has not arrived
+        within `timeout` seconds (the request stays queued). The producer reads every
+        open stream with one XREAD on one connection (producer/streams.py)."""
         timeout = check_timeout(timeout)
         end = None if timeout is None else time.monotonic() + timeout
-        cursor = StreamCursor(self._producer.keys.stream(self.id))
-        client = self._producer._redis
+        hub = self._producer._stream_hub()
+        cursor, events = hub.open(self._producer.keys.stream(self.id))
+        with _RESOLVING:  # _resolve wakes the stream up (RESOLVED) from now on
+            if self._result is None:
+                self._streams = [*(self._streams or ()), events]
+        try:
+            while self._result is None:
+                now = time.monotonic()
+                if end is not None and now >= end:
+                    if not self._producer._poll(self):
+                        raise TimeoutError(f"no result for request {self.id} within "
+                                           f"{timeout}s")
+                    break
+                step = POLL_MAX_S if end is None else min(POLL_MAX_S, end - now)
+                if self._deadline_at is not None:
+                    step = min(step, self._deadline_at - now)
+                try:
+                    event = events.get(timeout=max(0.0, step))
+                except queue.Empty:
+                    if self._deadline_at is not None and time.monotonic() >= self._deadline_at:
+                        self._producer._expire(self)
+                    elif step == POLL_MAX_S:
+                        self._producer._poll(self)
+                    continue
+                if event is not RESOLVED:
+                    yield event
+        finally:
+            hub.close_stream(cursor.key)  # the reader delivers nothing more: the rest is ours
         while True:
-            finished = self._result is not None  # before the read: the parts come first
-            if not finished and cursor.ended:  # this run is over: its result is coming
-                self._wait(END_WAIT_S)
-                finished = self._result is not None
-            block = None if finished or cursor.ended else BLOCK_MS
-            reply = client.xread({cursor.key: cursor.last}, count=READ_COUNT, block=block)
-            yield from cursor.feed(reply)
-            if finished and not reply:
+            try:
+                event = events.get_nowait()
+            except queue.Empty:
+                break
+            if event is not RESOLVED:
+                yield event
+        client = self._producer._redis
+        while True:  # the parts were written before the result: this read sees them all
+            reply = client.xread({cursor.key: cursor.last}, count=READ_COUNT)
+            if not reply:
                 return
-            now = time.monotonic()
-            if not finished and end is not None and now >= end:
-                raise TimeoutError(f"no result for request {self.id} within {timeout}s")
-            if not finished and self._deadline_at is not None and now >= self._deadline_at:
-                self._producer._expire(self)
+            yield from cursor.feed(reply)
 
     def cancel(self) -> CancelOutcome:
         """Remove the request if it is still waiting: 'cancelled' (it will never run, its
@@ -223,6 +253,8 @@ class Producer(ProducerBase[Handle]):
         self._closed = threading.Event()
         self._listener: threading.Thread | None = None
         self._listener_redis: Any = None
+        self._stream_reader: StreamHub | None = None
+        self._stream_lock = threading.Lock()
         self._send_lock = threading.Lock()
         self._timer: threading.Thread | None = None  # the deadline timer, made by a deadline
         self._timer_cond = threading.Condition()
@@ -288,9 +320,19 @@ class Producer(ProducerBase[Handle]):
             self._listener.join(timeout=5)
         if self._listener_redis is not None and self._listener_redis is not self._redis:
             self._listener_redis.close()
+        if self._stream_reader is not None:
+            self._stream_reader.close()
         if self._owns_client:
             close_node_clients(self._redis)
             self._redis.close()
+
+    def _stream_hub(self) -> StreamHub:
+        """The reader of this producer's open streams, made on first use."""
+        if self._stream_reader is None:
+            with self._stream_lock:
+                if self._stream_reader is None:
+                    self._stream_reader = StreamHub(self._redis, self.id)
+        return self._stream_reader
 
     def __enter__(self) -> Producer:
         return self

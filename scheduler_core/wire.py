@@ -240,10 +240,9 @@ def decode_result(data: bytes) -> Result:
 
 
 # Partial results (`{bg:q}:stream:<id>`, a Redis stream; docs/streaming.md). Each entry has
-# one field: STREAM_PART -> orjson of a part, STREAM_RESTART -> the attempt that starts
-# over (a re-delivered request runs again from the start), STREAM_END -> b"" (this run's
-# parts are all written; its result follows).
-STREAM_PART, STREAM_RESTART, STREAM_END = "p", "r", "e"
+# one field: STREAM_PART -> orjson of a part, or STREAM_RESTART -> the attempt that starts
+# over (a re-delivered request runs again from the start).
+STREAM_PART, STREAM_RESTART = "p", "r"
 
 
 @dataclass(frozen=True)
@@ -263,14 +262,12 @@ def encode_part(value: Any, max_bytes: int = DEFAULT_MAX_RESULT_BYTES) -> bytes:
 
 
 def decode_stream_entry(fields: dict[Any, Any]) -> tuple[str, Any]:
-    """(kind, value) of one stream entry: (STREAM_PART, the part), (STREAM_RESTART,
-    Restart), or (STREAM_END, None)."""
+    """(kind, value) of one stream entry: (STREAM_PART, the part) or (STREAM_RESTART,
+    Restart)."""
     for raw_kind, raw in fields.items():
         kind = raw_kind.decode() if isinstance(raw_kind, bytes) else str(raw_kind)
         if kind == STREAM_PART:
             return kind, orjson.loads(raw)
         if kind == STREAM_RESTART:
             return kind, Restart(int(raw))
-        if kind == STREAM_END:
-            return kind, None
     raise ValueError(f"stream entry has no known field: {sorted(map(str, fields))}")

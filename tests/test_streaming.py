@@ -6,6 +6,7 @@ append."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from pathlib import Path
 
@@ -42,6 +43,30 @@ def test_parts_arrive_in_order_before_the_result(shared_redis, queue, start_cons
         assert [h.result(timeout=5)["i"] for h in handles] == [0, 1, 2]
         time.sleep(0.3)
         assert all(p.deliveries[h.id] == 1 for h in handles)
+
+
+def test_many_streams_share_one_reading_connection(redis_server, queue, start_consumer):
+    """16 streams read at once, by a producer with a pool of 2: every stream gets its parts
+    in order, and at any time at most one connection blocks in XREAD (the producer's one
+    stream reader), not one per stream."""
+    url = redis_server.url
+    steps(start_consumer, url, queue, "--strategy", "dynamic", "--max-batch-size", "16",
+          "--max-queue-delay-ms", "300", parts=6, sleep_ms=100)
+    admin = redis_server.client()
+    readers, results = [], {}
+    with Producer(url, queue, max_connections=2) as p:
+        handles = p.submit_many([{"i": i} for i in range(16)])
+        threads = [threading.Thread(target=lambda h=h: results.__setitem__(
+            h.id, list(h.stream(timeout=30)))) for h in handles]
+        for t in threads:
+            t.start()
+        while any(t.is_alive() for t in threads):
+            readers.append(sum(1 for c in admin.client_list() if c["cmd"] == "xread"
+                               and "b" in c["flags"]))
+            time.sleep(0.02)
+    assert [results[h.id] for h in handles] == \
+        [[{"i": i, "step": s} for s in range(6)] for i in range(16)]
+    assert max(readers) == 1
 
 
 def test_async_stream(shared_redis, queue, start_consumer):

@@ -12,9 +12,8 @@ ARGV[1]  batch id (the fencing token returned by pop_batch)
 ARGV[2]  TTL of a stream, seconds (the queue's result_ttl_s)
 ARGV[3]  the most entries a stream keeps (MAXLEN, 1..1000000): older ones are trimmed
 ARGV[4]  n, number of entries (1..MAX_STREAM_ENTRIES)
-ARGV[5+3i..7+3i] for entry i: request id, kind ('p' a part, 'r' a restart marker,
-         'e' the end of this run's parts), value (orjson of the part; the attempt for 'r';
-         '' for 'e')
+ARGV[5+3i..7+3i] for entry i: request id, kind ('p' a part, 'r' a restart marker),
+         value (orjson of the part; the attempt for 'r')
 
 Returns  {appended, refused}: entries written; entries refused because their request is
          not (or no longer) in this batch.
@@ -37,7 +36,7 @@ local maxlen = int_arg(ARGV[3], 1, 1000000)
 if not maxlen then return {-3, 'stream_maxlen'} end
 local n = int_arg(ARGV[4], 1, MAX_STREAM_ENTRIES)
 if not n or #ARGV ~= 4 + 3 * n or #KEYS ~= 23 + n then return {-3, 'n'} end
-local kinds = {p = true, r = true, e = true}
+local kinds = {p = true, r = true}
 for i = 0, n - 1 do
   if not kinds[ARGV[6 + 3 * i]] then return {-3, 'kind'} end
 end

@@ -28,11 +28,14 @@ log = logging.getLogger("batchgate.producer")
 BLOCK_MS = 100  # one XREAD blocks at most this long: a newly opened stream waits no longer
 
 
-def _deliver(open_streams: dict[str, tuple[StreamCursor, Any]], reply: Any) -> None:
+def _deliver(open_streams: dict[str, tuple[StreamCursor, Any]], reply: Any,
+             read: dict[str, StreamCursor]) -> None:
+    """Hand each stream's entries to its reader, if it is still the one `read` was for
+    (closed meanwhile, its handle reads the rest itself; opened again, it starts afresh)."""
     for key, entries in (reply.items() if isinstance(reply, dict) else reply or ()):
         name = key.decode() if isinstance(key, bytes) else key
         opened = open_streams.get(name)
-        if opened is not None:  # closed meanwhile: its handle reads the rest itself
+        if opened is not None and opened[0] is read.get(name):
             cursor, events = opened
             for event in cursor.feed([(key, entries)]):
                 events.put_nowait(event)
@@ -88,15 +91,16 @@ class StreamHub:
                     self._changed.wait()
                 if self._closed:
                     return
-                positions = {key: cursor.last for key, (cursor, _) in self._open.items()}
+                read = {key: cursor for key, (cursor, _) in self._open.items()}
             try:
-                reply = self._client.xread(positions, count=READ_COUNT, block=BLOCK_MS)
+                reply = self._client.xread({key: cursor.last for key, cursor in read.items()},
+                                           count=READ_COUNT, block=BLOCK_MS)
             except redis.RedisError as exc:
                 backoff.sleep_after(exc)
                 continue
             backoff.succeeded()
             with self._lock:
-                _deliver(self._open, reply)
+                _deliver(self._open, reply, read)
 
 
 class AsyncStreamHub:
@@ -138,11 +142,13 @@ class AsyncStreamHub:
                 self._changed.clear()
                 await self._changed.wait()
                 continue
-            positions = {key: cursor.last for key, (cursor, _) in self._open.items()}
+            read = {key: cursor for key, (cursor, _) in self._open.items()}
             try:
-                reply = await self._client.xread(positions, count=READ_COUNT, block=BLOCK_MS)
+                reply = await self._client.xread(
+                    {key: cursor.last for key, cursor in read.items()}, count=READ_COUNT,
+                    block=BLOCK_MS)
             except redis.RedisError as exc:
                 await asyncio.sleep(backoff.failed(exc))
                 continue
             backoff.succeeded()
-            _deliver(self._open, reply)
+            _deliver(self._open, reply, read)

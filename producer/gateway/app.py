@@ -217,6 +217,13 @@ STATE_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
+# One server-sent event of a streamed submit; `data` is JSON: the part, {"restart":
+# attempt}, or the final RequestState.
+SSE_EVENT = {"type": "object", "required": ["event", "data"], "properties": {
+    "event": {"type": "string", "enum": ["part", "restart", "result", "error", "timeout"]},
+    "data": {"type": "string", "contentMediaType": "application/json"}}}
+
+
 def build_router(auth: Any | None) -> APIRouter:
     router = APIRouter(prefix="/v1", dependencies=[Depends(auth)] if auth else [],
                        responses={401: _problem("Missing or wrong bearer token.")}
@@ -224,6 +231,12 @@ def build_router(auth: Any | None) -> APIRouter:
 
     @router.post("/requests", status_code=202, responses={
         **STATE_RESPONSES,
+        200: {"model": RequestState,
+              "description": "Done (wait=true): `result` holds the model's result. With "
+                             "stream=true: server-sent events, `part` and `restart` as they "
+                             "come, then one final `result`, `error` or `timeout` event whose "
+                             "data is the RequestState (docs/streaming.md).",
+              "content": {"text/event-stream": {"schema": SSE_EVENT}}},
         202: {"model": RequestState, "description": "Accepted (wait=false), or still queued "
                                                     "or running after timeout_s."},
         404: _problem("Not used by this endpoint."),

@@ -26,6 +26,8 @@ from test_distributed import (
 from test_recovery import test_recovery_takes_about_the_lease_plus_a_sweep as recovery
 from test_strategies import test_dynamic_full_batch_is_released_at_once as dynamic_full
 from test_strategies import test_priority_order_high_then_normal_then_low as priority_order
+from test_streaming import test_async_stream as async_stream
+from test_streaming import test_parts_arrive_in_order_before_the_result as stream_in_order
 
 from producer import AsyncProducer, InvalidRequest, Producer, RequestLost
 from producer import base as producer_base
@@ -56,6 +58,11 @@ def test_crash_recovery_after_sigkill(topology, queue, start_consumer, tmp_path)
 
 def test_async_producer(topology, queue, start_consumer) -> None:
     async_round_trip(topology, queue, start_consumer)
+
+
+def test_streaming(topology, queue, start_consumer) -> None:
+    stream_in_order(topology, f"{queue}-a", start_consumer)
+    async_stream(topology, f"{queue}-b", start_consumer)
 
 
 def test_async_cancel_and_deadline(topology, queue) -> None:

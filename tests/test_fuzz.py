@@ -50,7 +50,7 @@ from scheduler_core.wire import decode_request, encode_error, encode_request
 FULL = os.environ.get("BATCHGATE_FULL") == "1"
 LUA = Path(__file__).resolve().parent.parent / "scheduler_core" / "lua"
 # (hypothesis examples, cases checked per example). Hypothesis costs a few ms per example,
-# so each example carries a batch of cases: 11,240 cases per run in all.
+# so each example carries a batch of cases: 11,840 cases per run in all.
 PLAN = {
     "payload": (200, 10), "priority": (100, 10), "scalars": (100, 10), "policy": (100, 10),
     "queue": (100, 10), "consumer_config": (50, 10), "producer_config": (50, 10),

@@ -28,8 +28,11 @@ reported next to the measurement.
 
 from __future__ import annotations
 
+import concurrent.futures
+import multiprocessing
 import os
 import random
+import statistics
 import sys
 import tempfile
 import threading
@@ -144,30 +147,51 @@ class StepTime(ModelTime):
                 "ms")
 
 
-def profile(repeats: int = 2, threads: int = 1,
-            shapes: list[tuple[int, int]] | None = None) -> dict[str, Any]:
-    """Time the generator (MODEL_ARGS, `threads` torch threads, as one consumer runs it) at
-    each (batch size, new tokens) shape, the best of `repeats`; fit both cost models."""
-    import numpy as np
+def _time_shapes(repeats: int, threads: int, shapes: list[tuple[int, int]]
+                 ) -> list[float]:
+    """ms of each shape, the median of `repeats`, in this process."""
     import torch
 
     from consumer.models import generator
 
     torch.set_num_threads(threads)
     model = generator(**MODEL_ARGS)
-    points = []
-    for b, c in shapes or PROFILE_SHAPES:
-        best = float("inf")
+    out = []
+    for b, c in shapes:
+        runs = []
         for _ in range(repeats):
             started = time.perf_counter()
             model([{"prompt": "lengths profile"}] * b, costs=[c] * b)
-            best = min(best, (time.perf_counter() - started) * 1000)
-        points.append((b, c, best))
+            runs.append((time.perf_counter() - started) * 1000)
+        out.append(statistics.median(runs))
+    return out
+
+
+def profile(repeats: int = 2, threads: int = 1, parallel: int = 1,
+            shapes: list[tuple[int, int]] | None = None) -> dict[str, Any]:
+    """Time the generator (MODEL_ARGS, `threads` torch threads) at each (batch size, new
+    tokens) shape in `parallel` processes at once, as the consumers will share the
+    machine (one alone runs faster than two side by side); the mean over the processes
+    of each one's median of `repeats`. Fit both cost models."""
+    import numpy as np
+
+    shapes = shapes or PROFILE_SHAPES
+    if parallel > 1:
+        # fork: this process has not run torch yet (its model is built in the children)
+        ctx = multiprocessing.get_context("fork")
+        with concurrent.futures.ProcessPoolExecutor(parallel, mp_context=ctx) as pool:
+            runs = list(pool.map(_time_shapes, [repeats] * parallel, [threads] * parallel,
+                                 [shapes] * parallel))
+        times = [sum(col) / len(col) for col in zip(*runs, strict=True)]
+    else:
+        times = _time_shapes(repeats, threads, shapes)
+    points = [(b, c, ms) for (b, c), ms in zip(shapes, times, strict=True)]
     line = fit([(b * c, ms) for b, c, ms in points])
     rows = np.array([[1.0, c, b * c] for b, c, _ in points])
     coef = np.linalg.lstsq(rows, np.array([ms for *_, ms in points]), rcond=None)[0]
     a, s, per = (max(0.0, float(x)) for x in coef)
     return {"points": [{"b": b, "cost": c, "ms": round(ms, 2)} for b, c, ms in points],
+            "parallel": parallel,
             "padded": {"base_ms": round(max(0.0, line.base_ms), 4),
                        "per_cost_ms": round(max(1e-6, line.per_item_ms), 6),
                        "r2": round(line.r2, 4)},
@@ -330,8 +354,9 @@ def run_scenario(url: str, duration_s: float, consumers: int, seed: int, load: f
                  say: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)
                  ) -> dict[str, Any]:
     threads = max(1, (os.cpu_count() or 1) // consumers)
-    say("timing the generator at (batch size, new tokens) shapes ...")
-    prof = profile(repeats=repeats, threads=threads)
+    say(f"timing the generator at (batch size, new tokens) shapes, {consumers} process(es) "
+        "at once ...")
+    prof = profile(repeats=repeats, threads=threads, parallel=consumers)
     if rate is None:
         rate = rate_for(load, consumers, prof)
     times, costs = arrivals(rate, duration_s, seed)

@@ -73,11 +73,13 @@ def plot(report: dict[str, Any], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--duration-s", type=float, default=60.0,
-                        help="seconds of arrivals per configuration")
+    parser.add_argument("--duration-s", type=float, default=None,
+                        help="seconds of arrivals per configuration (default 60, --quick 6)")
     parser.add_argument("--quick", action="store_true",
                         help="a short run: 6 s per configuration, one repeat per profiled "
                              "shape (the harness, not the numbers)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="timings per profiled shape (the median is used)")
     parser.add_argument("--load", type=float, default=0.6,
                         help="offered load (rate x mean t(1, cost) / consumers)")
     parser.add_argument("--rate", type=float, default=None,
@@ -92,12 +94,12 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(configs) - set(CONFIG_NAMES))
     if unknown:
         parser.error(f"--configs: unknown {', '.join(unknown)}; use {', '.join(CONFIG_NAMES)}")
-    duration = 6.0 if args.quick else args.duration_s
+    duration = args.duration_s or (6.0 if args.quick else 60.0)
     args.out.mkdir(parents=True, exist_ok=True)
     with embedded_redis() as url:
         report = run_scenario(url, duration, args.consumers, args.seed, load=args.load,
                               rate=args.rate, configs=configs,
-                              repeats=1 if args.quick else 2)
+                              repeats=1 if args.quick else args.repeats)
     text = render(report)
     print(text)
     (args.out / "results.json").write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))

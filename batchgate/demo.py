@@ -17,6 +17,9 @@ Without `--redis-url` the demo runs against a private redis-server it starts and
 With `--redis-url` it only creates queues named `demo-<random>-<strategy>` and deletes
 exactly those queues' keys when it is done (`--keep-queues` leaves them for
 `batchgate stats`); it never flushes anything.
+
+`--scenario lengths` runs batchgate/lengths.py instead: short and long generation
+requests through one bucket and through cost buckets.
 """
 
 from __future__ import annotations

@@ -245,8 +245,10 @@ def run_config(url: str, queue: str, config: Config, times: list[float], costs: 
              for i in range(consumers)]
     try:
         wait_all_ready(procs, READY_TIMEOUT_S)
-        return _replay(url, queue, times, costs, drain_timeout_s) | {
-            "config": config.name, "queue": queue, "consumers": consumers}
+        run = _replay(url, queue, times, costs, drain_timeout_s)
+        busy = run["model_s"] / (consumers * run["elapsed_s"]) if run["elapsed_s"] else None
+        return run | {"config": config.name, "queue": queue, "consumers": consumers,
+                      "busy": None if busy is None else round(busy, 3)}
     finally:
         for p in procs:
             p.terminate()

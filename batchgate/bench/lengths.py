@@ -48,7 +48,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
                  label=f"cost {cost}: measured")
         left.bar([o + width / 2 for o in offs], sim, width, color=color, alpha=0.45,
                  hatch="//", label=f"cost {cost}: simulated (step fit)")
-    left.set_xticks(list(x), names, fontsize=8)
+    left.set_xticks(list(x), names, fontsize=7, rotation=12)
     left.set_yscale("log")
     left.set_ylabel("p99 latency, ms")
     left.legend(fontsize=7)
@@ -56,7 +56,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     waste = [report["configs"][n]["padding_waste"] * 100 for n in names]
     rps = [report["configs"][n]["throughput_rps"] or 0 for n in names]
     right.bar(list(x), waste, 0.5, color="tab:gray", label="padding waste %")
-    right.set_xticks(list(x), names, fontsize=8)
+    right.set_xticks(list(x), names, fontsize=7, rotation=12)
     right.set_ylabel("padding waste, % of padded tokens")
     twin = right.twinx()
     twin.plot(list(x), rps, "o-", color="tab:green", label="throughput req/s")

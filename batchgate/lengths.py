@@ -109,12 +109,23 @@ class Probed:
         return [{"new_tokens": r["new_tokens"], "batch": batch} for r in out]
 
 
+def build_generator(**kwargs: Any) -> Any:
+    """consumer.models:generator's model from the same arguments. Built from
+    consumer.models.generator directly: once that submodule is imported, the package's
+    attribute `generator` names the module, no longer the factory function."""
+    from consumer.models.generator import Generator, build_gpt2, load_checkpoint
+
+    shape = {k: kwargs.pop(k) for k in ("vocab", "layers", "dim", "heads", "positions",
+                                         "seed") if k in kwargs}
+    checkpoint = kwargs.pop("checkpoint", None)
+    model = load_checkpoint(str(checkpoint)) if checkpoint else build_gpt2(**shape)
+    return Generator(model, **kwargs)
+
+
 def probed_generator(**kwargs: Any) -> Probed:
     """`--model batchgate.lengths:probed_generator`: consumer.models:generator (same
     --model-arg) whose results name their batch."""
-    from consumer.models import generator
-
-    return Probed(generator(**kwargs))
+    return Probed(build_generator(**kwargs))
 
 
 # -- the workload ------------------------------------------------------------------------
@@ -152,10 +163,8 @@ def _time_shapes(repeats: int, threads: int, shapes: list[tuple[int, int]]
     """ms of each shape, the median of `repeats`, in this process."""
     import torch
 
-    from consumer.models import generator
-
     torch.set_num_threads(threads)
-    model = generator(**MODEL_ARGS)
+    model = build_generator(**MODEL_ARGS)
     out = []
     for b, c in shapes:
         runs = []

@@ -335,12 +335,19 @@ def _r(value: float | None) -> float | None:
     return None if value is None else round(value, 1)
 
 
+KINDS = ("padded", "step", "step-live")
+
+
 def predict(config: Config, prof: dict[str, Any], kind: str, times: list[float],
-            costs: list[int], consumers: int) -> dict[str, Any]:
-    """The simulator on the same arrivals, with the `kind` fit ("padded" or "step")."""
-    m = prof[kind]
+            costs: list[int], consumers: int, scale: float = 1.0) -> dict[str, Any]:
+    """The simulator on the same arrivals, with the `kind` fit: "padded" (A + B·b·max),
+    "step" (A + S·max + B·b·max), or "step-live": the step fit × `scale`, the run's own
+    model time over the step fit's (after the run: it tells the scheduling rules' error
+    apart from the profile's)."""
+    m = prof["padded" if kind == "padded" else "step"]
+    k = scale if kind == "step-live" else 1.0
     cost = (ModelTime(m["base_ms"], 0.0, m["per_cost_ms"]) if kind == "padded" else
-            StepTime(m["base_ms"], 0.0, m["per_cost_ms"], m["per_step_ms"]))
+            StepTime(m["base_ms"] * k, 0.0, m["per_cost_ms"] * k, m["per_step_ms"] * k))
     prefer = tuple(config.prefer[i] if i < len(config.prefer) else 0
                    for i in range(consumers)) if config.prefer else ()
     sim = SimConfig(policy=Policy.build("dynamic", **config.policy), cost=cost,
@@ -350,6 +357,28 @@ def predict(config: Config, prof: dict[str, Any], kind: str, times: list[float],
             "padding_waste": r.padding_waste, "mean_batch": r.mean_batch,
             "latency_ms": {str(c): {"p50": v["p50"], "p99": v["p99"]}
                            for c, v in r.latency_by_cost.items()}}
+
+
+def add_predictions(run: dict[str, Any], config: Config, prof: dict[str, Any],
+                    times: list[float], costs: list[int], consumers: int) -> None:
+    """run["model_time_vs_fit"] and run["predicted"][kind] for every KINDS, with errors."""
+    # The consumers' model time against the step fit's, on the batches they ran: over 1
+    # when the machine ran the model slower than at the profile (other load).
+    step = prof["step"]
+    fitted_s = sum(step["base_ms"] + max(c) * (step["per_step_ms"] + step["per_cost_ms"]
+                                                * len(c))
+                   for c in run["batch_costs"]) / 1000
+    run["model_time_vs_fit"] = round(run["model_s"] / fitted_s, 3) if fitted_s else None
+    run["predicted"] = {kind: predict(config, prof, kind, times, costs, consumers,
+                                      scale=run["model_time_vs_fit"] or 1.0)
+                        for kind in KINDS}
+    for pred in run["predicted"].values():
+        pred["error_pct"] = {
+            "short_p99": error_pct(pred["latency_ms"].get(str(SHORT), {}).get("p99"),
+                                   run["latency_ms"][str(SHORT)]["p99"]),
+            "long_p99": error_pct(pred["latency_ms"].get(str(LONG), {}).get("p99"),
+                                  run["latency_ms"][str(LONG)]["p99"]),
+            "throughput": error_pct(pred["throughput_rps"], run["throughput_rps"])}
 
 
 def error_pct(sim: float | None, real: float | None) -> float | None:
@@ -381,25 +410,11 @@ def run_scenario(url: str, duration_s: float, consumers: int, seed: int, load: f
             f"{duration_s:g} s ...")
         run = run_config(url, queue, config, times, costs, consumers, threads, log_dir,
                          drain_timeout_s=max(30.0, duration_s))
-        # The consumers' model time against the step fit's, on the batches they ran: over
-        # 1 when the machine ran the model slower than at the profile (other load).
-        step = prof["step"]
-        fitted_s = sum(step["base_ms"] + max(c) * (step["per_step_ms"] + step["per_cost_ms"]
-                                                    * len(c))
-                       for c in run["batch_costs"]) / 1000
-        run["model_time_vs_fit"] = round(run["model_s"] / fitted_s, 3) if fitted_s else None
-        run["predicted"] = {kind: predict(config, prof, kind, times, costs, consumers)
-                            for kind in ("padded", "step")}
-        for pred in run["predicted"].values():
-            pred["error_pct"] = {
-                "short_p99": error_pct(pred["latency_ms"].get(str(SHORT), {}).get("p99"),
-                                       run["latency_ms"][str(SHORT)]["p99"]),
-                "long_p99": error_pct(pred["latency_ms"].get(str(LONG), {}).get("p99"),
-                                      run["latency_ms"][str(LONG)]["p99"]),
-                "throughput": error_pct(pred["throughput_rps"], run["throughput_rps"])}
+        add_predictions(run, config, prof, times, costs, consumers)
         results[config.name] = run
     measured_t = (1 - LONG_SHARE) * t1(prof, SHORT) + LONG_SHARE * t1(prof, LONG)
-    report = {"workload": {"rate": round(rate, 2), "duration_s": duration_s, "seed": seed,
+    report = {"workload": {"rate": round(rate, 2), "rate_exact": rate,
+                           "duration_s": duration_s, "seed": seed,
                            "requests": len(times), "long": costs.count(LONG),
                            "short": costs.count(SHORT), "short_cost": SHORT,
                            "long_cost": LONG, "long_share": LONG_SHARE,
@@ -467,13 +482,13 @@ def render(report: dict[str, Any]) -> str:
         "",
         "| config | short p50/p99 ms | long p50/p99 ms | req/s | batches (mean) | padding "
         "waste | model time / fit | sim b·max: short/long p99 ms (err) | sim step: "
-        "short/long p99 ms (err) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "short/long p99 ms (err) | sim step × model time / fit (after the run) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in report["configs"].items():
         s, lg = r["latency_ms"][str(SHORT)], r["latency_ms"][str(LONG)]
         sims = []
-        for kind in ("padded", "step"):
+        for kind in KINDS:
             p = r["predicted"][kind]
             e = p["error_pct"]
             sims.append(
@@ -483,8 +498,8 @@ def render(report: dict[str, Any]) -> str:
         lines.append(
             f"| {name} | {_f(s['p50'])}/{_f(s['p99'])} | {_f(lg['p50'])}/{_f(lg['p99'])} | "
             f"{_f(r['throughput_rps'], '.1f')} | {r['batches']} ({_f(r['mean_batch'], '.2f')})"
-            f" | {r['padding_waste']:.1%} | {_f(r['model_time_vs_fit'], '.2f')} | {sims[0]} "
-            f"| {sims[1]} |")
+            f" | {r['padding_waste']:.1%} | {_f(r['model_time_vs_fit'], '.2f')} | "
+            + " | ".join(sims) + " |")
     missing = {n: r["unanswered"] + r["failed"] for n, r in report["configs"].items()
                if r["unanswered"] or r["failed"]}
     if missing:

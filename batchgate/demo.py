@@ -17,6 +17,9 @@ Without `--redis-url` the demo runs against a private redis-server it starts and
 With `--redis-url` it only creates queues named `demo-<random>-<strategy>` and deletes
 exactly those queues' keys when it is done (`--keep-queues` leaves them for
 `batchgate stats`); it never flushes anything.
+
+`--scenario lengths` runs batchgate/lengths.py instead: short and long generation
+requests through one bucket and through cost buckets.
 """
 
 from __future__ import annotations
@@ -53,6 +56,8 @@ from scheduler_core.registry import QUEUES_KEY, forget_queues
 from scheduler_core.wire import Result
 
 STRATEGIES = ("fifo", "dynamic", "priority")
+SCENARIOS = ("strategies", "lengths")
+DEFAULT_RATE = 110.0
 DEMO_MODELS = ("synthetic", "tiny_text", "minilm")
 READY_TIMEOUT_S = 60.0  # torch consumers import slowly on small machines
 Arrival = tuple[float, str, Any]  # (offset in s, priority, payload)
@@ -369,8 +374,15 @@ def delete_queues(client: redis.Redis, prefix: str) -> int:
               "real MiniLM embedding model (extra `minilm`; try --rate 40).")
 @click.option("--duration", type=click.FloatRange(0.5, 600), default=8.0, show_default=True,
               help="Seconds of arrivals per strategy.")
-@click.option("--rate", type=click.FloatRange(1, 5000), default=110.0, show_default=True,
-              help="Mean arrival rate, requests/s (Poisson).")
+@click.option("--scenario", type=click.Choice(SCENARIOS), default="strategies",
+              show_default=True,
+              help="strategies: fifo, dynamic and priority on one workload; lengths: 80% "
+                   "short (16 tokens) and 20% long (256) requests on the generator model, "
+                   "one bucket vs --cost-buckets 32, --prefer-bucket and --max-cost "
+                   "(extra `generate`).")
+@click.option("--rate", type=click.FloatRange(1, 5000), default=None,
+              help="Mean arrival rate, requests/s (Poisson). Default: 110 (strategies); "
+                   "lengths: 60% load from the generator's measured t(1, cost).")
 @click.option("--consumers", type=click.IntRange(1, 32), default=2, show_default=True,
               help="Consumer processes per strategy.")
 @click.option("--base-ms", type=click.FloatRange(0), default=20.0, show_default=True,
@@ -384,15 +396,22 @@ def delete_queues(client: redis.Redis, prefix: str) -> int:
 @click.option("--keep-queues", is_flag=True,
               help="With --redis-url: leave the demo's queues for `batchgate stats`.")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
-def demo_command(redis_url: str | None, model: str, duration: float, rate: float,
-                 consumers: int, base_ms: float, per_item_ms: float, device: str | None,
-                 seed: int, keep_queues: bool, as_json: bool) -> None:
+def demo_command(redis_url: str | None, scenario: str, model: str, duration: float,
+                 rate: float | None, consumers: int, base_ms: float, per_item_ms: float,
+                 device: str | None, seed: int, keep_queues: bool, as_json: bool) -> None:
     """Run one mixed HIGH/NORMAL/LOW workload through fifo, dynamic and priority and
-    compare throughput, p50/p99 latency per priority and batch size (under a minute)."""
+    compare throughput, p50/p99 latency per priority and batch size (under a minute);
+    or, with --scenario lengths, short and long generation requests through one bucket
+    and through cost buckets (about two minutes)."""
     started = time.perf_counter()
     if threading.current_thread() is threading.main_thread():
         # Stopped from outside: unwind like Ctrl-C, so consumers and redis-server go too.
         signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
+    if scenario == "lengths":
+        lengths_demo(redis_url, duration, rate, consumers, seed, keep_queues, as_json,
+                     started)
+        return
+    rate = DEFAULT_RATE if rate is None else rate
     arrivals = demo_arrivals(model, rate, duration, seed)
     if not arrivals:
         raise click.UsageError("the workload is empty: raise --rate or --duration")
@@ -445,3 +464,35 @@ def demo_command(redis_url: str | None, model: str, duration: float, rate: float
         click.echo(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode())
     else:
         click.echo(render(report))
+
+
+def lengths_demo(redis_url: str | None, duration: float, rate: float | None, consumers: int,
+                 seed: int, keep_queues: bool, as_json: bool, started: float) -> None:
+    """--scenario lengths (batchgate/lengths.py): every configuration on a queue
+    `demo-<random>-<config>`, the report with each batch's costs."""
+    try:
+        from batchgate import lengths
+    except ImportError as exc:  # pragma: no cover - the generate extra is missing
+        raise click.UsageError(f"--scenario lengths needs the `generate` extra: {exc}") \
+            from None
+    prefix = f"demo-{uuid.uuid4().hex[:8]}"
+    with redis_for_demo(redis_url) as (url, where):
+        client = connect(url)
+        try:
+            report = lengths.run_scenario(url, duration, consumers, seed, rate=rate,
+                                          prefix=prefix, repeats=2,
+                                          say=lambda s: click.echo(s, err=True))
+        except ValueError as exc:
+            raise click.UsageError(str(exc)) from None
+        finally:
+            if redis_url and not keep_queues:
+                delete_queues(client, prefix)
+            client.close()
+    report = {"scenario": "lengths", "redis": where,
+              "queues_kept": bool(redis_url and keep_queues), **report,
+              "wall_s": round(time.perf_counter() - started, 2)}
+    if as_json:
+        click.echo(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode())
+    else:
+        click.echo("batchgate demo --scenario lengths: " + lengths.render(report)
+                   + f"\n\n({where}; finished in {report['wall_s']:.1f} s)")

@@ -1,0 +1,117 @@
+"""The lengths scenario (issue 16 §6): `batchgate demo --scenario lengths` and
+`python -m batchgate.bench.lengths`, end to end at a tiny size with real consumer
+processes and a real redis-server. They check what the scenario promises structurally
+(buckets never mixed, the cap applied, every request answered, the report written), not
+the timing figures: those are in docs/benchmarks.md."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import orjson
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from batchgate import lengths  # noqa: E402
+
+BATCHGATE = shutil.which("batchgate", path=os.path.dirname(sys.executable)) or shutil.which(
+    "batchgate")
+needs_redis = pytest.mark.skipif(not shutil.which("redis-server"),
+                                 reason="redis-server is not on PATH")
+
+
+def test_arrivals_are_seeded_and_mixed() -> None:
+    times, costs = lengths.arrivals(200, 10, seed=3)
+    assert (times, costs) == lengths.arrivals(200, 10, seed=3)
+    assert times == sorted(times) and times[0] > 0 and times[-1] < 10
+    assert set(costs) == {lengths.SHORT, lengths.LONG}
+    assert costs.count(lengths.LONG) / len(costs) == pytest.approx(lengths.LONG_SHARE,
+                                                                   abs=0.03)
+
+
+def test_step_time_counts_steps_and_padded_rows() -> None:
+    model = lengths.StepTime(1.0, 0.0, 0.01, 0.5)  # 1 + 0.5·max + 0.01·b·max ms
+    assert model.us(4, 4 * 256) == round((1 + 0.5 * 256 + 0.01 * 1024) * 1000)
+
+
+def test_probed_model_names_each_batch_and_its_costs() -> None:
+    from consumer.batch import Cost
+
+    probed = lengths.probed_generator(layers=1, dim=32, heads=2, vocab=512, positions=64,
+                                      max_new_tokens_cap=40)
+    out = probed([{"prompt": "a"}, {"prompt": "bc"}], costs=[Cost(3), Cost(7)])
+    assert [r["new_tokens"] for r in out] == [3, 7]
+    assert out[0]["batch"] == out[1]["batch"]
+    assert out[0]["batch"]["costs"] == [3, 7] and out[0]["batch"]["ms"] > 0
+    assert probed([{"prompt": "d"}], costs=[Cost(2)])[0]["batch"]["id"] != \
+        out[0]["batch"]["id"]
+
+
+def check_structure(report: dict, configs: tuple[str, ...]) -> None:
+    w = report["workload"]
+    assert w["requests"] == w["short"] + w["long"] > 0
+    assert set(report["configs"]) == set(configs)
+    for name, run in report["configs"].items():
+        assert run["answered"] == run["submitted"] == w["requests"], name
+        assert run["failed"] == run["unanswered"] == 0, name
+        assert run["latency_ms"][str(lengths.SHORT)]["n"] == w["short"], name  # all answered
+        assert run["latency_ms"][str(lengths.LONG)]["n"] == w["long"], name
+        assert sum(map(len, run["batch_costs"])) == w["requests"], name
+        assert all(len(c) <= lengths.BATCH for c in run["batch_costs"]), name
+        if name != "one-bucket":  # a batch holds one bucket only
+            for costs in run["batch_costs"]:
+                assert len({c <= lengths.BUCKET for c in costs}) == 1, (name, costs)
+            assert run["padding_waste"] == 0.0, name  # two lengths, one per bucket
+        cap = lengths.CAP if name == "buckets+max-cost" else lengths.LONG
+        assert max(max(c) for c in run["batch_costs"]) <= cap, name
+        for pred in run["predicted"].values():
+            assert pred["throughput_rps"] > 0
+            assert set(pred["error_pct"]) == {"short_p99", "long_p99", "throughput"}
+    assert report["checks"]
+
+
+@needs_redis
+@pytest.mark.timeout(150)
+def test_demo_scenario_lengths(tmp_path: Path) -> None:
+    assert BATCHGATE, "the batchgate command is not installed (pip install -e .)"
+    proc = subprocess.run([BATCHGATE, "demo", "--scenario", "lengths", "--duration", "1.5",
+                           "--json"], capture_output=True, text=True, timeout=140)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = orjson.loads(proc.stdout)
+    assert report["scenario"] == "lengths" and report["redis"] == "embedded redis-server"
+    check_structure(report, lengths.CONFIG_NAMES)
+    # one bucket pads short requests to long ones when they share a batch
+    one = report["configs"]["one-bucket"]
+    mixed = [c for c in one["batch_costs"] if len(set(c)) > 1]
+    assert (one["padding_waste"] > 0) == bool(mixed)
+    text = lengths.render(report)  # what the demo prints without --json
+    for name in lengths.CONFIG_NAMES:
+        assert f"| {name} |" in text
+    assert "padding waste" in text and ("PASS" in text or "MISS" in text)
+
+
+@needs_redis
+@pytest.mark.timeout(150)
+def test_bench_lengths_smoke(tmp_path: Path) -> None:
+    """The harness, not the numbers: two configurations, 1.5 s each."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "batchgate.bench.lengths", "--quick", "--duration-s", "1.5",
+         "--configs", "one-bucket,buckets+max-cost", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=140)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "results.json").read_text())
+    check_structure(report, ("one-bucket", "buckets+max-cost"))
+    assert report["profile"]["parallel"] == 2
+    assert len(report["profile"]["points"]) == len(lengths.PROFILE_SHAPES)
+    md = (tmp_path / "results.md").read_text()
+    assert "| one-bucket |" in md and "| buckets+max-cost |" in md
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "lengths.png").stat().st_size > 1000

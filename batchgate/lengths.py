@@ -110,16 +110,10 @@ class Probed:
 
 
 def build_generator(**kwargs: Any) -> Any:
-    """consumer.models:generator's model from the same arguments. Built from
-    consumer.models.generator directly: once that submodule is imported, the package's
-    attribute `generator` names the module, no longer the factory function."""
-    from consumer.models.generator import Generator, build_gpt2, load_checkpoint
+    """consumer.models:generator's model from the same arguments."""
+    from consumer.models import generator
 
-    shape = {k: kwargs.pop(k) for k in ("vocab", "layers", "dim", "heads", "positions",
-                                         "seed") if k in kwargs}
-    checkpoint = kwargs.pop("checkpoint", None)
-    model = load_checkpoint(str(checkpoint)) if checkpoint else build_gpt2(**shape)
-    return Generator(model, **kwargs)
+    return generator(**kwargs)
 
 
 def probed_generator(**kwargs: Any) -> Probed:

@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from consumer.models import generator  # noqa: E402
-from consumer.models.generator import MAX_PROMPT_TOKENS, Generator, build_gpt2  # noqa: E402
+from consumer.models.decoder import MAX_PROMPT_TOKENS, Generator, build_gpt2  # noqa: E402
 
 TINY = {"vocab": 512, "layers": 2, "dim": 32, "heads": 2, "positions": 128}
 TINY_ARGS = [a for k, v in TINY.items() for a in ("--model-arg", f"{k}={v}")]
@@ -218,3 +218,13 @@ def test_the_generator_through_a_consumer(shared_redis, queue, start_consumer):
         costed = p.submit({"prompt": "costed"}, cost=9).result(timeout=60)
         default = p.submit({"prompt": "costed"}, cost=1).result(timeout=60)
     assert costed["new_tokens"] == 9 and default["new_tokens"] == 7
+
+
+def test_the_factory_stays_the_package_attribute_once_the_model_module_is_loaded():
+    """`--model consumer.models:generator` must name the factory however often it ran
+    (importing a submodule of the same name would replace the package attribute)."""
+    import consumer.models
+    import consumer.models.decoder  # noqa: F401
+
+    generator(**TINY)
+    assert consumer.models.generator is generator and callable(consumer.models.generator)

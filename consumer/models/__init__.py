@@ -13,7 +13,7 @@
   normalised floats out (`consumer.models.minilm`).
 - `consumer.models:generator` — a small GPT-2 decoder (the `generate` extra) generating
   token by token with a KV cache, a padded batch at a time; weights from a seed, so the
-  text is meaningless and the compute real (`consumer.models.generator`).
+  text is meaningless and the compute real (`consumer.models.decoder`).
 """
 
 from __future__ import annotations
@@ -78,7 +78,9 @@ def generator(device: str = "cpu", max_new_tokens: int = 32, max_new_tokens_cap:
     step's token streams as {"token": id, "text": str} (docs/streaming.md). Weights are seeded
     (meaningless text, real compute) unless `checkpoint` names a save_pretrained
     directory; vocab/layers/dim/heads/positions size the seeded model only."""
-    from consumer.models.generator import Generator, build_gpt2, load_checkpoint
+    # The module is `decoder`, not `generator`: importing a submodule sets the package's
+    # attribute of its name, which would hide this factory.
+    from consumer.models.decoder import Generator, build_gpt2, load_checkpoint
 
     if checkpoint is not None:
         model = load_checkpoint(str(checkpoint))

@@ -4,7 +4,8 @@ dashboard's do."""
 
 from __future__ import annotations
 
-import time
+import signal
+import threading
 from typing import Any
 
 import click
@@ -114,16 +115,21 @@ def top_command(redis_url: str, queues: tuple[str, ...], interval: float,
     console = Console()
     if once:
         iterations = 1
+    # Ctrl-C / SIGTERM set a flag that the loop checks between refreshes: a
+    # KeyboardInterrupt raised inside redis-py could leave its pool's lock held, and the
+    # client's cleanup at exit would then wait on it for ever.
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
     try:
         if iterations is not None:
             for i in range(iterations):
-                if i:
-                    time.sleep(interval)
+                if i and stop.wait(interval):
+                    return
                 console.print(frame())
             return
         with Live(frame(), console=console, auto_refresh=False, screen=False) as live:
-            while True:
-                time.sleep(interval)
+            while not stop.wait(interval):
                 live.update(frame(), refresh=True)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # a signal that arrived before the handlers were set
         pass

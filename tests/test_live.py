@@ -141,16 +141,22 @@ def test_top_shows_a_busy_queue_and_exits(redis_server, queue, start_consumer):
     assert bad.exit_code == 2 and "queue" in bad.output
 
 
-@pytest.mark.parametrize("signal_name", ["SIGINT"])
-def test_top_exits_cleanly_on_ctrl_c(redis_server, queue, signal_name):
+@pytest.mark.parametrize(("signal_name", "inherited"), [
+    ("SIGINT", "default"), ("SIGTERM", "default"),
+    # A parent that ignores SIGINT (a script's background job; an RQ worker in the same
+    # process) passes SIG_IGN on to its children: top still stops on Ctrl-C.
+    ("SIGINT", "ignored")])
+def test_top_exits_cleanly_on_ctrl_c(redis_server, queue, signal_name, inherited):
     import signal
 
     client = redis_server.client()
     register_queue(client, queue)
     before = len(client.client_list())
+    ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) \
+        if inherited == "ignored" else None
     proc = subprocess.Popen([BATCHGATE, "top", "--redis-url", redis_server.url,
                              "--interval", "0.2"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=ignore)
     # Running (a busy host may take seconds to start it): its connection is open.
     wait_for(lambda: len(client.client_list()) > before, 60, "top to connect to Redis")
     time.sleep(0.5)

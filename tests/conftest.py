@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import uuid
 from collections.abc import Iterator
 
@@ -67,3 +68,12 @@ def start_consumer() -> Iterator:
     yield start
     for proc in started:
         proc.close()
+
+
+@pytest.fixture(autouse=True)
+def _sigint_restored() -> Iterator[None]:
+    """An RQ worker run in this process sets SIGINT to SIG_IGN, which every child started
+    later would inherit: give the next test the default back."""
+    yield
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)

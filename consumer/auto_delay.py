@@ -1,7 +1,7 @@
 """The consumer's side of max_queue_delay_ms=auto: derive the delay about once a second.
 
 A thread of its own derives the delay every RECOMPUTE_S, off the loop's path; the loop
-reads `delay_ms` for each pop (pop_batch.lua's ARGV[3]) and records its model times.
+reads `delay_ms` for each pop (pop_batch.lua's ARGV[4]) and records its model times.
 Inputs, read in one round trip: the queue's arrival counts (scheduler_core/load.py), the
 stored cost model `{bg:q}:cost_model` or, while there is none, a fit of this consumer's
 own recent model times, and the consumers alive. The result is also written into

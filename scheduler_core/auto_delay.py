@@ -3,7 +3,7 @@
 Every consumer of a queue whose policy says `delay_mode=auto` calls `derive_delay_ms`
 about once a second with the rate measured in Redis (scheduler_core/load.py), the cost
 model t(b) = a + b·size and the number of live consumers, and passes the result to
-pop_batch.lua (ARGV[3]). docs/scheduling.md ("max_queue_delay_ms=auto") explains the
+pop_batch.lua (ARGV[4]). docs/scheduling.md ("max_queue_delay_ms=auto") explains the
 reasoning; in short, for a delay D:
 
 - a window of D collects b_w = 1 + λ·D requests (at most max_batch_size, which fills in

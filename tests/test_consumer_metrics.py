@@ -2,30 +2,15 @@
 
 from __future__ import annotations
 
-import urllib.request
-
 import pytest
+from helpers.metrics import scrape, value
 from helpers.processes import free_port
 from helpers.support import wait_for
 
 from producer import Priority, Producer
 from scheduler_core.errors import RequestFailed
 
-parser = pytest.importorskip("prometheus_client.parser")
-
-
-def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
-        text = reply.read().decode()
-    samples = {}
-    for family in parser.text_string_to_metric_families(text):
-        for s in family.samples:
-            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return samples
-
-
-def value(samples: dict, name: str, **labels: str) -> float:
-    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+pytest.importorskip("prometheus_client.parser")
 
 
 def test_metrics_scraped_from_a_running_consumer(shared_redis, queue, start_consumer):

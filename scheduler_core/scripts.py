@@ -7,13 +7,14 @@ from scheduler_core/policy.py, their one source. Every queue script receives the
 keys first, as KEYS[1..23] in the order of keys.SHARED_KEYS, then its per-call keys; the
 `*_keys` builders below are the one place that builds each script's KEYS list.
 
-Scripts are called through `Scripts`, which registers them with redis-py's
-`register_script`: EVALSHA, falling back to loading the script on NOSCRIPT, for sync and
-asyncio clients alike.
+Scripts are called through `Scripts`, which registers them as redis-py's Script objects:
+EVALSHA, falling back to loading the script on NOSCRIPT, for sync and asyncio clients
+alike.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from importlib import resources
 from typing import Any
 
 import redis
+from redis.commands.core import AsyncScript, Script
 from redis.exceptions import NoScriptError
 
 from scheduler_core.connection import (
@@ -103,6 +105,30 @@ def _policy_lua(limits: dict[str, tuple[int, int]]) -> str:
             f"local function policy_range(field)\n{cases}  return nil\nend")
 
 
+# redis-py's Script loads the script on NOSCRIPT and calls again, once. When redis-py
+# re-sends a call whose connection broke, the re-sent call can reach a server that was
+# restarted or promoted after that load: NOSCRIPT again. NOSCRIPT means nothing ran there,
+# so loading and calling again is safe.
+NOSCRIPT_ATTEMPTS = 3
+
+
+class ReloadingScript(Script):
+    def __call__(self, keys: Any = None, args: Any = None, client: Any = None) -> Any:
+        for _ in range(NOSCRIPT_ATTEMPTS - 1):
+            with contextlib.suppress(NoScriptError):
+                return super().__call__(keys, args, client)
+        return super().__call__(keys, args, client)
+
+
+class AsyncReloadingScript(AsyncScript):
+    async def __call__(self, keys: Any = None, args: Any = None,  # type: ignore[override]
+                       client: Any = None) -> Any:
+        for _ in range(NOSCRIPT_ATTEMPTS - 1):
+            with contextlib.suppress(NoScriptError):
+                return await super().__call__(keys, args, client)
+        return await super().__call__(keys, args, client)
+
+
 class Scripts:
     """The registered scripts of one redis client (sync or asyncio): the one way batchgate
     calls a script, `scripts.pop_batch(keys=pop_keys(queue_keys), args=[...])`."""
@@ -121,8 +147,10 @@ class Scripts:
     bulk_lease_release: Any
 
     def __init__(self, client: Any):
+        is_async = isinstance(client.register_script(""), AsyncScript)
+        script_class = AsyncReloadingScript if is_async else ReloadingScript
         for name in SCRIPT_NAMES:
-            setattr(self, name.replace("/", "_"), client.register_script(source(name)))
+            setattr(self, name.replace("/", "_"), script_class(client, source(name)))
 
 
 class ScriptPipeline:

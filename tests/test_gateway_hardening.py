@@ -456,7 +456,7 @@ def test_a_waiting_submit_whose_request_redis_lost_answers_failed(redis_server, 
     assert answers, "no answer yet"
     assert time.monotonic() - lost_at < 2 * LOST_CHECK_AFTER_S + 2 * POLL_S + SLACK_S
     answer = answers[0]
-    assert answer.status_code == 502, answer.text
+    assert answer.status_code == 502, f"{answer.text}\ngateway log:\n{gateway.output()}"
     assert answer.json()["status"] == "failed"
     assert answer.json()["error"]["type"] == "RequestLost"
     with httpx.Client(base_url=gateway.url) as http:

@@ -4,15 +4,23 @@ enforces them."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
+import redis
+import redis.asyncio
+from redis.commands.core import Script
 
 from scheduler_core.keys import SHARED_KEYS, QueueKeys
 from scheduler_core.policy import LIMITS
 from scheduler_core.scripts import (
     SCRIPT_NAMES,
+    AsyncReloadingScript,
+    ReloadingScript,
+    Scripts,
     cancel_keys,
     complete_keys,
     configure_keys,
@@ -121,3 +129,45 @@ def test_a_script_inlines_only_the_helpers_it_uses(name):
     for helper in re.findall(r"^local function (\w+)", code, re.MULTILINE):
         assert len(re.findall(rf"\b{helper}\b", code)) > 1, f"{helper} is never called"
     assert "@include" not in code and "@render" not in code
+
+
+class ForgetsAfterLoad(redis.Redis):
+    """A server that restarts (empty) right after a script was loaded, as one can between
+    redis-py's load on NOSCRIPT and the call it re-sends after a broken connection."""
+    restarts = 1
+
+    def script_load(self, script: Any) -> Any:
+        sha = super().script_load(script)
+        if self.restarts:
+            self.restarts -= 1
+            self.script_flush()
+        return sha
+
+
+class AsyncForgetsAfterLoad(redis.asyncio.Redis):
+    restarts = 1
+
+    async def script_load(self, script: Any) -> Any:
+        sha = await super().script_load(script)
+        if self.restarts:
+            self.restarts -= 1
+            await self.script_flush()
+        return sha
+
+
+def test_a_script_that_meets_noscript_after_its_load_is_loaded_again(redis_server):
+    client = ForgetsAfterLoad(port=redis_server.port)
+    with pytest.raises(redis.exceptions.NoScriptError):  # redis-py's own loads only once
+        Script(client, "return 7")()
+    client.restarts = 1
+    assert ReloadingScript(client, "return 8")() == 8
+    assert Scripts(ForgetsAfterLoad(port=redis_server.port)).enqueue.__class__ is ReloadingScript
+
+    async def run() -> Any:
+        aclient = AsyncForgetsAfterLoad(port=redis_server.port)
+        try:
+            assert isinstance(Scripts(aclient).enqueue, AsyncReloadingScript)
+            return await AsyncReloadingScript(aclient, "return 9")()
+        finally:
+            await aclient.aclose()
+    assert asyncio.run(run()) == 9

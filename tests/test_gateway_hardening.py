@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 import httpx
 import orjson
 import pytest
+from helpers import metrics
 from helpers.servers import ServerProcess, gateway_factory
 from helpers.support import configure, wait_for
 from prometheus_client.parser import text_string_to_metric_families
@@ -450,6 +451,11 @@ def test_a_waiting_submit_whose_request_redis_lost_answers_failed(redis_server, 
     waiter.start()
     client = redis_server.client()
     wait_for(lambda: client.zcard(keys.pending_normal), 10, "the request queued")
+    # Accepted by the gateway too: restarted before its reply reaches the gateway, the
+    # enqueue would be re-sent to the new, empty server and queued there.
+    wait_for(lambda: metrics.value(metrics.scrape(gateway.port),
+                                   "batchgate_gateway_waiting_requests") == 1,
+             10, "the gateway waiting for the result")
     redis_server.restart()
     lost_at = time.monotonic()
     waiter.join(2 * LOST_CHECK_AFTER_S + 2 * POLL_S + SLACK_S)

@@ -22,6 +22,7 @@ from scheduler_core.options import (
     policy_values,
     queue_option,
     redis_url_option,
+    wait_replicas_options,
 )
 from scheduler_core.policy import MAX_COST_BUCKETS
 from scheduler_core.wire import DEFAULT_MAX_RESULT_BYTES
@@ -102,15 +103,7 @@ def install_signal_handlers(consumer: Consumer) -> None:
             help="With the queue's cost_buckets: the bucket this consumer serves first "
                  "whenever it is due (1 = the cheapest); otherwise the oldest due bucket. "
                  "0 = none.")
-@env_option("--wait-replicas", envvar="BATCHGATE_WAIT_REPLICAS", type=click.IntRange(0, 64),
-            default=0, show_default=True,
-            help="Acknowledge a batch's results only once this many replicas have them "
-                 "(Redis WAIT, on the connection that wrote them); until then they are "
-                 "offered again. 0 = as soon as the primary has them.")
-@env_option("--wait-timeout-ms", envvar="BATCHGATE_WAIT_TIMEOUT_MS",
-            type=click.IntRange(1, 60_000), default=1000, show_default=True,
-            help="ms: how long each WAIT of --wait-replicas waits before the results are "
-                 "offered again.")
+@wait_replicas_options("Acknowledge a batch's results")
 @env_option("--name", envvar="BATCHGATE_CONSUMER_NAME", default="",
             help="Consumer name shown in stats [default: host:pid:random].")
 @env_option("--otel-exporter", envvar="BATCHGATE_OTEL_EXPORTER", default="none",

@@ -7,7 +7,7 @@ import orjson
 
 from producer.sync import Producer
 from scheduler_core.errors import InvalidRequest, RequestFailed
-from scheduler_core.options import queue_option, redis_url_option
+from scheduler_core.options import queue_option, redis_url_option, wait_replicas_options
 
 
 @click.command("submit")
@@ -29,16 +29,18 @@ from scheduler_core.options import queue_option, redis_url_option
               help="Wait for the result and print it as JSON.")
 @click.option("--timeout", type=float, default=30.0, show_default=True,
               help="With --wait: seconds to wait for the result.")
+@wait_replicas_options("Accept the request")
 @click.argument("payload")
 def submit_command(redis_url: str, queue: str, priority: str, deadline_ms: int | None,
                    idempotency_key: str | None, cost: int, wait: bool, timeout: float,
-                   payload: str) -> None:
+                   wait_replicas: int, wait_timeout_ms: int, payload: str) -> None:
     """Enqueue PAYLOAD (a JSON value); print its id, or with --wait its result."""
     try:
         value = orjson.loads(payload)
     except orjson.JSONDecodeError as exc:
         raise InvalidRequest("payload", f"is not valid JSON: {exc}") from None
-    with Producer(redis_url, queue) as producer:
+    with Producer(redis_url, queue, wait_replicas=wait_replicas,
+                  wait_timeout_ms=wait_timeout_ms) as producer:
         handle = producer.submit(value, priority=priority, deadline_ms=deadline_ms,
                                  idempotency_key=idempotency_key, cost=cost)
         if not wait:

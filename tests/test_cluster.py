@@ -35,6 +35,7 @@ from scheduler_core.compat import describe_server, require_redis_version
 from scheduler_core.connection import connect, parse_topology
 from scheduler_core.errors import NotReplicated
 from scheduler_core.keys import QueueKeys
+from scheduler_core.scripts import acks_key
 
 # -- the core behaviour, again ---------------------------------------------------------
 
@@ -131,12 +132,18 @@ def test_cli_commands(topology, queue, start_consumer) -> None:
     start_consumer(topology.url, queue, "--model", "consumer.models:noop")
     assert bg("submit", "--redis-url", topology.url, "--queue", queue, '{"x": 1}',
               "--wait").stdout.strip() == '{"x":1}'
+    acks = acks_key(QueueKeys(queue).policy)
+    assert topology.client().get(acks) is None
+    # Accepted only after a WAIT (each WAIT follows an INCR of the queue's acks counter).
+    assert bg("submit", "--redis-url", topology.url, "--queue", queue, '{"r": 1}',
+              "--wait-replicas", "1", "--wait").stdout.strip() == '{"r":1}'
+    assert int(topology.client().get(acks)) == 1
     request_id = bg("submit", "--redis-url", topology.url, "--queue", queue, '{"y": 2}'
                     ).stdout.strip()
     assert '"y"' in bg("result", request_id, "--redis-url", topology.url, "--queue", queue,
                        "--wait").stdout
     stats = bg("stats", "--redis-url", topology.url, "--queue", queue, "--json").stdout
-    assert '"processed": 2' in stats
+    assert '"processed": 3' in stats
     bg("policy", "set", "--redis-url", topology.url, "--queue", queue, "--max-attempts", "5")
     assert '"max_attempts": 5' in bg("policy", "show", "--redis-url", topology.url,
                                      "--queue", queue).stdout
@@ -156,10 +163,12 @@ def test_gateway(topology, queue, start_consumer) -> None:
     factory = gateway_factory()
     start = next(factory)
     try:
-        gateway = start(topology.url, queue)
+        gateway = start(topology.url, queue, "--wait-replicas", "1", "--workers", "2")
         reply = httpx.post(gateway.url + "/v1/requests", json={"payload": {"g": 1}, "wait": True},
                            timeout=30)
         assert reply.status_code == 200 and reply.json()["result"] == {"g": 1}
+        # Accepted after a WAIT: each WAIT follows an INCR of the queue's acks counter.
+        assert int(topology.client().get(acks_key(QueueKeys(queue).policy))) == 1
         state = httpx.get(f"{gateway.url}/v1/requests/{reply.json()['id']}", timeout=10)
         assert state.json()["status"] == "done"
         assert httpx.get(gateway.url + "/v1/stats", timeout=10).json()["processed"] >= 1

@@ -68,7 +68,7 @@ from producer.gateway.schemas import (
     SubmitRequest,
     state_body,
 )
-from producer.validation import cancel_envelope
+from producer.validation import ProducerConfig, cancel_envelope
 from scheduler_core.admin import QueueStats, queue_stats, request_state_async
 from scheduler_core.connection import (
     DEFAULT_REDIS_URL,
@@ -90,7 +90,9 @@ GC_THRESHOLD = 20_000  # allocations between young-generation collections (Pytho
 WORKER_ENV = {"redis_url": "BATCHGATE_REDIS_URL", "queue": "BATCHGATE_QUEUE",
               "token": "BATCHGATE_GATEWAY_TOKEN",
               "max_body_bytes": "BATCHGATE_GATEWAY_MAX_BODY_BYTES",
-              "request_timeout_s": REQUEST_TIMEOUT_ENV}
+              "request_timeout_s": REQUEST_TIMEOUT_ENV,
+              "wait_replicas": "BATCHGATE_WAIT_REPLICAS",
+              "wait_timeout_ms": "BATCHGATE_WAIT_TIMEOUT_MS"}
 # No pattern on the path: a malformed id is as unknown as a well-formed one nobody
 # submitted, and answers 404 like it (a 422 would suggest the request exists).
 RequestId = Annotated[str, Path(description="The id returned by POST /v1/requests (32 "
@@ -109,11 +111,14 @@ def json_response(status: int, body: Any, headers: dict[str, str] | None = None)
 class Gateway:
     """What the endpoints share: one AsyncProducer, one async and one sync Redis client."""
 
-    def __init__(self, redis_url: str, queue: str):
+    def __init__(self, redis_url: str, queue: str, wait_replicas: int = 0,
+                 wait_timeout_ms: int = ProducerConfig.wait_timeout_ms):
         self.keys = QueueKeys(queue)
         self.redis_url = redis_url
         self.redis = connect_async(redis_url)
-        self.producer = AsyncProducer(redis_url, queue, client=self.redis)
+        self.producer = AsyncProducer(redis_url, queue, client=self.redis,
+                                      wait_replicas=wait_replicas,
+                                      wait_timeout_ms=wait_timeout_ms)
         self.sync_redis = connect(redis_url)  # for admin.queue_stats, run in a thread
         self.scripts = Scripts(self.redis)
 
@@ -330,18 +335,22 @@ def tune_collector() -> None:
 def create_app(redis_url: str = DEFAULT_REDIS_URL, queue: str = "default",
                token: str | None = None, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+               wait_replicas: int = 0,
+               wait_timeout_ms: int = ProducerConfig.wait_timeout_ms,
                tune_gc: bool = False) -> FastAPI:
     """The gateway for `queue`; with `token`, /v1/* needs `Authorization: Bearer <token>`.
     Bodies over `max_body_bytes`, or not received within `request_timeout_s` of their
-    headers, are refused (413, 408) before the app reads them. `tune_gc`: the app owns its
-    process (`batchgate gateway`), tune its garbage collector at startup
+    headers, are refused (413, 408) before the app reads them. `wait_replicas`: a submit
+    is accepted once that many replicas have it (AsyncProducer's). `tune_gc`: the app
+    owns its process (`batchgate gateway`), tune its garbage collector at startup
     (tune_collector)."""
-    QueueKeys(queue)  # validate the name now, not on the first request
+    # Validate the name and the WAIT knobs now, not on the first request.
+    ProducerConfig(queue=queue, wait_replicas=wait_replicas, wait_timeout_ms=wait_timeout_ms)
     metrics = GatewayMetrics()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        app.state.gateway = Gateway(redis_url, queue)
+        app.state.gateway = Gateway(redis_url, queue, wait_replicas, wait_timeout_ms)
         if tune_gc:
             tune_collector()
         try:
@@ -408,4 +417,6 @@ def app_from_env() -> FastAPI:
                                                  DEFAULT_MAX_BODY_BYTES)),
                       request_timeout_s=float(env.get(WORKER_ENV["request_timeout_s"],
                                                       DEFAULT_REQUEST_TIMEOUT_S)),
+                      wait_replicas=int(env.get(WORKER_ENV["wait_replicas"], 0)),
+                      wait_timeout_ms=int(env.get(WORKER_ENV["wait_timeout_ms"], 1000)),
                       tune_gc=True)

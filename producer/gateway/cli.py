@@ -19,7 +19,7 @@ from producer.gateway.guard import (
     REQUEST_TIMEOUT_ENV,
 )
 from scheduler_core.compat import connect_checked
-from scheduler_core.options import queue_option, redis_url_option
+from scheduler_core.options import queue_option, redis_url_option, wait_replicas_options
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -60,9 +60,10 @@ PROTOCOL = "producer.gateway.protocol:HeaderTimeoutProtocol"
               default=1, show_default=True,
               help="Serve from this many processes (uvicorn workers) sharing the port, each "
                    "with its own AsyncProducer. Env: BATCHGATE_GATEWAY_WORKERS.")
+@wait_replicas_options("Accept a submitted request (202, or 200 with wait)")
 def gateway_command(redis_url: str, queue: str, host: str, port: int, token: str | None,
                     max_body_bytes: int, request_timeout_s: float, access_log: bool,
-                    workers: int) -> None:
+                    workers: int, wait_replicas: int, wait_timeout_ms: int) -> None:
     """Serve an HTTP API for QUEUE: submit, fetch a result, cancel, stats, health and
     Prometheus /metrics. OpenAPI spec at /openapi.json, interactive docs at /docs."""
     try:
@@ -76,7 +77,8 @@ def gateway_command(redis_url: str, queue: str, host: str, port: int, token: str
     with contextlib.suppress(redis.ConnectionError, redis.TimeoutError):
         connect_checked(redis_url).close()
     app = create_app(redis_url, queue, token=token or None, max_body_bytes=max_body_bytes,
-                     request_timeout_s=request_timeout_s, tune_gc=True)  # validates first
+                     request_timeout_s=request_timeout_s, wait_replicas=wait_replicas,
+                     wait_timeout_ms=wait_timeout_ms, tune_gc=True)  # validates first
     level = logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
     # uvloop (part of the gateway extra) where it installs; HTTP parsing is httptools'
     # (PROTOCOL builds on uvicorn's httptools protocol).
@@ -96,5 +98,7 @@ def gateway_command(redis_url: str, queue: str, host: str, port: int, token: str
     os.environ.update({WORKER_ENV["redis_url"]: redis_url, WORKER_ENV["queue"]: queue,
                        WORKER_ENV["token"]: token or "",
                        WORKER_ENV["max_body_bytes"]: str(max_body_bytes),
-                       WORKER_ENV["request_timeout_s"]: repr(request_timeout_s)})
+                       WORKER_ENV["request_timeout_s"]: repr(request_timeout_s),
+                       WORKER_ENV["wait_replicas"]: str(wait_replicas),
+                       WORKER_ENV["wait_timeout_ms"]: str(wait_timeout_ms)})
     uvicorn.run("producer.gateway.app:app_from_env", factory=True, workers=workers, **options)

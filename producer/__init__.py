@@ -8,6 +8,7 @@ Depends on scheduler_core only; needs neither torch nor the consumer.
 """
 
 from producer.aio import AsyncHandle, AsyncProducer
+from producer.sharded import ShardedProducer
 from producer.sync import Handle, Producer
 from scheduler_core.errors import (
     DeadlineExceeded,
@@ -34,4 +35,5 @@ __all__ = [
     "RequestLost",
     "Restart",
     "Result",
+    "ShardedProducer",
 ]

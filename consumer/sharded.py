@@ -232,9 +232,10 @@ class _Wakers:
         self._idle = threading.Event()
         self._woken = threading.Event()
         self._stopping = stopping
-        self._threads = [threading.Thread(target=self._watch, args=(dedicated(client), s.keys),
+        self._clients = [dedicated(client) for _ in shards]
+        self._threads = [threading.Thread(target=self._watch, args=(own, s.keys),
                                           name=f"waker-{s.config.queue}", daemon=True)
-                         for s in shards]
+                         for own, s in zip(self._clients, shards, strict=True)]
 
     def __enter__(self) -> _Wakers:
         for thread in self._threads:
@@ -246,6 +247,9 @@ class _Wakers:
         self._idle.set()
         for thread in self._threads:
             thread.join(timeout=2 * IDLE_BLOCK_S)
+        for own in self._clients:
+            with contextlib.suppress(redis.RedisError):
+                own.close()
 
     def wait(self, timeout: float) -> None:
         self._idle.set()

@@ -206,3 +206,30 @@ def test_shard_count_conflicts_and_cannot_drop_a_busy_shard(shared_redis, queue)
                               "--shards", "2"])
     assert out.exit_code != 0 and "still holds requests" in out.output
     assert read_policy(client, queue).shards == 3
+
+
+def test_shards_on_different_cluster_nodes(redis_cluster, queue, start_consumer, tmp_path):
+    """On a real 6-node cluster the shards' hash tags fall on different primaries; two
+    consumers (waking on each shard's marker from a thread per shard) answer every
+    request once, and a HIGH on another shard still goes first."""
+    url, client = redis_cluster.url, redis_cluster.client()
+    shards = 6
+    configure(url, queue, shards=shards, strategy="priority", max_batch_size=4,
+              max_queue_delay_ms=0)
+    nodes = {client.get_node_from_key(k.policy).name for k in shard_keys(queue, shards)}
+    assert len(nodes) >= 2, nodes
+    model = RecordingModel(tmp_path)
+    with ShardedProducer(url, queue) as p:
+        normal = p.submit_many([{"n": i} for i in range(4)])  # shard 0
+        high = p.submit({"high": 1}, priority=Priority.HIGH)  # shard 1
+        model.start(start_consumer, url, queue)
+        assert high.result(timeout=30) == {"high": 1}
+        assert [h.result(timeout=30) for h in normal] == [{"n": i} for i in range(4)]
+        assert model.batches()[0]["payloads"] == [{"high": 1}]
+        model.start(start_consumer, url, queue)
+        # idle consumers wake for arrivals on any shard
+        handles = [p.submit({"i": i}) for i in range(40)]
+        assert [h.result(timeout=30) for h in handles] == [{"i": i} for i in range(40)]
+    ran = [x["i"] for x in model.payloads() if "i" in x]
+    assert sorted(ran) == list(range(40))
+    assert queue_stats(client, queue).processed == 45

@@ -43,6 +43,11 @@ then the script's per-call keys (result:<id>, inbox:<producer>, idem:<key>).
 | `{bg:q}:idem:<key>`         | string | idempotency key -> request id, expires                    |
 | `{bg:q}:acks`               | string | counter written before each WAIT of `wait_replicas`       |
 
+A sharded queue (policy field `shards` = S > 1, scheduler_core/shards.py) is S physical
+queues: shard 0 is the queue itself, shard i the queue `<queue>#<i>` with every key above
+under its own tag `{bg:<queue>#<i>}` (so its own cluster slot). '#' is not allowed in a
+queue name a user gives, so shards never collide with other queues.
+
 The registry of queues (scheduler_core/registry.py) is one key outside every queue:
 
 | key                         | type   | holds                                                     |

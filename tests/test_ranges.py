@@ -36,6 +36,7 @@ POLICY_RANGES = {
     "timeout_normal_ms": (0, 86_400_000),
     "timeout_low_ms": (0, 86_400_000),
     "allow_timeout_override": (0, 1),
+    "shards": (1, 64),  # docs/scaling.md
 }
 CONSUMER_RANGES = {"lease_ms": (100, 86_400_000), "max_result_bytes": (16, 536_870_912)}
 PRODUCER_RANGES = {"max_payload_bytes": (16, 512 << 20), "idempotency_ttl_s": (1, 2_592_000)}

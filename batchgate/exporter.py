@@ -63,6 +63,7 @@ POLICY_GAUGES = {
     "timeout_normal_ms": ("batchgate_queue_policy_timeout_normal_seconds", 1000),
     "timeout_low_ms": ("batchgate_queue_policy_timeout_low_seconds", 1000),
     "allow_timeout_override": ("batchgate_queue_policy_allow_timeout_override", 1),
+    "shards": ("batchgate_queue_policy_shards", 1),
 }
 assert set(POLICY_GAUGES) == set(LIMITS), "every policy knob is exported"
 

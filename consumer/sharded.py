@@ -4,10 +4,11 @@ Each shard is a complete queue with its own Consumer (consumer/worker.py: its le
 thread, sweep, derived delay, due times), all sharing one model, one connection pool and
 one stop event; this loop decides which shard each batch comes from:
 
-Under the priority strategy (fifo and dynamic do not serve levels apart):
+Under the priority strategy (fifo and dynamic do not serve levels apart: their peek only
+says which shards hold requests, popped in turn):
 
-1. peek: the oldest HIGH request of every shard (ZRANGE pending:0 0 0, one pipelined
-   round trip);
+1. peek: the oldest HIGH request of every shard (ZRANGE pending:0 0 0) and whether it
+   holds anything at all (one pipelined round trip): an empty shard is not popped;
 2. pop the shards that hold HIGH first, oldest HIGH first; then the others, round-robin;
    the first pop that yields a batch is run. While a shard seen holding HIGH yields no
    batch (its HIGH expired meanwhile, say), no other shard is popped: the loop peeks again;
@@ -159,12 +160,22 @@ class ShardedConsumer:
                     self._due_timer.close()
 
     # -- choosing the shard -----------------------------------------------------------
-    def _peek_high(self) -> list[float | None]:
-        """Arrival (µs) of the oldest HIGH request of each shard (None: no HIGH)."""
+    def _peek(self, priority: bool) -> tuple[list[float | None], list[bool]]:
+        """One pipelined round trip: per shard, the arrival (µs) of its oldest HIGH
+        request (None: none, or not asked for), and whether it holds anything to pop."""
         pipe = self.redis.pipeline(transaction=False)
         for shard in self.shards:
-            pipe.zrange(shard.keys.pending_high, 0, 0, withscores=True)
-        return [first[0][1] if first else None for first in pipe.execute()]
+            keys = shard.keys
+            pipe.zrange(keys.pending_high, 0, 0, withscores=True)
+            for key in (keys.pending_normal, keys.pending_low, keys.delayed):
+                pipe.zcard(key)
+        replies = pipe.execute()
+        high, busy = [], []
+        for i in range(len(self.shards)):
+            first, *counts = replies[i * 4:i * 4 + 4]
+            high.append(first[0][1] if first and priority else None)
+            busy.append(bool(first) or any(counts))
+        return high, busy
 
     def _order(self, high: list[float | None]) -> tuple[list[int], int]:
         """Shards to pop in order, and how many of the first hold HIGH."""
@@ -176,16 +187,17 @@ class ShardedConsumer:
 
     def _pick(self) -> tuple[Consumer, Batch] | Idle | None:
         """A popped batch and its shard; else Idle until the earliest due time of a shard
-        (None: pop again at once)."""
+        (None: pop again at once). Shards holding nothing are not popped."""
         policy = self.shards[0].policy  # followed by shard 0's lease thread
-        if policy is not None and policy.strategy is Strategy.PRIORITY:
-            order, with_high = self._order(self._peek_high())
-        else:  # fifo, dynamic: levels are not served apart, within a shard or across
-            order, with_high = self._order([None] * len(self.shards))
+        # fifo, dynamic: levels are not served apart, within a shard or across
+        high, busy = self._peek(policy is not None and policy.strategy is Strategy.PRIORITY)
+        order, with_high = self._order(high)
         due: list[float] = []
         for position, index in enumerate(order):
             if with_high and position == with_high:
                 return None  # a shard seen with HIGH gave no batch: peek again first
+            if not busy[index]:
+                continue
             shard = self.shards[index]
             step = shard._pop()
             if isinstance(step, Batch):

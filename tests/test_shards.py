@@ -3,6 +3,7 @@ consumers started as `batchgate consumer`, producers as users make them."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -14,7 +15,7 @@ from helpers.failure_support import start as start_failing
 from helpers.support import RecordingModel, configure, wait_for
 
 from batchgate.cli import main as cli
-from producer import InvalidRequest, Priority, Producer, ShardedProducer
+from producer import AsyncShardedProducer, InvalidRequest, Priority, Producer, ShardedProducer
 from scheduler_core.admin import queue_stats, read_policy, request_state
 from scheduler_core.deadletter import list_dead
 from scheduler_core.keys import QueueKeys
@@ -234,3 +235,22 @@ def test_shards_on_different_cluster_nodes(redis_cluster, queue, start_consumer,
     ran = [x["i"] for x in model.payloads() if "i" in x]
     assert sorted(ran) == list(range(40))
     assert queue_stats(client, queue).processed == 45
+
+
+def test_async_sharded_producer_round_trip(shared_redis, queue, start_consumer, tmp_path):
+    url = shared_redis.url
+    configure(url, queue, shards=S, strategy="fifo")
+    RecordingModel(tmp_path).start(start_consumer, url, queue)
+
+    async def main() -> None:
+        async with AsyncShardedProducer(url, queue, placement="least_depth") as p:
+            assert p.shards == S
+            handles = [await p.submit({"i": i}) for i in range(9)]
+            handles += await p.submit_many([{"i": i} for i in range(9, 12)],
+                                           idempotency_keys=["a", "b", "c"])
+            assert await asyncio.gather(*(h.result(timeout=30) for h in handles)) == \
+                [{"i": i} for i in range(12)]
+            assert (await p.fetch(handles[-1].id)).value == {"i": 11}
+
+    asyncio.run(main())
+    assert queue_stats(shared_redis.client(), queue).processed == 12

@@ -300,7 +300,8 @@ def scaling_signal(client: redis.Redis, queue: str,
     keys = QueueKeys(queue)
     raw = client.hgetall(keys.policy)
     slo = slo_p99_ms if slo_p99_ms is not None else slo_of(raw)
-    rate = arrival_rate(client, keys)
+    shards = [QueueKeys(name) for name in physical_queues(client, queue)]
+    rate = sum(arrival_rate(client, shard) for shard in shards)  # a sharded queue's: all
     model = read_cost_model(client, keys)
     out: dict[str, Any] = {"arrival_rate_rps": rate, "arrival_window_s": DEFAULT_WINDOW_S,
                            "slo_p99_ms": slo,
@@ -308,9 +309,10 @@ def scaling_signal(client: redis.Redis, queue: str,
                            "recommended_consumers": None}
     if raw and slo is not None and model is not None:
         pipe = client.pipeline(transaction=False)
-        for key in keys.pending_all:
-            pipe.zcard(key)
-        pipe.hlen(keys.owner)
+        for shard in shards:
+            for key in shard.pending_all:
+                pipe.zcard(key)
+            pipe.hlen(shard.owner)
         waiting = sum(pipe.execute())
         try:
             policy = Policy.from_redis(raw)

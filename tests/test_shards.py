@@ -254,3 +254,31 @@ def test_async_sharded_producer_round_trip(shared_redis, queue, start_consumer, 
 
     asyncio.run(main())
     assert queue_stats(shared_redis.client(), queue).processed == 12
+
+
+def test_exporter_sums_a_sharded_queue(shared_redis, queue):
+    from batchgate.exporter import read_queue
+
+    url, client = shared_redis.url, shared_redis.client()
+    configure(url, queue, shards=S)
+    with ShardedProducer(url, queue) as p:
+        p.submit_many([{"i": i} for i in range(4)])  # shard 0
+        p.submit({"i": 4}, priority=Priority.HIGH)  # shard 1
+        p.submit({"i": 5}, priority=Priority.LOW)  # shard 2
+    reading = read_queue(client, queue, time.time_ns() // 1000, 100)
+    assert reading.depth == [1, 4, 1]
+    assert len(reading.oldest_us) == 3
+
+
+def test_consumers_exit_to_be_restarted_when_shards_grow(shared_redis, queue, start_consumer,
+                                                         tmp_path):
+    url = shared_redis.url
+    configure(url, queue, shards=2)
+    consumer = RecordingModel(tmp_path).start(start_consumer, url, queue, "--lease-ms", "600")
+    out = CliRunner().invoke(cli, ["policy", "set", "--redis-url", url, "--queue", queue,
+                                   "--shards", "3"])
+    assert out.exit_code == 0, out.output
+    # the lease thread reads the policy every min(lease_ms / 3, 1 s)
+    assert consumer.proc.wait(timeout=20) == 4, consumer.output()
+    assert "shards changed 2 -> 3" in consumer.output()
+    assert read_policy(shared_redis.client(), shard_name(queue, 2)).shards == 3

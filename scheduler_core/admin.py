@@ -230,7 +230,9 @@ def _queue_stats(queue: str, reads: list[dict[str, Any]]) -> QueueStats:
     arrivals: dict[Any, int] = {}
     for r in reads:
         for second, count in r["arrivals"].items():
-            arrivals[second] = arrivals.get(second, 0) + int(count)
+            text = count.decode() if isinstance(count, bytes) else str(count)
+            if text.isdigit():  # rate_from skips anything else too
+                arrivals[second] = arrivals.get(second, 0) + int(text)
     batches = counters.get("batches", 0)
     stored = Policy.from_redis(first["policy"]) if first["policy"] else None
     depth = [sum(r["depth"][level] for r in reads) for level in range(3)]

@@ -20,7 +20,8 @@ from typing import Any
 import click
 import redis
 
-from scheduler_core.admin import CONSUMER_ALIVE_S, scaling_signal
+from scheduler_core.admin import CONSUMER_ALIVE_S, physical_queues, scaling_signal
+from scheduler_core.auto_delay import STATS_AT_US, STATS_DELAY_US
 from scheduler_core.connection import slot_owner
 from scheduler_core.errors import InvalidRequest
 from scheduler_core.keys import QUEUE_NAME, QueueKeys, validate_queue_name
@@ -63,6 +64,7 @@ POLICY_GAUGES = {
     "timeout_normal_ms": ("batchgate_queue_policy_timeout_normal_seconds", 1000),
     "timeout_low_ms": ("batchgate_queue_policy_timeout_low_seconds", 1000),
     "allow_timeout_override": ("batchgate_queue_policy_allow_timeout_override", 1),
+    "shards": ("batchgate_queue_policy_shards", 1),
 }
 assert set(POLICY_GAUGES) == set(LIMITS), "every policy knob is exported"
 
@@ -106,6 +108,36 @@ class QueueReading:
 
 
 def read_queue(client: redis.Redis, queue: str, now_us: int, samples: int) -> QueueReading:
+    """The queue's reading; a sharded queue's summed over its shards (docs/scaling.md)."""
+    readings = [_read_one(client, name, now_us, samples)
+                for name in physical_queues(client, queue)]
+    if len(readings) == 1:
+        return readings[0]
+    first = readings[0]
+    counters: dict[str, int] = {}
+    for reading in readings:
+        for name, value in reading.counters.items():
+            counters[name] = counters.get(name, 0) + value
+    for name in (STATS_AT_US, STATS_DELAY_US):  # a time and a delay: the logical queue's
+        counters.pop(name, None)
+        if name in first.counters:
+            counters[name] = first.counters[name]
+    return QueueReading(
+        policy=first.policy,
+        depth=[sum(r.depth[level] for r in readings) for level in range(3)],
+        oldest_us=[at for r in readings for at in r.oldest_us],
+        owned=sum(r.owned for r in readings),
+        batches_in_flight=sum(r.batches_in_flight for r in readings),
+        # a sharded consumer heartbeats on every shard: the most any shard saw
+        consumers_alive=max(r.consumers_alive for r in readings),
+        counters=counters, dead=sum(r.dead for r in readings),
+        waits=sorted(x for r in readings for x in r.waits),
+        e2e=sorted(x for r in readings for x in r.e2e),
+        model=sorted(x for r in readings for x in r.model),
+        delayed=sum(r.delayed for r in readings))
+
+
+def _read_one(client: redis.Redis, queue: str, now_us: int, samples: int) -> QueueReading:
     keys = QueueKeys(queue)
     # One MULTI: on a cluster, on the primary serving the queue's slot.
     pipe = slot_owner(client, keys.policy).pipeline(transaction=True)

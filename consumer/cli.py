@@ -13,8 +13,10 @@ import click
 import orjson
 
 from consumer.loader import load_model
+from consumer.sharded import ShardedConsumer
 from consumer.supervisor import supervise, supervisor_options, wants_supervisor
-from consumer.worker import Consumer, ConsumerConfig
+from consumer.worker import EXIT_SHARDS_CHANGED, Consumer, ConsumerConfig
+from scheduler_core.admin import shard_count
 from scheduler_core.compat import require_redis_version, usable_cores
 from scheduler_core.options import (
     env_option,
@@ -44,7 +46,7 @@ def parse_model_args(pairs: tuple[str, ...]) -> dict[str, Any]:
     return kwargs
 
 
-def install_signal_handlers(consumer: Consumer) -> None:
+def install_signal_handlers(consumer: Consumer | ShardedConsumer) -> None:
     def handle(signum: int, _frame: Any) -> None:
         if consumer.stopping.is_set():
             log.warning("second %s: exiting now; the lease sweep re-queues the batch in hand",
@@ -146,9 +148,11 @@ def consumer_command(redis_url: str, queue: str, model_spec: str, model_arg: tup
         except ValueError as exc:
             raise click.UsageError(str(exc)) from None
     # Settle the policy before loading the model: a conflict should fail fast.
-    consumer = Consumer(model=_unloaded, config=config)
-    consumer.info["device"] = device or ""
+    consumer: Consumer | ShardedConsumer = Consumer(model=_unloaded, config=config)
     require_redis_version(consumer.redis)
+    if (policy.get("shards") or 1) > 1 or shard_count(consumer.redis, queue) > 1:
+        consumer = ShardedConsumer(_unloaded, config, client=consumer.redis)
+    consumer.info["device"] = device or ""
     consumer.start()
     install_signal_handlers(consumer)
     if metrics_port:
@@ -166,6 +170,8 @@ def consumer_command(redis_url: str, queue: str, model_spec: str, model_arg: tup
     click.echo(f"batchgate consumer {config.name} ready on queue {queue!r} (torch threads: "
                f"{threads or os.environ.get('OMP_NUM_THREADS')})", err=True)
     consumer.run()
+    if consumer.shards_changed:
+        raise SystemExit(EXIT_SHARDS_CHANGED)
 
 
 def limit_torch_threads(threads: int | None) -> int | None:

@@ -17,6 +17,7 @@ import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -68,6 +69,8 @@ from scheduler_core.wire import (
 
 log = logging.getLogger("batchgate.consumer")
 
+# The queue's shard count changed while running (its shards are fixed at start).
+EXIT_SHARDS_CHANGED = 4
 IDLE_BLOCK_S = 1.0  # longest idle block: bounds heartbeat, sweep and shutdown latency
 # Replies to complete.lua that are offered again (the results are kept) rather than
 # dropped: Redis away, or out of memory under `maxmemory` (noeviction) until room is made.
@@ -172,6 +175,10 @@ class Consumer:
         self.observer: Any = None
         # Optional: consumer.tracing.BatchTracer, which records each batch's spans.
         self.tracer: Any = None
+        # Pop the next batch in the completion's round trip (off under consumer/sharded.py,
+        # which picks the shard of each batch itself).
+        self.pop_after_complete = True
+        self.shards_changed = False  # the queue's shard count changed under us: restart
 
     @property
     def _model_takes_costs(self) -> bool:
@@ -212,31 +219,11 @@ class Consumer:
         os._exit(EXIT_MODEL_HUNG)
 
     def run(self) -> None:
-        if self.policy is None:
-            self.start()
-        if self.config.overlap:
-            self._overlap = Overlap(self._fetch, self._finish, self.stopping)
-        held = Held(lambda: self._current, lambda: self._in_model)
-        if self._overlap is not None:
-            held = replace(held, fetched=self._overlap.fetched,
-                           completing=self._overlap.completing)
-        lease = LeaseKeeper(self.redis, self.scripts, self.keys, self.config.name,
-                            LeaseTimes(self.config.lease_ms, self.config.max_batch_ms), held,
-                            on_policy=self._policy_seen, on_hung=self._exit_hung,
-                            report=Report(self._about, self.failures),
-                            result_ttl_s=lambda: self.policy.result_ttl_s if self.policy
-                            else 600)
-        lease.start()
-        refit = CostRefit(self.redis, self.keys, self.config.cost_refit_s) \
-            if self.config.cost_refit_s else None
-        if refit is not None:
-            refit.start()
-        self.delay.start()
-        backoff = Backoff(f"consumer {self.config.name}")
-        log.info("consumer %s serving queue %r with %s", self.config.name, self.config.queue,
-                 self.policy)
-        next_step: Next = POP_NOW
-        try:
+        with self.services():
+            backoff = Backoff(f"consumer {self.config.name}")
+            log.info("consumer %s serving queue %r with %s", self.config.name,
+                     self.config.queue, self.policy)
+            next_step: Next = POP_NOW
             # A batch already popped (it rode in with the last completion, or was
             # prefetched) is run even if a stop arrived meanwhile, rather than stranded
             # until its lease expires.
@@ -260,6 +247,34 @@ class Consumer:
                         next_step = self._overlap.salvage() if self._overlap is not None \
                             else POP_NOW
                     backoff.sleep_after(exc)
+
+    @contextlib.contextmanager
+    def services(self) -> Iterator[None]:
+        """The threads beside the loop (lease, cost refit, derived delay, overlap) while
+        the caller runs it; on leaving, whatever was computed is written and this consumer
+        leaves the queue's consumer list. consumer/sharded.py runs one per shard."""
+        if self.policy is None:
+            self.start()
+        if self.config.overlap:
+            self._overlap = Overlap(self._fetch, self._finish, self.stopping)
+        held = Held(lambda: self._current, lambda: self._in_model)
+        if self._overlap is not None:
+            held = replace(held, fetched=self._overlap.fetched,
+                           completing=self._overlap.completing)
+        lease = LeaseKeeper(self.redis, self.scripts, self.keys, self.config.name,
+                            LeaseTimes(self.config.lease_ms, self.config.max_batch_ms), held,
+                            on_policy=self._policy_seen, on_hung=self._exit_hung,
+                            report=Report(self._about, self.failures),
+                            result_ttl_s=lambda: self.policy.result_ttl_s if self.policy
+                            else 600)
+        lease.start()
+        refit = CostRefit(self.redis, self.keys, self.config.cost_refit_s) \
+            if self.config.cost_refit_s else None
+        if refit is not None:
+            refit.start()
+        self.delay.start()
+        try:
+            yield
         finally:
             self.stopping.set()
             if self._overlap is not None:
@@ -359,6 +374,14 @@ class Consumer:
         if stored == old or old is None:
             return
         self.policy = stored
+        if stored.shards != old.shards:
+            # Its shard list is fixed at start (consumer/sharded.py): serve the new one
+            # after a restart rather than leave shards unserved.
+            log.error("queue %r: shards changed %d -> %d; this consumer exits with status "
+                      "%d to be restarted", self.config.queue, old.shards, stored.shards,
+                      EXIT_SHARDS_CHANGED)
+            self.shards_changed = True
+            self.stop()
         changed = ", ".join(f"{f.name} {getattr(old, f.name)} -> {getattr(stored, f.name)}"
                             for f in fields(stored)
                             if getattr(stored, f.name) != getattr(old, f.name))
@@ -428,7 +451,8 @@ class Consumer:
         # would delay the results (Redis answers a pipeline as a whole). Then block after
         # completing; an arrival meanwhile left the wake-up marker, so the block returns
         # at once.
-        reply = self._finish(done, pop_next=batch.remaining > 0 and not self.stopping.is_set())
+        reply = self._finish(done, pop_next=self.pop_after_complete and batch.remaining > 0
+                             and not self.stopping.is_set())
         self._current = None
         if reply is not None:
             return self._parse(reply)

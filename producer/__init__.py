@@ -8,6 +8,7 @@ Depends on scheduler_core only; needs neither torch nor the consumer.
 """
 
 from producer.aio import AsyncHandle, AsyncProducer
+from producer.sharded import AsyncShardedProducer, ShardedProducer
 from producer.sync import Handle, Producer
 from scheduler_core.errors import (
     DeadlineExceeded,
@@ -23,6 +24,7 @@ from scheduler_core.wire import Restart, Result
 __all__ = [
     "AsyncHandle",
     "AsyncProducer",
+    "AsyncShardedProducer",
     "DeadlineExceeded",
     "Handle",
     "InvalidRequest",
@@ -34,4 +36,5 @@ __all__ = [
     "RequestLost",
     "Restart",
     "Result",
+    "ShardedProducer",
 ]

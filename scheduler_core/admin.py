@@ -21,6 +21,7 @@ from scheduler_core.keys import QueueKeys
 from scheduler_core.load import rate_from
 from scheduler_core.policy import LIMITS, Policy, Priority
 from scheduler_core.scripts import Scripts, configure_keys
+from scheduler_core.shards import shard_names, split_shard
 from scheduler_core.wire import CANCELLED, DEADLINE, Result, decode_result
 
 CONSUMER_ALIVE_S = 5.0  # a consumer heartbeats at least every second while running
@@ -32,7 +33,30 @@ def _pairs(flat: list[Any]) -> dict[str, str]:
 
 
 def store_policy(client: redis.Redis, queue: str, policy: Policy, replace: bool) -> Policy:
-    """Write `policy` (always, or only if the queue has none); return the stored one."""
+    """Write `policy` (always, or only if the queue has none); return the stored one. On
+    a logical queue, every shard's policy is then set to the stored one (a shard's
+    pop_batch reads its own); fewer shards than before are refused (InvalidPolicy naming
+    `shards`, nothing written) while a shard to drop still holds requests."""
+    if split_shard(queue)[1] == 0:
+        if replace:
+            _check_dropped_shards(client, queue, policy.shards)
+        stored = _configure(client, queue, policy, replace)
+        for name in shard_names(queue, stored.shards)[1:]:
+            _configure(client, name, stored, replace=True)
+        return stored
+    return _configure(client, queue, policy, replace)
+
+
+def _check_dropped_shards(client: redis.Redis, queue: str, shards: int) -> None:
+    for name in shard_names(queue, shard_count(client, queue))[shards:]:
+        keys = QueueKeys(name)
+        if client.hlen(keys.jobs):
+            raise InvalidPolicy("shards", f"{shards}: shard {name!r} still holds requests "
+                                          "(waiting, running or dead-lettered); drain it, "
+                                          "or keep the shard count")
+
+
+def _configure(client: redis.Redis, queue: str, policy: Policy, replace: bool) -> Policy:
     keys = QueueKeys(queue)
     args: list[Any] = ["replace" if replace else "ensure"]
     for field, value in policy.to_redis().items():
@@ -42,6 +66,31 @@ def store_policy(client: redis.Redis, queue: str, policy: Policy, replace: bool)
         field = reply[1].decode() if isinstance(reply[1], bytes) else str(reply[1])
         raise InvalidPolicy(field, "rejected by configure.lua")
     return Policy.from_redis(_pairs(reply[1:]))
+
+
+def shard_count(client: redis.Redis, queue: str) -> int:
+    """The logical queue's shard count (policy field `shards`; 1 when unset or unknown)."""
+    return _count(client.hget(QueueKeys(queue).policy, "shards"))
+
+
+def physical_queues(client: redis.Redis, queue: str) -> list[str]:
+    """The physical queues of `queue`: its shards; a shard's name is just itself."""
+    if split_shard(queue)[1]:
+        return [queue]
+    return shard_names(queue, shard_count(client, queue))
+
+
+async def shard_count_async(client: redis.asyncio.Redis, queue: str) -> int:
+    return _count(await client.hget(QueueKeys(queue).policy, "shards"))
+
+
+def _count(raw: bytes | str | None) -> int:
+    try:
+        value = int(raw) if raw is not None else 1
+    except ValueError:
+        return 1
+    low, high = LIMITS["shards"]
+    return value if low <= value <= high else 1
 
 
 def read_policy(client: redis.Redis, queue: str) -> Policy | None:
@@ -117,18 +166,24 @@ SAMPLES_READ = 10_000  # the lists hold this many, plus up to 500 between trims
 
 
 def queue_stats(client: redis.Redis, queue: str) -> QueueStats:
-    keys = QueueKeys(queue)
+    """The queue's statistics; a sharded queue's (policy field `shards` > 1) summed over
+    its shards: counts added, oldest wait the oldest, percentiles over all samples."""
+    reads = [_read_shard(client, QueueKeys(name)) for name in physical_queues(client, queue)]
+    return _queue_stats(queue, reads)
+
+
+def _read_shard(client: redis.Redis, keys: QueueKeys) -> dict[str, Any]:
     # One MULTI with Redis' TIME: on a cluster, on the primary serving the queue's slot
     # (a cluster pipeline takes no keyless command).
     owner = slot_owner(client, keys.policy)
     try:
-        return _queue_stats(owner, queue, keys)
+        return _read_one(owner, keys)
     except redis.RedisError as exc:
         refresh_topology(client, exc)
         raise
 
 
-def _queue_stats(owner: Any, queue: str, keys: QueueKeys) -> QueueStats:
+def _read_one(owner: Any, keys: QueueKeys) -> dict[str, Any]:
     pipe = owner.pipeline(transaction=True)
     pipe.time()
     pipe.hgetall(keys.policy)
@@ -150,33 +205,60 @@ def _queue_stats(owner: Any, queue: str, keys: QueueKeys) -> QueueStats:
         counters, dead, waits, e2e, model, arrivals, delayed = pipe.execute()
     now_us = now_s * 1_000_000 + now_frac
     past_deadline = owner.zcount(keys.deadlines, "-inf", now_us)  # at the TIME above
-    oldest = [score for first in (o0, o1, o2) for _, score in first]
-    counters = {k.decode(): int(v) for k, v in counters.items()}
+    return {"now_s": now_s, "now_us": now_us, "policy": policy, "depth": (d0, d1, d2),
+            "oldest": [score for first in (o0, o1, o2) for _, score in first],
+            "owned": owned, "batches_in_flight": batches_in_flight, "consumers": consumers,
+            "counters": {k.decode(): int(v) for k, v in counters.items()}, "dead": dead,
+            "waits": waits, "e2e": e2e, "model": model, "arrivals": arrivals,
+            "delayed": delayed, "past_deadline": past_deadline}
+
+
+def _queue_stats(queue: str, reads: list[dict[str, Any]]) -> QueueStats:
+    first = reads[0]  # the logical queue: its policy, its clock
+    now_us = first["now_us"]
+    oldest = [now_us - score for r in reads for score in r["oldest"]]
+    counters: dict[str, int] = {}
+    for r in reads:
+        for name, value in r["counters"].items():
+            counters[name] = counters.get(name, 0) + value
+    # STATS_AT_US / STATS_DELAY_US are a time and a delay, not counts: the logical queue's
+    for name in (STATS_AT_US, STATS_DELAY_US):
+        counters[name] = first["counters"].get(name, 0)
     alive_after = now_us - CONSUMER_ALIVE_S * 1_000_000
+    # A sharded consumer heartbeats on every shard under one name: count names once.
+    alive = {name for r in reads for name, beat in r["consumers"] if beat >= alive_after}
+    arrivals: dict[Any, int] = {}
+    for r in reads:
+        for second, count in r["arrivals"].items():
+            text = count.decode() if isinstance(count, bytes) else str(count)
+            if text.isdigit():  # rate_from skips anything else too
+                arrivals[second] = arrivals.get(second, 0) + int(text)
     batches = counters.get("batches", 0)
-    stored = Policy.from_redis(policy) if policy else None
+    stored = Policy.from_redis(first["policy"]) if first["policy"] else None
+    depth = [sum(r["depth"][level] for r in reads) for level in range(3)]
     return QueueStats(
         queue=queue,
         policy=stored.to_dict() if stored else None,
-        depth={p.name.lower(): n for p, n in zip(Priority, (d0, d1, d2), strict=True)},
-        in_flight_requests=owned,
-        in_flight_batches=batches_in_flight,
-        oldest_wait_ms=(now_us - min(oldest)) / 1000 if oldest else None,
-        consumers_alive=sum(1 for _, beat in consumers if beat >= alive_after),
+        depth={p.name.lower(): n for p, n in zip(Priority, depth, strict=True)},
+        in_flight_requests=sum(r["owned"] for r in reads),
+        in_flight_batches=sum(r["batches_in_flight"] for r in reads),
+        oldest_wait_ms=max(oldest) / 1000 if oldest else None,
+        consumers_alive=len(alive),
         processed=counters.get("processed", 0),
         failed=counters.get("failed", 0),
         requeued=counters.get("requeued", 0),
         cancelled=counters.get("cancelled", 0),
         expired=counters.get("expired", 0),
-        dead_letters=dead,
+        dead_letters=sum(r["dead"] for r in reads),
         batches=batches,
         mean_batch_size=counters.get("batched_requests", 0) / batches if batches else None,
-        queue_wait_ms=_percentiles(waits),
-        end_to_end_ms=_percentiles(e2e),
-        model_ms=_percentiles([sample.partition(b":")[2] for sample in model]),  # size:us
-        delayed=delayed,
-        past_deadline=past_deadline,
-        arrival_rate_rps=rate_from(arrivals, int(now_s)),
+        queue_wait_ms=_percentiles([w for r in reads for w in r["waits"]]),
+        end_to_end_ms=_percentiles([w for r in reads for w in r["e2e"]]),
+        model_ms=_percentiles([sample.partition(b":")[2]  # size:us
+                               for r in reads for sample in r["model"]]),
+        delayed=sum(r["delayed"] for r in reads),
+        past_deadline=sum(r["past_deadline"] for r in reads),
+        arrival_rate_rps=rate_from(arrivals, int(first["now_s"])),
         max_queue_delay_ms_in_use=_delay_in_use(stored, counters, alive_after),
     )
 
@@ -220,7 +302,8 @@ def scaling_signal(client: redis.Redis, queue: str,
     keys = QueueKeys(queue)
     raw = client.hgetall(keys.policy)
     slo = slo_p99_ms if slo_p99_ms is not None else slo_of(raw)
-    rate = arrival_rate(client, keys)
+    shards = [QueueKeys(name) for name in physical_queues(client, queue)]
+    rate = sum(arrival_rate(client, shard) for shard in shards)  # a sharded queue's: all
     model = read_cost_model(client, keys)
     out: dict[str, Any] = {"arrival_rate_rps": rate, "arrival_window_s": DEFAULT_WINDOW_S,
                            "slo_p99_ms": slo,
@@ -228,9 +311,10 @@ def scaling_signal(client: redis.Redis, queue: str,
                            "recommended_consumers": None}
     if raw and slo is not None and model is not None:
         pipe = client.pipeline(transaction=False)
-        for key in keys.pending_all:
-            pipe.zcard(key)
-        pipe.hlen(keys.owner)
+        for shard in shards:
+            for key in shard.pending_all:
+                pipe.zcard(key)
+            pipe.hlen(shard.owner)
         waiting = sum(pipe.execute())
         try:
             policy = Policy.from_redis(raw)
@@ -303,21 +387,31 @@ def unknown_requests(client: redis.Redis, keys: QueueKeys, request_ids: list[str
 
 
 def request_state(client: redis.Redis, queue: str, request_id: str) -> Found | None:
-    """Where request `request_id` of `queue` is (see read_lookup)."""
-    pipe = client.pipeline(transaction=True)
-    queue_lookup(pipe, QueueKeys(queue), request_id)
-    return read_lookup(request_id, pipe.execute())
+    """Where request `request_id` of `queue` is (see read_lookup); on a sharded queue,
+    in whichever shard knows it (one MULTI per shard until one does)."""
+    for name in physical_queues(client, queue):
+        pipe = client.pipeline(transaction=True)
+        queue_lookup(pipe, QueueKeys(name), request_id)
+        found = read_lookup(request_id, pipe.execute())
+        if found is not None:
+            return found
+    return None
 
 
 async def request_state_async(client: redis.asyncio.Redis, queue: str,
                               request_id: str) -> Found | None:
     """`request_state` for an asyncio client. On a cluster the MULTI goes to the primary
     serving the queue's slot (redis-py's asyncio cluster transactions mis-parse ZSCORE)."""
-    keys = QueueKeys(queue)
-    pipe = (await slot_owner_async(client, keys.jobs)).pipeline(transaction=True)
-    queue_lookup(pipe, keys, request_id)
-    try:
-        return read_lookup(request_id, await pipe.execute())
-    except redis.RedisError as exc:
-        await refresh_topology_async(client, exc)
-        raise
+    shards = 1 if split_shard(queue)[1] else await shard_count_async(client, queue)
+    for name in shard_names(queue, shards):
+        keys = QueueKeys(name)
+        pipe = (await slot_owner_async(client, keys.jobs)).pipeline(transaction=True)
+        queue_lookup(pipe, keys, request_id)
+        try:
+            found = read_lookup(request_id, await pipe.execute())
+        except redis.RedisError as exc:
+            await refresh_topology_async(client, exc)
+            raise
+        if found is not None:
+            return found
+    return None

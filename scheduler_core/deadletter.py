@@ -17,6 +17,7 @@ from typing import Any
 import orjson
 import redis
 
+from scheduler_core.admin import physical_queues
 from scheduler_core.errors import InvalidRequest
 from scheduler_core.keys import QueueKeys
 from scheduler_core.scripts import Scripts, dead_letter_keys
@@ -60,38 +61,55 @@ def list_dead(client: redis.Redis, queue: str, limit: int = 50,
         raise InvalidRequest("limit", f"{limit!r} is outside [1, 10000]")
     if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
         raise InvalidRequest("offset", f"{offset!r} must be an integer >= 0")
-    keys = QueueKeys(queue)
-    total = client.zcard(keys.dead)
-    entries = client.zrange(keys.dead, offset, offset + limit - 1, withscores=True)
-    if not entries:
-        return total, []
-    ids = [member for member, _ in entries]
+    names = physical_queues(client, queue)
+    # Oldest first across shards: each shard's first offset+limit, merged by time.
+    total, entries = 0, []
+    for name in names:
+        keys = QueueKeys(name)
+        total += client.zcard(keys.dead)
+        entries += [(score, member, keys) for member, score in
+                    client.zrange(keys.dead, 0, offset + limit - 1, withscores=True)]
+    entries.sort(key=lambda e: e[0])
+    return total, [_describe(client, keys, member, score)
+                   for score, member, keys in entries[offset:offset + limit]]
+
+
+def _describe(client: redis.Redis, keys: QueueKeys, member: bytes, score: float) -> DeadLetter:
     pipe = client.pipeline(transaction=False)
-    pipe.hmget(keys.dead_reason, ids)
-    pipe.hmget(keys.meta, ids)
-    pipe.hmget(keys.jobs, ids)
-    reasons, metas, jobs = pipe.execute()
-    out = []
-    for (member, score), reason, meta, job in zip(entries, reasons, metas, jobs, strict=True):
-        attempts = priority = None
-        parts = _text(meta).split(":") if meta is not None else []  # 5-7 fields (keys.py)
-        if len(parts) >= 5 and parts[0].isdigit() and parts[3].isdigit():
-            priority, attempts = int(parts[0]), int(parts[3])
-        error_type, message = _reason(reason)
-        if attempts and error_type == "DeadLettered":
-            # The pop that gave up on it counted one more attempt, but delivered nothing:
-            # the count here is the one its "gave up after N deliveries" names.
-            attempts -= 1
-        preview = None if job is None else _text(job)[:PREVIEW_CHARS]
-        out.append(DeadLetter(_text(member), score / 1e6, error_type, message, attempts,
-                              priority, preview))
-    return total, out
+    pipe.hget(keys.dead_reason, member)
+    pipe.hget(keys.meta, member)
+    pipe.hget(keys.jobs, member)
+    reason, meta, job = pipe.execute()
+    attempts = priority = None
+    parts = _text(meta).split(":") if meta is not None else []  # 5-7 fields (keys.py)
+    if len(parts) >= 5 and parts[0].isdigit() and parts[3].isdigit():
+        priority, attempts = int(parts[0]), int(parts[3])
+    error_type, message = _reason(reason)
+    if attempts and error_type == "DeadLettered":
+        # The pop that gave up on it counted one more attempt, but delivered nothing:
+        # the count here is the one its "gave up after N deliveries" names.
+        attempts -= 1
+    preview = None if job is None else _text(job)[:PREVIEW_CHARS]
+    return DeadLetter(_text(member), score / 1e6, error_type, message, attempts, priority,
+                      preview)
 
 
 def _act(client: redis.Redis, queue: str, action: str, ids: list[str] | None) -> tuple[int, int]:
     """Retry or purge `ids`, or with ids=None every request dead-lettered now; returns
-    (done, skipped). Each call of the script handles at most MAX_IDS_PER_CALL ids."""
-    keys = QueueKeys(queue)
+    (done, skipped). On a sharded queue each shard acts on the ids it holds."""
+    done = skipped = 0
+    for name in physical_queues(client, queue):
+        one_done, one_skipped = _act_one(client, QueueKeys(name), action, ids)
+        done, skipped = done + one_done, skipped + one_skipped
+    if ids is not None:  # an id is skipped by every shard but its own
+        skipped = len(ids) - done
+    return done, skipped
+
+
+def _act_one(client: redis.Redis, keys: QueueKeys, action: str,
+             ids: list[str] | None) -> tuple[int, int]:
+    """_act on one physical queue. Each call of the script handles at most
+    MAX_IDS_PER_CALL ids."""
     if ids is None:
         ids = []
         while True:  # a snapshot, read in pages

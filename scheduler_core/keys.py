@@ -43,6 +43,11 @@ then the script's per-call keys (result:<id>, inbox:<producer>, idem:<key>).
 | `{bg:q}:idem:<key>`         | string | idempotency key -> request id, expires                    |
 | `{bg:q}:acks`               | string | counter written before each WAIT of `wait_replicas`       |
 
+A sharded queue (policy field `shards` = S > 1, scheduler_core/shards.py) is S physical
+queues: shard 0 is the queue itself, shard i the queue `<queue>#<i>` with every key above
+under its own tag `{bg:<queue>#<i>}` (so its own cluster slot). '#' is not allowed in a
+queue name a user gives, so shards never collide with other queues.
+
 The registry of queues (scheduler_core/registry.py) is one key outside every queue:
 
 | key                         | type   | holds                                                     |
@@ -68,6 +73,7 @@ from scheduler_core.errors import InvalidRequest
 # Checked with fullmatch: `$` alone also matches before a final "\n", so "q\n" would pass.
 QUEUE_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 MAX_QUEUE_NAME = 128
+_SHARD_INDEX = re.compile(r"[1-9][0-9]{0,2}")
 
 # The queue's shared keys, as every script receives them (KEYS[1..23], this order) and
 # names them at the top of its body (`local pending_high = KEYS[2]`); QueueKeys has a
@@ -93,7 +99,12 @@ class QueueKeys:
     queue: str
 
     def __post_init__(self) -> None:
-        validate_queue_name(self.queue)
+        # A shard's physical queue (`<queue>#<i>`, scheduler_core/shards.py) is a queue too.
+        base, sep, index = self.queue.rpartition("#")
+        if sep and _SHARD_INDEX.fullmatch(index):
+            validate_queue_name(base)
+        else:
+            validate_queue_name(self.queue)
 
     @functools.cached_property
     def tag(self) -> str:

@@ -117,6 +117,10 @@ POLICY_KNOBS: list[tuple[str, dict[str, Any], str]] = [
     ("--on-timeout", {"type": click.Choice(CHOICES["on_timeout"])},
      "A request still waiting at its deadline: reject (DeadlineExceeded) or delay (it runs "
      "only when nothing else waits) [default: reject]."),
+    ("--shards", {"type": int},
+     f"Physical queues (shards) the queue is spread over, {_range('shards')}; each has its "
+     "own cluster slot; ordering is strict within a shard only (docs/scaling.md) "
+     "[default: 1]."),
 ]
 
 

@@ -63,6 +63,8 @@ LIMITS: dict[str, tuple[int, int]] = {
     "timeout_normal_ms": (0, 86_400_000),
     "timeout_low_ms": (0, 86_400_000),
     "allow_timeout_override": (0, 1),  # 1: a request's own deadline_ms replaces the default
+    # Physical queues one logical queue is spread over (docs/scaling.md, "Sharded queues").
+    "shards": (1, 64),
 }
 
 
@@ -120,6 +122,7 @@ class Policy:
     timeout_low_ms: int = 0
     allow_timeout_override: int = 1  # 1: a request's own deadline_ms replaces its default
     on_timeout: str = "reject"  # reject (DeadlineExceeded) or delay
+    shards: int = 1  # physical queues (scheduler_core/shards.py); 1 = today's single queue
 
     def __post_init__(self) -> None:
         try:

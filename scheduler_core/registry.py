@@ -23,6 +23,7 @@ import redis
 import redis.asyncio
 
 from scheduler_core.keys import QUEUE_NAME, QueueKeys, validate_queue_name
+from scheduler_core.shards import logical_queue
 
 QUEUES_KEY = "batchgate:queues"
 REGISTER_EVERY_S = 30.0  # a consumer's re-registration period
@@ -34,13 +35,15 @@ def _now_ms() -> int:
 
 
 def register_queue(client: redis.Redis, queue: str) -> None:
-    """Record `queue` as seen now (GT: a host whose clock lags never moves it back)."""
-    client.zadd(QUEUES_KEY, {validate_queue_name(queue): _now_ms()}, gt=True)
+    """Record `queue` as seen now (GT: a host whose clock lags never moves it back). A
+    shard's physical queue records its logical queue."""
+    client.zadd(QUEUES_KEY, {validate_queue_name(logical_queue(queue)): _now_ms()}, gt=True)
 
 
 async def register_queue_async(client: redis.asyncio.Redis, queue: str) -> None:
     """`register_queue` for an asyncio client."""
-    await client.zadd(QUEUES_KEY, {validate_queue_name(queue): _now_ms()}, gt=True)
+    await client.zadd(QUEUES_KEY, {validate_queue_name(logical_queue(queue)): _now_ms()},
+                      gt=True)
 
 
 def forget_queues(client: redis.Redis, queues: list[str]) -> None:

@@ -36,6 +36,7 @@ POLICY_RANGES = {
     "timeout_normal_ms": (0, 86_400_000),
     "timeout_low_ms": (0, 86_400_000),
     "allow_timeout_override": (0, 1),
+    "shards": (1, 64),  # docs/scaling.md
 }
 CONSUMER_RANGES = {"lease_ms": (100, 86_400_000), "max_result_bytes": (16, 536_870_912)}
 PRODUCER_RANGES = {"max_payload_bytes": (16, 512 << 20), "idempotency_ttl_s": (1, 2_592_000)}
@@ -255,7 +256,7 @@ def test_policy_set_reaches_running_consumers_and_show_prints_it(shared_redis, q
                               "slo_p99_ms": 0, "delay_mode": "fixed",
                               "timeout_high_ms": 0, "timeout_normal_ms": 0,
                               "timeout_low_ms": 0, "allow_timeout_override": 1,
-                              "on_timeout": "reject"}
+                              "on_timeout": "reject", "shards": 1}
     with Producer(url, queue) as p:
         waiting = p.submit({"i": 0})
         wait_for(lambda: client.zcard(QueueKeys(queue).pending(1)) == 1, what="it to queue")

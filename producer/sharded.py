@@ -1,0 +1,296 @@
+"""ShardedProducer: submits to a sharded queue (docs/scaling.md, "Sharded queues").
+
+One Producer per shard (scheduler_core/shards.py), all on one connection pool; each keeps
+its own inbox and listener, so a handle behaves exactly as with one queue. The shard count
+is read from the queue's policy once, when the producer is made.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+import zlib
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import redis
+import redis.asyncio
+
+from producer.aio import AsyncHandle, AsyncProducer
+from producer.sync import Handle, Producer
+from scheduler_core.admin import shard_count, shard_count_async
+from scheduler_core.connection import (
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_REDIS_URL,
+    aclose_node_clients,
+    close_node_clients,
+    connect,
+    connect_async,
+)
+from scheduler_core.errors import InvalidRequest
+from scheduler_core.keys import QueueKeys, validate_queue_name
+from scheduler_core.policy import Priority
+from scheduler_core.shards import check_placement, shard_name
+from scheduler_core.wire import Result, decode_result
+
+# least_depth: the shards' depths are read at most this often; between reads, the
+# requests this producer placed are added to the last read.
+DEPTH_REFRESH_S = 0.05
+
+
+class Placer:
+    """Which shard each submit goes to; shared by ShardedProducer and
+    AsyncShardedProducer, which read the depths (least_depth) when `stale()` says so."""
+
+    def __init__(self, shards: int, placement: str):
+        self.shards = shards
+        self.placement = placement
+        self._turn = itertools.count()
+        self._lock = threading.Lock()
+        self._depths = [0] * shards
+        self._depths_at = float("-inf")
+
+    def keyed(self, key: object) -> int:
+        return zlib.crc32(str(key).encode()) % self.shards
+
+    def stale(self, key: object) -> bool:
+        return key is None and self.shards > 1 and self.placement == "least_depth" and \
+            time.monotonic() - self._depths_at >= DEPTH_REFRESH_S
+
+    def read(self, depths: list[int]) -> None:
+        with self._lock:
+            self._depths, self._depths_at = depths, time.monotonic()
+
+    def pick(self, count: int, key: object) -> int:
+        if key is not None:  # str or not, Producer's validation names it
+            return self.keyed(key)
+        if self.shards == 1:
+            return 0
+        if self.placement == "round_robin":
+            return next(self._turn) % self.shards
+        with self._lock:
+            index = min(range(self.shards), key=lambda i: (self._depths[i], i))
+            self._depths[index] += count
+        return index
+
+    def groups(self, keys: list[str | None]) -> dict[int, list[int]]:
+        """Indexes of submit_many's requests per shard of their key (-1: no key)."""
+        out: dict[int, list[int]] = {}
+        for i, key in enumerate(keys):
+            out.setdefault(self.keyed(key) if key is not None else -1, []).append(i)
+        return out
+
+
+def depth_reads(pipe: Any, producers: Sequence[Any]) -> None:
+    for producer in producers:
+        for key in producer.keys.pending_all:
+            pipe.zcard(key)
+
+
+def depths_of(counts: list[int], shards: int) -> list[int]:
+    return [sum(counts[i * 3:i * 3 + 3]) for i in range(shards)]
+
+
+def needs_split(payload_count: int, keys: list[str | None] | None, shards: int) -> bool:
+    if not keys or shards == 1 or all(k is None for k in keys):
+        return False
+    if len(keys) != payload_count:
+        raise InvalidRequest("idempotency_keys", f"{len(keys)} keys for {payload_count} "
+                                                 "payloads")
+    return True
+
+
+class ShardedProducer:
+    """Places each submit on one shard of `queue`: `placement` "round_robin" (each call
+    the next shard) or "least_depth" (the shard with the fewest waiting requests). A
+    request with an idempotency key goes to the shard its key hashes to, so that a
+    repeat finds the first. submit_many places all its requests on one shard (the call
+    stays atomic), except keyed ones: each goes to its key's shard, one atomic call per
+    shard. Other arguments are Producer's."""
+
+    def __init__(self, redis_url: str = DEFAULT_REDIS_URL, queue: str = "default", *,
+                 placement: str = "round_robin", client: redis.Redis | None = None,
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS, **producer_args: Any):
+        self.placement = check_placement(placement)
+        self.queue = validate_queue_name(queue)
+        self._redis = client or connect(redis_url, max_connections)
+        self._owns_client = client is None
+        count = shard_count(self._redis, queue)
+        self.producers = [Producer(queue=shard_name(queue, i), client=self._redis,
+                                   **producer_args) for i in range(count)]
+        self._placer = Placer(count, self.placement)
+
+    @property
+    def shards(self) -> int:
+        return len(self.producers)
+
+    # -- placement ------------------------------------------------------------------
+    def _shard_for(self, count: int, key: object) -> Producer:
+        if self._placer.stale(key):
+            pipe = self._redis.pipeline(transaction=False)
+            depth_reads(pipe, self.producers)
+            self._placer.read(depths_of(pipe.execute(), self.shards))
+        return self.producers[self._placer.pick(count, key)]
+
+    # -- Producer's API -------------------------------------------------------------
+    def submit(self, payload: Any, priority: Priority | int | str = Priority.NORMAL,
+               deadline_ms: float | None = None, idempotency_key: str | None = None,
+               cost: int = 1) -> Handle:
+        producer = self._shard_for(1, idempotency_key)
+        return producer.submit(payload, priority, deadline_ms, idempotency_key, cost)
+
+    def submit_many(self, payloads: Iterable[Any], priority: Priority | int | str =
+                    Priority.NORMAL, deadline_ms: float | None = None,
+                    idempotency_keys: list[str | None] | None = None,
+                    cost: int | Sequence[int] = 1) -> list[Handle]:
+        payloads = list(payloads)
+        if not needs_split(len(payloads), idempotency_keys, self.shards):
+            producer = self._shard_for(len(payloads), None)
+            return producer.submit_many(payloads, priority, deadline_ms, idempotency_keys,
+                                        cost)
+        assert idempotency_keys is not None
+        # Each keyed request to its key's shard (a repeat must find the first); one call
+        # per shard, each atomic. A repeat of the whole call after an error is safe: the
+        # keys answer the requests already accepted with their first ids.
+        costs = list(cost) if isinstance(cost, Sequence) else None
+        handles: list[Handle | None] = [None] * len(payloads)
+        for shard, indexes in self._placer.groups(idempotency_keys).items():
+            producer = self.producers[shard] if shard >= 0 else \
+                self._shard_for(len(indexes), None)
+            got = producer.submit_many(
+                [payloads[i] for i in indexes], priority, deadline_ms,
+                [idempotency_keys[i] for i in indexes],
+                [costs[i] for i in indexes] if costs is not None else cost)
+            for i, handle in zip(indexes, got, strict=True):
+                handles[i] = handle
+        return [h for h in handles if h is not None]
+
+    as_completed = staticmethod(Producer.as_completed)
+
+    def fetch(self, request_id: str) -> Result | None:
+        """The stored result of any request of this queue, from whichever shard has it
+        (one pipelined GET per shard)."""
+        pipe = self._redis.pipeline(transaction=False)
+        for producer in self.producers:
+            pipe.get(QueueKeys(producer.config.queue).result(request_id))
+        for raw in pipe.execute():
+            if raw is not None:
+                return decode_result(raw)
+        return None
+
+    def close(self) -> None:
+        for producer in self.producers:
+            producer.close()
+        if self._owns_client:
+            close_node_clients(self._redis)
+            self._redis.close()
+
+    def __enter__(self) -> ShardedProducer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __iter__(self) -> Iterator[Producer]:
+        return iter(self.producers)
+
+
+class AsyncShardedProducer:
+    """ShardedProducer for asyncio: `async with AsyncShardedProducer(url, queue) as p:`.
+    The shard count is read on entering (or on the first submit); AsyncProducer's
+    arguments otherwise."""
+
+    def __init__(self, redis_url: str = DEFAULT_REDIS_URL, queue: str = "default", *,
+                 placement: str = "round_robin", client: redis.asyncio.Redis | None = None,
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS, **producer_args: Any):
+        self.placement = check_placement(placement)
+        self.queue = validate_queue_name(queue)
+        self._redis = client or connect_async(redis_url, max_connections)
+        self._owns_client = client is None
+        self._args = producer_args
+        self.producers: list[AsyncProducer] = []
+        self._placer: Placer | None = None
+        self._opening = asyncio.Lock()
+
+    @property
+    def shards(self) -> int:
+        return len(self.producers)
+
+    async def open(self) -> AsyncShardedProducer:
+        async with self._opening:
+            if self._placer is None:
+                count = await shard_count_async(self._redis, self.queue)
+                self.producers = [AsyncProducer(queue=shard_name(self.queue, i),
+                                                client=self._redis, **self._args)
+                                  for i in range(count)]
+                self._placer = Placer(count, self.placement)
+        return self
+
+    async def _shard_for(self, count: int, key: object) -> AsyncProducer:
+        placer = self._placer
+        if placer is None:
+            await self.open()
+            placer = self._placer
+            assert placer is not None
+        if placer.stale(key):
+            pipe = self._redis.pipeline(transaction=False)
+            depth_reads(pipe, self.producers)
+            placer.read(depths_of(await pipe.execute(), self.shards))
+        return self.producers[placer.pick(count, key)]
+
+    async def submit(self, payload: Any, priority: Priority | int | str = Priority.NORMAL,
+                     deadline_ms: float | None = None, idempotency_key: str | None = None,
+                     cost: int = 1) -> AsyncHandle:
+        producer = await self._shard_for(1, idempotency_key)
+        return await producer.submit(payload, priority, deadline_ms, idempotency_key, cost)
+
+    async def submit_many(self, payloads: Iterable[Any], priority: Priority | int | str =
+                          Priority.NORMAL, deadline_ms: float | None = None,
+                          idempotency_keys: list[str | None] | None = None,
+                          cost: int | Sequence[int] = 1) -> list[AsyncHandle]:
+        """As ShardedProducer.submit_many."""
+        payloads = list(payloads)
+        await self.open()
+        if not needs_split(len(payloads), idempotency_keys, self.shards):
+            producer = await self._shard_for(len(payloads), None)
+            return await producer.submit_many(payloads, priority, deadline_ms,
+                                              idempotency_keys, cost)
+        assert idempotency_keys is not None and self._placer is not None
+        costs = list(cost) if isinstance(cost, Sequence) else None
+        handles: list[AsyncHandle | None] = [None] * len(payloads)
+        for shard, indexes in self._placer.groups(idempotency_keys).items():
+            producer = self.producers[shard] if shard >= 0 else \
+                await self._shard_for(len(indexes), None)
+            got = await producer.submit_many(
+                [payloads[i] for i in indexes], priority, deadline_ms,
+                [idempotency_keys[i] for i in indexes],
+                [costs[i] for i in indexes] if costs is not None else cost)
+            for i, handle in zip(indexes, got, strict=True):
+                handles[i] = handle
+        return [h for h in handles if h is not None]
+
+    async def fetch(self, request_id: str) -> Result | None:
+        """As ShardedProducer.fetch."""
+        await self.open()
+        pipe = self._redis.pipeline(transaction=False)
+        for producer in self.producers:
+            pipe.get(producer.keys.result(request_id))
+        for raw in await pipe.execute():
+            if raw is not None:
+                return decode_result(raw)
+        return None
+
+    async def close(self) -> None:
+        for producer in self.producers:
+            await producer.close()
+        if self._owns_client:
+            await aclose_node_clients(self._redis)
+            await self._redis.aclose()
+
+    async def __aenter__(self) -> AsyncShardedProducer:
+        return await self.open()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -1,0 +1,284 @@
+"""Sharded queues (docs/scaling.md, "Sharded queues"), end to end: real redis-server,
+consumers started as `batchgate consumer`, producers as users make them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+from click.testing import CliRunner
+from helpers.failure_support import start as start_failing
+from helpers.support import RecordingModel, configure, wait_for
+
+from batchgate.cli import main as cli
+from producer import AsyncShardedProducer, InvalidRequest, Priority, Producer, ShardedProducer
+from scheduler_core.admin import queue_stats, read_policy, request_state
+from scheduler_core.deadletter import list_dead
+from scheduler_core.keys import QueueKeys
+from scheduler_core.shards import shard_name
+from scheduler_core.wire import CANCELLED
+
+S = 3
+
+
+def shard_keys(queue: str, shards: int = S) -> list[QueueKeys]:
+    return [QueueKeys(shard_name(queue, i)) for i in range(shards)]
+
+
+def depth(client, keys: QueueKeys) -> int:
+    return sum(client.zcard(k) for k in keys.pending_all)
+
+
+def test_requests_spread_over_shards_are_answered_exactly_once(
+        shared_redis, queue, start_consumer, tmp_path):
+    url, client = shared_redis.url, shared_redis.client()
+    configure(url, queue, shards=S, strategy="dynamic", max_batch_size=8,
+              max_queue_delay_ms=20)
+    with ShardedProducer(url, queue) as p:
+        assert p.shards == S
+        handles = [p.submit({"i": i}) for i in range(60)]
+        # Round robin: 20 waiting in each shard, each under its own hash tag.
+        assert [depth(client, k) for k in shard_keys(queue)] == [20, 20, 20]
+        tags = {key.decode().split("}")[0] for key in client.scan_iter(match="{bg:*")
+                if queue in key.decode() and b":pending:" in key}
+        assert tags == {f"{{bg:{shard_name(queue, i)}" for i in range(S)}
+
+        model = RecordingModel(tmp_path)
+        procs = [model.start(start_consumer, url, queue) for _ in range(2)]
+        assert [h.result(timeout=30) for h in handles] == [{"i": i} for i in range(60)]
+        assert all(c.proc.poll() is None for c in procs), [c.output() for c in procs]
+        assert sorted(x["i"] for x in model.payloads()) == list(range(60))  # each once
+        assert len({b["pid"] for b in model.batches()}) >= 1
+
+        # fetch finds results on every shard
+        assert all(p.fetch(h.id).value == {"i": i} for i, h in enumerate(handles))
+
+    # stats of the logical queue are the sums over its shards
+    stats = queue_stats(client, queue)
+    # (shard 0 is the logical queue itself: its own counters are read raw)
+    processed = [int(client.hget(k.stats, "processed")) for k in shard_keys(queue)]
+    batches = [int(client.hget(k.stats, "batches")) for k in shard_keys(queue)]
+    assert stats.processed == 60 and processed == [20, 20, 20]
+    assert stats.batches == sum(batches)
+    assert queue_stats(client, shard_name(queue, 1)).processed == 20  # one shard alone
+    assert stats.queue_wait_ms["samples"] == 60
+    # each consumer counted once, not once per shard (heartbeats: at most 1 s apart)
+    wait_for(lambda: queue_stats(client, queue).consumers_alive == 2, 10, "2 consumers")
+    out = subprocess.run([sys.executable, "-m", "batchgate.cli", "stats", "--redis-url", url,
+                          "--queue", queue, "--json"], capture_output=True, text=True,
+                         check=True)
+    assert json.loads(out.stdout)["processed"] == 60
+    assert json.loads(out.stdout)["policy"]["shards"] == S
+    # the registry lists the logical queue only
+    assert client.zscore("batchgate:queues", queue) is not None
+    assert client.zscore("batchgate:queues", shard_name(queue, 1)) is None
+
+
+def test_high_on_another_shard_runs_before_a_due_normal_batch(
+        shared_redis, queue, start_consumer, tmp_path):
+    """Full NORMAL batches wait on shards 0 and 1 (older), one HIGH on shard 2: the
+    consumer's first batch is the HIGH one, though round robin starts at shard 0."""
+    url = shared_redis.url
+    configure(url, queue, shards=S, strategy="priority", max_batch_size=4,
+              max_queue_delay_ms=0)
+    with ShardedProducer(url, queue) as p:
+        normal = p.submit_many([{"n": i} for i in range(4)])  # shard 0
+        normal += p.submit_many([{"n": i} for i in range(4, 8)])  # shard 1
+        high = p.submit({"high": 1}, priority=Priority.HIGH)  # shard 2
+        assert [depth(shared_redis.client(), k) for k in shard_keys(queue)] == [4, 4, 1]
+        model = RecordingModel(tmp_path)
+        model.start(start_consumer, url, queue)
+        assert high.result(timeout=30) == {"high": 1}
+        assert [h.result(timeout=30) for h in normal] == [{"n": i} for i in range(8)]
+    batches = [b["payloads"] for b in model.batches()]
+    assert batches[0] == [{"high": 1}]
+    assert sorted(batches[1:], key=lambda b: b[0]["n"]) == [[{"n": i} for i in range(4)],
+                                                            [{"n": i} for i in range(4, 8)]]
+
+
+def test_cancel_and_fetch_on_a_non_zero_shard(shared_redis, queue):
+    url, client = shared_redis.url, shared_redis.client()
+    configure(url, queue, shards=S)
+    with ShardedProducer(url, queue) as p:
+        first, second = p.submit({"i": 0}), p.submit({"i": 1})  # shards 0 and 1
+        assert client.hexists(shard_keys(queue)[1].jobs, second.id)
+        assert request_state(client, queue, second.id).status == "queued"
+        assert second.cancel() == "cancelled"
+        assert p.fetch(second.id).error_type == CANCELLED
+        assert request_state(client, queue, second.id).status == "cancelled"
+        result = CliRunner().invoke(cli, ["result", "--redis-url", url, "--queue", queue,
+                                          "--json", second.id])
+        assert result.exit_code == 1 and json.loads(result.stdout)["status"] == "cancelled"
+        assert request_state(client, queue, first.id).status == "queued"
+        assert p.fetch("no-such-id") is None
+    assert queue_stats(client, queue).cancelled == 1
+
+
+def test_least_depth_placement_fills_the_emptiest_shard(shared_redis, queue):
+    url, client = shared_redis.url, shared_redis.client()
+    configure(url, queue, shards=S)
+    with Producer(url, queue) as direct:  # a plain Producer uses shard 0 only
+        direct.submit_many([{"pre": i} for i in range(5)])
+    with ShardedProducer(url, queue, placement="least_depth") as p:
+        for i in range(10):
+            p.submit({"i": i})
+    # 5 + 10 over three shards, the emptiest first: 5, 5, 5
+    assert [depth(client, k) for k in shard_keys(queue)] == [5, 5, 5]
+    with pytest.raises(InvalidRequest, match="placement"):
+        ShardedProducer(url, queue, placement="random")
+
+
+def test_idempotency_keys_find_their_shard(shared_redis, queue):
+    url = shared_redis.url
+    configure(url, queue, shards=S)
+    with ShardedProducer(url, queue) as p:
+        keys = [f"k{i}" for i in range(6)]
+        first = p.submit_many([{"i": i} for i in range(6)], idempotency_keys=keys)
+        again = [p.submit({"other": i}, idempotency_key=k) for i, k in enumerate(keys)]
+        assert [h.id for h in again] == [h.id for h in first]
+    assert sum(depth(shared_redis.client(), k) for k in shard_keys(queue)) == 6
+
+
+def test_dead_letters_are_listed_across_shards(redis_server, queue, start_consumer,
+                                              tmp_path):
+    """A payload that kills its consumer, on shard 0 and on shard 1, with max_attempts=1:
+    both dead-lettered; `dead-letter list` shows both, `retry` finds each in its shard."""
+    url = redis_server.url
+    configure(url, queue, shards=2, strategy="fifo", max_attempts=1)
+    with ShardedProducer(url, queue) as p:
+        crash = [p.submit({"i": i, "crash": True}) for i in range(2)]  # shards 0, 1
+    procs = []
+    deadline = time.monotonic() + 60
+    client = redis_server.client()
+    while client.zcard(QueueKeys(queue).dead) + \
+            client.zcard(QueueKeys(shard_name(queue, 1)).dead) < 2:
+        assert time.monotonic() < deadline, "no dead letters within 60 s"
+        if not any(c.proc.poll() is None for c in procs):  # restart what died
+            procs.append(start_failing(start_consumer, url, queue, "Poison", "--lease-ms",
+                                       "300", ready=False, log=tmp_path))
+        time.sleep(0.1)
+    total, listed = list_dead(client, queue)
+    assert total == 2 and {e.id for e in listed} == {h.id for h in crash}
+    assert {e.error_type for e in listed} == {"DeadLettered"}
+    out = CliRunner().invoke(cli, ["dead-letter", "list", "--redis-url", url, "--queue",
+                                   queue, "--json"])
+    assert out.exit_code == 0 and json.loads(out.output)["total"] == 2
+    assert queue_stats(client, queue).dead_letters == 2
+    out = CliRunner().invoke(cli, ["dead-letter", "purge", "--redis-url", url, "--queue",
+                                   queue, crash[1].id, "unknown-id"])
+    assert out.exit_code == 0 and "purged 1, skipped 1" in out.output, out.output
+    assert list_dead(client, queue)[0] == 1
+
+
+def test_bad_shards_value_is_refused_naming_the_field_and_limit(shared_redis, queue):
+    url, client = shared_redis.url, shared_redis.client()
+    for bad in ("0", "65"):
+        out = subprocess.run([sys.executable, "-m", "batchgate.cli", "consumer",
+                              "--redis-url", url, "--queue", queue, "--shards", bad],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode != 0
+        assert "shards" in out.stderr and "[1, 64]" in out.stderr, out.stderr
+        out = CliRunner().invoke(cli, ["policy", "set", "--redis-url", url, "--queue", queue,
+                                       "--shards", bad])
+        assert out.exit_code != 0 and "shards" in out.output and "[1, 64]" in out.output
+    assert read_policy(client, queue) is None  # nothing written
+    assert not list(client.scan_iter(match=f"{{bg:{queue}*"))
+
+
+def test_shard_count_conflicts_and_cannot_drop_a_busy_shard(shared_redis, queue):
+    url, client = shared_redis.url, shared_redis.client()
+    runner = CliRunner()
+    out = runner.invoke(cli, ["policy", "set", "--redis-url", url, "--queue", queue,
+                              "--shards", "3"])
+    assert out.exit_code == 0, out.output
+    # every shard's policy mirrors the logical one
+    assert all(read_policy(client, shard_name(queue, i)).shards == 3 for i in range(3))
+    out = subprocess.run([sys.executable, "-m", "batchgate.cli", "consumer", "--redis-url",
+                          url, "--queue", queue, "--shards", "2"], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode != 0 and "shards=3 (asked 2)" in out.stderr, out.stderr
+    with ShardedProducer(url, queue) as p:
+        for i in range(3):
+            p.submit({"i": i})
+    out = runner.invoke(cli, ["policy", "set", "--redis-url", url, "--queue", queue,
+                              "--shards", "2"])
+    assert out.exit_code != 0 and "still holds requests" in out.output
+    assert read_policy(client, queue).shards == 3
+
+
+def test_shards_on_different_cluster_nodes(redis_cluster, queue, start_consumer, tmp_path):
+    """On a real 6-node cluster the shards' hash tags fall on different primaries; two
+    consumers (waking on each shard's marker from a thread per shard) answer every
+    request once, and a HIGH on another shard still goes first."""
+    url, client = redis_cluster.url, redis_cluster.client()
+    shards = 6
+    configure(url, queue, shards=shards, strategy="priority", max_batch_size=4,
+              max_queue_delay_ms=0)
+    nodes = {client.get_node_from_key(k.policy).name for k in shard_keys(queue, shards)}
+    assert len(nodes) >= 2, nodes
+    model = RecordingModel(tmp_path)
+    with ShardedProducer(url, queue) as p:
+        normal = p.submit_many([{"n": i} for i in range(4)])  # shard 0
+        high = p.submit({"high": 1}, priority=Priority.HIGH)  # shard 1
+        model.start(start_consumer, url, queue)
+        assert high.result(timeout=30) == {"high": 1}
+        assert [h.result(timeout=30) for h in normal] == [{"n": i} for i in range(4)]
+        assert model.batches()[0]["payloads"] == [{"high": 1}]
+        model.start(start_consumer, url, queue)
+        # idle consumers wake for arrivals on any shard
+        handles = [p.submit({"i": i}) for i in range(40)]
+        assert [h.result(timeout=30) for h in handles] == [{"i": i} for i in range(40)]
+    ran = [x["i"] for x in model.payloads() if "i" in x]
+    assert sorted(ran) == list(range(40))
+    assert queue_stats(client, queue).processed == 45
+
+
+def test_async_sharded_producer_round_trip(shared_redis, queue, start_consumer, tmp_path):
+    url = shared_redis.url
+    configure(url, queue, shards=S, strategy="fifo")
+    RecordingModel(tmp_path).start(start_consumer, url, queue)
+
+    async def main() -> None:
+        async with AsyncShardedProducer(url, queue, placement="least_depth") as p:
+            assert p.shards == S
+            handles = [await p.submit({"i": i}) for i in range(9)]
+            handles += await p.submit_many([{"i": i} for i in range(9, 12)],
+                                           idempotency_keys=["a", "b", "c"])
+            assert await asyncio.gather(*(h.result(timeout=30) for h in handles)) == \
+                [{"i": i} for i in range(12)]
+            assert (await p.fetch(handles[-1].id)).value == {"i": 11}
+
+    asyncio.run(main())
+    assert queue_stats(shared_redis.client(), queue).processed == 12
+
+
+def test_exporter_sums_a_sharded_queue(shared_redis, queue):
+    from batchgate.exporter import read_queue
+
+    url, client = shared_redis.url, shared_redis.client()
+    configure(url, queue, shards=S)
+    with ShardedProducer(url, queue) as p:
+        p.submit_many([{"i": i} for i in range(4)])  # shard 0
+        p.submit({"i": 4}, priority=Priority.HIGH)  # shard 1
+        p.submit({"i": 5}, priority=Priority.LOW)  # shard 2
+    reading = read_queue(client, queue, time.time_ns() // 1000, 100)
+    assert reading.depth == [1, 4, 1]
+    assert len(reading.oldest_us) == 3
+
+
+def test_consumers_exit_to_be_restarted_when_shards_grow(shared_redis, queue, start_consumer,
+                                                         tmp_path):
+    url = shared_redis.url
+    configure(url, queue, shards=2)
+    consumer = RecordingModel(tmp_path).start(start_consumer, url, queue, "--lease-ms", "600")
+    out = CliRunner().invoke(cli, ["policy", "set", "--redis-url", url, "--queue", queue,
+                                   "--shards", "3"])
+    assert out.exit_code == 0, out.output
+    # the lease thread reads the policy every min(lease_ms / 3, 1 s)
+    assert consumer.proc.wait(timeout=20) == 4, consumer.output()
+    assert "shards changed 2 -> 3" in consumer.output()
+    assert read_policy(shared_redis.client(), shard_name(queue, 2)).shards == 3

@@ -151,6 +151,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="rounds of trials, the clients taking turns in each")
     parser.add_argument("--json", type=Path, help="also write the cells here")
     args = parser.parse_args(argv)
+    if args.repeat < 1:
+        parser.error(f"--repeat: {args.repeat} is under 1")
     if not shutil.which("wrk"):
         sys.exit("wrk is not on PATH (Debian: apt-get install wrk)")
 

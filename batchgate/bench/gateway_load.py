@@ -1,15 +1,21 @@
 """Gateway throughput against AsyncProducer direct, side by side in one run:
 
     python -m batchgate.bench.gateway_load                     # 32 and 1,000 connections
-    python -m batchgate.bench.gateway_load --connections 32 --workers 1,2 --duration 10
+    python -m batchgate.bench.gateway_load --connections 32 --workers 1,2 --repeat 5
 
 One private `redis-server`, one `batchgate consumer` with the no-op model behind it, then
-for each concurrency N: N asyncio tasks of one AsyncProducer (a child process) submitting
-and awaiting one request after another, and `wrk` with N connections POSTing
-`{"payload": ..., "wait": true}` to `batchgate gateway --workers W` for each W. Answers
-other than 2xx and socket errors are counted, never folded into the rate; CPU per request
-is the AsyncProducer process's, or the gateway's with all its workers. Needs `wrk` on
-PATH (Debian: apt-get install wrk) and the gateway extra.
+for each concurrency N, `--repeat` rounds of: N asyncio tasks of one AsyncProducer (a
+child process) submitting and awaiting one request after another, and `wrk` with N
+connections POSTing `{"payload": ..., "wait": true}` to `batchgate gateway --workers W`
+for each W, each for `--duration` seconds. The clients take turns (their order rotates
+from round to round), so that the machine's other load falls on all of them alike; each
+round's gateway rate is divided by the same round's direct rate, and the table gives
+the median of those ratios (and their range), with the median of each other column.
+Answers other than 2xx and socket errors are counted, never folded into the rate; CPU
+per request is the AsyncProducer process's, or the gateway's with all its workers (and
+how it split between them: an uneven split is connections spread unevenly). The 1-minute
+load average is printed with each trial. Needs `wrk` on PATH (Debian: apt-get install
+wrk) and the gateway extra.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -90,11 +97,14 @@ def tree_cpu_s(pid: int) -> float:
 
 
 def wrk(url: str, script: Path, connections: int, duration: float, pid: int) -> dict:
+    workers = _children(pid) or [pid]
+    split = [tree_cpu_s(w) for w in workers]
     cpu = tree_cpu_s(pid)
     out = subprocess.run(["wrk", "-t2", f"-c{connections}", f"-d{duration:g}s", "--latency",
                           "--timeout", "60s", "-s", str(script), url + "/v1/requests"],
                          capture_output=True, text=True, check=True).stdout
     cpu = tree_cpu_s(pid) - cpu
+    split = [tree_cpu_s(w) - before for w, before in zip(workers, split, strict=True)]
     total = int(re.search(r"(\d+) requests in", out).group(1))
     seconds = float(re.search(r"requests in ([\d.]+)s", out).group(1))
     bad = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
@@ -103,7 +113,26 @@ def wrk(url: str, script: Path, connections: int, duration: float, pid: int) -> 
     return {"rate": (total - non2xx) / seconds, "errors": non2xx + (
         sum(int(x) for x in sock.groups()) if sock else 0),
         "p50_ms": _latency(out, "50%"), "p99_ms": _latency(out, "99%"),
-        "cpu_us": cpu / max(1, total) * 1e6}
+        "cpu_us": cpu / max(1, total) * 1e6,
+        "cpu_split": [round(100 * x / max(1e-9, sum(split))) for x in split if x > 0.01]}
+
+
+def _children(pid: int) -> list[int]:
+    """The gateway's worker processes (none with --workers 1: it serves itself)."""
+    try:
+        children = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text()
+                    .split()]
+    except OSError:
+        return []
+    # uvicorn's workers, not multiprocessing's resource tracker (which serves nothing)
+    return [c for c in children if b"resource_tracker" not in _cmdline(c)]
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 def _latency(out: str, label: str) -> float:
@@ -117,9 +146,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--connections", default="32,1000")
     parser.add_argument("--workers", default="1,2", help="gateway --workers values")
-    parser.add_argument("--duration", type=float, default=10.0, help="seconds per cell")
+    parser.add_argument("--duration", type=float, default=10.0, help="seconds per trial")
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="rounds of trials, the clients taking turns in each")
     parser.add_argument("--json", type=Path, help="also write the cells here")
     args = parser.parse_args(argv)
+    if args.repeat < 1:
+        parser.error(f"--repeat: {args.repeat} is under 1")
     if not shutil.which("wrk"):
         sys.exit("wrk is not on PATH (Debian: apt-get install wrk)")
 
@@ -150,20 +183,26 @@ def main(argv: list[str] | None = None) -> None:
                 _wait(lambda b=gateways[w][0], g=gateway: g.ready() and _healthy(b),
                       f"gateway --workers {w}")
             time.sleep(1)  # every worker up, not only the first
+            clients = ["AsyncProducer direct", *(f"gateway --workers {w}" for w in gateways)]
             for n in levels:
-                row = run_direct(url, queue, n, args.duration)
-                cells.append({"what": "AsyncProducer direct", "connections": n, **row})
-                _progress(cells[-1])
-                for w, (base, pid) in gateways.items():
-                    cells.append({"what": f"gateway --workers {w}", "connections": n,
-                                  **wrk(base, script, n, args.duration, pid)})
-                    _progress(cells[-1])
+                for rnd in range(args.repeat):
+                    turn = clients[rnd % len(clients):] + clients[:rnd % len(clients)]
+                    for what in turn:
+                        load = os.getloadavg()[0]
+                        if what.startswith("AsyncProducer"):
+                            row = run_direct(url, queue, n, args.duration)
+                        else:
+                            base, pid = gateways[int(what.rsplit(" ", 1)[1])]
+                            row = wrk(base, script, n, args.duration, pid)
+                        cells.append({"what": what, "connections": n, "round": rnd,
+                                      "load": load, **row})
+                        _progress(cells[-1])
         finally:
             for child in children:
                 child.terminate()
             for child in children:
                 child.reap()
-    print(table(cells, levels))
+    print(table(cells, levels, clients))
     if args.json:
         args.json.write_text(json.dumps(cells, indent=1))
 
@@ -192,23 +231,36 @@ def _wait(ready, what: str, timeout: float = 60.0) -> None:
 
 
 def _progress(cell: dict) -> None:
-    print(f"  N={cell['connections']:<5} {cell['what']:22} {cell['rate']:>8,.0f} req/s  "
-          f"p50 {cell['p50_ms']:.1f} ms  p99 {cell['p99_ms']:.1f} ms  "
-          f"CPU {cell['cpu_us']:.0f} µs/req  errors {cell['errors']}",
-          file=sys.stderr, flush=True)
+    split = "/".join(map(str, cell.get("cpu_split", [])))
+    print(f"  N={cell['connections']:<5} round {cell['round'] + 1} {cell['what']:22} "
+          f"{cell['rate']:>8,.0f} req/s  p50 {cell['p50_ms']:.1f} ms  "
+          f"p99 {cell['p99_ms']:.1f} ms  CPU {cell['cpu_us']:.0f} µs/req"
+          f"{f' (workers {split} %)' if '/' in split else ''}  errors {cell['errors']}  "
+          f"load {cell['load']:.1f}", file=sys.stderr, flush=True)
 
 
-def table(cells: list[dict], levels: list[int]) -> str:
+def table(cells: list[dict], levels: list[int], clients: list[str]) -> str:
+    """Medians over the rounds; the ratio is each round's gateway rate over the same
+    round's direct rate, its median and range."""
     lines = ["| N (connections / tasks) | client | req/s | p50 ms | p99 ms | not 2xx or "
-             "errors | client process CPU µs/req | vs direct |",
+             "errors | client process CPU µs/req | vs direct: median (range) |",
              "|---|---|---|---|---|---|---|---|"]
     for n in levels:
-        row = [c for c in cells if c["connections"] == n]
-        base = next(c["rate"] for c in row if c["what"].startswith("AsyncProducer"))
-        for c in row:
-            lines.append(f"| {n:,} | {c['what']} | {c['rate']:,.0f} | {c['p50_ms']:.1f} | "
-                         f"{c['p99_ms']:.1f} | {c['errors']:,} | {c['cpu_us']:,.0f} | "
-                         f"{c['rate'] / base:.2f}× |")
+        direct = {c["round"]: c["rate"] for c in cells if c["connections"] == n
+                  and c["what"] == clients[0]}
+        for what in clients:
+            row = [c for c in cells if c["connections"] == n and c["what"] == what]
+            ratios = sorted(c["rate"] / direct[c["round"]] for c in row)
+            med = {k: statistics.median(c[k] for c in row)
+                   for k in ("rate", "p50_ms", "p99_ms", "cpu_us")}
+            versus = "1.00×" if what == clients[0] else \
+                f"{statistics.median(ratios):.2f}× ({ratios[0]:.2f}–{ratios[-1]:.2f})"
+            lines.append(f"| {n:,} | {what} | {med['rate']:,.0f} | {med['p50_ms']:.1f} | "
+                         f"{med['p99_ms']:.1f} | {sum(c['errors'] for c in row):,} | "
+                         f"{med['cpu_us']:,.0f} | {versus} |")
+    loads = [c["load"] for c in cells]
+    lines.append(f"\n1-minute load average during the run: {min(loads):.1f}–{max(loads):.1f} "
+                 f"({os.cpu_count()} CPUs)")
     return "\n".join(lines)
 
 

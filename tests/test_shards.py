@@ -418,3 +418,33 @@ def test_bulk_run_spreads_its_lines_over_the_shards(shared_redis, queue, start_c
     assert sorted(p["i"] for p in model.payloads()) == list(range(1, lines + 1))  # once
     processed = [int(client.hget(k.stats, "processed") or 0) for k in shard_keys(queue)]
     assert sum(processed) == lines and all(n > 0 for n in processed), processed
+
+
+def test_gateway_on_a_sharded_queue_across_cluster_nodes(redis_cluster, queue, start_consumer,
+                                                          start_gateway, tmp_path):
+    """The gateway's one pipeline over the shards spans several primaries."""
+    url, client = redis_cluster.url, redis_cluster.client()
+    shards = 6
+    configure(url, queue, shards=shards)
+    nodes = {client.get_node_from_key(k.policy).name for k in shard_keys(queue, shards)}
+    assert len(nodes) >= 2, nodes
+    with gateway_http(start_gateway, url, queue) as http, ShardedProducer(url, queue) as p:
+        queued = [p.submit({"q": i}) for i in range(shards)]  # one on each shard
+        for handle in queued:
+            got = http.get(f"/v1/requests/{handle.id}")
+            assert got.status_code == 202 and got.json()["status"] == "queued", got.text
+        assert http.delete(f"/v1/requests/{queued[4].id}").status_code == 200
+        assert http.get(f"/v1/requests/{queued[4].id}").status_code == 410
+        RecordingModel(tmp_path).start(start_consumer, url, queue)
+        ids = []
+        for i in range(shards):
+            done = http.post("/v1/requests", json={"payload": {"i": i}, "wait": True})
+            assert done.status_code == 200 and done.json()["result"] == {"i": i}, done.text
+            ids.append(done.json()["id"])
+        for handle in queued[:4] + queued[5:]:
+            assert handle.result(timeout=30)["q"] in range(shards)
+        for rid in ids + [h.id for h in queued[:4]]:
+            assert http.get(f"/v1/requests/{rid}").status_code == 200
+    placed = {i for i, keys in enumerate(shard_keys(queue, shards)) for rid in ids
+              if client.exists(keys.result(rid))}
+    assert placed == set(range(shards))

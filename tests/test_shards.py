@@ -448,3 +448,18 @@ def test_gateway_on_a_sharded_queue_across_cluster_nodes(redis_cluster, queue, s
     placed = {i for i, keys in enumerate(shard_keys(queue, shards)) for rid in ids
               if client.exists(keys.result(rid))}
     assert placed == set(range(shards))
+
+
+def test_a_gateway_started_while_redis_is_down_reads_the_shards_at_its_first_request(
+        redis_server, queue, start_gateway):
+    url = redis_server.url
+    redis_server.kill()
+    with gateway_http(start_gateway, url, queue) as http:
+        assert http.get("/healthz").status_code == 503
+        redis_server.start()
+        configure(url, queue, shards=S)
+        ids = [http.post("/v1/requests", json={"payload": {"i": i}}).json()["id"]
+               for i in range(S)]
+        client = redis_server.client()
+        assert sorted(shard_of(client, queue, rid) for rid in ids) == [0, 1, 2]
+        assert all(http.get(f"/v1/requests/{rid}").status_code == 202 for rid in ids)

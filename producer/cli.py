@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 import orjson
 
-from producer.sync import Producer
+from producer.sharded import ShardedProducer
 from scheduler_core.errors import InvalidRequest, RequestFailed
 from scheduler_core.options import queue_option, redis_url_option, wait_replicas_options
 
@@ -34,13 +34,19 @@ from scheduler_core.options import queue_option, redis_url_option, wait_replicas
 def submit_command(redis_url: str, queue: str, priority: str, deadline_ms: int | None,
                    idempotency_key: str | None, cost: int, wait: bool, timeout: float,
                    wait_replicas: int, wait_timeout_ms: int, payload: str) -> None:
-    """Enqueue PAYLOAD (a JSON value); print its id, or with --wait its result."""
+    """Enqueue PAYLOAD (a JSON value); print its id, or with --wait its result.
+
+    On a sharded queue (docs/scaling.md) the request goes to the shard with the fewest
+    waiting requests (or, with --idempotency-key, to its key's shard); `batchgate result
+    ID` finds it in any shard."""
     try:
         value = orjson.loads(payload)
     except orjson.JSONDecodeError as exc:
         raise InvalidRequest("payload", f"is not valid JSON: {exc}") from None
-    with Producer(redis_url, queue, wait_replicas=wait_replicas,
-                  wait_timeout_ms=wait_timeout_ms) as producer:
+    # least_depth: one request per process, so round robin would always pick shard 0.
+    with ShardedProducer(redis_url, queue, placement="least_depth",
+                         wait_replicas=wait_replicas,
+                         wait_timeout_ms=wait_timeout_ms) as producer:
         handle = producer.submit(value, priority=priority, deadline_ms=deadline_ms,
                                  idempotency_key=idempotency_key, cost=cost)
         if not wait:

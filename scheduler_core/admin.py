@@ -404,14 +404,20 @@ async def request_state_async(client: redis.asyncio.Redis, queue: str,
     serving the queue's slot (redis-py's asyncio cluster transactions mis-parse ZSCORE)."""
     shards = 1 if split_shard(queue)[1] else await shard_count_async(client, queue)
     for name in shard_names(queue, shards):
-        keys = QueueKeys(name)
-        pipe = (await slot_owner_async(client, keys.jobs)).pipeline(transaction=True)
-        queue_lookup(pipe, keys, request_id)
-        try:
-            found = read_lookup(request_id, await pipe.execute())
-        except redis.RedisError as exc:
-            await refresh_topology_async(client, exc)
-            raise
+        found = await shard_state_async(client, QueueKeys(name), request_id)
         if found is not None:
             return found
     return None
+
+
+async def shard_state_async(client: redis.asyncio.Redis, keys: QueueKeys,
+                            request_id: str) -> Found | None:
+    """Where request `request_id` is in the one physical queue `keys` (a shard, or an
+    unsharded queue): one MULTI, on a cluster on the primary serving its slot."""
+    pipe = (await slot_owner_async(client, keys.jobs)).pipeline(transaction=True)
+    queue_lookup(pipe, keys, request_id)
+    try:
+        return read_lookup(request_id, await pipe.execute())
+    except redis.RedisError as exc:
+        await refresh_topology_async(client, exc)
+        raise

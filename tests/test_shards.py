@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import time
+import zlib
 
 import pytest
 from click.testing import CliRunner
@@ -15,7 +16,14 @@ from helpers.failure_support import start as start_failing
 from helpers.support import RecordingModel, configure, wait_for
 
 from batchgate.cli import main as cli
-from producer import AsyncShardedProducer, InvalidRequest, Priority, Producer, ShardedProducer
+from producer import (
+    AsyncShardedProducer,
+    InvalidRequest,
+    Priority,
+    Producer,
+    RequestFailed,
+    ShardedProducer,
+)
 from scheduler_core.admin import queue_stats, read_policy, request_state
 from scheduler_core.deadletter import list_dead
 from scheduler_core.keys import QueueKeys
@@ -282,3 +290,176 @@ def test_consumers_exit_to_be_restarted_when_shards_grow(shared_redis, queue, st
     assert consumer.proc.wait(timeout=20) == 4, consumer.output()
     assert "shards changed 2 -> 3" in consumer.output()
     assert read_policy(shared_redis.client(), shard_name(queue, 2)).shards == 3
+
+
+# -- the other entry points: gateway, `batchgate submit`/`result`, `batchgate bulk` -------
+def gateway_http(start_gateway, url: str, queue: str):
+    httpx = pytest.importorskip("httpx")
+    gateway = start_gateway(url, queue)
+    return httpx.Client(base_url=gateway.url, timeout=30)
+
+
+@pytest.fixture
+def start_gateway():
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    from helpers.servers import gateway_factory
+    yield from gateway_factory()
+
+
+def shard_of(client, queue: str, request_id: str) -> int:
+    """The shard whose keys know the request (its job, or its stored result)."""
+    held = [i for i, keys in enumerate(shard_keys(queue))
+            if client.hexists(keys.jobs, request_id) or client.exists(keys.result(request_id))]
+    assert len(held) == 1, held
+    return held[0]
+
+
+def test_gateway_places_over_the_shards_and_answers(shared_redis, queue, start_consumer,
+                                                    start_gateway, tmp_path):
+    url, client = shared_redis.url, shared_redis.client()
+    model = RecordingModel(tmp_path)
+    model.start(start_consumer, url, queue, "--shards", str(S))  # stores shards=3
+    with gateway_http(start_gateway, url, queue) as http:
+        ids = []
+        for i in range(6):
+            done = http.post("/v1/requests", json={"payload": {"i": i}, "wait": True})
+            assert done.status_code == 200, done.text
+            assert done.json()["result"] == {"i": i}
+            ids.append(done.json()["id"])
+        # round robin: two on each shard, each shard's keys under its own hash tag
+        assert sorted(shard_of(client, queue, rid) for rid in ids) == [0, 0, 1, 1, 2, 2]
+        for i, rid in enumerate(ids):  # found in whichever shard ran it
+            got = http.get(f"/v1/requests/{rid}")
+            assert got.status_code == 200 and got.json()["result"] == {"i": i}, got.text
+        streamed = http.post("/v1/requests", json={"payload": {"i": 6}, "stream": True})
+        assert streamed.status_code == 200 and "event: result" in streamed.text
+        assert http.get("/v1/stats").json()["processed"] == 7
+    assert sorted(p["i"] for p in model.payloads()) == list(range(7))  # each once
+
+
+def test_gateway_finds_and_cancels_requests_on_any_shard(shared_redis, queue, start_gateway):
+    url, client = shared_redis.url, shared_redis.client()
+    configure(url, queue, shards=S)
+    with gateway_http(start_gateway, url, queue) as http, ShardedProducer(url, queue) as p:
+        on = [p.submit({"i": i}) for i in range(S)]  # round robin: shards 0, 1, 2
+        late = p.submit({"late": True}, deadline_ms=300)  # shard 0
+        soon = p.submit({"soon": True}, deadline_ms=300)  # shard 1
+        assert [shard_of(client, queue, h.id) for h in on] == [0, 1, 2]
+        assert shard_of(client, queue, soon.id) == 1
+        got = http.get(f"/v1/requests/{on[2].id}")
+        assert got.status_code == 202 and got.json()["status"] == "queued", got.text
+        cancelled = http.delete(f"/v1/requests/{on[1].id}")
+        assert cancelled.status_code == 200, cancelled.text
+        assert cancelled.json()["status"] == "cancelled"
+        assert http.get(f"/v1/requests/{on[1].id}").status_code == 410
+        with pytest.raises(RequestFailed, match=CANCELLED):  # its producer hears of it
+            on[1].result(timeout=10)
+    assert request_state(client, queue, on[1].id).status == "cancelled"
+    assert request_state(client, queue, on[2].id).status == "queued"
+    with gateway_http(start_gateway, url, queue) as http:
+        time.sleep(0.4)  # past both deadlines; no consumer popped them
+        for handle in (late, soon):
+            expired = http.get(f"/v1/requests/{handle.id}")
+            assert expired.status_code == 504 and expired.json()["status"] == "expired"
+        assert http.delete(f"/v1/requests/{'0' * 32}").status_code == 404
+        assert http.get(f"/v1/requests/{'0' * 32}").status_code == 404
+    assert queue_stats(client, queue).cancelled == 1
+
+
+def test_cli_submit_and_result_on_a_sharded_queue(shared_redis, queue, start_consumer,
+                                                  tmp_path):
+    url, client = shared_redis.url, shared_redis.client()
+    configure(url, queue, shards=S)
+    base = ["--redis-url", url, "--queue", queue]
+    ids = []
+    for i in range(S):  # one process each: the emptiest shard each time
+        out = CliRunner().invoke(cli, ["submit", *base, json.dumps({"i": i})])
+        assert out.exit_code == 0, out.output
+        ids.append(out.stdout.strip())
+    assert sorted(shard_of(client, queue, rid) for rid in ids) == [0, 1, 2]
+    queued = CliRunner().invoke(cli, ["result", *base, "--json", ids[2]])
+    assert queued.exit_code == 3 and "queued" in queued.output, queued.output
+    RecordingModel(tmp_path).start(start_consumer, url, queue)
+    for i, rid in enumerate(ids):
+        got = CliRunner().invoke(cli, ["result", *base, "--wait", "--timeout", "30", rid])
+        assert got.exit_code == 0 and json.loads(got.stdout) == {"i": i}, got.output
+    waited = CliRunner().invoke(cli, ["submit", *base, "--wait", '{"i": 9}'])
+    assert waited.exit_code == 0 and json.loads(waited.stdout) == {"i": 9}, waited.output
+
+
+def test_bulk_run_spreads_its_lines_over_the_shards(shared_redis, queue, start_consumer,
+                                                    tmp_path):
+    """Each line goes to the shard its idempotency key hashes to; a line whose earlier
+    request vanished (a key left by a run that died long ago, on that key's shard) is
+    submitted again; every line gets one record and runs once."""
+    from producer.bulk.engine import BulkSpec, create_state, run_bulk
+    from producer.bulk.state import StateStore
+
+    url, client = shared_redis.url, shared_redis.client()
+    model = RecordingModel(tmp_path)
+    model.start(start_consumer, url, queue, "--shards", str(S), delay_ms=5)
+    lines = 90
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"i": i}) + "\n"
+                                               for i in range(1, lines + 1)))
+    spec = BulkSpec(job_id=f"shards-{queue}", input=str(tmp_path / "in.jsonl"),
+                    output=str(tmp_path / "out.jsonl"), redis_url=url, queue=queue,
+                    window=16, lease_s=1)
+    state = create_state(StateStore(client, spec.job_id), spec)
+    key = f"bulk:{spec.job_id}:{state.epoch}:1"
+    with ShardedProducer(url, queue) as p:
+        home = p.producers[zlib.crc32(key.encode()) % S].config.queue
+    client.set(QueueKeys(home).idempotency(key), "gone1")
+    final = run_bulk(spec)
+    assert (final.state, final.done, final.errors) == ("done", lines, 0)
+    records = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [r["line"] for r in records] == list(range(1, lines + 1))
+    assert [r["result"] for r in records] == [{"i": i} for i in range(1, lines + 1)]
+    assert sorted(p["i"] for p in model.payloads()) == list(range(1, lines + 1))  # once
+    processed = [int(client.hget(k.stats, "processed") or 0) for k in shard_keys(queue)]
+    assert sum(processed) == lines and all(n > 0 for n in processed), processed
+
+
+def test_gateway_on_a_sharded_queue_across_cluster_nodes(redis_cluster, queue, start_consumer,
+                                                          start_gateway, tmp_path):
+    """The gateway's one pipeline over the shards spans several primaries."""
+    url, client = redis_cluster.url, redis_cluster.client()
+    shards = 6
+    configure(url, queue, shards=shards)
+    nodes = {client.get_node_from_key(k.policy).name for k in shard_keys(queue, shards)}
+    assert len(nodes) >= 2, nodes
+    with gateway_http(start_gateway, url, queue) as http, ShardedProducer(url, queue) as p:
+        queued = [p.submit({"q": i}) for i in range(shards)]  # one on each shard
+        for handle in queued:
+            got = http.get(f"/v1/requests/{handle.id}")
+            assert got.status_code == 202 and got.json()["status"] == "queued", got.text
+        assert http.delete(f"/v1/requests/{queued[4].id}").status_code == 200
+        assert http.get(f"/v1/requests/{queued[4].id}").status_code == 410
+        RecordingModel(tmp_path).start(start_consumer, url, queue)
+        ids = []
+        for i in range(shards):
+            done = http.post("/v1/requests", json={"payload": {"i": i}, "wait": True})
+            assert done.status_code == 200 and done.json()["result"] == {"i": i}, done.text
+            ids.append(done.json()["id"])
+        for handle in queued[:4] + queued[5:]:
+            assert handle.result(timeout=30)["q"] in range(shards)
+        for rid in ids + [h.id for h in queued[:4]]:
+            assert http.get(f"/v1/requests/{rid}").status_code == 200
+    placed = {i for i, keys in enumerate(shard_keys(queue, shards)) for rid in ids
+              if client.exists(keys.result(rid))}
+    assert placed == set(range(shards))
+
+
+def test_a_gateway_started_while_redis_is_down_reads_the_shards_at_its_first_request(
+        redis_server, queue, start_gateway):
+    url = redis_server.url
+    redis_server.kill()
+    with gateway_http(start_gateway, url, queue) as http:
+        assert http.get("/healthz").status_code == 503
+        redis_server.start()
+        configure(url, queue, shards=S)
+        ids = [http.post("/v1/requests", json={"payload": {"i": i}}).json()["id"]
+               for i in range(S)]
+        client = redis_server.client()
+        assert sorted(shard_of(client, queue, rid) for rid in ids) == [0, 1, 2]
+        assert all(http.get(f"/v1/requests/{rid}").status_code == 202 for rid in ids)

@@ -1,7 +1,7 @@
 """Offline bulk jobs: a JSONL file through a queue at LOW priority, results in input order.
 
 A bulk job streams INPUT.jsonl (one JSON payload per line) and submits the lines through a
-`Producer` with at most `window` requests outstanding, so it never floods the queue: with
+`ShardedProducer` with at most `window` requests outstanding, so it never floods the queue: with
 the `priority` strategy online (HIGH) requests never wait behind more than the batch in
 hand. It writes one record per input line to OUTPUT.jsonl, in input order:
 
@@ -18,6 +18,10 @@ output to the checkpoint and goes on from the next line. Every line is submitted
 idempotency key `bulk:<job>:<epoch>:<line>`: a line that was in flight when the job died
 resolves to the request already queued (or to its stored result), so the model runs once
 per line and no record is written twice.
+
+On a sharded queue (docs/scaling.md) each line goes to the shard its idempotency key
+hashes to, so the lines spread over the shards and a resumed run finds its lines' requests
+in the same shards (as long as the shard count is unchanged).
 
 Run it with RQ (`producer.bulk.rq_jobs`, `batchgate bulk submit`) or in the foreground
 (`batchgate bulk run`).
@@ -48,7 +52,8 @@ from producer.bulk.state import (
     fingerprint,
     new_epoch,
 )
-from producer.sync import Handle, Producer
+from producer.sharded import ShardedProducer
+from producer.sync import Handle
 from scheduler_core.connection import DEFAULT_REDIS_URL, connect
 from scheduler_core.errors import InvalidRequest, QueueFull, RequestFailed, RequestLost
 from scheduler_core.keys import QueueKeys
@@ -140,9 +145,8 @@ class BulkRunner:
         self.report = report
         self.client = connect(spec.redis_url)
         self.store = StateStore(self.client, spec.job_id)
-        self.keys = QueueKeys(spec.queue)
         self.state: BulkState | None = None
-        self.producer: Producer | None = None
+        self.producer: ShardedProducer | None = None
 
     # -- the run --------------------------------------------------------------------
     def run(self) -> BulkState:
@@ -164,7 +168,7 @@ class BulkRunner:
             log.info("bulk %s: %s from line %d (%d of %d records done)", state.job_id,
                      "resuming" if state.next_line > 1 else "starting", state.next_line,
                      state.records, state.total)
-            with Producer(self.spec.redis_url, self.spec.queue) as self.producer, \
+            with ShardedProducer(self.spec.redis_url, self.spec.queue) as self.producer, \
                     _open_output(Path(state.output), state.out_bytes) as out:
                 self._loop(state, out, lease)
             self.store.save(state, state="done", finished_at=time.time())
@@ -300,13 +304,19 @@ class BulkRunner:
     def _vanished(self, request_id: str) -> bool:
         """Neither waiting, nor running, nor answered: its result expired before we read it
         (a job resumed long after it died) or its queue was flushed. One MULTI, so a
-        request moving between these states is seen in one of them."""
-        pipe = self.client.pipeline(transaction=True)
-        for key in self.keys.pending_all:
-            pipe.zscore(key, request_id)
-        pipe.hexists(self.keys.owner, request_id)
-        pipe.exists(self.keys.result(request_id))
-        return not any(pipe.execute())
+        request moving between these states is seen in one of them: per shard, as a
+        request never moves between shards."""
+        assert self.producer is not None
+        for producer in self.producer:
+            keys = producer.keys
+            pipe = self.client.pipeline(transaction=True)
+            for key in keys.pending_all:
+                pipe.zscore(key, request_id)
+            pipe.hexists(keys.owner, request_id)
+            pipe.exists(keys.result(request_id))
+            if any(pipe.execute()):
+                return False
+        return True
 
     def _resubmit(self, slot: _Slot) -> None:
         slot.generation += 1

@@ -1,7 +1,8 @@
 """`batchgate gateway`: an HTTP front for one queue, for apps in any language.
 
 FastAPI app with an OpenAPI spec at `/openapi.json` (docs at `/docs`). One AsyncProducer
-per process, opened and closed with the app's lifespan. Endpoints:
+per process (one per shard on a sharded queue, see Gateway), opened and closed with the
+app's lifespan. Endpoints:
 
     POST   /v1/requests                 submit (optionally wait for the result)
     GET    /v1/requests/{request_id}    where a request is, and its result
@@ -68,8 +69,9 @@ from producer.gateway.schemas import (
     SubmitRequest,
     state_body,
 )
+from producer.sharded import AsyncShardedProducer
 from producer.validation import ProducerConfig, cancel_envelope
-from scheduler_core.admin import QueueStats, queue_stats, request_state_async
+from scheduler_core.admin import QueueStats, queue_stats, shard_state_async
 from scheduler_core.connection import (
     DEFAULT_REDIS_URL,
     connect,
@@ -109,53 +111,117 @@ def json_response(status: int, body: Any, headers: dict[str, str] | None = None)
 
 
 class Gateway:
-    """What the endpoints share: one AsyncProducer, one async and one sync Redis client."""
+    """What the endpoints share: the producer, one async and one sync Redis client.
+
+    A sharded queue (policy `shards` > 1, docs/scaling.md) is served through an
+    AsyncShardedProducer: submits are placed round robin over the shards, and a request's
+    state, cancel and stream are looked up in whichever shard holds it. The shard count
+    is read once, at startup (`open`; if Redis is down then, on the first request): a
+    gateway must be restarted after `batchgate policy set --shards` to place on, and find
+    requests in, the new shards. With one shard, submits go through that shard's
+    AsyncProducer directly."""
 
     def __init__(self, redis_url: str, queue: str, wait_replicas: int = 0,
                  wait_timeout_ms: int = ProducerConfig.wait_timeout_ms):
-        self.keys = QueueKeys(queue)
+        self.keys = QueueKeys(queue)  # the logical queue (= shard 0)
         self.redis_url = redis_url
         self.redis = connect_async(redis_url)
-        self.producer = AsyncProducer(redis_url, queue, client=self.redis,
-                                      wait_replicas=wait_replicas,
-                                      wait_timeout_ms=wait_timeout_ms)
+        self.sharded = AsyncShardedProducer(redis_url, queue, client=self.redis,
+                                            wait_replicas=wait_replicas,
+                                            wait_timeout_ms=wait_timeout_ms)
+        # Until open() has read the shard count: the sharded producer, which reads it on
+        # its first submit.
+        self.producer: AsyncProducer | AsyncShardedProducer = self.sharded
+        self.result_ttl_s = ProducerConfig(queue).result_ttl_s  # the producers' (defaults)
         self.sync_redis = connect(redis_url)  # for admin.queue_stats, run in a thread
         self.scripts = Scripts(self.redis)
 
+    async def open(self) -> None:
+        """Read the queue's shard count; with Redis down, leave it to the first request."""
+        try:
+            await self.sharded.open()
+        except (redis.RedisError, OSError) as exc:
+            log.warning("gateway: cannot read queue %r's shard count yet (%s); reading it "
+                        "on the first request", self.keys.queue, str(exc) or type(exc).__name__)
+            return
+        if self.sharded.shards == 1:
+            self.producer = self.sharded.producers[0]
+        else:
+            log.info("gateway: queue %r has %d shards", self.keys.queue, self.sharded.shards)
+
+    async def shards(self) -> list[AsyncProducer]:
+        """One producer per shard, in shard order (read at startup, see the class)."""
+        if not self.sharded.producers:
+            await self.sharded.open()
+        return self.sharded.producers
+
     async def close(self) -> None:
-        await self.producer.close()
+        await self.sharded.close()
         await self.redis.aclose()
         self.sync_redis.close()
 
     async def lookup(self, request_id: str) -> dict[str, Any] | None:
         """The request's state from Redis (any producer's request of this queue), as a
         RequestState body."""
-        raw = await self.redis.get(self.keys.result(request_id))
+        shards = await self.shards()
+        if len(shards) == 1:
+            keys: QueueKeys | None = shards[0].keys
+            raw = await self.redis.get(self.keys.result(request_id))
+        else:
+            keys, raw = await self._locate(shards, request_id)
         if raw is not None:  # finished: its result says how (one GET, not the MULTI)
             return state_body(decode_result(raw))
-        found = await request_state_async(self.redis, self.keys.queue, request_id)
+        if keys is None:
+            return None
+        found = await shard_state_async(self.redis, keys, request_id)
         if found is not None and found.status == "queued" \
-                and await self._expire_if_due(request_id):
-            found = await request_state_async(self.redis, self.keys.queue, request_id)
+                and await self._expire_if_due(keys, request_id):
+            found = await shard_state_async(self.redis, keys, request_id)
         if found is None:
             return None
         if found.result is not None:
             return state_body(found.result)
         return {"id": request_id, "status": found.status}
 
+    async def _locate(self, shards: list[AsyncProducer],
+                      request_id: str) -> tuple[QueueKeys | None, bytes | None]:
+        """(the shard holding the request, its stored result): one pipeline over the
+        shards. A request never moves between shards; within one, `jobs` is read before
+        the result, so a request that completes in between is seen in one of them."""
+        pipe = self.redis.pipeline(transaction=False)
+        for producer in shards:
+            pipe.hexists(producer.keys.jobs, request_id)
+            pipe.get(producer.keys.result(request_id))
+        replies = await pipe.execute()
+        for producer, known, raw in zip(shards, replies[::2], replies[1::2], strict=True):
+            if raw is not None or known:
+                return producer.keys, raw
+        return None, None
+
     async def cancel(self, request_id: str) -> int:
         """1 cancelled, 2 running (it will complete), 0 not waiting, 3 unknown to Redis."""
-        meta = await self.redis.hget(self.keys.meta, request_id)
-        return await self._cancel(request_id, meta, deadline=False)
+        shards = await self.shards()
+        shard, meta = shards[0], None
+        if len(shards) == 1:
+            meta = await self.redis.hget(self.keys.meta, request_id)
+        else:  # the shard whose meta knows it; none: shard 0 answers "not waiting/unknown"
+            pipe = self.redis.pipeline(transaction=False)
+            for producer in shards:
+                pipe.hget(producer.keys.meta, request_id)
+            for producer, raw in zip(shards, await pipe.execute(), strict=True):
+                if raw is not None:
+                    shard, meta = producer, raw
+                    break
+        return await self._cancel(shard, request_id, meta, deadline=False)
 
-    async def _expire_if_due(self, request_id: str) -> bool:
+    async def _expire_if_due(self, keys: QueueKeys, request_id: str) -> bool:
         """Expire a queued request whose deadline_ms has passed, as its producer would:
         consumers see it only when they pop it, and its status must follow its deadline
         whoever asks. Whether it was expired now."""
-        # With Redis' TIME: on a cluster, on the primary serving the queue's slot.
-        owner = await slot_owner_async(self.redis, self.keys.meta)
+        # With Redis' TIME: on a cluster, on the primary serving the shard's slot.
+        owner = await slot_owner_async(self.redis, keys.meta)
         pipe = owner.pipeline(transaction=False)
-        pipe.hget(self.keys.meta, request_id)
+        pipe.hget(keys.meta, request_id)
         pipe.time()
         try:
             meta, (seconds, micros) = await pipe.execute()
@@ -168,19 +234,19 @@ class Gateway:
             return False
         # expire_due.lua, as every server-side expiry: DeadlineExceeded, or under
         # on_timeout = delay a move to the delayed set.
-        sweep = await expire_due_async(self.scripts, self.keys,
-                                       self.producer.config.result_ttl_s)
+        sweep = await expire_due_async(self.scripts, keys, self.result_ttl_s)
         return bool(sweep.expired or sweep.delayed)
 
-    async def _cancel(self, request_id: str, meta: bytes | None, deadline: bool) -> int:
-        owner = self.producer.id
+    async def _cancel(self, shard: AsyncProducer, request_id: str, meta: bytes | None,
+                      deadline: bool) -> int:
+        owner = shard.id
         fields = meta.decode().split(":") if meta is not None else []
         if len(fields) >= 5 and fields[4]:  # the inbox of the producer that submitted it
             owner = fields[4]
         envelope, counter = cancel_envelope(request_id, deadline=deadline)
         reply = await self.scripts.cancel(
-            keys=cancel_keys(self.keys, request_id, owner),
-            args=[request_id, self.producer.config.result_ttl_s, envelope, counter])
+            keys=cancel_keys(shard.keys, request_id, owner),
+            args=[request_id, self.result_ttl_s, envelope, counter])
         return int(reply)
 
 
@@ -351,6 +417,7 @@ def create_app(redis_url: str = DEFAULT_REDIS_URL, queue: str = "default",
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.gateway = Gateway(redis_url, queue, wait_replicas, wait_timeout_ms)
+        await app.state.gateway.open()
         if tune_gc:
             tune_collector()
         try:

@@ -3,9 +3,9 @@
 No consumer needs to run, so an autoscaler (KEDA, an HPA on external metrics) can start
 consumers from zero; and each queue is reported once, however many consumers serve it.
 The queues come from the registry (scheduler_core/registry.py) or from --queue. Every
-scrape reads Redis afresh: one TIME, the registry, then one MULTI per queue (a consistent
-snapshot of that queue), for at most --max-queues queues and the newest --samples latency
-samples of each. Metric names: docs/observability.md.
+scrape reads Redis afresh: the registry, then one MULTI per queue (a consistent snapshot
+of that queue, with Redis' TIME; scheduler_core/reading.py), for at most --max-queues
+queues and the newest --samples latency samples of each. Metric names: docs/observability.md.
 """
 
 from __future__ import annotations
@@ -20,13 +20,18 @@ from typing import Any
 import click
 import redis
 
-from scheduler_core.admin import CONSUMER_ALIVE_S, physical_queues, scaling_signal
-from scheduler_core.auto_delay import STATS_AT_US, STATS_DELAY_US
-from scheduler_core.connection import slot_owner
+from scheduler_core.admin import scaling_signal
 from scheduler_core.errors import InvalidRequest
-from scheduler_core.keys import QUEUE_NAME, QueueKeys, validate_queue_name
+from scheduler_core.keys import QUEUE_NAME, validate_queue_name
 from scheduler_core.options import env_option, redis_url_option
 from scheduler_core.policy import LIMITS, Policy, Priority
+from scheduler_core.reading import (
+    CONSUMER_ALIVE_S,
+    SAMPLES_READ,
+    QueueReading,
+    quantile,
+    read_queue,
+)
 from scheduler_core.registry import known_queues
 
 log = logging.getLogger("batchgate.exporter")
@@ -34,7 +39,7 @@ log = logging.getLogger("batchgate.exporter")
 DEFAULT_PORT = 9120
 DEFAULT_MAX_QUEUES = 100
 DEFAULT_SAMPLES = 1000
-MAX_SAMPLES = 10_000  # what the sample lists keep (scheduler_core/lua/_common.lua)
+MAX_SAMPLES = SAMPLES_READ  # what the sample lists keep (scheduler_core/lua/_common.lua)
 QUANTILES = (0.5, 0.9, 0.99)
 # {bg:q}:stats counter -> (metric, outcome label or None)
 REQUEST_COUNTERS = {"processed": "ok", "failed": "failed", "expired": "expired",
@@ -82,97 +87,6 @@ class ExporterConfig:
                                    ("samples", self.samples, MAX_SAMPLES)):
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high:
                 raise InvalidRequest(field, f"{value!r} is outside [1, {high}]")
-
-
-def quantile(values: list[int], q: float) -> int:
-    """Nearest-rank quantile of sorted `values` (not empty)."""
-    return values[min(len(values) - 1, max(0, int(q * len(values) + 0.5) - 1))]
-
-
-@dataclass
-class QueueReading:
-    """One queue's keys as one MULTI read them."""
-
-    policy: dict[bytes, bytes]
-    depth: list[int]
-    oldest_us: list[float]
-    owned: int
-    batches_in_flight: int
-    consumers_alive: int
-    counters: dict[str, int]
-    dead: int
-    waits: list[int]
-    e2e: list[int]
-    model: list[int]
-    delayed: int = 0  # past their deadline under on_timeout=delay, run when idle
-
-
-def read_queue(client: redis.Redis, queue: str, now_us: int, samples: int) -> QueueReading:
-    """The queue's reading; a sharded queue's summed over its shards (docs/scaling.md)."""
-    readings = [_read_one(client, name, now_us, samples)
-                for name in physical_queues(client, queue)]
-    if len(readings) == 1:
-        return readings[0]
-    first = readings[0]
-    counters: dict[str, int] = {}
-    for reading in readings:
-        for name, value in reading.counters.items():
-            counters[name] = counters.get(name, 0) + value
-    for name in (STATS_AT_US, STATS_DELAY_US):  # a time and a delay: the logical queue's
-        counters.pop(name, None)
-        if name in first.counters:
-            counters[name] = first.counters[name]
-    return QueueReading(
-        policy=first.policy,
-        depth=[sum(r.depth[level] for r in readings) for level in range(3)],
-        oldest_us=[at for r in readings for at in r.oldest_us],
-        owned=sum(r.owned for r in readings),
-        batches_in_flight=sum(r.batches_in_flight for r in readings),
-        # a sharded consumer heartbeats on every shard: the most any shard saw
-        consumers_alive=max(r.consumers_alive for r in readings),
-        counters=counters, dead=sum(r.dead for r in readings),
-        waits=sorted(x for r in readings for x in r.waits),
-        e2e=sorted(x for r in readings for x in r.e2e),
-        model=sorted(x for r in readings for x in r.model),
-        delayed=sum(r.delayed for r in readings))
-
-
-def _read_one(client: redis.Redis, queue: str, now_us: int, samples: int) -> QueueReading:
-    keys = QueueKeys(queue)
-    # One MULTI: on a cluster, on the primary serving the queue's slot.
-    pipe = slot_owner(client, keys.policy).pipeline(transaction=True)
-    pipe.hgetall(keys.policy)
-    for key in keys.pending_all:
-        pipe.zcard(key)
-    for key in keys.pending_all:
-        pipe.zrange(key, 0, 0, withscores=True)
-    pipe.hlen(keys.owner)
-    pipe.zcard(keys.inflight)
-    pipe.zcount(keys.consumers, now_us - int(CONSUMER_ALIVE_S * 1_000_000), "+inf")
-    pipe.hgetall(keys.stats)
-    pipe.zcard(keys.dead)
-    pipe.lrange(keys.wait_samples, 0, samples - 1)
-    pipe.lrange(keys.e2e_samples, 0, samples - 1)
-    pipe.lrange(keys.model_samples, 0, samples - 1)
-    pipe.zcard(keys.delayed)
-    policy, d0, d1, d2, o0, o1, o2, owned, batches, alive, counters, dead, waits, e2e, \
-        model, delayed = pipe.execute()
-    return QueueReading(
-        policy=policy, depth=[d0, d1, d2],
-        oldest_us=[score for first in (o0, o1, o2) for _, score in first],
-        owned=owned, batches_in_flight=batches, consumers_alive=alive,
-        counters={k.decode(): int(v) for k, v in counters.items() if v.lstrip(b"-").isdigit()},
-        dead=dead, waits=_ints(waits), e2e=_ints(e2e),
-        model=_ints(sample.partition(b":")[2] for sample in model),  # "size:model_us"
-        delayed=delayed)
-
-
-def _ints(raw: Any) -> list[int]:
-    raw = list(raw)
-    try:
-        return sorted(map(int, raw))
-    except ValueError:  # a hand-written entry: skip what is not a number
-        return sorted(int(x) for x in raw if x.isdigit())
 
 
 class Families:
@@ -226,12 +140,11 @@ class Families:
                                                                  else "."), labels=q)
                        for knob, (name, div) in POLICY_GAUGES.items()}
 
-    def add(self, queue: str, now_us: int, r: QueueReading,
-            policy: Policy | None = None) -> None:
+    def add(self, queue: str, r: QueueReading, policy: Policy | None = None) -> None:
         for level, count in zip(Priority, r.depth, strict=True):
             self.depth.add_metric([queue, level.name.lower()], count)
         self.depth.add_metric([queue, "delayed"], r.delayed)
-        self.oldest.add_metric([queue], max(0, now_us - min(r.oldest_us)) / 1e6
+        self.oldest.add_metric([queue], max(0, r.now_us - min(r.oldest_us)) / 1e6
                                if r.oldest_us else 0)
         self.in_flight.add_metric([queue], r.owned)
         self.in_flight_batches.add_metric([queue], r.batches_in_flight)
@@ -332,12 +245,10 @@ class QueueCollector:
                                     "Registered queues left out by --max-queues.")
         families = Families()
         try:
-            now_s, now_frac = self.client.time()
-            now_us = now_s * 1_000_000 + now_frac
             names, left_out = self.queues()
             for name in names:
-                reading = read_queue(self.client, name, now_us, self.config.samples)
-                families.add(name, now_us, reading, self.policy(name, reading))
+                reading = read_queue(self.client, name, self.config.samples)
+                families.add(name, reading, self.policy(name, reading))
                 self.add_scaling(families, name)
         except redis.RedisError as exc:
             log.warning("scrape cannot read Redis: %s", exc)

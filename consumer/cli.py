@@ -16,7 +16,6 @@ from consumer.loader import load_model
 from consumer.sharded import ShardedConsumer
 from consumer.supervisor import supervise, supervisor_options, wants_supervisor
 from consumer.worker import EXIT_SHARDS_CHANGED, Consumer, ConsumerConfig
-from scheduler_core.admin import shard_count
 from scheduler_core.compat import require_redis_version, usable_cores
 from scheduler_core.options import (
     env_option,
@@ -27,6 +26,7 @@ from scheduler_core.options import (
     wait_replicas_options,
 )
 from scheduler_core.policy import MAX_COST_BUCKETS
+from scheduler_core.shards import shard_count
 from scheduler_core.wire import DEFAULT_MAX_RESULT_BYTES
 
 log = logging.getLogger("batchgate.consumer")

@@ -20,7 +20,6 @@ import redis.asyncio
 
 from producer.aio import AsyncHandle, AsyncProducer
 from producer.sync import Handle, Producer
-from scheduler_core.admin import shard_count, shard_count_async
 from scheduler_core.connection import (
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_REDIS_URL,
@@ -32,7 +31,7 @@ from scheduler_core.connection import (
 from scheduler_core.errors import InvalidRequest
 from scheduler_core.keys import QueueKeys, validate_queue_name
 from scheduler_core.policy import Priority
-from scheduler_core.shards import check_placement, shard_name
+from scheduler_core.shards import check_placement, shard_count, shard_count_async, shard_name
 from scheduler_core.wire import Result, decode_result
 
 # least_depth: the shards' depths are read at most this often; between reads, the

@@ -11,20 +11,23 @@ import redis.asyncio
 
 from scheduler_core.auto_delay import STATS_AT_US, STATS_DELAY_US
 from scheduler_core.connection import (
-    refresh_topology,
     refresh_topology_async,
-    slot_owner,
     slot_owner_async,
 )
 from scheduler_core.errors import InvalidPolicy, PolicyConflict
 from scheduler_core.keys import QueueKeys
 from scheduler_core.load import rate_from
 from scheduler_core.policy import LIMITS, Policy, Priority
+from scheduler_core.reading import CONSUMER_ALIVE_S, quantile, read_queue
 from scheduler_core.scripts import Scripts, configure_keys
-from scheduler_core.shards import shard_names, split_shard
+from scheduler_core.shards import (
+    physical_queues,
+    shard_count,
+    shard_count_async,
+    shard_names,
+    split_shard,
+)
 from scheduler_core.wire import CANCELLED, DEADLINE, Result, decode_result
-
-CONSUMER_ALIVE_S = 5.0  # a consumer heartbeats at least every second while running
 
 
 def _pairs(flat: list[Any]) -> dict[str, str]:
@@ -66,31 +69,6 @@ def _configure(client: redis.Redis, queue: str, policy: Policy, replace: bool) -
         field = reply[1].decode() if isinstance(reply[1], bytes) else str(reply[1])
         raise InvalidPolicy(field, "rejected by configure.lua")
     return Policy.from_redis(_pairs(reply[1:]))
-
-
-def shard_count(client: redis.Redis, queue: str) -> int:
-    """The logical queue's shard count (policy field `shards`; 1 when unset or unknown)."""
-    return _count(client.hget(QueueKeys(queue).policy, "shards"))
-
-
-def physical_queues(client: redis.Redis, queue: str) -> list[str]:
-    """The physical queues of `queue`: its shards; a shard's name is just itself."""
-    if split_shard(queue)[1]:
-        return [queue]
-    return shard_names(queue, shard_count(client, queue))
-
-
-async def shard_count_async(client: redis.asyncio.Redis, queue: str) -> int:
-    return _count(await client.hget(QueueKeys(queue).policy, "shards"))
-
-
-def _count(raw: bytes | str | None) -> int:
-    try:
-        value = int(raw) if raw is not None else 1
-    except ValueError:
-        return 1
-    low, high = LIMITS["shards"]
-    return value if low <= value <= high else 1
 
 
 def read_policy(client: redis.Redis, queue: str) -> Policy | None:
@@ -151,115 +129,46 @@ class QueueStats:
         return asdict(self)
 
 
-def _percentiles(samples_us: list[bytes]) -> dict[str, float | None]:
-    values = sorted(int(x) for x in samples_us)
-    if not values:
+def _percentiles(samples_us: list[int]) -> dict[str, float | None]:
+    """p50 and p99 (ms) of sorted samples (µs): nearest rank over the capped window of
+    recent samples."""
+    if not samples_us:
         return {"p50": None, "p99": None, "samples": 0}
-
-    def pick(q: float) -> float:
-        # nearest-rank percentile over the capped window of recent samples
-        return values[min(len(values) - 1, max(0, int(q * len(values) + 0.5) - 1))] / 1000
-    return {"p50": pick(0.50), "p99": pick(0.99), "samples": len(values)}
-
-
-SAMPLES_READ = 10_000  # the lists hold this many, plus up to 500 between trims
+    return {"p50": quantile(samples_us, 0.50) / 1000, "p99": quantile(samples_us, 0.99) / 1000,
+            "samples": len(samples_us)}
 
 
 def queue_stats(client: redis.Redis, queue: str) -> QueueStats:
     """The queue's statistics; a sharded queue's (policy field `shards` > 1) summed over
     its shards: counts added, oldest wait the oldest, percentiles over all samples."""
-    reads = [_read_shard(client, QueueKeys(name)) for name in physical_queues(client, queue)]
-    return _queue_stats(queue, reads)
-
-
-def _read_shard(client: redis.Redis, keys: QueueKeys) -> dict[str, Any]:
-    # One MULTI with Redis' TIME: on a cluster, on the primary serving the queue's slot
-    # (a cluster pipeline takes no keyless command).
-    owner = slot_owner(client, keys.policy)
-    try:
-        return _read_one(owner, keys)
-    except redis.RedisError as exc:
-        refresh_topology(client, exc)
-        raise
-
-
-def _read_one(owner: Any, keys: QueueKeys) -> dict[str, Any]:
-    pipe = owner.pipeline(transaction=True)
-    pipe.time()
-    pipe.hgetall(keys.policy)
-    for key in keys.pending_all:
-        pipe.zcard(key)
-    for key in keys.pending_all:
-        pipe.zrange(key, 0, 0, withscores=True)
-    pipe.hlen(keys.owner)
-    pipe.zcard(keys.inflight)
-    pipe.zrange(keys.consumers, 0, -1, withscores=True)
-    pipe.hgetall(keys.stats)
-    pipe.zcard(keys.dead)
-    pipe.lrange(keys.wait_samples, 0, SAMPLES_READ - 1)
-    pipe.lrange(keys.e2e_samples, 0, SAMPLES_READ - 1)
-    pipe.lrange(keys.model_samples, 0, SAMPLES_READ - 1)
-    pipe.hgetall(keys.arrivals)
-    pipe.zcard(keys.delayed)
-    (now_s, now_frac), policy, d0, d1, d2, o0, o1, o2, owned, batches_in_flight, consumers, \
-        counters, dead, waits, e2e, model, arrivals, delayed = pipe.execute()
-    now_us = now_s * 1_000_000 + now_frac
-    past_deadline = owner.zcount(keys.deadlines, "-inf", now_us)  # at the TIME above
-    return {"now_s": now_s, "now_us": now_us, "policy": policy, "depth": (d0, d1, d2),
-            "oldest": [score for first in (o0, o1, o2) for _, score in first],
-            "owned": owned, "batches_in_flight": batches_in_flight, "consumers": consumers,
-            "counters": {k.decode(): int(v) for k, v in counters.items()}, "dead": dead,
-            "waits": waits, "e2e": e2e, "model": model, "arrivals": arrivals,
-            "delayed": delayed, "past_deadline": past_deadline}
-
-
-def _queue_stats(queue: str, reads: list[dict[str, Any]]) -> QueueStats:
-    first = reads[0]  # the logical queue: its policy, its clock
-    now_us = first["now_us"]
-    oldest = [now_us - score for r in reads for score in r["oldest"]]
-    counters: dict[str, int] = {}
-    for r in reads:
-        for name, value in r["counters"].items():
-            counters[name] = counters.get(name, 0) + value
-    # STATS_AT_US / STATS_DELAY_US are a time and a delay, not counts: the logical queue's
-    for name in (STATS_AT_US, STATS_DELAY_US):
-        counters[name] = first["counters"].get(name, 0)
-    alive_after = now_us - CONSUMER_ALIVE_S * 1_000_000
-    # A sharded consumer heartbeats on every shard under one name: count names once.
-    alive = {name for r in reads for name, beat in r["consumers"] if beat >= alive_after}
-    arrivals: dict[Any, int] = {}
-    for r in reads:
-        for second, count in r["arrivals"].items():
-            text = count.decode() if isinstance(count, bytes) else str(count)
-            if text.isdigit():  # rate_from skips anything else too
-                arrivals[second] = arrivals.get(second, 0) + int(text)
+    r = read_queue(client, queue)
+    counters = r.counters
     batches = counters.get("batches", 0)
-    stored = Policy.from_redis(first["policy"]) if first["policy"] else None
-    depth = [sum(r["depth"][level] for r in reads) for level in range(3)]
+    stored = Policy.from_redis(r.policy) if r.policy else None
     return QueueStats(
         queue=queue,
         policy=stored.to_dict() if stored else None,
-        depth={p.name.lower(): n for p, n in zip(Priority, depth, strict=True)},
-        in_flight_requests=sum(r["owned"] for r in reads),
-        in_flight_batches=sum(r["batches_in_flight"] for r in reads),
-        oldest_wait_ms=max(oldest) / 1000 if oldest else None,
-        consumers_alive=len(alive),
+        depth={p.name.lower(): n for p, n in zip(Priority, r.depth, strict=True)},
+        in_flight_requests=r.owned,
+        in_flight_batches=r.batches_in_flight,
+        oldest_wait_ms=(r.now_us - min(r.oldest_us)) / 1000 if r.oldest_us else None,
+        consumers_alive=r.consumers_alive,
         processed=counters.get("processed", 0),
         failed=counters.get("failed", 0),
         requeued=counters.get("requeued", 0),
         cancelled=counters.get("cancelled", 0),
         expired=counters.get("expired", 0),
-        dead_letters=sum(r["dead"] for r in reads),
+        dead_letters=r.dead,
         batches=batches,
         mean_batch_size=counters.get("batched_requests", 0) / batches if batches else None,
-        queue_wait_ms=_percentiles([w for r in reads for w in r["waits"]]),
-        end_to_end_ms=_percentiles([w for r in reads for w in r["e2e"]]),
-        model_ms=_percentiles([sample.partition(b":")[2]  # size:us
-                               for r in reads for sample in r["model"]]),
-        delayed=sum(r["delayed"] for r in reads),
-        past_deadline=sum(r["past_deadline"] for r in reads),
-        arrival_rate_rps=rate_from(arrivals, int(first["now_s"])),
-        max_queue_delay_ms_in_use=_delay_in_use(stored, counters, alive_after),
+        queue_wait_ms=_percentiles(r.waits),
+        end_to_end_ms=_percentiles(r.e2e),
+        model_ms=_percentiles(r.model),
+        delayed=r.delayed,
+        past_deadline=r.past_deadline,
+        arrival_rate_rps=rate_from(r.arrivals, r.now_us // 1_000_000),
+        max_queue_delay_ms_in_use=_delay_in_use(stored, counters,
+                                                r.now_us - CONSUMER_ALIVE_S * 1_000_000),
     )
 
 

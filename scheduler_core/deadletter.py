@@ -17,10 +17,10 @@ from typing import Any
 import orjson
 import redis
 
-from scheduler_core.admin import physical_queues
 from scheduler_core.errors import InvalidRequest
 from scheduler_core.keys import QueueKeys
 from scheduler_core.scripts import Scripts, dead_letter_keys
+from scheduler_core.shards import physical_queues
 
 MAX_IDS_PER_CALL = 1000  # the script's bound on work per call
 PREVIEW_CHARS = 200

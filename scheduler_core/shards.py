@@ -13,7 +13,12 @@ from __future__ import annotations
 
 import re
 
+import redis
+import redis.asyncio
+
 from scheduler_core.errors import InvalidRequest
+from scheduler_core.keys import QueueKeys
+from scheduler_core.policy import LIMITS
 
 SEPARATOR = "#"
 SHARD_SUFFIX = re.compile(r"#([1-9][0-9]{0,2})")  # shard 1..999 (policy caps at LIMITS)
@@ -46,3 +51,28 @@ def check_placement(placement: object) -> str:
         raise InvalidRequest("placement", f"{placement!r}: use {' or '.join(PLACEMENTS)}")
     assert isinstance(placement, str)
     return placement
+
+
+def shard_count(client: redis.Redis, queue: str) -> int:
+    """The logical queue's shard count (policy field `shards`; 1 when unset or unknown)."""
+    return _count(client.hget(QueueKeys(queue).policy, "shards"))
+
+
+def physical_queues(client: redis.Redis, queue: str) -> list[str]:
+    """The physical queues of `queue`: its shards; a shard's name is just itself."""
+    if split_shard(queue)[1]:
+        return [queue]
+    return shard_names(queue, shard_count(client, queue))
+
+
+async def shard_count_async(client: redis.asyncio.Redis, queue: str) -> int:
+    return _count(await client.hget(QueueKeys(queue).policy, "shards"))
+
+
+def _count(raw: bytes | str | None) -> int:
+    try:
+        value = int(raw) if raw is not None else 1
+    except ValueError:
+        return 1
+    low, high = LIMITS["shards"]
+    return value if low <= value <= high else 1

@@ -265,7 +265,7 @@ def test_async_sharded_producer_round_trip(shared_redis, queue, start_consumer, 
 
 
 def test_exporter_sums_a_sharded_queue(shared_redis, queue):
-    from batchgate.exporter import read_queue
+    from scheduler_core.reading import read_queue
 
     url, client = shared_redis.url, shared_redis.client()
     configure(url, queue, shards=S)
@@ -273,7 +273,7 @@ def test_exporter_sums_a_sharded_queue(shared_redis, queue):
         p.submit_many([{"i": i} for i in range(4)])  # shard 0
         p.submit({"i": 4}, priority=Priority.HIGH)  # shard 1
         p.submit({"i": 5}, priority=Priority.LOW)  # shard 2
-    reading = read_queue(client, queue, time.time_ns() // 1000, 100)
+    reading = read_queue(client, queue, 100)
     assert reading.depth == [1, 4, 1]
     assert len(reading.oldest_us) == 3
 

@@ -395,10 +395,14 @@ def delete_queues(client: redis.Redis, prefix: str) -> int:
               help="Random seed of the workload (arrival times, priorities, payloads).")
 @click.option("--keep-queues", is_flag=True,
               help="With --redis-url: leave the demo's queues for `batchgate stats`.")
+@click.option("--configs", default=None,
+              help="lengths only: comma-separated configurations to run, of one-bucket, "
+                   "buckets, buckets+prefer, buckets+max-cost [default: all four].")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 def demo_command(redis_url: str | None, scenario: str, model: str, duration: float,
                  rate: float | None, consumers: int, base_ms: float, per_item_ms: float,
-                 device: str | None, seed: int, keep_queues: bool, as_json: bool) -> None:
+                 device: str | None, seed: int, keep_queues: bool, configs: str | None,
+                 as_json: bool) -> None:
     """Run one mixed HIGH/NORMAL/LOW workload through fifo, dynamic and priority and
     compare throughput, p50/p99 latency per priority and batch size (under a minute);
     or, with --scenario lengths, short and long generation requests through one bucket
@@ -409,8 +413,10 @@ def demo_command(redis_url: str | None, scenario: str, model: str, duration: flo
         signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
     if scenario == "lengths":
         lengths_demo(redis_url, duration, rate, consumers, seed, keep_queues, as_json,
-                     started)
+                     started, configs)
         return
+    if configs is not None:
+        raise click.UsageError("--configs applies to --scenario lengths only")
     rate = DEFAULT_RATE if rate is None else rate
     arrivals = demo_arrivals(model, rate, duration, seed)
     if not arrivals:
@@ -467,20 +473,30 @@ def demo_command(redis_url: str | None, scenario: str, model: str, duration: flo
 
 
 def lengths_demo(redis_url: str | None, duration: float, rate: float | None, consumers: int,
-                 seed: int, keep_queues: bool, as_json: bool, started: float) -> None:
-    """--scenario lengths (batchgate/lengths.py): every configuration on a queue
-    `demo-<random>-<config>`, the report with each batch's costs."""
+                 seed: int, keep_queues: bool, as_json: bool, started: float,
+                 configs: str | None = None) -> None:
+    """--scenario lengths (batchgate/lengths.py): every configuration (or those of
+    `configs`, comma-separated) on a queue `demo-<random>-<config>`, the report with each
+    batch's costs."""
     try:
         from batchgate import lengths
     except ImportError as exc:  # pragma: no cover - the generate extra is missing
         raise click.UsageError(f"--scenario lengths needs the `generate` extra: {exc}") \
             from None
+    chosen = lengths.CONFIG_NAMES
+    if configs is not None:
+        chosen = tuple(c.strip() for c in configs.split(",") if c.strip())
+        unknown = sorted(set(chosen) - set(lengths.CONFIG_NAMES))
+        if unknown or not chosen:
+            raise click.BadParameter(
+                f"unknown {', '.join(unknown) or '(none given)'}; use "
+                f"{', '.join(lengths.CONFIG_NAMES)}", param_hint="--configs")
     prefix = f"demo-{uuid.uuid4().hex[:8]}"
     with redis_for_demo(redis_url) as (url, where):
         client = connect(url)
         try:
             report = lengths.run_scenario(url, duration, consumers, seed, rate=rate,
-                                          prefix=prefix, repeats=2,
+                                          configs=chosen, prefix=prefix, repeats=2,
                                           say=lambda s: click.echo(s, err=True))
         except ValueError as exc:
             raise click.UsageError(str(exc)) from None

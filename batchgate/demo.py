@@ -398,11 +398,14 @@ def delete_queues(client: redis.Redis, prefix: str) -> int:
 @click.option("--configs", default=None,
               help="lengths only: comma-separated configurations to run, of one-bucket, "
                    "buckets, buckets+prefer, buckets+max-cost [default: all four].")
+@click.option("--profile-repeats", type=click.IntRange(1, 20), default=2, show_default=True,
+              help="lengths only: timings of each profiled (batch size, new tokens) shape "
+                   "before the runs (the median is used).")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 def demo_command(redis_url: str | None, scenario: str, model: str, duration: float,
                  rate: float | None, consumers: int, base_ms: float, per_item_ms: float,
                  device: str | None, seed: int, keep_queues: bool, configs: str | None,
-                 as_json: bool) -> None:
+                 profile_repeats: int, as_json: bool) -> None:
     """Run one mixed HIGH/NORMAL/LOW workload through fifo, dynamic and priority and
     compare throughput, p50/p99 latency per priority and batch size (under a minute);
     or, with --scenario lengths, short and long generation requests through one bucket
@@ -413,7 +416,7 @@ def demo_command(redis_url: str | None, scenario: str, model: str, duration: flo
         signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
     if scenario == "lengths":
         lengths_demo(redis_url, duration, rate, consumers, seed, keep_queues, as_json,
-                     started, configs)
+                     started, configs, profile_repeats)
         return
     if configs is not None:
         raise click.UsageError("--configs applies to --scenario lengths only")
@@ -474,7 +477,7 @@ def demo_command(redis_url: str | None, scenario: str, model: str, duration: flo
 
 def lengths_demo(redis_url: str | None, duration: float, rate: float | None, consumers: int,
                  seed: int, keep_queues: bool, as_json: bool, started: float,
-                 configs: str | None = None) -> None:
+                 configs: str | None = None, profile_repeats: int = 2) -> None:
     """--scenario lengths (batchgate/lengths.py): every configuration (or those of
     `configs`, comma-separated) on a queue `demo-<random>-<config>`, the report with each
     batch's costs."""
@@ -496,7 +499,8 @@ def lengths_demo(redis_url: str | None, duration: float, rate: float | None, con
         client = connect(url)
         try:
             report = lengths.run_scenario(url, duration, consumers, seed, rate=rate,
-                                          configs=chosen, prefix=prefix, repeats=2,
+                                          configs=chosen, prefix=prefix,
+                                          repeats=profile_repeats,
                                           say=lambda s: click.echo(s, err=True))
         except ValueError as exc:
             raise click.UsageError(str(exc)) from None

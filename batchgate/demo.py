@@ -107,10 +107,13 @@ def torch_threads(consumers: int) -> int:
 
 
 def start_consumers(count: int, redis_url: str, queue: str, strategy: str, model: str,
-                    model_args: list[str], log_dir: Path) -> list[ChildProcess]:
+                    model_args: list[str], log_dir: Path,
+                    threads: int | None = None) -> list[ChildProcess]:
+    """`threads`: each one's --torch-threads (default: its share of the cores)."""
+    threads = threads or torch_threads(count)
     argv = [*batchgate_argv(), "--log-level", "WARNING", "consumer", "--redis-url", redis_url,
             "--queue", queue, "--strategy", strategy, "--model", MODELS[model][0],
-            "--torch-threads", str(torch_threads(count)), *model_args]
+            "--torch-threads", str(threads), *model_args]
     procs = [ChildProcess(argv, log_dir / f"{queue}-{i}.log", b"ready on queue")
              for i in range(count)]
     wait_all_ready(procs, READY_TIMEOUT_S)
@@ -395,10 +398,20 @@ def delete_queues(client: redis.Redis, prefix: str) -> int:
               help="Random seed of the workload (arrival times, priorities, payloads).")
 @click.option("--keep-queues", is_flag=True,
               help="With --redis-url: leave the demo's queues for `batchgate stats`.")
+@click.option("--configs", default=None,
+              help="lengths only: comma-separated configurations to run, of one-bucket, "
+                   "buckets, buckets+prefer, buckets+max-cost [default: all four].")
+@click.option("--profile-repeats", type=click.IntRange(1, 20), default=2, show_default=True,
+              help="lengths only: timings of each profiled (batch size, new tokens) shape "
+                   "before the runs (the median is used).")
+@click.option("--torch-threads", "threads", type=click.IntRange(1, 1024), default=None,
+              help="torch threads of each consumer (and of the lengths profile) [default: "
+                   "the cores / --consumers].")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 def demo_command(redis_url: str | None, scenario: str, model: str, duration: float,
                  rate: float | None, consumers: int, base_ms: float, per_item_ms: float,
-                 device: str | None, seed: int, keep_queues: bool, as_json: bool) -> None:
+                 device: str | None, seed: int, keep_queues: bool, configs: str | None,
+                 profile_repeats: int, threads: int | None, as_json: bool) -> None:
     """Run one mixed HIGH/NORMAL/LOW workload through fifo, dynamic and priority and
     compare throughput, p50/p99 latency per priority and batch size (under a minute);
     or, with --scenario lengths, short and long generation requests through one bucket
@@ -409,8 +422,10 @@ def demo_command(redis_url: str | None, scenario: str, model: str, duration: flo
         signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
     if scenario == "lengths":
         lengths_demo(redis_url, duration, rate, consumers, seed, keep_queues, as_json,
-                     started)
+                     started, configs, profile_repeats, threads)
         return
+    if configs is not None:
+        raise click.UsageError("--configs applies to --scenario lengths only")
     rate = DEFAULT_RATE if rate is None else rate
     arrivals = demo_arrivals(model, rate, duration, seed)
     if not arrivals:
@@ -432,7 +447,7 @@ def demo_command(redis_url: str | None, scenario: str, model: str, duration: flo
                 click.echo(f"{strategy}: starting {consumers} consumer(s) on {queue!r} ...",
                            err=True)
                 procs = start_consumers(consumers, url, queue, strategy, model, model_args,
-                                        log_dir)
+                                        log_dir, threads)
                 started_procs += procs
                 click.echo(f"{strategy}: {len(arrivals)} requests over {duration:g} s ...",
                            err=True)
@@ -450,7 +465,7 @@ def demo_command(redis_url: str | None, scenario: str, model: str, duration: flo
     report = {
         "redis": where,
         "consumers": consumers,
-        "torch_threads": torch_threads(consumers),
+        "torch_threads": threads or torch_threads(consumers),
         "workload": {"model": model, "rate": rate, "duration_s": duration, "seed": seed,
                      "requests": len(arrivals), "mix": dict(zip(PRIORITIES, MIX, strict=True)),
                      **({"base_ms": base_ms, "per_item_ms": per_item_ms}
@@ -467,20 +482,32 @@ def demo_command(redis_url: str | None, scenario: str, model: str, duration: flo
 
 
 def lengths_demo(redis_url: str | None, duration: float, rate: float | None, consumers: int,
-                 seed: int, keep_queues: bool, as_json: bool, started: float) -> None:
-    """--scenario lengths (batchgate/lengths.py): every configuration on a queue
-    `demo-<random>-<config>`, the report with each batch's costs."""
+                 seed: int, keep_queues: bool, as_json: bool, started: float,
+                 configs: str | None = None, profile_repeats: int = 2,
+                 threads: int | None = None) -> None:
+    """--scenario lengths (batchgate/lengths.py): every configuration (or those of
+    `configs`, comma-separated) on a queue `demo-<random>-<config>`, the report with each
+    batch's costs."""
     try:
         from batchgate import lengths
     except ImportError as exc:  # pragma: no cover - the generate extra is missing
         raise click.UsageError(f"--scenario lengths needs the `generate` extra: {exc}") \
             from None
+    chosen = lengths.CONFIG_NAMES
+    if configs is not None:
+        chosen = tuple(c.strip() for c in configs.split(",") if c.strip())
+        unknown = sorted(set(chosen) - set(lengths.CONFIG_NAMES))
+        if unknown or not chosen:
+            what = f"unknown {', '.join(unknown)}" if unknown else "no configuration given"
+            raise click.BadParameter(f"{what}; use {', '.join(lengths.CONFIG_NAMES)}",
+                                     param_hint="--configs")
     prefix = f"demo-{uuid.uuid4().hex[:8]}"
     with redis_for_demo(redis_url) as (url, where):
         client = connect(url)
         try:
             report = lengths.run_scenario(url, duration, consumers, seed, rate=rate,
-                                          prefix=prefix, repeats=2,
+                                          configs=chosen, prefix=prefix,
+                                          repeats=profile_repeats, threads=threads,
                                           say=lambda s: click.echo(s, err=True))
         except ValueError as exc:
             raise click.UsageError(str(exc)) from None

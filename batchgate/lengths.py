@@ -384,10 +384,12 @@ def error_pct(sim: float | None, real: float | None) -> float | None:
 # -- the whole scenario ------------------------------------------------------------------
 def run_scenario(url: str, duration_s: float, consumers: int, seed: int, load: float = 0.6,
                  rate: float | None = None, configs: tuple[str, ...] = CONFIG_NAMES,
-                 prefix: str = "lengths", repeats: int = 2,
+                 prefix: str = "lengths", repeats: int = 2, threads: int | None = None,
                  say: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)
                  ) -> dict[str, Any]:
-    threads = max(1, (os.cpu_count() or 1) // consumers)
+    """`threads`: torch threads of each consumer and profiling process (default: the
+    cores / consumers)."""
+    threads = threads or max(1, (os.cpu_count() or 1) // consumers)
     say(f"timing the generator at (batch size, new tokens) shapes, {consumers} process(es) "
         "at once ...")
     prof = profile(repeats=repeats, threads=threads, parallel=consumers)

@@ -151,7 +151,7 @@ def test_load_step_smoke(tmp_path: Path):
     modes, answers every request and writes its table, checks and plot; tiny phases (it
     checks the harness, not the numbers)."""
     proc = subprocess.run(
-        [sys.executable, "-m", "batchgate.bench.load_step", "--phase-s", "1.5", "--rates",
+        [sys.executable, "-m", "batchgate.bench.load_step", "--phase-s", "1", "--rates",
          "20,200", "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())

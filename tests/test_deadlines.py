@@ -216,8 +216,8 @@ def test_expired_requests_hold_no_place_under_max_queue_size(shared_redis, queue
     configure(shared_redis.url, queue, max_queue_size=2)
     _enqueue_raw(client, queue, 50)  # expires, and nobody takes it out: no consumer
     _enqueue_raw(client, queue, 0)
-    time.sleep(0.1)
-    assert queue_stats(client, queue).past_deadline == 1
+    wait_for(lambda: queue_stats(client, queue).past_deadline == 1, 10,
+             "the first request to pass its 50 ms deadline")
     with Producer(shared_redis.url, queue) as p:
         p.submit({"fits": 1})  # 1 live + 1 new <= 2: accepted
         with pytest.raises(Exception) as full:

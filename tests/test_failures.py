@@ -44,7 +44,7 @@ def test_model_raising_for_one_payload_fails_only_that_request(shared_redis, que
                 assert info.value.error_type == "ValueError"
             else:
                 assert h.result(timeout=15)["echo"] == {"i": i, "raise": False}
-        assert all(p.deliveries[h.id] == 1 for h in handles)
+        assert p.delivered_once(handles)
     s = stats(shared_redis, queue)
     assert (s.processed, s.failed, s.requeued, s.batches) == (15, 1, 0, 1)
     # One batch of 16, bisected: the poison ran 1 + log2(16) times, each other at most 5.
@@ -67,7 +67,7 @@ def test_a_model_exception_that_cannot_be_printed_fails_only_its_request(
         assert info.value.error_type == "Unprintable"
         assert [h.result(timeout=15)["echo"]["i"] for i, h in enumerate(handles)
                 if i != 2] == [0, 1, 3]
-        assert all(p.deliveries[h.id] == 1 for h in handles)
+        assert p.delivered_once(handles)
     assert consumer.proc.poll() is None
     s = stats(shared_redis, queue)
     assert (s.processed, s.failed, s.requeued) == (3, 1, 0)
@@ -103,7 +103,7 @@ def test_payload_crashing_the_process_is_dead_lettered(redis_server, queue, star
             for i, h in enumerate(handles):
                 if i != 3:
                     assert h.result(timeout=30)["echo"]["i"] == i
-            assert all(p.deliveries[h.id] == 1 for h in handles)
+            assert p.delivered_once(handles)
             poison = handles[3].id
         runs = executions(tmp_path)
         assert runs["3"] == 3  # delivered and run max_attempts times, then given up
@@ -201,7 +201,7 @@ def test_frozen_consumer_loses_its_lease_and_its_late_results_are_refused(
         stale.signal(signal.SIGCONT)
         wait_for(lambda: "were refused" in stale.output(), 15, "the late completion")
         time.sleep(0.5)  # anything the stale consumer might still deliver
-        assert all(p.deliveries[h.id] == 1 for h in handles)
+        assert p.delivered_once(handles)
     s = stats(redis_server, queue)
     assert (s.processed, s.requeued) == (4, 4)
     assert all(n == 2 for n in executions(tmp_path).values())  # at-least-once, here twice
@@ -222,7 +222,7 @@ def test_model_hung_past_max_batch_ms_is_re_run_elsewhere(redis_server, queue,
         assert handle.result(timeout=20)["pid"] == rescuer.proc.pid
         assert "treating it as hung" in hung.output()
         assert hung.proc.wait(timeout=15) == 3  # not the 60 s the model would take
-        assert p.deliveries[handle.id] == 1
+        assert p.delivered_once([handle])
     s = stats(redis_server, queue)
     assert (s.processed, s.requeued, s.consumers_alive) == (1, 1, 1)
 
@@ -247,7 +247,7 @@ def test_a_hung_model_gives_back_the_batch_fetched_ahead(redis_server, queue,
         rescuer = start(start_consumer, url, queue, "Echo", log=tmp_path)
         assert [h.result(timeout=30)["pid"] for h in handles] == [rescuer.proc.pid] * 21
         assert hung.proc.wait(timeout=15) == 3
-        assert all(p.deliveries[h.id] == 1 for h in handles)
+        assert p.delivered_once(handles)
     assert "given back to the queue" in hung.output()
 
 
@@ -267,7 +267,7 @@ def test_a_payload_hanging_the_model_is_dead_lettered_and_hung_consumers_replace
         with pytest.raises(RequestFailed, match="max_attempts") as info:
             poison.result(timeout=60)
         assert info.value.error_type == "DeadLettered"
-        assert all(p.deliveries[h.id] == 1 for h in [poison, *handles])
+        assert p.delivered_once([poison, *handles])
     assert executions(tmp_path)["hang"] == 3
     # The last one may exit just after another consumer's sweep re-queued the poison.
     wait_for(lambda: sup.output().count("exiting with status 3") == 3, 15, "3 hung exits")
@@ -329,7 +329,7 @@ def test_sigterm_finishes_the_batch_in_hand(redis_server, queue, start_consumer,
         consumer.signal(signal.SIGTERM)
         assert consumer.proc.wait(timeout=15) == 0
         assert [h.result(timeout=5)["pid"] for h in handles] == [consumer.proc.pid] * 4
-        assert all(p.deliveries[h.id] == 1 for h in handles)
+        assert p.delivered_once(handles)
     s = stats(redis_server, queue)
     assert (s.processed, s.requeued, s.in_flight_batches) == (4, 0, 0)
     assert all(n == 1 for n in executions(tmp_path).values())
@@ -355,7 +355,7 @@ def test_second_sigterm_exits_promptly_and_the_sweep_recovers(redis_server, queu
         assert time.monotonic() - started < 5  # not the 60 s the model would take
         rescuer = start(start_consumer, url, queue, "Echo", log=tmp_path)
         assert {h.result(timeout=20)["pid"] for h in handles} == {rescuer.proc.pid}
-        assert all(p.deliveries[h.id] == 1 for h in handles)
+        assert p.delivered_once(handles)
     assert stats(redis_server, queue).requeued == 2
 
 
@@ -378,7 +378,7 @@ def test_sigterm_during_a_backlog_leaves_nothing_in_flight(redis_server, queue,
         assert s.processed == len(ran) and sum(s.depth.values()) == 20 - len(ran)
         start(start_consumer, url, queue, "Echo", log=tmp_path)  # serves the rest
         assert [h.result(timeout=20)["echo"]["i"] for h in handles] == list(range(20))
-        assert all(p.deliveries[h.id] == 1 for h in handles)
+        assert p.delivered_once(handles)
     assert all(n == 1 for n in executions(tmp_path).values())
 
 
@@ -419,7 +419,7 @@ def test_a_crash_re_runs_the_batch_fetched_ahead_too(redis_server, queue, start_
         consumer.proc.wait(timeout=5)
         start(start_consumer, url, queue, "Echo", log=tmp_path, sleep_ms=10)
         assert [h.result(timeout=30)["echo"]["i"] for h in handles] == list(range(8))
-        assert all(p.deliveries[h.id] == 1 for h in handles)
+        assert p.delivered_once(handles)
     s = stats(redis_server, queue)
     assert (s.processed, s.requeued, s.in_flight_batches) == (8, requeued, 0)
 
@@ -590,7 +590,7 @@ def test_results_computed_while_redis_is_out_of_memory_are_kept(redis_server, qu
         wait_for(lambda: "maxmemory" in consumer.output(), 15, "the completion refused")
         client.config_set("maxmemory", "0")
         assert [h.result(timeout=20)["echo"]["i"] for h in handles] == list(range(8))
-        assert all(p.deliveries[h.id] == 1 for h in handles)
+        assert p.delivered_once(handles)
     s = stats(redis_server, queue)
     assert (s.processed, s.requeued) == (8, 0)
     assert all(n == 1 for n in executions(tmp_path).values())

@@ -5,6 +5,7 @@ execution logs."""
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -44,6 +45,17 @@ class CountingProducer(Producer):
     def _count(self, result: Result) -> None:
         with self._count_lock:
             self.deliveries[result.id] += 1
+
+    def delivered_once(self, handles: Any, timeout: float = 15.0) -> bool:
+        """Whether the inbox delivered each handle's result exactly once. A handle can end
+        before its inbox delivery (the listener's poll of `result:<id>` found it first),
+        so wait for every delivery to arrive, then for any duplicate to show."""
+        ids = [h.id for h in handles]
+        deadline = time.monotonic() + timeout
+        while any(self.deliveries[i] == 0 for i in ids) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.1)
+        return all(self.deliveries[i] == 1 for i in ids)
 
 
 def executions(log_dir: Path) -> Counter[str]:

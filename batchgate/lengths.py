@@ -22,8 +22,12 @@ one by one), and two cost models are fitted for the simulator
 (scheduler_core.simulation): t = A + B·b·max cost (what `batchgate simulate --cost-ms
 A+B*c` takes under cost_mode padded) and t = A + S·max cost + B·b·max cost (a per-step
 term: each generated token is one forward pass whatever the batch size). Each
-configuration is simulated on the same arrivals, and the error of each prediction is
-reported next to the measurement.
+configuration is simulated on the same arrivals with both, and with a third, "live",
+made of the run's own model-time samples (the batches the consumers timed, as a queue's
+model samples and live refit would give them to a user): the step model fitted to them,
+and each simulated batch's time multiplied by one of their ratios measured / fitted
+(the simulator's jitter). The error of each prediction is reported next to the
+measurement.
 """
 
 from __future__ import annotations
@@ -326,6 +330,10 @@ def _r(value: float | None) -> float | None:
 
 
 KINDS = ("padded", "step", "live")
+# The live prediction is the median over this many jitter seeds: with a few hundred
+# requests, p99 is made of a handful of batches, and one draw of their times swings it
+# by ±50% (the spread is reported beside it).
+LIVE_DRAWS = 21
 
 
 def fit_step(samples: list[tuple[int, int, float]]) -> dict[str, float]:
@@ -360,8 +368,9 @@ def predict(config: Config, prof: dict[str, Any], kind: str, times: list[float],
     """The simulator on the same arrivals, with the `kind` model time: "padded" (the
     profile's A + B·b·max), "step" (the profile's A + S·max + B·b·max), or "live": the
     step model fitted to the run's own batches (`run`), each simulated batch's time
-    multiplied by one of their ratios measured / fitted, drawn with `seed` (the profile's
-    step fit, exactly, if the run timed fewer than 3 batches)."""
+    multiplied by one of their ratios measured / fitted, drawn with seeds `seed` ..
+    `seed` + LIVE_DRAWS - 1: the median of each figure over the draws, and their range
+    (the profile's step fit, exactly, if the run timed fewer than 3 batches)."""
     jitter: tuple[float, ...] = ()
     m = prof["padded" if kind == "padded" else "step"]
     if kind == "live" and run is not None:
@@ -371,15 +380,32 @@ def predict(config: Config, prof: dict[str, Any], kind: str, times: list[float],
             StepTime(m["base_ms"], 0.0, m["per_cost_ms"], m["per_step_ms"]))
     prefer = tuple(config.prefer[i] if i < len(config.prefer) else 0
                    for i in range(consumers)) if config.prefer else ()
-    sim = SimConfig(policy=Policy.build("dynamic", **config.policy), cost=cost,
-                    consumers=consumers, prefer_buckets=prefer, jitter=jitter,
-                    jitter_seed=seed)
-    r = simulate(sim, times, [1] * len(times), costs)
-    return {"cost_model": str(cost), "jitter_samples": len(jitter),
-            "throughput_rps": r.throughput_rps,
-            "padding_waste": r.padding_waste, "mean_batch": r.mean_batch,
-            "latency_ms": {str(c): {"p50": v["p50"], "p99": v["p99"]}
-                           for c, v in r.latency_by_cost.items()}}
+    draws = []
+    for k in range(LIVE_DRAWS if jitter else 1):
+        sim = SimConfig(policy=Policy.build("dynamic", **config.policy), cost=cost,
+                        consumers=consumers, prefer_buckets=prefer, jitter=jitter,
+                        jitter_seed=seed + k)
+        draws.append(simulate(sim, times, [1] * len(times), costs))
+
+    def median(get: Callable[[Any], float | None]) -> float | None:
+        values = [v for r in draws if (v := get(r)) is not None]
+        return statistics.median(values) if values else None
+
+    out: dict[str, Any] = {
+        "cost_model": str(cost), "jitter_samples": len(jitter), "draws": len(draws),
+        "throughput_rps": median(lambda r: r.throughput_rps),
+        "padding_waste": median(lambda r: r.padding_waste),
+        "mean_batch": median(lambda r: r.mean_batch),
+        "latency_ms": {str(c): {q: median(lambda r, c=c, q=q: r.latency_by_cost.get(c, {})
+                                          .get(q))
+                                for q in ("p50", "p99")}
+                       for c in sorted({c for r in draws for c in r.latency_by_cost})}}
+    if len(draws) > 1:
+        out["p99_range_ms"] = {
+            str(c): [min(v), max(v)] for c in (SHORT, LONG)
+            if (v := [r.latency_by_cost[c]["p99"] for r in draws
+                      if r.latency_by_cost.get(c, {}).get("p99") is not None])}
+    return out
 
 
 def add_predictions(run: dict[str, Any], config: Config, prof: dict[str, Any],
@@ -505,8 +531,8 @@ def render(report: dict[str, Any]) -> str:
         "",
         "| config | short p50/p99 ms | long p50/p99 ms | req/s | batches (mean) | padding "
         "waste | model time / fit | sim b·max: short/long p99 ms (err) | sim step: "
-        "short/long p99 ms (err) | sim live: the run's own model samples, short/long p99 "
-        "ms (err) |",
+        "short/long p99 ms (err) | sim live (the run's own model samples; median of "
+        f"{LIVE_DRAWS} jitter draws): short/long p99 ms (err; the draws' range) |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in report["configs"].items():
@@ -518,7 +544,10 @@ def render(report: dict[str, Any]) -> str:
             sims.append(
                 f"{_f(p['latency_ms'].get(str(SHORT), {}).get('p99'))}/"
                 f"{_f(p['latency_ms'].get(str(LONG), {}).get('p99'))} "
-                f"({_f(e['short_p99'], '+.0f')}%/{_f(e['long_p99'], '+.0f')}%)")
+                f"({_f(e['short_p99'], '+.0f')}%/{_f(e['long_p99'], '+.0f')}%)"
+                + "".join(f"; {name} {lo:.0f}–{hi:.0f}" for name, (lo, hi) in zip(
+                    ("draws: short", "long"), (p.get("p99_range_ms") or {}).values(),
+                    strict=False)))
         lines.append(
             f"| {name} | {_f(s['p50'])}/{_f(s['p99'])} | {_f(lg['p50'])}/{_f(lg['p99'])} | "
             f"{_f(r['throughput_rps'], '.1f')} | {r['batches']} ({_f(r['mean_batch'], '.2f')})"

@@ -43,6 +43,7 @@ from collections.abc import Iterator, MutableSequence, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from scheduler_core.cost_model import fit
 from scheduler_core.errors import InvalidRequest
 from scheduler_core.policy import MAX_COST_BUCKETS, Policy
 from scheduler_core.rules import Batch, Request, Wait, apply, decide
@@ -148,8 +149,6 @@ def jitter_ratios(samples: Sequence[tuple[int, float]]) -> tuple[float, ...]:
     """Each measured model call's time over the least-squares line A + B·b through all of
     them (the fit the consumers' live refit makes): (batch size, ms) pairs in, ratios out.
     With one batch size only, over their mean."""
-    from scheduler_core.cost_model import fit
-
     points = [(int(b), float(ms)) for b, ms in samples if ms > 0]
     if len(points) < 2:
         raise InvalidRequest("cost_jitter", f"{len(points)} usable model-time samples; "

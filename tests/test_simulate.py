@@ -201,6 +201,10 @@ def test_jitter_ratios_are_each_sample_over_the_samples_own_line(tmp_path: Path)
     ratios = jitter_ratios(read)
     assert len(ratios) == 4 and max(ratios) > 1.3 and min(ratios) < 1
     assert jitter_ratios([(8, 10.0), (8, 20.0)]) == pytest.approx((2 / 3, 4 / 3))
+    # a line whose intercept fits below 0 is clamped as the live refit clamps it: every
+    # sample keeps a ratio, none huge
+    clamped = jitter_ratios([(1, 0.5), (10, 100.0), (20, 210.0)])
+    assert len(clamped) == 3 and max(clamped) < 2
     samples.write_text("1:6000\nfast\n")
     with pytest.raises(InvalidRequest, match="samples.txt:2") as info:
         read_model_samples(samples)

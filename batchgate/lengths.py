@@ -22,13 +22,18 @@ one by one), and two cost models are fitted for the simulator
 (scheduler_core.simulation): t = A + B·b·max cost (what `batchgate simulate --cost-ms
 A+B*c` takes under cost_mode padded) and t = A + S·max cost + B·b·max cost (a per-step
 term: each generated token is one forward pass whatever the batch size). Each
-configuration is simulated on the same arrivals, and the error of each prediction is
-reported next to the measurement.
+configuration is simulated on the same arrivals with both, and with a third, "live",
+made of the run's own model-time samples (the batches the consumers timed, as a queue's
+model samples and live refit would give them to a user): the step model fitted to them,
+and each simulated batch's time multiplied by one of their ratios measured / fitted
+(the simulator's jitter). The error of each prediction is reported next to the
+measurement.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import multiprocessing
 import os
 import random
@@ -176,8 +181,6 @@ def profile(repeats: int = 2, threads: int = 1, parallel: int = 1,
     tokens) shape in `parallel` processes at once, as the consumers will share the
     machine (one alone runs faster than two side by side); the mean over the processes
     of each one's median of `repeats`. Fit both cost models."""
-    import numpy as np
-
     shapes = shapes or PROFILE_SHAPES
     if parallel > 1:
         # fork: this process has not run torch yet (its model is built in the children)
@@ -190,16 +193,12 @@ def profile(repeats: int = 2, threads: int = 1, parallel: int = 1,
         times = _time_shapes(repeats, threads, shapes)
     points = [(b, c, ms) for (b, c), ms in zip(shapes, times, strict=True)]
     line = fit([(b * c, ms) for b, c, ms in points])
-    rows = np.array([[1.0, c, b * c] for b, c, _ in points])
-    coef = np.linalg.lstsq(rows, np.array([ms for *_, ms in points]), rcond=None)[0]
-    a, s, per = (max(0.0, float(x)) for x in coef)
     return {"points": [{"b": b, "cost": c, "ms": round(ms, 2)} for b, c, ms in points],
             "parallel": parallel,
             "padded": {"base_ms": round(max(0.0, line.base_ms), 4),
                        "per_cost_ms": round(max(1e-6, line.per_item_ms), 6),
                        "r2": round(line.r2, 4)},
-            "step": {"base_ms": round(a, 4), "per_step_ms": round(s, 6),
-                     "per_cost_ms": round(max(1e-6, per), 6)}}
+            "step": fit_step(points)}
 
 
 def t1(prof: dict[str, Any], cost: int) -> float:
@@ -322,6 +321,7 @@ def _replay(url: str, queue: str, times: list[float], costs: list[int],
         "latency_ms": {str(c): {"n": len(v), "p50": _r(pct(v, 0.5)), "p99": _r(pct(v, 0.99))}
                        for c, v in latency.items()},
         "batch_costs": [b["costs"] for b in batches.values()],
+        "batch_ms": [b["ms"] for b in batches.values()],
     }
 
 
@@ -329,32 +329,88 @@ def _r(value: float | None) -> float | None:
     return None if value is None else round(value, 1)
 
 
-KINDS = ("padded", "step", "step-live")
+KINDS = ("padded", "step", "live")
+# The live prediction is the median over this many jitter seeds: with a few hundred
+# requests, p99 is made of a handful of batches, and one draw of their times swings it
+# by ±50% (the spread is reported beside it).
+LIVE_DRAWS = 21
+
+
+def fit_step(samples: list[tuple[int, int, float]]) -> dict[str, float]:
+    """StepTime's terms (A + S·max + B·b·max ms) by least squares through (batch size,
+    largest cost, ms) samples; negative terms clamped to 0."""
+    import numpy as np
+
+    rows = np.array([[1.0, c, b * c] for b, c, _ in samples])
+    coef = np.linalg.lstsq(rows, np.array([ms for *_, ms in samples]), rcond=None)[0]
+    a, step, per = (max(0.0, float(x)) for x in coef)
+    return {"base_ms": round(a, 4), "per_step_ms": round(step, 6),
+            "per_cost_ms": round(max(1e-6, per), 6)}
+
+
+def live_model(run: dict[str, Any]) -> tuple[dict[str, float], tuple[float, ...]]:
+    """What the consumers measured during the run, as a user would get it from the queue's
+    model samples and live refit: the step model fitted to the run's own batches, and
+    each batch's model time over that fit (the simulator's jitter ratios)."""
+    samples = [(len(c), max(c), ms) for c, ms in
+               zip(run["batch_costs"], run.get("batch_ms", ()), strict=False) if ms > 0]
+    if len(samples) < 3:
+        raise ValueError("fewer than 3 timed batches")
+    m = fit_step(samples)
+    fitted = [m["base_ms"] + c * (m["per_step_ms"] + m["per_cost_ms"] * b)
+              for b, c, _ in samples]
+    return m, tuple(ms / f for (*_, ms), f in zip(samples, fitted, strict=True) if f > 0)
 
 
 def predict(config: Config, prof: dict[str, Any], kind: str, times: list[float],
-            costs: list[int], consumers: int, scale: float = 1.0) -> dict[str, Any]:
-    """The simulator on the same arrivals, with the `kind` fit: "padded" (A + B·b·max),
-    "step" (A + S·max + B·b·max), or "step-live": the step fit × `scale`, the run's own
-    model time over the step fit's (after the run: it tells the scheduling rules' error
-    apart from the profile's)."""
+            costs: list[int], consumers: int, run: dict[str, Any] | None = None,
+            seed: int = 1) -> dict[str, Any]:
+    """The simulator on the same arrivals, with the `kind` model time: "padded" (the
+    profile's A + B·b·max), "step" (the profile's A + S·max + B·b·max), or "live": the
+    step model fitted to the run's own batches (`run`), each simulated batch's time
+    multiplied by one of their ratios measured / fitted, drawn with seeds `seed` ..
+    `seed` + LIVE_DRAWS - 1: the median of each figure over the draws, and their range
+    (the profile's step fit, exactly, if the run timed fewer than 3 batches)."""
+    jitter: tuple[float, ...] = ()
     m = prof["padded" if kind == "padded" else "step"]
-    k = scale if kind == "step-live" else 1.0
+    if kind == "live" and run is not None:
+        with contextlib.suppress(ValueError):  # too few batches: the profile's fit
+            m, jitter = live_model(run)
     cost = (ModelTime(m["base_ms"], 0.0, m["per_cost_ms"]) if kind == "padded" else
-            StepTime(m["base_ms"] * k, 0.0, m["per_cost_ms"] * k, m["per_step_ms"] * k))
+            StepTime(m["base_ms"], 0.0, m["per_cost_ms"], m["per_step_ms"]))
     prefer = tuple(config.prefer[i] if i < len(config.prefer) else 0
                    for i in range(consumers)) if config.prefer else ()
-    sim = SimConfig(policy=Policy.build("dynamic", **config.policy), cost=cost,
-                    consumers=consumers, prefer_buckets=prefer)
-    r = simulate(sim, times, [1] * len(times), costs)
-    return {"cost_model": str(cost), "throughput_rps": r.throughput_rps,
-            "padding_waste": r.padding_waste, "mean_batch": r.mean_batch,
-            "latency_ms": {str(c): {"p50": v["p50"], "p99": v["p99"]}
-                           for c, v in r.latency_by_cost.items()}}
+    draws = []
+    for k in range(LIVE_DRAWS if jitter else 1):
+        sim = SimConfig(policy=Policy.build("dynamic", **config.policy), cost=cost,
+                        consumers=consumers, prefer_buckets=prefer, jitter=jitter,
+                        jitter_seed=seed + k)
+        draws.append(simulate(sim, times, [1] * len(times), costs))
+
+    def median(get: Callable[[Any], float | None]) -> float | None:
+        values = [v for r in draws if (v := get(r)) is not None]
+        return statistics.median(values) if values else None
+
+    out: dict[str, Any] = {
+        "cost_model": str(cost), "jitter_samples": len(jitter), "draws": len(draws),
+        "throughput_rps": median(lambda r: r.throughput_rps),
+        "padding_waste": median(lambda r: r.padding_waste),
+        "mean_batch": median(lambda r: r.mean_batch),
+        "latency_ms": {str(c): {q: median(lambda r, c=c, q=q: r.latency_by_cost.get(c, {})
+                                          .get(q))
+                                for q in ("p50", "p99")}
+                       for c in sorted({c for r in draws for c in r.latency_by_cost})}}
+    if len(draws) > 1:
+        out["p99_range_ms"] = {
+            str(c): [min(v), max(v)] for c in (SHORT, LONG)
+            if (v := [r.latency_by_cost[c]["p99"] for r in draws
+                      if r.latency_by_cost.get(c, {}).get("p99") is not None])}
+    return out
 
 
 def add_predictions(run: dict[str, Any], config: Config, prof: dict[str, Any],
-                    times: list[float], costs: list[int], consumers: int) -> None:
+                    times: list[float], costs: list[int], consumers: int,
+                    seed: int = 1) -> None:
     """run["model_time_vs_fit"] and run["predicted"][kind] for every KINDS, with errors."""
     # The consumers' model time against the step fit's, on the batches they ran: over 1
     # when the machine ran the model slower than at the profile (other load).
@@ -363,8 +419,7 @@ def add_predictions(run: dict[str, Any], config: Config, prof: dict[str, Any],
                                                 * len(c))
                    for c in run["batch_costs"]) / 1000
     run["model_time_vs_fit"] = round(run["model_s"] / fitted_s, 3) if fitted_s else None
-    run["predicted"] = {kind: predict(config, prof, kind, times, costs, consumers,
-                                      scale=run["model_time_vs_fit"] or 1.0)
+    run["predicted"] = {kind: predict(config, prof, kind, times, costs, consumers, run, seed)
                         for kind in KINDS}
     for pred in run["predicted"].values():
         pred["error_pct"] = {
@@ -406,7 +461,7 @@ def run_scenario(url: str, duration_s: float, consumers: int, seed: int, load: f
             f"{duration_s:g} s ...")
         run = run_config(url, queue, config, times, costs, consumers, threads, log_dir,
                          drain_timeout_s=max(30.0, duration_s))
-        add_predictions(run, config, prof, times, costs, consumers)
+        add_predictions(run, config, prof, times, costs, consumers, seed)
         results[config.name] = run
     measured_t = (1 - LONG_SHARE) * t1(prof, SHORT) + LONG_SHARE * t1(prof, LONG)
     report = {"workload": {"rate": round(rate, 2), "rate_exact": rate,
@@ -478,7 +533,8 @@ def render(report: dict[str, Any]) -> str:
         "",
         "| config | short p50/p99 ms | long p50/p99 ms | req/s | batches (mean) | padding "
         "waste | model time / fit | sim b·max: short/long p99 ms (err) | sim step: "
-        "short/long p99 ms (err) | sim step × model time / fit (after the run) |",
+        "short/long p99 ms (err) | sim live (the run's own model samples; median of "
+        f"{LIVE_DRAWS} jitter draws): short/long p99 ms (err; the draws' range) |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in report["configs"].items():
@@ -490,7 +546,10 @@ def render(report: dict[str, Any]) -> str:
             sims.append(
                 f"{_f(p['latency_ms'].get(str(SHORT), {}).get('p99'))}/"
                 f"{_f(p['latency_ms'].get(str(LONG), {}).get('p99'))} "
-                f"({_f(e['short_p99'], '+.0f')}%/{_f(e['long_p99'], '+.0f')}%)")
+                f"({_f(e['short_p99'], '+.0f')}%/{_f(e['long_p99'], '+.0f')}%)"
+                + "".join(f"; {name} {lo:.0f}–{hi:.0f}" for name, (lo, hi) in zip(
+                    ("draws: short", "long"), (p.get("p99_range_ms") or {}).values(),
+                    strict=False)))
         lines.append(
             f"| {name} | {_f(s['p50'])}/{_f(s['p99'])} | {_f(lg['p50'])}/{_f(lg['p99'])} | "
             f"{_f(r['throughput_rps'], '.1f')} | {r['batches']} ({_f(r['mean_batch'], '.2f')})"

@@ -24,13 +24,17 @@ from scheduler_core.errors import InvalidRequest
 from scheduler_core.options import POLICY_KNOBS
 from scheduler_core.policy import MAX_REQUEST_COST, Policy, Priority
 from scheduler_core.simulation import (  # noqa: F401 (the importable API, as before)
+    DEFAULT_FETCH,
+    DEFAULT_FINISH,
     DEFAULT_OVERHEAD_MS,
     DEFAULT_TRANSPORT_MS,
     MAX_REQUESTS,
+    PathTime,
     SimConfig,
     SimResult,
     _Level,
     draw_costs,
+    jitter_ratios,
     simulate,
 )
 from scheduler_core.simulation import ModelTime as CostModel
@@ -138,6 +142,30 @@ def read_trace_costs(path: Path) -> tuple[list[float], list[int], list[int] | No
             [c for _, _, c in rows] if any_cost else None)
 
 
+def read_model_samples(path: Path) -> list[tuple[int, float]]:
+    """Model-time samples, one "size:model_us" per line (what a queue's
+    `{bg:q}:samples:model` list holds: `redis-cli LRANGE '{bg:q}:samples:model' 0 -1`),
+    as (batch size, ms). Blank lines are skipped."""
+    out: list[tuple[int, float]] = []
+    with path.open() as f:
+        for number, line in enumerate(f, 1):
+            text = line.strip().strip('"')
+            if not text:
+                continue
+            size, _, us = text.partition(":")
+            try:
+                b, t = int(size), float(us)
+            except ValueError:
+                b, t = 0, -1.0
+            if not 1 <= b <= 100_000 or not 0 <= t <= 3.6e9:
+                raise InvalidRequest("cost_jitter", f"{path}:{number}: {text!r} is not "
+                                                    "SIZE:MODEL_US (e.g. 32:21050)")
+            out.append((b, t / 1000))
+            if len(out) > MAX_REQUESTS:
+                raise InvalidRequest("cost_jitter", f"more than {MAX_REQUESTS:,} samples")
+    return out
+
+
 # -- the command --------------------------------------------------------------------------
 def _policy_option(flag: str) -> Any:
     """The same option, help and limits as `batchgate policy set` has."""
@@ -151,8 +179,10 @@ def render(result: SimResult, config: SimConfig, workload: str) -> str:
         f"{result.requests:,} requests ({workload}), {config.consumers} consumer(s)"
         + (f" preferring buckets {','.join(map(str, config.prefer_buckets))}"
            if config.prefer_buckets else "") + ", "
-        f"t(b) = {config.cost}, overhead {config.overhead_ms:g} ms per batch, transport "
-        f"{config.transport_ms:g} ms per request",
+        f"t(b) = {config.cost}"
+        + (f" x a measured ratio ({len(config.jitter):,} samples)" if config.jitter else "")
+        + f", overhead {config.overhead_ms:g} ms per batch, fetch {config.fetch}, finish "
+        f"{config.finish}, transport {config.transport_ms:g} ms per request",
         f"policy: {p.strategy}, max_batch_size {p.max_batch_size}, max_queue_delay_ms "
         f"{p.max_queue_delay_ms}, aging_ms {p.aging_ms}" + (
             f", max_cost {p.max_cost} ({p.over_cost}), max_batch_cost {p.max_batch_cost} "
@@ -226,12 +256,25 @@ def render(result: SimResult, config: SimConfig, workload: str) -> str:
               help="Each consumer's --prefer-bucket, comma-separated, one per consumer, e.g. "
                    "1,0 (0 = none) [default: none].")
 @click.option("--overhead-ms", type=float, default=DEFAULT_OVERHEAD_MS, show_default=True,
-              help="Scheduler time per batch besides the model, ms (default: the measured gap "
-                   "between batches at saturation).")
+              help="Consumer time between two batches when the next one was fetched ahead "
+                   "(a backlog), ms (default: the measured gap at saturation).")
+@click.option("--fetch-ms", default=str(DEFAULT_FETCH).removesuffix(" ms"),
+              show_default=True,
+              help="Pop to model start for a batch of b, A+B*b ms; on the consumer unless "
+                   "fetched ahead (default: fitted to the benchmark grid).")
+@click.option("--finish-ms", default=str(DEFAULT_FINISH).removesuffix(" ms"),
+              show_default=True,
+              help="Model end to result seen for a batch of b, A+B*b ms; on the consumer "
+                   "only when nothing was left waiting at its pop (default: fitted to the "
+                   "benchmark grid).")
 @click.option("--transport-ms", type=float, default=DEFAULT_TRANSPORT_MS, show_default=True,
-              help="Latency per request outside queue and model (submit to enqueue, model "
-                   "end to result seen), ms; occupies no consumer (default: measured at light "
-                   "load).")
+              help="Submit to enqueue, ms per request; occupies no consumer (default: "
+                   "measured on the benchmark grid).")
+@click.option("--cost-jitter", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              default=None,
+              help="Measured model times, one SIZE:MODEL_US per line (a queue's "
+                   "{bg:q}:samples:model list): each batch's t(b) is multiplied by one of "
+                   "their ratios to their own A+B*b fit, drawn with --seed [default: none].")
 @click.option("--seed", type=int, default=1, show_default=True,
               help="Random seed of the arrivals (that of batchgate bench gives its requests).")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
@@ -242,7 +285,8 @@ def simulate_command(strategy: str | None, max_batch_size: int | None,
                      arrivals: str,
                      rate: float, duration_s: float, mix: str, trace: Path | None,
                      consumers: int, prefer_buckets: str | None, cost_ms: str,
-                     overhead_ms: float, transport_ms: float,
+                     overhead_ms: float, fetch_ms: str, finish_ms: str,
+                     transport_ms: float, cost_jitter: Path | None,
                      seed: int, as_json: bool) -> None:
     """Predict latency per priority, throughput, batch sizes and utilisation of a queue
     policy on a workload, by a discrete-event simulation of the scheduling rules (no
@@ -255,8 +299,10 @@ def simulate_command(strategy: str | None, max_batch_size: int | None,
                           max_cost=max_cost, over_cost=over_cost, max_batch_cost=max_batch_cost,
                           cost_mode=cost_mode, cost_buckets=cost_buckets)
     prefs = _parse_prefs(prefer_buckets) if prefer_buckets else ()
+    jitter = jitter_ratios(read_model_samples(cost_jitter)) if cost_jitter else ()
     config = SimConfig(policy, CostModel.parse(cost_ms), consumers, overhead_ms, transport_ms,
-                       prefs)
+                       prefs, PathTime.parse(fetch_ms, "fetch_ms"),
+                       PathTime.parse(finish_ms, "finish_ms"), jitter, seed)
     mix_of_costs = parse_cost_mix(cost_mix) if cost_mix is not None else None
     costs: list[int] | None = None
     if trace is not None:

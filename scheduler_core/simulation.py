@@ -5,11 +5,20 @@ plan too: `recommended_consumers`).
 A discrete-event simulation of N consumers on one queue. Requests arrive (offsets and
 priorities given); whenever a consumer is free it pops at once, and the batch is whatever
 `scheduler_core.rules.decide` (pop_batch.lua's twin: the same rules, no copy of them
-here) says. A popped batch of b occupies its consumer for the per-batch overhead plus the
-model time t(b) = A + B·b (or, with request costs, A + B·Σcost under cost_mode sum,
-A + B·b·max cost under padded); its requests' results are seen a transport time later
-(submit to queue and result back to the producer, which occupies no consumer). While
-every consumer is busy, requests queue. A consumer told "nothing due for W µs" sleeps
+here) says. A popped batch of b runs the model for t(b) = A + B·b (or, with request
+costs, A + B·Σcost under cost_mode sum, A + B·b·max cost under padded), each batch's time
+optionally multiplied by a ratio drawn (seeded) from measured samples: `jitter`. Around
+the model, the distributed path as consumer/overlap.py runs it:
+
+- fetch(b): pop → model start (the pop's round trip, decoding the payloads), on the
+  consumer. Hidden behind the previous batch when that one was popped with requests left
+  waiting (the consumer fetched ahead): then the gap is only `overhead_ms`.
+- finish(b): model end → result seen (encoding, complete.lua, delivery). On the result's
+  path always; on the consumer only when the batch was popped with nothing left waiting
+  (no overlap: the consumer completes it before it pops again).
+- transport: submit → enqueue, per request, on no consumer.
+
+While every consumer is busy, requests queue. A consumer told "nothing due for W µs" sleeps
 until then or until something changes (an arrival, another consumer finishing), as a
 real one sleeps until its due timer or a wake-up.
 
@@ -34,6 +43,7 @@ from collections.abc import Iterator, MutableSequence, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from scheduler_core.cost_model import fit
 from scheduler_core.errors import InvalidRequest
 from scheduler_core.policy import MAX_COST_BUCKETS, Policy
 from scheduler_core.rules import Batch, Request, Wait, apply, decide
@@ -43,9 +53,11 @@ MIX = (0.1, 0.6, 0.3)  # share of HIGH, NORMAL, LOW requests
 # The gap between two batches of one consumer at saturation, p50 (docs/benchmarks.md,
 # "Saturation: the scheduler's cost between batches").
 DEFAULT_OVERHEAD_MS = 0.14
-# submit -> enqueue (0.65 ms) plus model end -> result seen (0.57 ms), p50 at light load
-# (docs/benchmarks.md, "Light load: the latency floor").
-DEFAULT_TRANSPORT_MS = 1.22
+# The distributed path, fitted to the stage p50s measured on the benchmark grid and
+# checked against its latencies (docs/benchmarks.md, "The simulator against the real
+# system"): submit -> enqueue, per request; DEFAULT_FETCH (pop -> model start) and
+# DEFAULT_FINISH (model end -> result seen), per batch, below PathTime.
+DEFAULT_TRANSPORT_MS = 0.5
 # A wait of 0 that is not a batch (pop_batch.lua gives one while a promotion is pending):
 # a consumer pops again after a round trip; never less than this.
 MIN_REPOLL_US = 100
@@ -98,15 +110,78 @@ class ModelTime:
 
 
 @dataclass(frozen=True)
+class PathTime:
+    """A + B·b ms for a batch of b: one stage of the path around the model."""
+
+    base_ms: float
+    per_item_ms: float = 0.0
+    name: str = "path_ms"  # the option it came from, for errors
+
+    def __post_init__(self) -> None:
+        for part in (self.base_ms, self.per_item_ms):
+            if isinstance(part, bool) or not isinstance(part, (int, float)) \
+                    or not 0 <= part <= 60_000:
+                raise InvalidRequest(self.name, f"each term must be within [0, 60000] ms, got "
+                                                f"{part!r}")
+
+    @classmethod
+    def parse(cls, text: str, name: str) -> PathTime:
+        """"A+B*b" ("0.4+0.06*b", "1.5", "0.1*b"; spaces ignored), ms."""
+        m = _COST.match(text.replace(" ", ""))
+        if not m or "c" in (m.group(3), m.group(5)):
+            raise InvalidRequest(name, f"{text!r} is not A+B*b (e.g. 0.4+0.06*b, 1.5; ms for "
+                                       "a batch of b)")
+        base, per, _, per_alone, _ = m.groups()
+        return cls(float(base or 0), float(per or per_alone or 0), name)
+
+    def us(self, batch: int) -> int:
+        return round((self.base_ms + self.per_item_ms * batch) * 1000)
+
+    def __str__(self) -> str:
+        return f"{self.base_ms:g}+{self.per_item_ms:g}*b ms"
+
+
+DEFAULT_FETCH = PathTime(0.45, 0.05, "fetch_ms")
+DEFAULT_FINISH = PathTime(1.2, 0.06, "finish_ms")
+
+
+def jitter_ratios(samples: Sequence[tuple[int, float]]) -> tuple[float, ...]:
+    """Each measured model call's time over the least-squares line A + B·b through all of
+    them (the fit the consumers' live refit makes): (batch size, ms) pairs in, ratios out.
+    With one batch size only, over their mean."""
+    points = [(int(b), float(ms)) for b, ms in samples if ms > 0]
+    if len(points) < 2:
+        raise InvalidRequest("cost_jitter", f"{len(points)} usable model-time samples; "
+                                            "need at least 2")
+    if len({b for b, _ in points}) >= 2:
+        line = fit(points)  # negative terms clamped to 0, as the live refit stores them
+        base, per = max(0.0, line.base_ms), max(0.0, line.per_item_ms)
+        expected = [base + per * b for b, _ in points]
+    else:
+        mean = sum(ms for _, ms in points) / len(points)
+        expected = [mean] * len(points)
+    ratios = tuple(ms / e for (_, ms), e in zip(points, expected, strict=True) if e > 0)
+    if not ratios:
+        raise InvalidRequest("cost_jitter", "the samples' fit is not positive anywhere")
+    return ratios
+
+
+@dataclass(frozen=True)
 class SimConfig:
     policy: Policy = field(default_factory=Policy)
     cost: ModelTime = field(default_factory=lambda: ModelTime(5.0, 0.5))
     consumers: int = 2
     overhead_ms: float = DEFAULT_OVERHEAD_MS  # per batch, besides the model
-    transport_ms: float = DEFAULT_TRANSPORT_MS  # per request: to the queue and back
+    transport_ms: float = DEFAULT_TRANSPORT_MS  # per request: submit -> enqueue
     # Each consumer's --prefer-bucket (1-based, 0 = none), one per consumer; () = none.
     # Idle consumers pop lowest first.
     prefer_buckets: tuple[int, ...] = ()
+    fetch: PathTime = DEFAULT_FETCH  # pop -> model start, per batch of b
+    finish: PathTime = DEFAULT_FINISH  # model end -> result seen, per batch of b
+    # Ratios actual / fitted model time (jitter_ratios); each batch's model time is
+    # multiplied by one drawn with jitter_seed. () = the model time exactly.
+    jitter: tuple[float, ...] = ()
+    jitter_seed: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.consumers, bool) or not isinstance(self.consumers, int) or \
@@ -117,6 +192,11 @@ class SimConfig:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and 0 <= value <= 60_000):
                 raise InvalidRequest(name, f"must be within [0, 60000] ms, got {value!r}")
+        if not all(isinstance(r, (int, float)) and 0 < r <= 1000 for r in self.jitter):
+            raise InvalidRequest("cost_jitter", "every ratio must be within (0, 1000]")
+        for name in ("fetch", "finish"):
+            if not isinstance(getattr(self, name), PathTime):
+                raise InvalidRequest(name, f"must be a PathTime, got {getattr(self, name)!r}")
         prefs = self.prefer_buckets
         if prefs and (len(prefs) != self.consumers or not all(
                 type(b) is int and 0 <= b <= MAX_COST_BUCKETS + 1 for b in prefs)):
@@ -178,6 +258,13 @@ def simulate(config: SimConfig, times: list[float], prios: list[int],
     pad_total = pad_waste = 0
     overhead = round(config.overhead_ms * 1000)
     transport = round(config.transport_ms * 1000)
+    fetch = [config.fetch.us(b) for b in range(policy.max_batch_size + 1)]
+    finish = [config.finish.us(b) for b in range(policy.max_batch_size + 1)]
+    jitter = config.jitter
+    draw = random.Random(f"jitter-{config.jitter_seed}").choice if jitter else None
+    # A consumer that popped its running batch with requests left waiting fetches the next
+    # one ahead (consumer/overlap.py): free at `ahead[c]`, it pops without a fetch.
+    ahead = [-1] * config.consumers
     repoll = max(overhead, MIN_REPOLL_US)
     levels = [_Level(), _Level(), _Level()]
     done = [0] * n  # when each request's result is seen (µs)
@@ -224,12 +311,19 @@ def simulate(config: SimConfig, times: list[float], prios: list[int],
                     pad_waste += size * top - sum(batch_costs)
                     if per_cost:
                         model = config.cost.us(size, size * top if padded else sum(batch_costs))
-                end = now + overhead + model
-                seen = end + transport
+                if draw is not None:
+                    model = round(model * draw(jitter))
+                consumer = idle.pop(0)
+                end = now + (overhead if ahead[consumer] == now else fetch[size]) + model
+                seen = end + finish[size] + transport
                 for p in decision.picked:
                     done[p.request.id] = seen  # type: ignore[index]
-                push(free_at, (end, idle.pop(0)))
                 waiting -= size
+                if waiting:  # overlapped: completed beside the next batch
+                    ahead[consumer] = end
+                    push(free_at, (end, consumer))
+                else:  # completed on the consumer before it pops again
+                    push(free_at, (end + finish[size], consumer))
                 histogram[size] += 1
                 model_us += model
             else:

@@ -42,6 +42,31 @@ def test_step_time_counts_steps_and_padded_rows() -> None:
     assert model.us(4, 4 * 256) == round((1 + 0.5 * 256 + 0.01 * 1024) * 1000)
 
 
+def test_live_model_is_fitted_to_the_runs_own_batches_and_predicted_over_draws() -> None:
+    truth = lengths.StepTime(5.0, 0.0, 0.01, 0.5)
+    batch_costs = [[c] * b for b in (1, 2, 4, 8) for c in (16, 128, 256)]
+    batch_ms = [truth.us(len(c), len(c) * c[0]) / 1000 for c in batch_costs]
+    batch_ms[-1] *= 2  # one batch stalled
+    run = {"batch_costs": batch_costs, "batch_ms": batch_ms}
+    fitted, ratios = lengths.live_model(run)
+    assert len(ratios) == len(batch_costs) and max(ratios) > 1.5
+    assert sorted(ratios)[len(ratios) // 2] == pytest.approx(1.0, abs=0.2)
+    assert fitted["per_step_ms"] > 0 and fitted["per_cost_ms"] > 0
+    times, costs = lengths.arrivals(4, 30, seed=2)
+    config = lengths.CONFIGS[1]  # buckets
+    prof = {"step": fitted, "padded": {"base_ms": 1.0, "per_cost_ms": 0.1}}
+    live = lengths.predict(config, prof, "live", times, costs, 2, run, seed=1)
+    assert live == lengths.predict(config, prof, "live", times, costs, 2, run, seed=1)
+    assert live["draws"] == lengths.LIVE_DRAWS and live["jitter_samples"] == len(ratios)
+    low, high = live["p99_range_ms"][str(lengths.LONG)]
+    assert low <= live["latency_ms"][str(lengths.LONG)]["p99"] <= high
+    exact = lengths.predict(config, prof, "step", times, costs, 2, run)
+    assert exact["draws"] == 1 and "p99_range_ms" not in exact
+    few = lengths.predict(config, prof, "live", times, costs, 2,
+                          {"batch_costs": [[16]], "batch_ms": [5.0]})
+    assert few["jitter_samples"] == 0 and few["cost_model"] == exact["cost_model"]
+
+
 def test_probed_model_names_each_batch_and_its_costs() -> None:
     from consumer.batch import Cost
 

@@ -12,11 +12,17 @@ from click.testing import CliRunner
 
 from batchgate.cli import main
 from batchgate.simulate import (
+    DEFAULT_FETCH,
+    DEFAULT_FINISH,
+    DEFAULT_TRANSPORT_MS,
     CostModel,
+    PathTime,
     SimConfig,
     _Level,
+    jitter_ratios,
     parse_mix,
     poisson_arrivals,
+    read_model_samples,
     read_trace,
     simulate,
 )
@@ -24,11 +30,13 @@ from batchgate.workload import Workload
 from scheduler_core.errors import InvalidRequest
 from scheduler_core.policy import Policy, Strategy
 
+NO_PATH = PathTime(0, 0)
+
 
 def run(strategy: Strategy, times_ms: list[float], prios: list[int], cost: str = "10",
         consumers: int = 1, **policy: int):
     config = SimConfig(Policy(strategy=strategy, **policy), CostModel.parse(cost), consumers,
-                       overhead_ms=0, transport_ms=0)
+                       overhead_ms=0, transport_ms=0, fetch=NO_PATH, finish=NO_PATH)
     return simulate(config, [t / 1000 for t in times_ms], prios)
 
 
@@ -130,8 +138,9 @@ def test_command_prints_the_documented_json(tmp_path: Path):
     trace.write_text('{"t": 0, "priority": "high"}\n')
     text = CliRunner().invoke(main, ["simulate", "--trace", str(trace), "--cost-ms", "7"])
     assert text.exit_code == 0, text.output
-    # t(1) + the default overhead per batch and transport per request
-    assert "high" in text.output and "8.36" in text.output
+    # fetch(1) + t(1) + finish(1) + transport, the defaults: a lone request is fetched cold
+    alone = DEFAULT_FETCH.us(1) / 1000 + 7 + DEFAULT_FINISH.us(1) / 1000 + DEFAULT_TRANSPORT_MS
+    assert "high" in text.output and f"{alone:.2f}" in text.output
 
 
 def test_command_names_the_bad_option():
@@ -141,6 +150,110 @@ def test_command_names_the_bad_option():
     assert result.exit_code == 2 and "max_batch_size" in result.output
     result = CliRunner().invoke(main, ["simulate", "--transport-ms", "-1"])
     assert result.exit_code == 2 and "transport_ms" in result.output
+    for flag in ("--fetch-ms", "--finish-ms"):
+        for bad in ("slow", "1+2*c", "-1"):
+            result = CliRunner().invoke(main, ["simulate", flag, bad])
+            assert result.exit_code == 2 and flag[2:].replace("-", "_") in result.output
+
+
+# -- the path around the model, and a model time that varies ---------------------------
+def path_run(times_ms: list[float], strategy: Strategy = Strategy.FIFO, **policy: int):
+    config = SimConfig(Policy(strategy=strategy, **policy), CostModel.parse("10"), 1,
+                       overhead_ms=0.25, transport_ms=0.5, fetch=PathTime.parse("1+0.5*b", "f"),
+                       finish=PathTime.parse("2+0.25*b", "f"))
+    return simulate(config, [t / 1000 for t in times_ms], [1] * len(times_ms))
+
+
+def test_a_lone_request_pays_fetch_model_finish_and_transport():
+    result = path_run([0.0])
+    assert result.latency_ms["all"]["max"] == 1.5 + 10 + 2.25 + 0.5
+
+
+def test_a_batch_fetched_ahead_skips_the_fetch_and_finishes_beside_the_next():
+    # One request at 0 (a batch of 1: the consumer is busy until 13.75 ms: fetch, model,
+    # finish), then 64 at 1 ms: the first 32 are fetched cold with 32 left waiting, so
+    # the second 32 were fetched ahead (overhead only) and the first finished beside them.
+    result = path_run([0.0] + [1.0] * 64, Strategy.DYNAMIC, max_batch_size=32,
+                      max_queue_delay_ms=0)
+    free = 1.5 + 10 + 2.25
+    end = free + (1 + 0.5 * 32) + 10
+    first = end + (2 + 0.25 * 32) + 0.5 - 1
+    second = end + 0.25 + 10 + (2 + 0.25 * 32) + 0.5 - 1
+    assert result.batch_histogram == {1: 1, 32: 2}
+    assert result.latency_ms["all"]["p50"] == pytest.approx(first, abs=0.1)
+    assert result.latency_ms["all"]["max"] == pytest.approx(second, abs=0.1)
+
+
+def test_without_a_backlog_the_consumer_finishes_before_it_pops_again():
+    # The second request arrives while the first one's results are being written: it waits
+    # for the consumer, then is fetched cold.
+    result = path_run([0.0, 12.0])
+    free = 1.5 + 10 + 2.25  # first: fetched, run, finished on the consumer
+    assert result.latency_ms["all"]["max"] == pytest.approx(free - 12 + 1.5 + 10 + 2.25 + 0.5,
+                                                            abs=0.01)
+
+
+def test_jitter_ratios_are_each_sample_over_the_samples_own_line(tmp_path: Path):
+    samples = tmp_path / "samples.txt"
+    samples.write_text("1:6000\n2:7000\n\n4:9000\n1:12000\n")  # line 6 + 1*b ms, one 2x slow
+    read = read_model_samples(samples)
+    assert read == [(1, 6.0), (2, 7.0), (4, 9.0), (1, 12.0)]
+    ratios = jitter_ratios(read)
+    assert len(ratios) == 4 and max(ratios) > 1.3 and min(ratios) < 1
+    assert jitter_ratios([(8, 10.0), (8, 20.0)]) == pytest.approx((2 / 3, 4 / 3))
+    # a line whose intercept fits below 0 is clamped as the live refit clamps it: every
+    # sample keeps a ratio, none huge
+    clamped = jitter_ratios([(1, 0.5), (10, 100.0), (20, 210.0)])
+    assert len(clamped) == 3 and max(clamped) < 2
+    samples.write_text("1:6000\nfast\n")
+    with pytest.raises(InvalidRequest, match="samples.txt:2") as info:
+        read_model_samples(samples)
+    assert info.value.field == "cost_jitter"
+    with pytest.raises(InvalidRequest) as info:
+        jitter_ratios([(1, 5.0)])
+    assert info.value.field == "cost_jitter"
+    with pytest.raises(InvalidRequest) as info:
+        SimConfig(jitter=(1.0, 0.0))
+    assert info.value.field == "cost_jitter"
+
+
+def test_jitter_is_seeded_widens_p99_and_keeps_throughput():
+    times, prios = poisson_arrivals(300, 20, seed=2)
+    policy = Policy.build("dynamic", max_batch_size=32, max_queue_delay_ms=20)
+    ratios = (0.8, 0.9, 1.0, 1.0, 1.1, 1.2, 3.0)  # one batch in seven stalls at 3x
+
+    def sim(jitter: tuple[float, ...], seed: int = 1):
+        return simulate(SimConfig(policy, CostModel(5, 0.5), 2, jitter=jitter,
+                                  jitter_seed=seed), times, prios)
+
+    exact, shaken = sim(()), sim(ratios)
+    assert sim(ratios).latency_ms == shaken.latency_ms  # the same seed, the same answer
+    assert sim(ratios, seed=2).latency_ms != shaken.latency_ms
+    assert shaken.latency_ms["all"]["p99"] > exact.latency_ms["all"]["p99"] * 1.1
+    assert shaken.throughput_rps == pytest.approx(exact.throughput_rps, rel=0.02)
+    assert sim((1.0,)).latency_ms == exact.latency_ms  # a ratio of 1 changes nothing
+
+
+def test_the_command_takes_the_path_and_a_jitter_file(tmp_path: Path):
+    samples = tmp_path / "samples.txt"
+    samples.write_text("".join(f"{b}:{round((5 + 0.5 * b) * 1000 * r)}\n"
+                               for b in (1, 8, 32) for r in (0.9, 1.0, 1.1, 2.5)))
+    args = ["simulate", "--strategy", "dynamic", "--rate", "300", "--duration-s", "5",
+            "--json"]
+    plain = json.loads(CliRunner().invoke(main, args).output)
+    shaken = CliRunner().invoke(main, args + ["--cost-jitter", str(samples)])
+    assert shaken.exit_code == 0, shaken.output
+    assert json.loads(shaken.output)["latency_ms"]["all"]["p99"] > \
+        plain["latency_ms"]["all"]["p99"]
+    free = CliRunner().invoke(main, args + ["--fetch-ms", "0", "--finish-ms", "0",
+                                            "--transport-ms", "0"])
+    assert json.loads(free.output)["latency_ms"]["all"]["p50"] < \
+        plain["latency_ms"]["all"]["p50"]
+    text = CliRunner().invoke(main, args[:-1] + ["--cost-jitter", str(samples)]).output
+    assert "x a measured ratio (12 samples)" in text and "fetch 0.45+0.05*b ms" in text
+    samples.write_text("32\n")
+    bad = CliRunner().invoke(main, args + ["--cost-jitter", str(samples)])
+    assert bad.exit_code == 2 and "cost_jitter" in bad.output
 
 
 def test_the_simulators_level_behaves_as_a_list():
@@ -183,6 +296,7 @@ def test_simcheck_simulates_the_benchmarks_sleep_model_runs():
 
     workload = Workload("poisson", rate=200, duration_s=2, seed=3, model="synthetic")
     measured = {"throughput_rps": 200.0, "batch_mean": 8.0, "overloaded": False,
+                "busy_fraction": 0.5, "model_samples": ["4:7100", "8:9000", "8:12000"],
                 "latency_ms": {c: {"p50": 40.0, "p99": 60.0}
                                for c in ("all", "high", "normal", "low")}}
     runs = [{"label": system, "spec": spec_dict(RunSpec("grid", system, model, workload, 2)),
@@ -191,11 +305,16 @@ def test_simcheck_simulates_the_benchmarks_sleep_model_runs():
                                   ("batchgate", "noop"))]
     rows = compare({"runs": runs})
     assert [r["system"] for r in rows] == ["batchgate"]
+    # the run's own model samples feed the jitter, seeded as the workload
+    ratios = jitter_ratios([(4, 7.1), (8, 9.0), (8, 12.0)])
     expected = simulate(SimConfig(Policy.build("dynamic", aging_ms=1000), CostModel(5, 0.5),
-                                  2), *workload.schedule())
+                                  2, jitter=ratios, jitter_seed=3), *workload.schedule())
+    assert rows[0]["jitter_samples"] == 3
     assert rows[0]["all_p99"] == (60.0, expected.latency_ms["all"]["p99"])
     assert rows[0]["mean_batch"] == (8.0, expected.mean_batch)
-    assert "λ=200" in render(rows)
+    assert "λ=200" in render(rows) and "runs under 90% busy" in render(rows)
+    exact = compare({"runs": runs}, jitter=False)
+    assert exact[0]["jitter_samples"] == 0
 
 
 # -- requests of different cost ------------------------------------------------------------
@@ -205,7 +324,8 @@ def test_a_padded_model_costs_size_times_the_largest_and_the_sum_model_the_sum()
     for mode, model_ms in (("padded", 11.0), ("sum", 7.0)):
         config = SimConfig(Policy(strategy=Strategy.DYNAMIC, max_batch_size=2,
                                   cost_mode=mode),
-                           CostModel.parse("1+0.5*c"), 1, overhead_ms=0, transport_ms=0)
+                           CostModel.parse("1+0.5*c"), 1, overhead_ms=0, transport_ms=0,
+                           fetch=NO_PATH, finish=NO_PATH)
         result = simulate(config, [0.0, 0.0], [1, 1], [2, 10])  # arrivals 0 and 1 µs
         assert result.batch_histogram == {2: 1}
         assert result.latency_ms["all"]["max"] == pytest.approx(model_ms + 0.001)

@@ -10,7 +10,8 @@ one, from t(1, cost) measured at startup), through --consumers `batchgate consum
 processes per configuration on a private redis-server. Per configuration it prints the
 short and long requests' p50/p99, the throughput, the batches and the padding waste
 Σ(max − cost)/Σ max, and the simulator's prediction on the same arrivals with two
-fitted cost models (and its error); then the issue's targets as PASS/MISS. --out gets
+cost models fitted to the profile and one to the run's own model-time samples, with
+their variation as jitter (and each one's error); then the issue's targets as PASS/MISS. --out gets
 results.json, results.md and lengths.png. docs/benchmarks.md ("Requests of two
 lengths") has a run's figures.
 """

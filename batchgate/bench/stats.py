@@ -120,6 +120,10 @@ def summarize(rec: dict[str, list[Any]], spec: Any, cpu: dict[str, float]) -> di
                                                          (rec["t1"][i] or rec["t0"][i])
                                                          - rec["t0"][i])
     sizes = Counter(size for size, _ in batches.values())
+    # Each batch's model time as the queue's {bg:q}:samples:model holds it ("size:model_us",
+    # its newest 10,000): what simcheck feeds the simulator's --cost-jitter.
+    out["model_samples"] = [f"{size}:{round(dur * 1e6)}" for _, (size, dur) in
+                            sorted(batches.items(), key=lambda kv: kv[0][1] or 0)][-10_000:]
     # The scheduler's cost between two batches of one worker: model end -> next pop
     # (Redis clock: encode results, complete + pop round trip) -> next model start.
     pops = {(rec["worker"][i], rec["t0"][i]): rec["t_pop"][i] for i in done

@@ -40,7 +40,8 @@ def submit_command(redis_url: str, queue: str, priority: str, deadline_ms: int |
         raise InvalidRequest("payload", f"is not valid JSON: {exc}") from None
     with Producer(redis_url, queue) as producer:
         handle = producer.submit(value, priority=priority, deadline_ms=deadline_ms,
-                                 idempotency_key=idempotency_key, cost=cost)
+                                 idempotency_key=idempotency_key, cost=cost,
+                                 store_result=not wait)  # its id is printed: fetchable
         if not wait:
             click.echo(handle.id)
             return

@@ -107,7 +107,7 @@ ACL_COMMANDS = " ".join([
     "get set del exists incr expire",
     "hget hset hdel hexists hmget hgetall hincrby hlen hkeys",
     "zadd zrem zrange zrangebyscore zremrangebyscore zcard zcount zscore bzpopmin",
-    "rpush lpush ltrim lrange blmpop",
+    "rpush lpush ltrim lrange llen blmpop",
     "xadd xread",
 ]).split(" ")
 # redis-py announces itself with CLIENT SETINFO (Redis >= 7.2); refused, it is skipped.

@@ -86,8 +86,8 @@ def test_producer_puts_the_active_span_in_the_envelope(shared_redis, queue):
                 handle = await producer.submit({"i": 3})
             return handle.id, traceparent(span)
     request_id, expected = asyncio.run(submit_async())
-    envelope = orjson.loads(redis.Redis.from_url(shared_redis.url).hget(
-        QueueKeys(queue).jobs, request_id))
+    envelope = orjson.loads(split_job(redis.Redis.from_url(shared_redis.url).hget(
+        QueueKeys(queue).jobs, request_id))[1])
     assert envelope["trace"] == {"traceparent": expected}
 
 

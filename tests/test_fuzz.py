@@ -287,8 +287,8 @@ class FakeScript:
         if args and args[0] in ("list", "expire"):  # the deadline timer: nothing is due
             return [0, -1, 0]
         self.calls.append((keys, args))
-        ids = args[3::6]  # then each one's deadline, as enqueue.lua answers
-        return [1, len(ids), len(ids), *(i.encode() for i in ids), *args[5::6]]
+        ids = args[3::7]  # then each one's deadline, as enqueue.lua answers
+        return [1, len(ids), len(ids), *(i.encode() for i in ids), *args[5::7]]
 
 
 class FakePipeline:
@@ -359,27 +359,30 @@ def test_fuzz_producer_constructor(batch):
 def test_fuzz_producer_submit():
     fake = NoRedis()
     producer = Producer(queue="fuzz", client=fake, max_payload_bytes=LIMIT)
-    fields = {"payload", "payloads", "priority", "deadline_ms", "idempotency_key", "cost"}
+    fields = {"payload", "payloads", "priority", "deadline_ms", "idempotency_key", "cost",
+              "store_result"}
     case = st.tuples(
         st.booleans(), payloads, st.lists(scalars, max_size=3),
         st.sampled_from(["high", "low", 0, 2, "urgent", 5, None, 1.0]) | scalars,
         st.none() | st.integers(-1, 90_000_000) | scalars,
         st.none() | st.from_regex(r"[a-z{} :-]{0,12}", fullmatch=True) | scalars,
-        st.integers(-1, 10**9 + 1) | st.lists(st.integers(0, 3), max_size=4) | scalars)
+        st.integers(-1, 10**9 + 1) | st.lists(st.integers(0, 3), max_size=4) | scalars,
+        st.booleans() | st.sampled_from([None, 0, 1, "yes"]))
 
-    def check_one(many, payload, more, priority, deadline_ms, key, cost):
+    def check_one(many, payload, more, priority, deadline_ms, key, cost, store):
         fake.calls.clear()
         try:
             if many:
                 batch = [payload, *more]
                 handles = producer.submit_many(batch, priority=priority,
                                                deadline_ms=deadline_ms,
-                                               idempotency_keys=[key] * len(batch), cost=cost)
+                                               idempotency_keys=[key] * len(batch), cost=cost,
+                                               store_result=store)
             else:
                 batch = [payload]
                 handles = [producer.submit(payload, priority=priority,
                                            deadline_ms=deadline_ms, idempotency_key=key,
-                                           cost=cost)]
+                                           cost=cost, store_result=store)]
         except InvalidRequest as exc:
             assert field_of(exc) in fields, exc
             assert not fake.calls, "bad input reached Redis"
@@ -387,13 +390,14 @@ def test_fuzz_producer_submit():
         [(keys, args)] = fake.calls
         assert args[1] == len(batch) == len(handles) and isinstance(args[2], int)
         for i, value in enumerate(batch):
-            rid, prio, deadline, envelope, flag, c = args[3 + 6 * i: 9 + 6 * i]
+            rid, prio, deadline, envelope, flag, c, keep = args[3 + 7 * i: 10 + 7 * i]
             assert re.fullmatch(r"[0-9a-f]{32}", rid) and prio in (0, 1, 2)
             assert isinstance(deadline, int) and 0 <= deadline <= 86_400_000
             assert decode_request(envelope) == normalise(value) and flag in (0, 1)
             assert type(c) is int and 1 <= c <= 10**9
             assert c == (cost[i] if isinstance(cost, list) else cost)
-        assert len(keys) == len(SHARED_KEYS) + sum(args[7::6])
+            assert store in (True, False) and keep == int(store or flag)
+        assert len(keys) == len(SHARED_KEYS) + sum(args[7::7])
 
     @fuzz("submit")
     @given(batch=cases("submit", case))

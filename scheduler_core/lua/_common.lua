@@ -37,10 +37,11 @@ end
 -- (default 1 when absent): the request's cost as enqueued; requested, present only when
 -- over_cost=truncate capped it, the cost its producer asked for. No meta field holds '|',
 -- so the first '|' ends the meta and the envelope is the rest, whatever its bytes.
+local JOB_META = '^([0-2]):(%d+):(%d+):(%d+):([01]):([%w_.%-]*):?(%d*):?(%d*)|'
+
 local function parse_job(raw)
   if not raw then return nil end
-  local _, e, p, a, d, n, k, producer, c, r = string.find(raw,
-    '^([0-2]):(%d+):(%d+):(%d+):([01]):([%w_.%-]*):?(%d*):?(%d*)|')
+  local _, e, p, a, d, n, k, producer, c, r = string.find(raw, JOB_META)
   if not p or #a > 17 or #d > 17 or #n > 9 or #c > 10 or #r > 10 then
     return nil  -- absurd: by hand
   end
@@ -49,8 +50,19 @@ local function parse_job(raw)
   -- The digits are kept as read, so that writing the meta back formats no number.
   return {prio = tonumber(p), arrival = tonumber(a), deadline = tonumber(d),
           attempts = tonumber(n), keep = k == '1', producer = producer, arrival_s = a,
-          deadline_s = d, cost = tonumber(c), requested = tonumber(r),
+          deadline_s = d, cost = tonumber(c), requested = tonumber(r), cost_s = c,
+          requested_s = r,
           envelope = string.sub(raw, e + 1)}
+end
+
+-- What a completion needs of a jobs value, without parse_job's table and envelope copy:
+-- its arrival (µs, as a number), whether its result is kept by id, and its producer; nil
+-- where parse_job would find no meta.
+local function job_route(raw)
+  if not raw then return nil end
+  local _, _, p, a, d, n, k, producer, c, r = string.find(raw, JOB_META)
+  if not p or #a > 17 or #d > 17 or #n > 9 or #c > 10 or #r > 10 then return nil end
+  return tonumber(a), k == '1', producer
 end
 
 -- The envelope of a jobs value, for a caller that needs no meta (the whole value if it

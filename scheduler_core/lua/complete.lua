@@ -82,10 +82,10 @@ for i = 0, n - 1 do
     refused = refused + 1
   else
     seen[id] = true
-    local m = parse_job(raw[i + 1])
+    local arrival, keep, producer = job_route(raw[i + 1])
     -- Without readable meta (written by hand) the result is stored: no inbox to take it.
-    if not m or m.keep then store_result(KEYS[24 + 2 * i], envelope, ttl) end
-    if m and m.producer ~= '' then
+    if not arrival or keep then store_result(KEYS[24 + 2 * i], envelope, ttl) end
+    if arrival and producer ~= '' then
       local inbox = KEYS[25 + 2 * i]
       if not inboxes[inbox] then
         inboxes[inbox] = {}
@@ -93,10 +93,11 @@ for i = 0, n - 1 do
       end
       table.insert(inboxes[inbox], envelope)
     end
-    if m then e2e[#e2e + 1] = int(now - m.arrival) end
+    if arrival then e2e[#e2e + 1] = int(now - arrival) end
     done[#done + 1] = id
     if outcome == 'dead' then
       add_dead_letter(dead, dead_reason, id, now, envelope)
+      local m = parse_job(raw[i + 1])
       if m then
         m.attempts = m.attempts + 1
         counted[#counted + 1] = id

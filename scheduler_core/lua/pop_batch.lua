@@ -390,7 +390,8 @@ local function commit(rules, consumer, lease_ms, chosen, metas, ids, raw, total,
                                                             m.arrival_s or int(m.arrival),
                                                             attempt
     reply[r + 5], reply[r + 6], reply[r + 7] = m.producer, state, c.level
-    reply[r + 8], reply[r + 9] = int(m.cost), int(m.requested)
+    reply[r + 8] = m.cost_s or int(m.cost)  -- the digits as stored: no number formatted
+    reply[r + 9] = m.requested_s or int(m.requested)
   end
   for level = 0, 3 do
     local members = by_level[level + 1]

@@ -170,8 +170,10 @@ class NotFound(click.ClickException):
 @click.argument("request_id", metavar="ID")
 def result_command(redis_url: str, queue: str, wait: bool, timeout: float, as_json: bool,
                    request_id: str) -> None:
-    """Print the stored result of request ID (from `submit`, the gateway, `dead-letter
-    retry`, ...), from any process, while it is kept (result_ttl_s).
+    """Print the stored result of request ID (from `submit` without --wait, the gateway,
+    `dead-letter retry`, or a Producer's submit with store_result=True or an idempotency
+    key), from any process, while it is kept (result_ttl_s). Other requests' results go
+    only to their producer: for those, ID is unknown once they have finished.
 
     Exit status: 0 done (the result is printed as JSON); 1 the request failed, expired
     or was cancelled (the error goes to stderr); 2 bad usage; 3 no result: the id is
@@ -186,8 +188,9 @@ def result_command(redis_url: str, queue: str, wait: bool, timeout: float, as_js
     while True:
         found = request_state(client, queue, request_id)
         if found is None:
-            raise NotFound(f"no request {request_id!r} in queue {queue!r} (unknown, or its "
-                           "result expired after result_ttl_s)")
+            raise NotFound(f"no request {request_id!r} in queue {queue!r} (unknown, its "
+                           "result expired after result_ttl_s, or it was submitted "
+                           "without store_result)")
         if found.result is not None or not wait or time.monotonic() >= end:
             break
         time.sleep(min(step, max(0.0, end - time.monotonic())))

@@ -655,9 +655,12 @@ class Consumer:
                         "the batch; could not check which: %s)", batch.id, exc)
             return
         if lost:
+            # Without a stored result, a request another consumer already answered
+            # after the re-queue is gone too: both cases are named.
             log.warning("batch %s: its results were refused: %d of its %d requests no longer "
                         "exist (Redis lost them? restarted without persistence, or "
-                        "flushed); nobody will answer them", batch.id, len(lost),
+                        "flushed; or another consumer answered them after their lease "
+                        "lapsed, with no result stored by id)", batch.id, len(lost),
                         len(batch.items))
         else:
             log.warning("batch %s: lease expired and the batch was re-queued; its results "

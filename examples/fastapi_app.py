@@ -70,8 +70,10 @@ async def predict(item: Item, request: Request) -> dict[str, Any]:
 
 @app.post("/jobs", status_code=202)
 async def submit_job(item: Item, request: Request) -> dict[str, str]:
-    """Fire and forget: answer with the id at once; GET /jobs/{id} later."""
-    handle = await producer_of(request).submit({"text": item.text}, priority="low")
+    """Fire and forget: answer with the id at once; GET /jobs/{id} later (from any
+    replica: the result is stored by id, store_result=True)."""
+    handle = await producer_of(request).submit({"text": item.text}, priority="low",
+                                               store_result=True)
     return {"id": handle.id}
 
 

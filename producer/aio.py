@@ -152,6 +152,7 @@ class AsyncProducer(ProducerBase[AsyncHandle]):
         self._kick_scheduled = False
         self._sends: set[asyncio.Task[None]] = set()
         self._sweeper: asyncio.Task[None] | None = None
+        self._pops = 0  # the listener's pops delivered so far (see _pop_after)
         # The deadline timer: a call at the earliest deadline, moved when an earlier comes.
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
@@ -159,18 +160,23 @@ class AsyncProducer(ProducerBase[AsyncHandle]):
 
     async def submit(self, payload: Any, priority: Priority | int | str = Priority.NORMAL,
                      deadline_ms: float | None = None,
-                     idempotency_key: str | None = None, cost: int = 1) -> AsyncHandle:
+                     idempotency_key: str | None = None, cost: int = 1,
+                     store_result: bool = False) -> AsyncHandle:
+        """As Producer.submit."""
         return (await self._submit([payload], priority, deadline_ms, [idempotency_key],
-                                   cost=cost))[0]
+                                   cost=cost, store_result=store_result))[0]
 
     async def submit_many(self, payloads: Iterable[Any],
                           priority: Priority | int | str = Priority.NORMAL,
                           deadline_ms: float | None = None,
                           idempotency_keys: list[str | None] | None = None,
-                          cost: int | Sequence[int] = 1) -> list[AsyncHandle]:
-        return await self._submit(payloads, priority, deadline_ms, idempotency_keys, cost=cost)
+                          cost: int | Sequence[int] = 1,
+                          store_result: bool = False) -> list[AsyncHandle]:
+        return await self._submit(payloads, priority, deadline_ms, idempotency_keys, cost=cost,
+                                  store_result=store_result)
 
     async def fetch(self, request_id: str) -> Result | None:
+        """As Producer.fetch: only results submitted with store_result=True are stored."""
         raw = await self._redis.get(self.keys.result(request_id))
         return decode_result(raw) if raw is not None else None
 
@@ -209,12 +215,12 @@ class AsyncProducer(ProducerBase[AsyncHandle]):
 
     async def _submit(self, payloads: Iterable[Any], priority: Any, deadline_ms: Any,
                       idempotency_keys: list[str | None] | None,
-                      cost: Any = 1) -> list[AsyncHandle]:
+                      cost: Any = 1, store_result: Any = False) -> list[AsyncHandle]:
         if self._closed:
             raise RuntimeError("producer is closed")
         submission, handles = self._prepare(
             payloads, priority, deadline_ms, idempotency_keys,
-            lambda rid: AsyncHandle(self, rid), cost)
+            lambda rid: AsyncHandle(self, rid), cost, store_result)
         loop = asyncio.get_running_loop()
         try:
             await require_redis_version_async(self._redis)  # once per client: BLMPOP needs 7
@@ -373,11 +379,21 @@ class AsyncProducer(ProducerBase[AsyncHandle]):
             for raw in popped[1] if popped else ():
                 if raw:  # an empty item is a wake-up marker (Producer.close's), no result
                     self._deliver(raw)
+            self._pops += 1
             if time.monotonic() >= next_sweep and (self._sweeper is None
                                                    or self._sweeper.done()):
                 # A task of its own: results keep flowing while it waits for Redis.
                 self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
                 next_sweep = time.monotonic() + base.POLL_S
+
+    async def _pop_after(self, pops: int) -> None:
+        """Wait (at most 2 * POLL_S) until the listener has delivered two more pops than
+        `pops`, the count when a sweep sent its MULTI: the sweep runs beside the listener,
+        whose pop (the one in flight, or the next) may have taken a result from the
+        inbox before the MULTI ran and not yet delivered it."""
+        give_up = time.monotonic() + 2 * base.POLL_S
+        while self._pops <= pops + 1 and time.monotonic() < give_up and not self._closed:
+            await asyncio.sleep(0.01)
 
     async def _sweep(self) -> None:
         """As Producer._sweep."""
@@ -393,7 +409,11 @@ class AsyncProducer(ProducerBase[AsyncHandle]):
                 owner = await connection.slot_owner_async(self._redis, self.keys.jobs)
                 pipe = owner.pipeline(transaction=True)
                 checked = self._poll_reads(pipe, chunk)
-                self._polled(chunk, checked, await pipe.execute())
+                pops = self._pops
+                replies = await pipe.execute()
+                if self._maybe_lost(checked, replies):
+                    await self._pop_after(pops)
+                self._polled(chunk, checked, replies)
             except redis.RedisError as exc:
                 await connection.refresh_topology_async(self._redis, exc)
                 return

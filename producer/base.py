@@ -43,13 +43,17 @@ CANCEL_OUTCOMES: dict[int, CancelOutcome] = {1: "cancelled", 2: "running", 0: "f
                                              3: "lost"}
 # Lost-inbox fallback (a result popped from the inbox whose reply never arrived, an inbox
 # expired): the listener checks `result:<id>` of a handle POLL_S after its submit, then at
-# doubling ages, at most POLL_MAX_S apart, many ids per MGET.
+# doubling ages, at most POLL_MAX_S apart, many ids per MGET. Only requests submitted with
+# store_result (or an idempotency key) have one; the others' results exist only in the
+# inbox.
 POLL_S = 1.0
 POLL_MAX_S = 30.0
 # From this age on, the same poll also asks whether Redis still knows the request (in
-# jobs: waiting, in flight or dead-lettered), in the same MULTI as the result: one that is
-# nowhere and has no result was lost by Redis (or its result expired), and its handle
-# fails with RequestLost. Younger handles skip the check: it is not needed on the hot path.
+# jobs: waiting, in flight or dead-lettered), in the same MULTI as the result and the
+# inbox's length: one that is nowhere, has no stored result, while the inbox is empty (a
+# finished request's result may wait there, unread), was lost by Redis (or its result
+# expired or was lost in transit), and its handle fails with RequestLost. Younger handles
+# skip the check: it is not needed on the hot path.
 LOST_CHECK_AFTER_S = 2.0
 SWEEP_CHUNK = 500  # handles per MGET or cancel pipeline in a sweep
 
@@ -155,11 +159,12 @@ class ProducerBase(Generic[H]):
 
     def _prepare(self, payloads: Iterable[Any], priority: Any, deadline_ms: Any,
                  idempotency_keys: list[str | None] | None,
-                 make_handle: Callable[[str], H], cost: Any = 1) -> tuple[Submission, list[H]]:
+                 make_handle: Callable[[str], H], cost: Any = 1,
+                 store_result: Any = False) -> tuple[Submission, list[H]]:
         """Validate (raising before any write) and register handles. Handles are
         registered first so that no result can arrive before its handle."""
         requests = build_requests(self.config, payloads, priority, deadline_ms,
-                                  idempotency_keys, cost)
+                                  idempotency_keys, cost, store_result)
         handles = [make_handle(r.id) for r in requests]
         with self._lock:
             for r, h in zip(requests, handles, strict=True):
@@ -327,21 +332,31 @@ class ProducerBase(Generic[H]):
         checked = [h for h in handles if now - h._accepted_at >= LOST_CHECK_AFTER_S]
         for h in checked:
             pipe.hexists(self.keys.jobs, h.id)
+        pipe.llen(self.keys.inbox(self.id))
         pipe.mget([self.keys.result(h.id) for h in handles])
         return checked
+
+    @staticmethod
+    def _maybe_lost(checked: list[H], replies: list[Any]) -> bool:
+        """Whether a poll's replies may declare a handle lost (then the async listener
+        first lets a pop already in flight deliver what it took)."""
+        *known, unread, _ = replies
+        return not unread and not all(known)
 
     def _polled(self, handles: list[H], checked: list[H], replies: list[Any]) -> None:
         """Resolve the handles with a stored result, and as lost those Redis no longer
         knows. One MULTI: a request that completes between the reads cannot be taken for
         lost (the result is stored as the request leaves jobs, atomically)."""
-        *known, raws = replies
+        *known, unread, raws = replies
         stored = {}
         for handle, raw in zip(handles, raws, strict=True):
             if raw is not None:
                 stored[handle.id] = raw
                 self._resolve_all(handle, decode_result(raw))
-        lost = [h for h, exists in zip(checked, known, strict=True)
-                if not exists and h.id not in stored]
+        # Results still in the inbox are delivered by the listener's next pop: none of
+        # this poll's handles is taken for lost meanwhile.
+        lost = [] if unread else [h for h, exists in zip(checked, known, strict=True)
+                                  if not exists and h.id not in stored]
         if lost:
             log.warning("%d requests (%s, ...) no longer exist in Redis (lost, or their "
                         "result expired): their handles fail with RequestLost", len(lost),
@@ -357,6 +372,8 @@ class ProducerBase(Generic[H]):
 
     def _cancelled(self, handle: H, reply: Any, envelope: bytes) -> CancelOutcome:
         outcome = CANCEL_OUTCOMES[int(reply)]
+        if outcome == "lost" and handle._result is not None:
+            return "finished"  # its result, not stored by id, reached the handle already
         if outcome == "cancelled":
             self._resolve_all(handle, decode_result(envelope))
         elif outcome == "lost":

@@ -48,7 +48,8 @@ def submit_command(redis_url: str, queue: str, priority: str, deadline_ms: int |
                          wait_replicas=wait_replicas,
                          wait_timeout_ms=wait_timeout_ms) as producer:
         handle = producer.submit(value, priority=priority, deadline_ms=deadline_ms,
-                                 idempotency_key=idempotency_key, cost=cost)
+                                 idempotency_key=idempotency_key, cost=cost,
+                                 store_result=not wait)  # its id is printed: fetchable
         if not wait:
             click.echo(handle.id)
             return

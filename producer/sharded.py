@@ -136,19 +136,21 @@ class ShardedProducer:
     # -- Producer's API -------------------------------------------------------------
     def submit(self, payload: Any, priority: Priority | int | str = Priority.NORMAL,
                deadline_ms: float | None = None, idempotency_key: str | None = None,
-               cost: int = 1) -> Handle:
+               cost: int = 1, store_result: bool = False) -> Handle:
         producer = self._shard_for(1, idempotency_key)
-        return producer.submit(payload, priority, deadline_ms, idempotency_key, cost)
+        return producer.submit(payload, priority, deadline_ms, idempotency_key, cost,
+                               store_result)
 
     def submit_many(self, payloads: Iterable[Any], priority: Priority | int | str =
                     Priority.NORMAL, deadline_ms: float | None = None,
                     idempotency_keys: list[str | None] | None = None,
-                    cost: int | Sequence[int] = 1) -> list[Handle]:
+                    cost: int | Sequence[int] = 1,
+                    store_result: bool = False) -> list[Handle]:
         payloads = list(payloads)
         if not needs_split(len(payloads), idempotency_keys, self.shards):
             producer = self._shard_for(len(payloads), None)
             return producer.submit_many(payloads, priority, deadline_ms, idempotency_keys,
-                                        cost)
+                                        cost, store_result)
         assert idempotency_keys is not None
         # Each keyed request to its key's shard (a repeat must find the first); one call
         # per shard, each atomic. A repeat of the whole call after an error is safe: the
@@ -161,7 +163,7 @@ class ShardedProducer:
             got = producer.submit_many(
                 [payloads[i] for i in indexes], priority, deadline_ms,
                 [idempotency_keys[i] for i in indexes],
-                [costs[i] for i in indexes] if costs is not None else cost)
+                [costs[i] for i in indexes] if costs is not None else cost, store_result)
             for i, handle in zip(indexes, got, strict=True):
                 handles[i] = handle
         return [h for h in handles if h is not None]
@@ -241,21 +243,23 @@ class AsyncShardedProducer:
 
     async def submit(self, payload: Any, priority: Priority | int | str = Priority.NORMAL,
                      deadline_ms: float | None = None, idempotency_key: str | None = None,
-                     cost: int = 1) -> AsyncHandle:
+                     cost: int = 1, store_result: bool = False) -> AsyncHandle:
         producer = await self._shard_for(1, idempotency_key)
-        return await producer.submit(payload, priority, deadline_ms, idempotency_key, cost)
+        return await producer.submit(payload, priority, deadline_ms, idempotency_key, cost,
+                                     store_result)
 
     async def submit_many(self, payloads: Iterable[Any], priority: Priority | int | str =
                           Priority.NORMAL, deadline_ms: float | None = None,
                           idempotency_keys: list[str | None] | None = None,
-                          cost: int | Sequence[int] = 1) -> list[AsyncHandle]:
+                          cost: int | Sequence[int] = 1,
+                          store_result: bool = False) -> list[AsyncHandle]:
         """As ShardedProducer.submit_many."""
         payloads = list(payloads)
         await self.open()
         if not needs_split(len(payloads), idempotency_keys, self.shards):
             producer = await self._shard_for(len(payloads), None)
             return await producer.submit_many(payloads, priority, deadline_ms,
-                                              idempotency_keys, cost)
+                                              idempotency_keys, cost, store_result)
         assert idempotency_keys is not None and self._placer is not None
         costs = list(cost) if isinstance(cost, Sequence) else None
         handles: list[AsyncHandle | None] = [None] * len(payloads)
@@ -265,7 +269,7 @@ class AsyncShardedProducer:
             got = await producer.submit_many(
                 [payloads[i] for i in indexes], priority, deadline_ms,
                 [idempotency_keys[i] for i in indexes],
-                [costs[i] for i in indexes] if costs is not None else cost)
+                [costs[i] for i in indexes] if costs is not None else cost, store_result)
             for i, handle in zip(indexes, got, strict=True):
                 handles[i] = handle
         return [h for h in handles if h is not None]

@@ -233,9 +233,10 @@ class Producer(ProducerBase[Handle]):
     """Submits requests to one queue; one listener thread receives all their results.
 
     Results come back through this instance's inbox (one Redis list), drained by a single
-    thread on a connection of its own that resolves the waiting handles, and are also
-    stored by id for `result_ttl_s` so that `fetch(id)` finds them later, from any
-    process. Any number of threads may submit at once: they share a pool of at most
+    thread on a connection of its own that resolves the waiting handles. A request
+    submitted with `store_result=True` (or an idempotency key) has its result also stored
+    by id for `result_ttl_s`, so that `fetch(id)` finds it later, from any process. Any
+    number of threads may submit at once: they share a pool of at most
     `max_connections` connections, and submits that arrive while enqueue calls are in
     flight travel together in the next one.
     """
@@ -262,7 +263,7 @@ class Producer(ProducerBase[Handle]):
     # -- public API -----------------------------------------------------------------
     def submit(self, payload: Any, priority: Priority | int | str = Priority.NORMAL,
                deadline_ms: float | None = None, idempotency_key: str | None = None,
-               cost: int = 1) -> Handle:
+               cost: int = 1, store_result: bool = False) -> Handle:
         """Enqueue one request; returns its Handle once Redis has accepted it.
 
         Raises InvalidRequest (a ValueError naming the field) before writing anything, or
@@ -270,17 +271,24 @@ class Producer(ProducerBase[Handle]):
         >= 1, in your own unit: tokens to generate, input length) is what the queue's
         cost settings budget (docs/scheduling.md); over the queue's max_cost it raises
         InvalidRequest naming `cost` (or, with over_cost=truncate, is capped).
+
+        The result comes to this producer's handle either way; `store_result=True` also
+        stores it by id for result_ttl_s, for `fetch(id)` from any process (a request
+        with an idempotency key is always stored).
         """
-        return self._submit([payload], priority, deadline_ms, [idempotency_key], cost=cost)[0]
+        return self._submit([payload], priority, deadline_ms, [idempotency_key], cost=cost,
+                            store_result=store_result)[0]
 
     def submit_many(self, payloads: Iterable[Any], priority: Priority | int | str =
                     Priority.NORMAL, deadline_ms: float | None = None,
                     idempotency_keys: list[str | None] | None = None,
-                    cost: int | Sequence[int] = 1) -> list[Handle]:
+                    cost: int | Sequence[int] = 1, store_result: bool = False
+                    ) -> list[Handle]:
         """Enqueue up to 10,000 requests in one atomic script call (one round trip):
         all are accepted or, on bad input or QueueFull, none is. `cost`: one value for
-        all, or one per payload."""
-        return self._submit(payloads, priority, deadline_ms, idempotency_keys, cost=cost)
+        all, or one per payload. `store_result`: as submit's, for all of them."""
+        return self._submit(payloads, priority, deadline_ms, idempotency_keys, cost=cost,
+                            store_result=store_result)
 
     @staticmethod
     def as_completed(handles: Iterable[Handle], timeout: float | None = None
@@ -304,8 +312,10 @@ class Producer(ProducerBase[Handle]):
                                    f"{timeout}s") from None
 
     def fetch(self, request_id: str) -> Result | None:
-        """The stored result of any request of this queue, or None if there is none (still
-        waiting or running, unknown, or expired after result_ttl_s)."""
+        """The stored result of a request of this queue submitted with
+        `store_result=True` (or an idempotency key), or None if there is none: still
+        waiting or running, unknown, expired after result_ttl_s, or submitted without
+        asking for storage (its result went only to its producer's handle)."""
         raw = self._redis.get(self.keys.result(request_id))
         return decode_result(raw) if raw is not None else None
 
@@ -342,12 +352,13 @@ class Producer(ProducerBase[Handle]):
 
     # -- internals ------------------------------------------------------------------
     def _submit(self, payloads: Iterable[Any], priority: Any, deadline_ms: Any,
-                idempotency_keys: list[str | None] | None, cost: Any = 1) -> list[Handle]:
+                idempotency_keys: list[str | None] | None, cost: Any = 1,
+                store_result: Any = False) -> list[Handle]:
         if self._closed.is_set():
             raise RuntimeError("producer is closed")
         submission, handles = self._prepare(
             payloads, priority, deadline_ms, idempotency_keys, lambda rid: Handle(self, rid),
-            cost)
+            cost, store_result)
         try:
             require_redis_version(self._redis)  # once per client: BLMPOP needs Redis 7
             self._ensure_listener()

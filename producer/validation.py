@@ -113,7 +113,7 @@ class ProducerConfig:
 
 def build_requests(config: ProducerConfig, payloads: Iterable[Any], priority: Any,
                    deadline_ms: Any, idempotency_keys: list[str | None] | None = None,
-                   cost: Any = 1) -> list[NewRequest]:
+                   cost: Any = 1, store_result: Any = False) -> list[NewRequest]:
     from scheduler_core.tracing import current_trace
     from scheduler_core.wire import encode_request
 
@@ -128,6 +128,8 @@ def build_requests(config: ProducerConfig, payloads: Iterable[Any], priority: An
     keys = idempotency_keys or [None] * len(payloads)
     trace = current_trace()  # the caller's span, if any: carried to the consumer's spans
     costs = check_costs(cost, len(payloads))
+    if not isinstance(store_result, bool):
+        raise InvalidRequest("store_result", f"must be True or False, got {store_result!r}")
     requests = []
     for index, (payload, key, c) in enumerate(zip(payloads, keys, costs, strict=True)):
         try:
@@ -137,7 +139,7 @@ def build_requests(config: ProducerConfig, payloads: Iterable[Any], priority: An
                 raise
             raise InvalidRequest(f"payloads[{index}]", str(exc)) from None
         requests.append(NewRequest(new_id(), level, deadline, envelope,
-                                   check_idempotency_key(key), c))
+                                   check_idempotency_key(key), c, store_result))
     return requests
 
 

@@ -3,7 +3,7 @@
 A request is dead-lettered when it was delivered `max_attempts` times without completing
 (each time its consumer crashed or hung), or when its stored entry is unreadable. Its
 producer receives a `RequestFailed` (error type `DeadLettered` or `MalformedRequest`);
-the request itself stays in `{bg:q}:jobs` / `{bg:q}:meta`, listed in `{bg:q}:dead`
+the request itself (meta and envelope) stays in `{bg:q}:jobs`, listed in `{bg:q}:dead`
 (id -> time) with the reason in `{bg:q}:dead:reason`, until it is retried or purged.
 
 The `batchgate dead-letter` commands (batchgate/deadletter_cli.py) drive these functions.
@@ -21,6 +21,7 @@ from scheduler_core.errors import InvalidRequest
 from scheduler_core.keys import QueueKeys
 from scheduler_core.scripts import Scripts, dead_letter_keys
 from scheduler_core.shards import physical_queues
+from scheduler_core.wire import split_job
 
 MAX_IDS_PER_CALL = 1000  # the script's bound on work per call
 PREVIEW_CHARS = 200
@@ -77,19 +78,18 @@ def list_dead(client: redis.Redis, queue: str, limit: int = 50,
 def _describe(client: redis.Redis, keys: QueueKeys, member: bytes, score: float) -> DeadLetter:
     pipe = client.pipeline(transaction=False)
     pipe.hget(keys.dead_reason, member)
-    pipe.hget(keys.meta, member)
     pipe.hget(keys.jobs, member)
-    reason, meta, job = pipe.execute()
+    reason, job = pipe.execute()
     attempts = priority = None
-    parts = _text(meta).split(":") if meta is not None else []  # 5-7 fields (keys.py)
-    if len(parts) >= 5 and parts[0].isdigit() and parts[3].isdigit():
-        priority, attempts = int(parts[0]), int(parts[3])
+    meta, envelope = split_job(job) if job is not None else (None, None)
+    if meta is not None:
+        priority, attempts = meta.priority, meta.attempts
     error_type, message = _reason(reason)
     if attempts and error_type == "DeadLettered":
-        # The pop that gave up on it counted one more attempt, but delivered nothing:
-        # the count here is the one its "gave up after N deliveries" names.
+        # Its dead-lettering counted one more attempt, but delivered nothing: the
+        # count here is the one its "gave up after N deliveries" names.
         attempts -= 1
-    preview = None if job is None else _text(job)[:PREVIEW_CHARS]
+    preview = None if envelope is None else _text(envelope)[:PREVIEW_CHARS]
     return DeadLetter(_text(member), score / 1e6, error_type, message, attempts, priority,
                       preview)
 

@@ -9,9 +9,14 @@ then the script's per-call keys (result:<id>, inbox:<producer>, idem:<key>).
 |-----------------------------|--------|-----------------------------------------------------------|
 | `{bg:q}:policy`             | hash   | the queue's Policy (see policy.py)                        |
 | `{bg:q}:pending:<0|1|2>`    | zset   | waiting request ids per priority, score = arrival (µs)    |
-| `{bg:q}:jobs`               | hash   | id -> request envelope (opaque orjson bytes)              |
-| `{bg:q}:meta`               | hash   | id -> "orig_prio:arrival_us:deadline_us:attempts:producer"|
-|                             |        | then ":cost" if cost != 1, ":cost:requested" if capped  |
+| `{bg:q}:jobs`               | hash   | id -> "<meta>|<envelope>": the request's meta          |
+|                             |        | "orig_prio:arrival_us:deadline_us:attempts:keep:producer"|
+|                             |        | then ":cost" if cost != 1, ":cost:requested" if capped,  |
+|                             |        | then '|' and the request envelope (orjson bytes);       |
+|                             |        | attempts: deliveries ended without a result; keep: 1 if  |
+|                             |        | the result is stored by id (wire.JobMeta, split_job)     |
+| `{bg:q}:meta`               | -      | not written: a request's meta is in jobs (one hash field |
+|                             |        | per request). The name keeps its KEYS[6] place in scripts|
 | `{bg:q}:owner`              | hash   | id -> batch id, while the request is in flight            |
 | `{bg:q}:inflight`           | zset   | batch id -> lease deadline (µs)                           |
 | `{bg:q}:batches`            | hash   | batch id -> "consumer|id,id,..."                          |
@@ -36,7 +41,9 @@ then the script's per-call keys (result:<id>, inbox:<producer>, idem:<key>).
 | `{bg:q}:consumer:<name>`    | hash   | a consumer's host, pid, device, batches, current batch;   |
 |                             |        | written with each heartbeat, expires 30 s after the last  |
 | `{bg:q}:failures`           | list   | newest 100 failed requests (orjson), by the lease thread  |
-| `{bg:q}:result:<id>`        | string | result envelope, expires after result_ttl_s               |
+| `{bg:q}:result:<id>`        | string | result envelope, expires after result_ttl_s; written only |
+|                             |        | for a request submitted with store_result (or an          |
+|                             |        | idempotency key): the inbox gets every result             |
 | `{bg:q}:inbox:<producer>`   | list   | result envelopes for one Producer instance, expires       |
 | `{bg:q}:stream:<id>`        | stream | partial results of a streaming model (capped, expires     |
 |                             |        | after result_ttl_s), docs/streaming.md                    |

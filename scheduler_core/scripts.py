@@ -311,6 +311,10 @@ class NewRequest:
     envelope: bytes
     idempotency_key: str | None = None
     cost: int = 1  # in the user's unit, 1..MAX_REQUEST_COST (validated at the edge)
+    # Store the result by id too (result:<id>, fetch); it always goes to the inbox. A
+    # request with an idempotency key is always stored: a resubmission under the key,
+    # from any producer, answers with it.
+    store_result: bool = False
 
 
 def enqueue_call(keys: QueueKeys, producer: str, requests: list[NewRequest],
@@ -319,7 +323,7 @@ def enqueue_call(keys: QueueKeys, producer: str, requests: list[NewRequest],
     args: list[Any] = [producer, len(requests), idempotency_ttl_s]
     for r in requests:
         args += [r.id, r.priority, r.deadline_ms, r.envelope, 1 if r.idempotency_key else 0,
-                 r.cost]
+                 r.cost, 1 if r.store_result or r.idempotency_key else 0]
         if r.idempotency_key:
             script_keys.append(keys.idempotency(r.idempotency_key))
     return script_keys, args

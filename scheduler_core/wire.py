@@ -1,6 +1,7 @@
 """The wire format: what producers, Redis and consumers exchange. orjson only, no pickle.
 
-Request envelope (value of `{bg:q}:jobs[id]`):   {"v": 1, "payload": <JSON value>}
+Request envelope (in `{bg:q}:jobs[id]`, after its meta: see JobMeta):
+    {"v": 1, "payload": <JSON value>}
     optionally with "trace": {"traceparent": "00-...", "tracestate": "..."} (W3C trace
     context of the producer's span, scheduler_core/tracing.py); absent without one.
 Result envelope (`result:<id>` and inbox items):
@@ -14,6 +15,7 @@ float, bool, None; nested at most MAX_DEPTH deep; at most the configured size en
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -237,6 +239,48 @@ def decode_result(data: bytes) -> Result:
         error_type=str(error.get("type", "RequestFailed")),
         message=str(error.get("message", "")),
     )
+
+
+# The value of `{bg:q}:jobs[id]`: "<meta>|<envelope>", the Lua scripts' format_job (in
+# scheduler_core/lua/_common.lua); no meta field holds '|'.
+_JOB_META = re.compile(rb"([0-2]):(\d+):(\d+):(\d+):([01]):([\w.\-]*)(?::(\d+))?(?::(\d+))?\|")
+
+
+@dataclass(frozen=True)
+class JobMeta:
+    """What Redis keeps beside a waiting, in-flight or dead-lettered request's envelope."""
+
+    priority: int  # as submitted (aging moves the request, not this)
+    arrival_us: int  # Redis time of its enqueue (its score in pending)
+    deadline_us: int  # 0: none
+    attempts: int  # deliveries that ended without a result (crash, hang, dead-lettered)
+    keep: bool  # its result is stored by id as well (store_result, idempotency key)
+    producer: str  # whose inbox gets the result ('' for none)
+    cost: int = 1
+    requested: int = 1  # the cost asked for, where over_cost=truncate capped it
+
+
+def split_job(raw: bytes) -> tuple[JobMeta | None, bytes]:
+    """A jobs value's meta and envelope; (None, raw) where it has no readable meta (a
+    value written by hand)."""
+    m = _JOB_META.match(raw)
+    if m is None:
+        return None, raw
+    p, a, d, n, k, producer, c, r = m.groups()
+    cost = int(c) if c else 1
+    return JobMeta(int(p), int(a), int(d), int(n), k == b"1", producer.decode(), cost,
+                   int(r) if r else cost), raw[m.end():]
+
+
+def format_job(meta: JobMeta, envelope: bytes) -> bytes:
+    """The jobs value of `meta` and `envelope` (tests and tools that write one)."""
+    text = (f"{meta.priority}:{meta.arrival_us}:{meta.deadline_us}:{meta.attempts}:"
+            f"{int(meta.keep)}:{meta.producer}")
+    if meta.requested != meta.cost:
+        text += f":{meta.cost}:{meta.requested}"
+    elif meta.cost != 1:
+        text += f":{meta.cost}"
+    return text.encode() + b"|" + envelope
 
 
 # Partial results (`{bg:q}:stream:<id>`, a Redis stream; docs/streaming.md). Each entry has

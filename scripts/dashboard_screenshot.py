@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -26,6 +27,7 @@ from playwright.sync_api import sync_playwright
 from batchgate.embedded import EmbeddedRedis, free_port
 from producer import Producer
 from scheduler_core.keys import QueueKeys
+from scheduler_core.wire import format_job, split_job
 
 ROOT = Path(__file__).resolve().parents[1]
 QUEUE = "embeddings"
@@ -37,8 +39,8 @@ def dead_letter(url: str, client, payload) -> None:
     with Producer(url, QUEUE) as producer:
         request_id = producer.submit(payload).id
     keys = QueueKeys(QUEUE)
-    prio, arrival, deadline, _, owner = client.hget(keys.meta, request_id).decode().split(":", 4)
-    client.hset(keys.meta, request_id, f"{prio}:{arrival}:{deadline}:3:{owner}")
+    meta, envelope = split_job(client.hget(keys.jobs, request_id))
+    client.hset(keys.jobs, request_id, format_job(replace(meta, attempts=3), envelope))
 
 
 def load(url: str, stop: threading.Event) -> None:

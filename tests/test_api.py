@@ -40,7 +40,7 @@ def test_deadline_passed_while_waiting_is_not_run(shared_redis, queue, start_con
         # The deadline runs from the enqueue, which a loaded host may answer late: time
         # from before the submit.
         started = time.monotonic()
-        handle = p.submit({"late": 1}, deadline_ms=200)
+        handle = p.submit({"late": 1}, deadline_ms=200, store_result=True)
         with pytest.raises(DeadlineExceeded):
             handle.result(timeout=10)
         assert 0.2 <= time.monotonic() - started < 5
@@ -187,7 +187,8 @@ def test_bad_queue_name(redis_server, name):
 def test_fetch_by_id_from_another_producer(shared_redis, queue, start_consumer):
     start_consumer(shared_redis.url, queue, "--model", "consumer.models:noop")
     with Producer(shared_redis.url, queue) as p:
-        handle = p.submit({"x": [1, "two", None, 3.5]}, priority=Priority.HIGH)
+        handle = p.submit({"x": [1, "two", None, 3.5]}, priority=Priority.HIGH,
+                          store_result=True)
         assert handle.result(timeout=10) == {"x": [1, "two", None, 3.5]}
     # Any process can look a result up by id later (e.g. after a web app restart).
     with Producer(shared_redis.url, queue) as other:
@@ -197,12 +198,37 @@ def test_fetch_by_id_from_another_producer(shared_redis, queue, start_consumer):
         assert other.fetch("0" * 32) is None
 
 
+def test_a_result_is_stored_by_id_only_when_asked(shared_redis, queue, start_consumer):
+    """Every result reaches its handle (the inbox); only store_result=True, or an
+    idempotency key, also stores it under result:<id> for fetch."""
+    start_consumer(shared_redis.url, queue, "--model", "consumer.models:noop")
+    client, keys = shared_redis.client(), QueueKeys(queue)
+    with Producer(shared_redis.url, queue) as p:
+        plain = p.submit_many([{"i": i} for i in range(20)])
+        kept = p.submit_many([{"k": i} for i in range(3)], store_result=True)
+        keyed = p.submit({"key": 1}, idempotency_key=f"stored-{queue}")
+        assert [h.result(timeout=15) for h in plain] == [{"i": i} for i in range(20)]
+        assert [h.result(timeout=15) for h in kept] == [{"k": i} for i in range(3)]
+        assert keyed.result(timeout=15) == {"key": 1}
+        assert all(p.fetch(h.id) is None and not client.exists(keys.result(h.id))
+                   for h in plain)
+        assert [p.fetch(h.id).value for h in kept] == [{"k": i} for i in range(3)]
+        assert p.fetch(keyed.id).value == {"key": 1}
+        assert client.hlen(keys.jobs) == 0  # nothing else kept per request
+        before = snapshot(client, queue_pattern(queue))
+        with pytest.raises(InvalidRequest) as err:
+            p.submit({"x": 1}, store_result="yes")
+        assert err.value.field == "store_result"
+        assert snapshot(client, queue_pattern(queue)) == before
+
+
 def test_a_failing_request_fails_alone(shared_redis, queue, start_consumer):
     start_consumer(shared_redis.url, queue, "--model", "consumer.models:synthetic",
                    "--model-arg", "base_ms=0", "--model-arg", "per_item_ms=0",
                    "--strategy", "dynamic", "--max-batch-size", "4")
     with Producer(shared_redis.url, queue) as p:
-        handles = p.submit_many([{"i": 0}, {"fail": True}, {"i": 2}, {"i": 3}])
+        handles = p.submit_many([{"i": 0}, {"fail": True}, {"i": 2}, {"i": 3}],
+                                store_result=True)
         with pytest.raises(RequestFailed, match="synthetic failure"):
             handles[1].result(timeout=10)
         assert [handles[i].result(timeout=10) for i in (0, 2, 3)] == [
@@ -253,7 +279,7 @@ def test_async_producer_round_trip(shared_redis, queue, start_consumer):
 
     async def main() -> None:
         async with AsyncProducer(shared_redis.url, queue) as p:
-            handle = await p.submit({"a": 1}, priority="high")
+            handle = await p.submit({"a": 1}, priority="high", store_result=True)
             assert await handle.result(timeout=10) == {"a": 1}
             handles = await p.submit_many([{"i": i} for i in range(40)], priority="low")
             results = await asyncio.gather(*(h.result(timeout=10) for h in handles))

@@ -298,7 +298,8 @@ def test_result_prints_a_stored_result_with_documented_exit_codes(shared_redis, 
                                                                   start_consumer):
     url = shared_redis.url
     with Producer(url, queue) as p:
-        ok, failing = p.submit({"v": [1, "é"]}), p.submit({"fail": True})
+        ok = p.submit({"v": [1, "é"]}, store_result=True)
+        failing = p.submit({"fail": True}, store_result=True)
         queued = result_cli(url, queue, ok.id)
         assert queued.returncode == 3 and "queued" in queued.stderr
         waited_out = result_cli(url, queue, ok.id, "--wait", "--timeout", "0.3")

@@ -86,7 +86,6 @@ def test_a_request_redis_lost_fails_with_request_lost(topology, queue,
         keys = QueueKeys(queue)
         client.zrem(keys.pending(1), handle_id)
         client.hdel(keys.jobs, handle_id)
-        client.hdel(keys.meta, handle_id)
 
     if not asynchronous:
         with Producer(topology.url, queue) as p:

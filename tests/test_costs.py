@@ -24,6 +24,7 @@ from scheduler_core.errors import InvalidPolicy
 from scheduler_core.keys import QueueKeys
 from scheduler_core.policy import Policy
 from scheduler_core.scripts import Scripts, configure_keys
+from scheduler_core.wire import split_job
 
 SLACK_MS = 3000  # the machine is shared and loaded
 
@@ -68,10 +69,12 @@ def test_submit_many_takes_one_cost_or_one_per_payload(shared_redis, queue):
     with Producer(shared_redis.url, queue) as p:
         one = p.submit_many(["a", "b"], cost=7)
         each = p.submit_many(["c", "d"], cost=[1, 300])
-    meta = QueueKeys(queue).meta
-    stored = [client.hget(meta, h.id).decode() for h in [*one, *each]]
-    # the cost is the 6th field of the meta (keys.py), absent when 1
-    assert [m.split(":")[5:] for m in stored] == [["7"], ["7"], [], ["300"]]
+    jobs = QueueKeys(queue).jobs
+    stored = [split_job(client.hget(jobs, h.id))[0] for h in [*one, *each]]
+    assert [(m.cost, m.requested) for m in stored] == [(7, 7), (7, 7), (1, 1), (300, 300)]
+    # the cost is the 7th field of the meta (keys.py), absent when 1
+    raw = [client.hget(jobs, h.id).split(b"|")[0].decode() for h in [*one, *each]]
+    assert [m.split(":")[6:] for m in raw] == [["7"], ["7"], [], ["300"]]
 
 
 def test_the_cli_takes_a_cost_and_refuses_a_bad_one(shared_redis, queue):
@@ -85,7 +88,7 @@ def test_the_cli_takes_a_cost_and_refuses_a_bad_one(shared_redis, queue):
                      "--cost", "12", "{}")
     assert done.returncode == 0, done.stderr
     request_id = done.stdout.strip()
-    assert client.hget(QueueKeys(queue).meta, request_id).decode().endswith(":12")
+    assert split_job(client.hget(QueueKeys(queue).jobs, request_id))[0].cost == 12
 
 
 # -- max_cost ------------------------------------------------------------------------------

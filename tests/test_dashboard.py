@@ -7,6 +7,7 @@ import os
 import shutil
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -18,6 +19,7 @@ from helpers.support import wait_for
 
 from producer import Producer
 from scheduler_core.keys import QueueKeys
+from scheduler_core.wire import format_job, split_job
 
 pytest.importorskip("fastapi")
 
@@ -54,8 +56,8 @@ def dead_letter(redis_url: str, client, queue: str, payload) -> str:
         handle = producer.submit(payload)
         request_id = handle.id
     keys = QueueKeys(queue)
-    prio, arrival, deadline, _, owner = client.hget(keys.meta, request_id).decode().split(":", 4)
-    client.hset(keys.meta, request_id, f"{prio}:{arrival}:{deadline}:3:{owner}")
+    meta, envelope = split_job(client.hget(keys.jobs, request_id))
+    client.hset(keys.jobs, request_id, format_job(replace(meta, attempts=3), envelope))
     return request_id
 
 

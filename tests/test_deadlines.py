@@ -44,7 +44,7 @@ def _enqueue_raw(client, queue: str, deadline_ms: int, priority: int = 1) -> str
     keys = QueueKeys(queue)
     rid = f"raw{time.monotonic_ns()}"
     script_keys, args = enqueue_call(keys, "gone0producer", [NewRequest(
-        rid, priority, deadline_ms, encode_request({"raw": rid}))], 3600)
+        rid, priority, deadline_ms, encode_request({"raw": rid}), store_result=True)], 3600)
     assert enqueue_reply(keys, Scripts(client).enqueue(keys=script_keys, args=args)) == [rid]
     return rid
 
@@ -60,7 +60,7 @@ def test_a_request_ends_at_its_deadline_while_nobody_waits_and_the_model_is_busy
         blocker = p.submit({"sleep_ms": 4000})
         wait_for(model.batches, what="the blocker to start")
         submitted = time.monotonic()
-        a = p.submit({"a": 1}, deadline_ms=500)
+        a = p.submit({"a": 1}, deadline_ms=500, store_result=True)
         took = _wait_done(a, 0.5 + SLACK_S + 2) - submitted
         print(f"\nscenario A: done {took * 1000:.0f} ms after submit (deadline 500 ms)")
         assert 0.5 <= took < 0.5 + SLACK_S

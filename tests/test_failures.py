@@ -146,11 +146,11 @@ def test_malformed_entries_written_by_hand_are_dead_lettered(redis_server, queue
     consumer = start(start_consumer, redis_server.url, queue, "Echo", "--strategy", "fifo",
                      log=tmp_path)
     r, keys = redis_server.client(), QueueKeys(queue)
-    meta_ok = "1:1:0:0:"  # priority 1, arrival 1 us, no deadline, 0 attempts, no producer
-    r.hset(keys.jobs, mapping={"garbage": b"\xff\xfenot json", "wrongver": b'{"v":9}',
-                               "nometa": b'{"v":1,"payload":1}'})
-    r.hset(keys.meta, mapping={"garbage": meta_ok, "wrongver": meta_ok,
-                               "nojob": meta_ok, "badmeta": "x:y"})
+    # meta: priority 1, arrival 1 us, no deadline, 0 attempts, result not kept, no producer
+    meta_ok = b"1:1:0:0:0:|"
+    r.hset(keys.jobs, mapping={"garbage": meta_ok + b"\xff\xfenot json",
+                               "wrongver": meta_ok + b'{"v":9}', "badmeta": "x:y",
+                               "nometa": b'{"v":1,"payload":1}'})  # "nojob": none at all
     r.zadd(keys.pending(1), {"garbage": 1, "wrongver": 2, "nojob": 3, "badmeta": 4,
                              "nometa": 5})
     r.zadd(keys.marker, {"w": 0})
@@ -176,7 +176,7 @@ def test_malformed_entries_written_by_hand_are_dead_lettered(redis_server, queue
                               "--queue", queue, "--all"])
     assert out.exit_code == 0 and f"purged {len(bad)}, skipped 0" in out.output
     assert r.zcard(keys.dead) == r.hlen(keys.dead_reason) == 0
-    assert not bad & {k.decode() for k in [*r.hkeys(keys.jobs), *r.hkeys(keys.meta)]}
+    assert not bad & {k.decode() for k in r.hkeys(keys.jobs)}
 
 
 # -- hung and CPU-bound consumers ---------------------------------------------------------
@@ -451,15 +451,17 @@ DEAD_PRODUCER = """
 import os, sys
 from producer import Producer
 p = Producer(sys.argv[1], sys.argv[2])
-for start in range(0, int(sys.argv[3]), 500):
-    p.submit_many([{"i": i} for i in range(start, min(start + 500, int(sys.argv[3])))])
+for start in range(0, int(sys.argv[3]), 250):  # half of them stored by id as well
+    p.submit_many([{"i": i} for i in range(start, min(start + 250, int(sys.argv[3])))],
+                  store_result=start % 500 == 0)
 os._exit(0)  # gone: never reads a result, never closes
 """
 
 
 def test_results_of_dead_producers_expire(redis_server, queue, start_consumer):
-    """Producers that submit and die: their inboxes and results expire after result_ttl_s
-    and Redis returns to its key count and (about) its memory of before."""
+    """Producers that submit and die: their inboxes and the results stored by id (half
+    of the requests ask for it) expire after result_ttl_s and Redis returns to its key
+    count and (about) its memory of before."""
     full = os.environ.get("BATCHGATE_FULL") == "1"
     producers, per_producer = (10, 10_000) if full else (4, 500)
     url, r, ttl = redis_server.url, redis_server.client(), 2
@@ -493,7 +495,7 @@ def test_results_of_dead_producers_expire(redis_server, queue, start_consumer):
     print(f"\nsoak: {total} requests from {producers} dead producers; peak {peak_keys} keys; "
           f"back to {len(baseline_keys)} keys after {elapsed:.1f}s; used_memory "
           f"{baseline_mem} -> {mem} bytes")
-    assert r.hlen(keys.jobs) == r.hlen(keys.meta) == r.hlen(keys.owner) == 0
+    assert r.hlen(keys.jobs) == r.hlen(keys.owner) == 0
     # What stays: the capped latency samples (<= 10,000 entries each) and counters.
     assert mem - baseline_mem < 2 << 20
 
@@ -641,13 +643,13 @@ def test_running_consumers_apply_a_changed_result_ttl_s(shared_redis, queue, sta
     url, r, keys = shared_redis.url, shared_redis.client(), QueueKeys(queue)
     consumer = start_consumer(url, queue, "--model", "consumer.models:noop")
     with Producer(url, queue) as p:
-        first = p.submit({"i": 0})
+        first = p.submit({"i": 0}, store_result=True)
         first.result(timeout=15)
         assert r.ttl(keys.result(first.id)) > 60  # the default, 600 s
         _policy_set(url, queue, "--result-ttl-s", "5")
 
         def stored_for_5_s() -> bool:
-            handle = p.submit({"i": 1})
+            handle = p.submit({"i": 1}, store_result=True)
             handle.result(timeout=15)
             return 0 < r.ttl(keys.result(handle.id)) <= 5
 
@@ -663,9 +665,9 @@ def test_cancelled_and_expired_results_get_the_queue_result_ttl_s(shared_redis, 
     configure(url, queue, result_ttl_s=5)  # and no consumer: requests stay waiting
     with Producer(url, queue) as p:
         assert p.config.result_ttl_s == 600
-        cancelled = p.submit({"i": 0})
+        cancelled = p.submit({"i": 0}, store_result=True)
         assert cancelled.cancel() == "cancelled"
-        expired = p.submit({"i": 1}, deadline_ms=1)
+        expired = p.submit({"i": 1}, deadline_ms=1, store_result=True)
         with pytest.raises(RequestFailed):
             expired.result(timeout=15)
     for handle in (cancelled, expired):

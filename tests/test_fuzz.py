@@ -287,8 +287,8 @@ class FakeScript:
         if args and args[0] in ("list", "expire"):  # the deadline timer: nothing is due
             return [0, -1, 0]
         self.calls.append((keys, args))
-        ids = args[3::6]  # then each one's deadline, as enqueue.lua answers
-        return [1, len(ids), len(ids), *(i.encode() for i in ids), *args[5::6]]
+        ids = args[3::7]  # then each one's deadline, as enqueue.lua answers
+        return [1, len(ids), len(ids), *(i.encode() for i in ids), *args[5::7]]
 
 
 class FakePipeline:
@@ -359,27 +359,30 @@ def test_fuzz_producer_constructor(batch):
 def test_fuzz_producer_submit():
     fake = NoRedis()
     producer = Producer(queue="fuzz", client=fake, max_payload_bytes=LIMIT)
-    fields = {"payload", "payloads", "priority", "deadline_ms", "idempotency_key", "cost"}
+    fields = {"payload", "payloads", "priority", "deadline_ms", "idempotency_key", "cost",
+              "store_result"}
     case = st.tuples(
         st.booleans(), payloads, st.lists(scalars, max_size=3),
         st.sampled_from(["high", "low", 0, 2, "urgent", 5, None, 1.0]) | scalars,
         st.none() | st.integers(-1, 90_000_000) | scalars,
         st.none() | st.from_regex(r"[a-z{} :-]{0,12}", fullmatch=True) | scalars,
-        st.integers(-1, 10**9 + 1) | st.lists(st.integers(0, 3), max_size=4) | scalars)
+        st.integers(-1, 10**9 + 1) | st.lists(st.integers(0, 3), max_size=4) | scalars,
+        st.booleans() | st.sampled_from([None, 0, 1, "yes"]))
 
-    def check_one(many, payload, more, priority, deadline_ms, key, cost):
+    def check_one(many, payload, more, priority, deadline_ms, key, cost, store):
         fake.calls.clear()
         try:
             if many:
                 batch = [payload, *more]
                 handles = producer.submit_many(batch, priority=priority,
                                                deadline_ms=deadline_ms,
-                                               idempotency_keys=[key] * len(batch), cost=cost)
+                                               idempotency_keys=[key] * len(batch), cost=cost,
+                                               store_result=store)
             else:
                 batch = [payload]
                 handles = [producer.submit(payload, priority=priority,
                                            deadline_ms=deadline_ms, idempotency_key=key,
-                                           cost=cost)]
+                                           cost=cost, store_result=store)]
         except InvalidRequest as exc:
             assert field_of(exc) in fields, exc
             assert not fake.calls, "bad input reached Redis"
@@ -387,13 +390,14 @@ def test_fuzz_producer_submit():
         [(keys, args)] = fake.calls
         assert args[1] == len(batch) == len(handles) and isinstance(args[2], int)
         for i, value in enumerate(batch):
-            rid, prio, deadline, envelope, flag, c = args[3 + 6 * i: 9 + 6 * i]
+            rid, prio, deadline, envelope, flag, c, keep = args[3 + 7 * i: 10 + 7 * i]
             assert re.fullmatch(r"[0-9a-f]{32}", rid) and prio in (0, 1, 2)
             assert isinstance(deadline, int) and 0 <= deadline <= 86_400_000
             assert decode_request(envelope) == normalise(value) and flag in (0, 1)
             assert type(c) is int and 1 <= c <= 10**9
             assert c == (cost[i] if isinstance(cost, list) else cost)
-        assert len(keys) == len(SHARED_KEYS) + sum(args[7::6])
+            assert store in (True, False) and keep == int(store or flag)
+        assert len(keys) == len(SHARED_KEYS) + sum(args[7::7])
 
     @fuzz("submit")
     @given(batch=cases("submit", case))
@@ -506,10 +510,9 @@ def setup_state(r: redis.Redis) -> None:
     pipe.zadd(Q.pending(1), {"r1": 1000, "r2": 2000})
     pipe.zadd(Q.pending(0), {"r3": 3000})
     pipe.zadd(Q.deadlines, {"r2": 9e15})  # r2 has a deadline, not yet passed
-    pipe.hset(Q.jobs, mapping={k: ENV for k in ("r1", "r2", "r3", "f1", "d1")})
-    pipe.hset(Q.meta, mapping={"r1": "1:1000:0:0:prod", "r2": "1:2000:9000000000000000:0:prod",
-                               "r3": "0:3000:0:0:prod", "f1": "1:500:0:1:prod",
-                               "d1": "1:100:0:4:prod"})
+    meta = {"r1": "1:1000:0:0:0:prod", "r2": "1:2000:9000000000000000:0:0:prod",
+            "r3": "0:3000:0:0:1:prod", "f1": "1:500:0:1:0:prod", "d1": "1:100:0:4:0:prod"}
+    pipe.hset(Q.jobs, mapping={k: m.encode() + b"|" + ENV for k, m in meta.items()})
     pipe.hset(Q.owner, "f1", "7")
     pipe.zadd(Q.inflight, {"7": 9e15})
     pipe.hset(Q.batches, "7", "c1|f1")
@@ -522,7 +525,7 @@ def setup_state(r: redis.Redis) -> None:
 
 TEMPLATES = {  # a valid call of each script against setup_state: (KEYS, ARGV)
     "enqueue": (enqueue_call(Q, "prod", [NewRequest("n1", 1, 0, ENV, "k1")], 60)[0],
-                ["prod", 1, 60, "n1", 1, 0, ENV, 1]),
+                ["prod", 1, 60, "n1", 1, 0, ENV, 1, 1, 0]),
     "pop_batch": (pop_keys(Q), ["c1", 1000]),
     "complete": (complete_keys(Q, [("f1", "prod")]), ["7", 60, 1, "f1", "ok", RESULT,
                                                        "1:1500"]),
@@ -542,12 +545,13 @@ TEMPLATES = {  # a valid call of each script against setup_state: (KEYS, ARGV)
 ERROR_FIELDS = {m for path in LUA.glob("*.lua")
                 for m in re.findall(r"\{-3, '(\w+)'\}", path.read_text())} | {
     "strategy", "cost_buckets", *CHOICES, *LIMITS}
-META = re.compile(rb"[0-2]:\d{1,17}:\d{1,17}:\d{1,9}:[A-Za-z0-9_.-]{0,128}")
+META = re.compile(rb"[0-2]:\d{1,17}:\d{1,17}:\d{1,9}:[01]:[A-Za-z0-9_.-]{0,128}"
+                  rb"(:\d{1,10}){0,2}\|")
 
 
 def check_invariants(r: redis.Redis) -> None:
-    for rid, meta in r.hgetall(Q.meta).items():
-        assert META.fullmatch(meta), (rid, meta)
+    for rid, job in r.hgetall(Q.jobs).items():
+        assert META.match(job), (rid, job)
     for key in [*Q.pending_all, Q.inflight, Q.dead, Q.consumers]:
         assert all(math.isfinite(score) for _, score in r.zrange(key, 0, -1, withscores=True))
     for rid, batch in r.hgetall(Q.owner).items():
@@ -610,8 +614,9 @@ def test_fuzz_hand_written_entries_are_dead_lettered_not_fatal(debug_redis):
         redis_url=debug_redis.url, queue="fz", policy={"strategy": "fifo",
                                                        "max_batch_size": 4}))
     junk = st.none() | st.binary(max_size=12) | st.sampled_from(
-        [b"1:1:0:0:", b"9:1:0:0:p", b"1:" + b"9" * 400 + b":0:0:p", b"2:5:5:99999:\xff",
-         b"0:1:0:1:p", b'{"v":1,"payload":1}', b'{"v":1}', b"\x00",
+        [b"1:1:0:0:0:", b"9:1:0:0:0:p", b"1:" + b"9" * 400 + b":0:0:0:p",
+         b"2:5:5:99999:1:\xff", b"0:1:0:1:0:p", b"1:1:0:0:2:p", b"1:1:0:0:1:p:|",
+         b'{"v":1,"payload":1}', b'{"v":1}', b"\x00",
          b'{"v":1,"payload":' + b"[" * 2000 + b"]" * 2000 + b"}"])
     entry = st.tuples(
         st.binary(min_size=0, max_size=10) | st.from_regex(r"[a-z0-9]{1,8}", fullmatch=True),
@@ -628,13 +633,11 @@ def test_fuzz_hand_written_entries_are_dead_lettered_not_fatal(debug_redis):
         for rid, level, score, meta, envelope in batch:
             ids[rid] = True
             pipe.zadd(Q.pending(level), {rid: score})
-            if meta is not None:
-                pipe.hset(Q.meta, rid, meta)
-            if envelope is not None:
-                pipe.hset(Q.jobs, rid, envelope)
+            if meta is not None or envelope is not None:  # one jobs value, "meta|envelope"
+                pipe.hset(Q.jobs, rid, b"|".join(x for x in (meta, envelope) if x is not None))
         pipe.execute()
         with Producer(debug_redis.url, "fz", client=r) as p:
-            handle = p.submit({"ok": 1})
+            handle = p.submit({"ok": 1}, store_result=True)
             outcome: Any = consumer._pop()
             for _ in range(20):
                 if isinstance(outcome, Batch):

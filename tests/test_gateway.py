@@ -194,7 +194,9 @@ def test_a_get_after_the_deadline_answers_expired_though_no_consumer_popped_it(
     told too."""
     gateway = start_gateway(shared_redis.url, queue)
     with client(gateway) as http, Producer(shared_redis.url, queue) as producer:
-        handle = producer.submit({"x": 1}, deadline_ms=300)
+        # A Producer's request is looked up by id once it has ended only if it asked
+        # for its result to be stored; the gateway's own requests always do.
+        handle = producer.submit({"x": 1}, deadline_ms=300, store_result=True)
         queued = http.post("/v1/requests", json={"payload": 2, "deadline_ms": 300})
         assert queued.status_code == 202
         assert http.get(f"/v1/requests/{handle.id}").json()["status"] == "queued"

@@ -25,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from producer.base import LOST_CHECK_AFTER_S, POLL_S
 from producer.gateway.metrics import METHODS
 from scheduler_core.keys import QueueKeys
+from scheduler_core.wire import split_job
 
 TOKEN = "s3cret"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -152,7 +153,8 @@ def test_large_bodies_are_parsed_off_the_event_loop(shared_redis, queue, start_g
         prober.join()
     # Parsed on the event loop, /healthz would wait about as long as a whole submit.
     assert max(latencies) < 0.5 * min(durations), (max(latencies), durations)
-    envelope = shared_redis.client().hget(QueueKeys(queue).jobs, answer.json()["id"])
+    job = shared_redis.client().hget(QueueKeys(queue).jobs, answer.json()["id"])
+    _, envelope = split_job(job)
     assert orjson.loads(envelope)["payload"] == [1] * 500_000
 
 
@@ -185,7 +187,8 @@ def test_large_bodies_are_answered_as_small_ones(shared_redis, queue, start_gate
         done = http.post("/v1/requests", content=pad.encode() + b'{"payload": {"a": [1.5, '
                          b'null, "\\u00e9"]}, "priority": 2}' + pad.encode())
         assert done.status_code == 202
-    envelope = shared_redis.client().hget(QueueKeys(queue).jobs, done.json()["id"])
+    _, envelope = split_job(shared_redis.client().hget(QueueKeys(queue).jobs,
+                                                       done.json()["id"]))
     assert orjson.loads(envelope)["payload"] == {"a": [1.5, None, "é"]}
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import threading
+import time
 
 import orjson
 import pytest
@@ -114,6 +115,30 @@ def test_a_request_still_known_is_not_taken_for_lost(redis_server, queue, start_
     with Producer(redis_server.url, queue) as producer:
         handles = producer.submit_many([{"i": i} for i in range(4)])  # ~6 s one by one
         assert [h.result(timeout=30) for h in handles] == [{"i": i} for i in range(4)]
+
+
+def test_results_waiting_unread_in_the_inbox_are_not_taken_for_lost(redis_server, queue,
+                                                                     start_consumer):
+    """Results not stored by id exist only in the inbox: while some wait there unread (a
+    listener slower than the consumers), the handles past the lost check's age are not
+    failed with RequestLost, they are answered."""
+    start_consumer(redis_server.url, queue, "--model", "consumer.models:noop",
+                   "--strategy", "dynamic", "--max-batch-size", "64")
+    n = 1200
+
+    def slow(_result) -> None:  # the listener delivers ~4 ms per result: ~5 s in all
+        time.sleep(0.004)
+
+    with Producer(redis_server.url, queue, on_result=slow) as producer:
+        handles = producer.submit_many([{"i": i} for i in range(n)])
+        outcomes = []
+        for h in handles:
+            try:
+                outcomes.append(h.result(timeout=60))
+            except RequestFailed as exc:
+                outcomes.append(exc)
+    assert outcomes == [{"i": i} for i in range(n)], \
+        [o for o in outcomes if isinstance(o, Exception)][:3]
 
 
 def test_a_bulk_job_submits_its_lost_requests_again(redis_server, queue, start_consumer,

@@ -41,7 +41,7 @@ def test_a_partitioned_consumer_loses_its_batch_and_its_late_completion_is_refus
             remote.wait_ready()
             with Producer(server.url, queue,
                           on_result=lambda r: deliveries.update([r.id])) as p:
-                handle = p.submit({"sleep_ms": 2000})
+                handle = p.submit({"sleep_ms": 2000}, store_result=True)
                 wait_for(lambda: model.batches(remote.proc.pid), what="the remote batch")
                 host.partition()
                 cut_at = time.monotonic()

@@ -102,8 +102,7 @@ def dead_letters(client, queue: str, prefix: str, n: int) -> list[str]:
     keys, ids = QueueKeys(queue), [f"{prefix}{i}" for i in range(n)]
     pipe = client.pipeline(transaction=False)
     for i, rid in enumerate(ids):
-        pipe.hset(keys.jobs, rid, encode_request({"i": i}))
-        pipe.hset(keys.meta, rid, f"1:{1000 + i}:0:3:")
+        pipe.hset(keys.jobs, rid, f"1:{1000 + i}:0:3:0:|".encode() + encode_request({"i": i}))
         pipe.zadd(keys.dead, {rid: 1000 + i})
         pipe.hset(keys.dead_reason, rid, encode_error(rid, "DeadLettered", "gave up"))
     pipe.execute()

@@ -270,7 +270,7 @@ def test_policy_set_reaches_running_consumers_and_show_prints_it(shared_redis, q
                 shown["result_ttl_s"]) == (2, 0, 77)
 
         def fresh_result_ttl() -> int:
-            handle = p.submit({"probe": 1})
+            handle = p.submit({"probe": 1}, store_result=True)
             handle.result(timeout=15)
             return client.ttl(QueueKeys(queue).result(handle.id))
 

@@ -31,7 +31,7 @@ def doomed_batch(server, queue, start_consumer, model, lease_ms, payloads,
     doomed = model.start(start_consumer, server.url, queue, "--lease-ms", str(lease_ms),
                          delay_ms=delay_ms, stamp=True)
     p = Producer(server.url, queue)
-    handles = p.submit_many(payloads, priority=priority)
+    handles = p.submit_many(payloads, priority=priority, store_result=True)
     wait_for(lambda: model.batches(doomed.proc.pid), what="the batch to start")
     assert [b["payloads"] for b in model.batches(doomed.proc.pid)] == [payloads]
     return doomed, p, handles

@@ -43,7 +43,7 @@ def refused_and_nothing_written(p: Producer, client: redis.Redis, error: type[Ex
         p.submit_many([{"refused": i} for i in range(50)], priority="low")
     after = snapshot(client, queue_pattern(p.keys.queue))
     keys = QueueKeys(p.keys.queue)
-    for key in (keys.jobs, keys.meta, *keys.pending_all, keys.clock):
+    for key in (keys.jobs, *keys.pending_all, keys.clock):
         assert after.get(key.encode()) == before.get(key.encode()), key
 
 

@@ -148,11 +148,11 @@ def age_us(rng: random.Random, thresholds: list[int], span_ms: float) -> int:
 
 
 def meta(r: Request) -> str:
-    # as enqueue.lua writes it: the cost only when not 1 (7 fields when it was capped)
-    base = f"{r.priority}:{r.arrival_us}:{r.deadline_us}:{r.attempts}:prod"
-    if r.cost == 1:
-        return base
-    return base + (f":{r.cost}" if r.cost % 2 else f":{r.cost}:{r.cost * 3}")
+    # as enqueue.lua writes it: the cost only when not 1 (both costs when it was capped)
+    base = f"{r.priority}:{r.arrival_us}:{r.deadline_us}:{r.attempts}:0:prod"
+    if r.cost != 1:
+        base += f":{r.cost}" if r.cost % 2 else f":{r.cost}:{r.cost * 3}"
+    return base + '|{"v":1}'
 
 
 def run_case(client, scripts: Scripts, rng: random.Random) -> tuple[
@@ -171,8 +171,7 @@ def run_case(client, scripts: Scripts, rng: random.Random) -> tuple[
         if requests:
             pipe.zadd(keys.pending(level) if level != DELAYED else keys.delayed,
                       {r.id: r.arrival_us for r in requests})
-            pipe.hset(keys.meta, mapping={r.id: meta(r) for r in requests})
-            pipe.hset(keys.jobs, mapping={r.id: b'{"v":1}' for r in requests})
+            pipe.hset(keys.jobs, mapping={r.id: meta(r) for r in requests})
             with_deadline = {r.id: r.deadline_us for r in requests if r.deadline_us}
             if with_deadline:  # as enqueue.lua lists them
                 pipe.zadd(keys.deadlines, with_deadline)

@@ -107,7 +107,7 @@ ACL_COMMANDS = " ".join([
     "get set del exists incr expire",
     "hget hset hdel hexists hmget hgetall hincrby hlen hkeys",
     "zadd zrem zrange zrangebyscore zremrangebyscore zcard zcount zscore bzpopmin",
-    "rpush lpush ltrim lrange blmpop",
+    "rpush lpush ltrim lrange llen blmpop",
     "xadd xread",
 ]).split(" ")
 # redis-py announces itself with CLIENT SETINFO (Redis >= 7.2); refused, it is skipped.
@@ -139,7 +139,8 @@ def test_least_privilege_acl_user(redis_server, queue, start_consumer, tmp_path)
     url = f"redis://batchgate:s3cret-pw@127.0.0.1:{redis_server.port}/0"
     consumer = start(start_consumer, url, queue, "Echo", "--strategy", "dynamic")
     with Producer(url, queue) as p:
-        handles = p.submit_many([{"i": i} for i in range(20)], priority="high")
+        handles = p.submit_many([{"i": i} for i in range(20)], priority="high",
+                                store_result=True)
         assert [h.result(timeout=15)["echo"]["i"] for h in handles] == list(range(20))
         assert p.fetch(handles[0].id).ok
         waiting = p.submit({"i": "x"}, deadline_ms=1)  # deadline + cancel paths

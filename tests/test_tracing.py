@@ -24,7 +24,7 @@ from consumer.worker import Consumer, ConsumerConfig
 from producer import AsyncProducer, Priority, Producer
 from scheduler_core.errors import InvalidRequest
 from scheduler_core.keys import QueueKeys
-from scheduler_core.wire import decode_request, decode_request_traced, encode_request
+from scheduler_core.wire import decode_request, decode_request_traced, encode_request, split_job
 
 sdk_trace = pytest.importorskip("opentelemetry.sdk.trace")
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor  # noqa: E402
@@ -73,7 +73,8 @@ def test_producer_puts_the_active_span_in_the_envelope(shared_redis, queue):
         plain = producer.submit({"i": 0})
         with tracer.start_as_current_span("web request") as span:
             traced = producer.submit_many([{"i": 1}, {"i": 2}], priority=Priority.HIGH)
-        jobs = redis.Redis.from_url(shared_redis.url).hgetall(QueueKeys(queue).jobs)
+        jobs = {k: split_job(v)[1] for k, v in redis.Redis.from_url(
+            shared_redis.url).hgetall(QueueKeys(queue).jobs).items()}
         assert jobs[plain.id.encode()] == encode_request({"i": 0})  # nothing added
         for handle in traced:
             envelope = orjson.loads(jobs[handle.id.encode()])
@@ -85,8 +86,8 @@ def test_producer_puts_the_active_span_in_the_envelope(shared_redis, queue):
                 handle = await producer.submit({"i": 3})
             return handle.id, traceparent(span)
     request_id, expected = asyncio.run(submit_async())
-    envelope = orjson.loads(redis.Redis.from_url(shared_redis.url).hget(
-        QueueKeys(queue).jobs, request_id))
+    envelope = orjson.loads(split_job(redis.Redis.from_url(shared_redis.url).hget(
+        QueueKeys(queue).jobs, request_id))[1])
     assert envelope["trace"] == {"traceparent": expected}
 
 
@@ -205,6 +206,7 @@ import orjson, redis
 from producer import Producer
 from scheduler_core import tracing
 from scheduler_core.keys import QueueKeys
+from scheduler_core.wire import split_job
 try:
     import opentelemetry  # noqa: F401
     raise SystemExit("opentelemetry importable")
@@ -213,8 +215,8 @@ except ImportError:
 assert not tracing.AVAILABLE and tracing.current_trace() is None
 with Producer({shared_redis.url!r}, {queue!r}) as producer:
     handle = producer.submit({{"i": 1}})
-    print(redis.Redis.from_url({shared_redis.url!r}).hget(QueueKeys({queue!r}).jobs,
-                                                         handle.id).decode())
+    print(split_job(redis.Redis.from_url({shared_redis.url!r}).hget(
+        QueueKeys({queue!r}).jobs, handle.id))[1].decode())
     print(handle.result(timeout=30))
 """
     tracer, _ = in_memory()

@@ -82,7 +82,7 @@ from scheduler_core.connection import (
 from scheduler_core.deadlines import expire_due_async
 from scheduler_core.keys import QueueKeys
 from scheduler_core.scripts import Scripts, cancel_keys
-from scheduler_core.wire import DEFAULT_MAX_PAYLOAD_BYTES, decode_result
+from scheduler_core.wire import DEFAULT_MAX_PAYLOAD_BYTES, decode_result, split_job
 
 log = logging.getLogger("batchgate.gateway")
 
@@ -201,35 +201,35 @@ class Gateway:
     async def cancel(self, request_id: str) -> int:
         """1 cancelled, 2 running (it will complete), 0 not waiting, 3 unknown to Redis."""
         shards = await self.shards()
-        shard, meta = shards[0], None
+        shard, job = shards[0], None
         if len(shards) == 1:
-            meta = await self.redis.hget(self.keys.meta, request_id)
-        else:  # the shard whose meta knows it; none: shard 0 answers "not waiting/unknown"
+            job = await self.redis.hget(self.keys.jobs, request_id)
+        else:  # the shard whose jobs know it; none: shard 0 answers "not waiting/unknown"
             pipe = self.redis.pipeline(transaction=False)
             for producer in shards:
-                pipe.hget(producer.keys.meta, request_id)
+                pipe.hget(producer.keys.jobs, request_id)
             for producer, raw in zip(shards, await pipe.execute(), strict=True):
                 if raw is not None:
-                    shard, meta = producer, raw
+                    shard, job = producer, raw
                     break
-        return await self._cancel(shard, request_id, meta, deadline=False)
+        return await self._cancel(shard, request_id, job, deadline=False)
 
     async def _expire_if_due(self, keys: QueueKeys, request_id: str) -> bool:
         """Expire a queued request whose deadline_ms has passed, as its producer would:
         consumers see it only when they pop it, and its status must follow its deadline
         whoever asks. Whether it was expired now."""
         # With Redis' TIME: on a cluster, on the primary serving the shard's slot.
-        owner = await slot_owner_async(self.redis, keys.meta)
+        owner = await slot_owner_async(self.redis, keys.jobs)
         pipe = owner.pipeline(transaction=False)
-        pipe.hget(keys.meta, request_id)
+        pipe.hget(keys.jobs, request_id)
         pipe.time()
         try:
-            meta, (seconds, micros) = await pipe.execute()
+            job, (seconds, micros) = await pipe.execute()
         except redis.RedisError as exc:
             await refresh_topology_async(self.redis, exc)
             raise
-        fields = meta.decode().split(":") if meta is not None else []
-        deadline_us = int(fields[2]) if len(fields) >= 5 and fields[2].isdigit() else 0
+        meta = split_job(job)[0] if job is not None else None
+        deadline_us = meta.deadline_us if meta is not None else 0
         if not 0 < deadline_us <= seconds * 1_000_000 + micros:  # Redis' clock, as the Lua
             return False
         # expire_due.lua, as every server-side expiry: DeadlineExceeded, or under
@@ -237,12 +237,12 @@ class Gateway:
         sweep = await expire_due_async(self.scripts, keys, self.result_ttl_s)
         return bool(sweep.expired or sweep.delayed)
 
-    async def _cancel(self, shard: AsyncProducer, request_id: str, meta: bytes | None,
+    async def _cancel(self, shard: AsyncProducer, request_id: str, job: bytes | None,
                       deadline: bool) -> int:
         owner = shard.id
-        fields = meta.decode().split(":") if meta is not None else []
-        if len(fields) >= 5 and fields[4]:  # the inbox of the producer that submitted it
-            owner = fields[4]
+        meta = split_job(job)[0] if job is not None else None
+        if meta is not None and meta.producer:  # the inbox of the producer that submitted it
+            owner = meta.producer
         envelope, counter = cancel_envelope(request_id, deadline=deadline)
         reply = await self.scripts.cancel(
             keys=cancel_keys(shard.keys, request_id, owner),

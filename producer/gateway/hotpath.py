@@ -250,7 +250,8 @@ class HotPath:
         try:
             handle = await gateway.producer.submit(
                 submit.payload, priority=submit.priority, deadline_ms=submit.deadline_ms,
-                idempotency_key=submit.idempotency_key, cost=submit.cost)
+                idempotency_key=submit.idempotency_key, cost=submit.cost,
+                store_result=True)  # GET /v1/requests/<id> reads it, from any gateway
         except QueueFull as exc:
             raise queue_full(exc) from None
         if submit.stream:

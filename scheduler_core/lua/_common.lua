@@ -28,36 +28,62 @@ local function int(n)
   return string.format('%.0f', n)
 end
 
--- meta value: "orig_prio:arrival_us:deadline_us:attempts:producer[:cost[:requested]]"
--- cost (default 1 when absent) is the request's cost as enqueued; requested, present only
--- when over_cost=truncate capped it, the cost its producer asked for.
-local function parse_meta(raw)
+-- jobs value: "<meta>|<envelope>", the request's bookkeeping and its envelope in one
+-- field, so that each request is one hash field (one read at pop, one delete at the end).
+-- meta: "orig_prio:arrival_us:deadline_us:attempts:keep:producer[:cost[:requested]]"
+-- attempts: deliveries that ended without a result (pop does not write it: the delivery
+-- in progress is attempts + 1; requeue_expired and a dead outcome count it); keep: 1 if
+-- the result is also stored by id (result:<id>), 0 if it only goes to the inbox; cost
+-- (default 1 when absent): the request's cost as enqueued; requested, present only when
+-- over_cost=truncate capped it, the cost its producer asked for. No meta field holds '|',
+-- so the first '|' ends the meta and the envelope is the rest, whatever its bytes.
+local JOB_META = '^([0-2]):(%d+):(%d+):(%d+):([01]):([%w_.%-]*):?(%d*):?(%d*)|'
+
+local function parse_job(raw)
   if not raw then return nil end
-  local p, a, d, n, producer, c, r =
-    string.match(raw, '^([0-2]):(%d+):(%d+):(%d+):([^:]*):(%d+):(%d+)$')
-  if not p then
-    p, a, d, n, producer, c = string.match(raw, '^([0-2]):(%d+):(%d+):(%d+):([^:]*):(%d+)$')
-  end
-  if not p then
-    p, a, d, n, producer = string.match(raw, '^([0-2]):(%d+):(%d+):(%d+):(.*)$')
-  end
-  if not p or #a > 17 or #d > 17 or #n > 9 or (c and #c > 10) or (r and #r > 10) then
+  local _, e, p, a, d, n, k, producer, c, r = string.find(raw, JOB_META)
+  if not p or #a > 17 or #d > 17 or #n > 9 or #c > 10 or #r > 10 then
     return nil  -- absurd: by hand
   end
-  local cost = tonumber(c or '1')
+  if c == '' then c = '1' end
+  if r == '' then r = c end
   -- The digits are kept as read, so that writing the meta back formats no number.
   return {prio = tonumber(p), arrival = tonumber(a), deadline = tonumber(d),
-          attempts = tonumber(n), producer = producer, arrival_s = a, deadline_s = d,
-          cost = cost, requested = tonumber(r or c or '1')}
+          attempts = tonumber(n), keep = k == '1', producer = producer, arrival_s = a,
+          deadline_s = d, cost = tonumber(c), requested = tonumber(r), cost_s = c,
+          requested_s = r,
+          envelope = string.sub(raw, e + 1)}
 end
 
-local function format_meta(m)
+-- What a completion needs of a jobs value, without parse_job's table and envelope copy:
+-- its arrival (µs, as a number), whether its result is kept by id, and its producer; nil
+-- where parse_job would find no meta.
+local function job_route(raw)
+  if not raw then return nil end
+  local _, _, p, a, d, n, k, producer, c, r = string.find(raw, JOB_META)
+  if not p or #a > 17 or #d > 17 or #n > 9 or #c > 10 or #r > 10 then return nil end
+  return tonumber(a), k == '1', producer
+end
+
+-- The envelope of a jobs value, for a caller that needs no meta (the whole value if it
+-- has none: written by hand).
+local function job_envelope(raw)
+  if not raw then return nil end
+  local m = parse_job(raw)
+  return m and m.envelope or raw
+end
+
+local function format_job(m)
   local raw = m.prio .. ':' .. (m.arrival_s or int(m.arrival)) .. ':' ..
-              (m.deadline_s or int(m.deadline)) .. ':' .. int(m.attempts) .. ':' .. m.producer
+              (m.deadline_s or int(m.deadline)) .. ':' .. int(m.attempts) .. ':' ..
+              (m.keep and '1:' or '0:') .. m.producer
   local cost, requested = m.cost or 1, m.requested or m.cost or 1
-  if requested ~= cost then return raw .. ':' .. int(cost) .. ':' .. int(requested) end
-  if cost ~= 1 then return raw .. ':' .. int(cost) end
-  return raw  -- cost 1, the default: the five fields of before
+  if requested ~= cost then
+    raw = raw .. ':' .. int(cost) .. ':' .. int(requested)
+  elseif cost ~= 1 then
+    raw = raw .. ':' .. int(cost)
+  end  -- cost 1, the default: no cost fields
+  return raw .. '|' .. m.envelope
 end
 
 -- Push recent samples to a capped list: the newest SAMPLES_KEPT stay. Trimmed only once

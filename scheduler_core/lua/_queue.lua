@@ -22,8 +22,8 @@ local function arrival_clock(clock, now)
   return arrivals
 end
 
--- List a request as dead-lettered, with the error envelope that says why; its request
--- envelope and meta stay in jobs and meta until it is retried or purged.
+-- List a request as dead-lettered, with the error envelope that says why; its
+-- jobs value (meta and envelope) stays in jobs until it is retried or purged.
 local function add_dead_letter(dead, dead_reason, id, now, reason)
   redis.call('ZADD', dead, int(now), id)
   redis.call('HSET', dead_reason, id, reason)

@@ -6,13 +6,12 @@ KEYS[1]  {bg:q}:policy        hash  its result_ttl_s, when set, overrides ARGV[2
 KEYS[2]  {bg:q}:pending:0     zset  HIGH
 KEYS[3]  {bg:q}:pending:1     zset  NORMAL
 KEYS[4]  {bg:q}:pending:2     zset  LOW
-KEYS[5]  {bg:q}:jobs          hash
-KEYS[6]  {bg:q}:meta          hash
+KEYS[5]  {bg:q}:jobs          hash  id -> "<meta>|<envelope>"
 KEYS[9]  {bg:q}:stats         hash  counters
 KEYS[11] {bg:q}:owner         hash  id -> batch id while in flight
 KEYS[20] {bg:q}:deadlines     zset  pending id -> deadline (µs)
 KEYS[21] {bg:q}:delayed       zset  past its deadline, waiting to run when idle
-KEYS[24] {bg:q}:result:<id>   string
+KEYS[24] {bg:q}:result:<id>   string, written if the request asked for it (keep)
 KEYS[25] {bg:q}:inbox:<producer>  list, the producer's inbox (any key if none)
 
 ARGV[1]  request id
@@ -21,9 +20,10 @@ ARGV[3]  the result envelope to store and deliver ('Cancelled' or 'DeadlineExcee
 ARGV[4]  the stats counter to count it under ('cancelled' | 'expired')
 
 Returns  1 cancelled (result delivered), 2 already in a batch (it will run),
-         0 finished (it has a result, or it is dead-lettered),
-         3 unknown: not waiting, not in flight, no result, not dead-lettered (Redis lost
-           it, or its result expired)
+         0 finished (it has a result, or it is dead-lettered, or results wait unread in
+           the producer's inbox: one of them may be its own, not stored by id),
+         3 unknown: not waiting, not in flight, no result, not dead-lettered, nothing in
+           the inbox (Redis lost it, its result expired, or was delivered already)
 Errors   {-3, field} malformed argument
 ]]
 -- @include _common.lua
@@ -34,7 +34,6 @@ local pending_high = KEYS[2]
 local pending_normal = KEYS[3]
 local pending_low = KEYS[4]
 local jobs = KEYS[5]
-local meta = KEYS[6]
 local stats = KEYS[9]
 local owner = KEYS[11]
 local deadlines = KEYS[20]
@@ -54,14 +53,13 @@ if redis.call('HEXISTS', owner, id) == 1 then return 2 end
 for _, pending in ipairs({pending_high, pending_normal, pending_low, delayed}) do
   if redis.call('ZREM', pending, id) == 1 then
     redis.call('ZREM', deadlines, id)
-    local m = parse_meta(redis.call('HGET', meta, id))
+    local m = parse_job(redis.call('HGET', jobs, id))
     redis.call('HDEL', jobs, id)
-    redis.call('HDEL', meta, id)
-    store_result(result, envelope, ttl)
+    if not m or m.keep then store_result(result, envelope, ttl) end
     if m and m.producer ~= '' then deliver_results(inbox, ttl, envelope) end
     redis.call('HINCRBY', stats, counter, 1)
     return 1
   end
 end
-if not request_known(jobs, result, id) then return 3 end
+if not request_known(jobs, result, id) and redis.call('LLEN', inbox) == 0 then return 3 end
 return 0

@@ -2,8 +2,7 @@
 
 KEYS[1..23] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
             this script uses:
-KEYS[5]  {bg:q}:jobs          hash   id -> envelope
-KEYS[6]  {bg:q}:meta          hash   id -> meta
+KEYS[5]  {bg:q}:jobs          hash   id -> "<meta>|<envelope>"
 KEYS[9]  {bg:q}:stats         hash   counters
 KEYS[10] {bg:q}:inflight      zset   batch id -> lease deadline
 KEYS[11] {bg:q}:owner         hash   id -> batch id
@@ -12,7 +11,8 @@ KEYS[15] {bg:q}:dead          zset   dead-lettered id -> time
 KEYS[16] {bg:q}:dead:reason   hash   dead-lettered id -> error envelope
 KEYS[18] {bg:q}:samples:e2e   list   recent enqueue-to-result times (µs)
 KEYS[19] {bg:q}:samples:model list   recent batches as "size:model_us"
-KEYS[24+2i] {bg:q}:result:<id_i>         result of request i (i = 0..n-1)
+KEYS[24+2i] {bg:q}:result:<id_i>         result of request i (i = 0..n-1), written only if
+                                         its request asked for it (keep)
 KEYS[25+2i] {bg:q}:inbox:<producer_i>    its producer's inbox (any key if it has none)
 
 ARGV[1]  batch id (the fencing token returned by pop_batch)
@@ -29,7 +29,9 @@ Errors   {-1}  stale batch: its lease expired and it was re-queued (or it never 
                nothing written, the late result is discarded
          {-3, field} malformed argument
 
-'dead' keeps the request's envelope in jobs and lists it in the dead-letter set.
+'dead' keeps the request in jobs, its attempts counting this delivery, and lists it in
+the dead-letter set. The result goes to the producer's inbox (if it has one); it is stored
+by id as well (result:<id>, Producer.fetch) only for a request enqueued with keep = 1.
 Work is bounded by n plus the batch's size.
 ]]
 -- @include _common.lua
@@ -37,7 +39,6 @@ Work is bounded by n plus the batch's size.
 -- @include _queue.lua
 
 local jobs = KEYS[5]
-local meta = KEYS[6]
 local stats = KEYS[9]
 local inflight = KEYS[10]
 local owner = KEYS[11]
@@ -72,17 +73,19 @@ for i = 0, n - 1 do ids[i + 1] = ARGV[4 + 3 * i] end
 -- One variadic call per key rather than one per request: the script's cost is mostly
 -- the number of redis.call()s.
 local owners = redis.call('HMGET', owner, unpack(ids))
-local metas = redis.call('HMGET', meta, unpack(ids))
+local raw = redis.call('HMGET', jobs, unpack(ids))
 local done, gone, e2e, inboxes, inbox_order, seen = {}, {}, {}, {}, {}, {}
+local counted = {}  -- dead ones: their jobs value with this delivery counted
 for i = 0, n - 1 do
   local id, outcome, envelope = ids[i + 1], ARGV[5 + 3 * i], ARGV[6 + 3 * i]
   if owners[i + 1] ~= batch_id or seen[id] then  -- a repeated id is delivered once
     refused = refused + 1
   else
     seen[id] = true
-    local m = parse_meta(metas[i + 1])
-    store_result(KEYS[24 + 2 * i], envelope, ttl)
-    if m and m.producer ~= '' then
+    local arrival, keep, producer = job_route(raw[i + 1])
+    -- Without readable meta (written by hand) the result is stored: no inbox to take it.
+    if not arrival or keep then store_result(KEYS[24 + 2 * i], envelope, ttl) end
+    if arrival and producer ~= '' then
       local inbox = KEYS[25 + 2 * i]
       if not inboxes[inbox] then
         inboxes[inbox] = {}
@@ -90,10 +93,16 @@ for i = 0, n - 1 do
       end
       table.insert(inboxes[inbox], envelope)
     end
-    if m then e2e[#e2e + 1] = int(now - m.arrival) end
+    if arrival then e2e[#e2e + 1] = int(now - arrival) end
     done[#done + 1] = id
     if outcome == 'dead' then
       add_dead_letter(dead, dead_reason, id, now, envelope)
+      local m = parse_job(raw[i + 1])
+      if m then
+        m.attempts = m.attempts + 1
+        counted[#counted + 1] = id
+        counted[#counted + 1] = format_job(m)
+      end
     else
       gone[#gone + 1] = id
     end
@@ -109,10 +118,8 @@ for _, inbox in ipairs(inbox_order) do  -- results keep their order within each 
   deliver_results(inbox, ttl, unpack(inboxes[inbox]))
 end
 if #done > 0 then redis.call('HDEL', owner, unpack(done)) end
-if #gone > 0 then
-  redis.call('HDEL', jobs, unpack(gone))
-  redis.call('HDEL', meta, unpack(gone))
-end
+if #gone > 0 then redis.call('HDEL', jobs, unpack(gone)) end
+if #counted > 0 then redis.call('HSET', jobs, unpack(counted)) end
 
 local remaining = 0
 local members = batch_members(batches, batch_id)

@@ -5,8 +5,7 @@ KEYS[1..23] the queue's shared keys, in the order of scheduler_core.keys.SHARED_
 KEYS[2]  {bg:q}:pending:0     zset   HIGH
 KEYS[3]  {bg:q}:pending:1     zset   NORMAL
 KEYS[4]  {bg:q}:pending:2     zset   LOW
-KEYS[5]  {bg:q}:jobs          hash   id -> request envelope
-KEYS[6]  {bg:q}:meta          hash   id -> meta
+KEYS[5]  {bg:q}:jobs          hash   id -> "<meta>|<envelope>"
 KEYS[7]  {bg:q}:clock         string last arrival score issued
 KEYS[8]  {bg:q}:marker        zset   wake-up marker for idle consumers
 KEYS[9]  {bg:q}:stats         hash   counters (dead_retried, dead_purged)
@@ -20,9 +19,9 @@ ARGV[3..2+n] request ids
 
 retry  the request is enqueued again as a new arrival at its original priority, with
        its attempts reset, no deadline and no producer (the producer already received
-       its DeadLettered result; the new one is fetched by id); its stored result is
-       deleted until then. An entry without a stored request envelope stays dead.
-purge  the request's envelope, meta and dead-letter entry are deleted.
+       its DeadLettered result; the new one is stored by id, keep = 1, and fetched
+       by id); its stored result is deleted until then. An entry without a stored request envelope stays dead.
+purge  the request (its jobs field) and its dead-letter entry are deleted.
 
 Returns  {done, skipped}: ids acted on; ids skipped (not dead-lettered, or not retryable)
 Errors   {-3, field} malformed argument, nothing written
@@ -35,7 +34,6 @@ local pending_high = KEYS[2]
 local pending_normal = KEYS[3]
 local pending_low = KEYS[4]
 local jobs = KEYS[5]
-local meta = KEYS[6]
 local clock = KEYS[7]
 local marker = KEYS[8]
 local stats = KEYS[9]
@@ -58,19 +56,20 @@ for i = 1, n do
     redis.call('ZREM', dead, id)
     redis.call('HDEL', dead_reason, id)
     redis.call('HDEL', jobs, id)
-    redis.call('HDEL', meta, id)
     done = done + 1
   elseif id == '' or string.find(id, '[:|,]') or redis.call('HEXISTS', jobs, id) == 0 then
     skipped = skipped + 1
   else
+    local raw = redis.call('HGET', jobs, id)
     if not arrivals then arrivals = arrival_clock(clock, now_us()) end
-    local m = parse_meta(redis.call('HGET', meta, id))
+    local m = parse_job(raw)
     local prio = (m and m.prio) or 1
     local arrival = arrivals.next()
-    redis.call('HSET', meta, id, format_meta({prio = prio, arrival = arrival, deadline = 0,
-                                              attempts = 0, producer = '',
-                                              cost = m and m.cost,
-                                              requested = m and m.requested}))
+    redis.call('HSET', jobs, id, format_job({prio = prio, arrival = arrival, deadline = 0,
+                                             attempts = 0, keep = true, producer = '',
+                                             cost = m and m.cost,
+                                             requested = m and m.requested,
+                                             envelope = m and m.envelope or raw}))
     redis.call('ZADD', pending[prio + 1], int(arrival), id)
     redis.call('ZREM', dead, id)
     redis.call('HDEL', dead_reason, id)

@@ -9,8 +9,7 @@ KEYS[1]  {bg:q}:policy      hash   read: strategy, max_batch_size, max_queue_siz
 KEYS[2]  {bg:q}:pending:0   zset   HIGH
 KEYS[3]  {bg:q}:pending:1   zset   NORMAL
 KEYS[4]  {bg:q}:pending:2   zset   LOW
-KEYS[5]  {bg:q}:jobs        hash   id -> envelope
-KEYS[6]  {bg:q}:meta        hash   id -> meta
+KEYS[5]  {bg:q}:jobs        hash   id -> "<meta>|<envelope>" (_common.lua's format_job)
 KEYS[7]  {bg:q}:clock       string last arrival score issued
 KEYS[8]  {bg:q}:marker      zset   wake-up marker for idle consumers
 KEYS[9]  {bg:q}:stats       hash   read on rejection: the recent service rate
@@ -26,8 +25,9 @@ ARGV[1]  producer id (owner of the inbox results go to; may be empty)
          ids: 1-128 characters from letters, digits, '_', '.', '-'
 ARGV[2]  n, the number of requests (1..10000)
 ARGV[3]  idempotency key TTL in seconds (1..315360000)
-ARGV[4+6i..9+6i] for request i: id, priority (0|1|2), deadline_ms
-         (0 = none, ..86400000), envelope bytes, idem flag (0|1), cost (1..1000000000)
+ARGV[4+7i..10+7i] for request i: id, priority (0|1|2), deadline_ms
+         (0 = none, ..86400000), envelope bytes, idem flag (0|1), cost (1..1000000000),
+         keep (0|1: 1 = its result is also stored by id, result:<id>, for fetch)
 Integer arguments are plain decimal digits ('1.5', 'nan', '1e3' are malformed).
 
 Returns  {1, added, depth_after, id_1 .. id_n, deadline_ms_1 .. deadline_ms_n}
@@ -52,16 +52,27 @@ Errors   {-1, depth, max_queue_size, adding, rate_mrps}  queue full, nothing wri
                                               nothing written. With over_cost=truncate its
                                               cost is capped to max_cost instead and the
                                               meta keeps the cost asked for
+         {-3, 'keep'}                         keep is not 0 or 1
 
 Arrival scores come from TIME and are strictly increasing per queue, so ties keep
 arrival order. A consumer is woken when a new deadline is the queue's earliest, so that
-an idle one re-arms its timer for it. Work is bounded by n.
+an idle one re-arms its timer for it. Work is bounded by n; the writes are variadic
+(one call per key and chunk of requests): a script's cost is mostly its redis.call()s.
 ]]
 -- @include _common.lua
 -- @include _policy.lua
 -- @include _queue.lua
 
 local ARRIVALS_KEEP_S = 120
+-- Variadic calls take at most CHUNK requests: unpack() of more would overflow Lua's stack.
+local CHUNK = 1000
+
+-- `command key` with the values of `list`, in calls of at most CHUNK pairs.
+local function write_pairs(command, key, list)
+  for first = 1, #list, 2 * CHUNK do
+    redis.call(command, key, unpack(list, first, math.min(#list, first + 2 * CHUNK - 1)))
+  end
+end
 
 -- Count `n` arrivals in the current second. The first call of a second also drops the
 -- fields 121-130 s old (one HDEL); only after a long silence can older ones remain, and
@@ -85,7 +96,6 @@ local pending_high = KEYS[2]
 local pending_normal = KEYS[3]
 local pending_low = KEYS[4]
 local jobs = KEYS[5]
-local meta = KEYS[6]
 local clock = KEYS[7]
 local marker = KEYS[8]
 local stats = KEYS[9]
@@ -94,7 +104,7 @@ local arrivals = KEYS[22]
 local FIRST_IDEM = 24  -- KEYS[24..]: the idempotency keys, in order
 
 local n = int_arg(ARGV[2], 1, 10000)
-if not n or #ARGV ~= 3 + 6 * n then return {-3, 'n'} end
+if not n or #ARGV ~= 3 + 7 * n then return {-3, 'n'} end
 local idem_ttl = int_arg(ARGV[3], 1, 315360000)
 if not idem_ttl then return {-3, 'idempotency_ttl'} end
 local producer = ARGV[1]
@@ -120,10 +130,21 @@ local depth = {redis.call('ZCARD', pending_high), redis.call('ZCARD', pending_no
 local total = depth[1] + depth[2] + depth[3]
 
 -- Pass 1: validate, resolve idempotency keys, count what is really new.
+-- Which ids are already queued or in flight: one HMGET per chunk (a resent call's ids
+-- are there; fresh ones read as nil).
+local queued = {}
+do
+  local ids = {}
+  for i = 0, n - 1 do ids[i + 1] = ARGV[4 + 7 * i] end
+  for first = 1, n, CHUNK do
+    local got = redis.call('HMGET', jobs, unpack(ids, first, math.min(n, first + CHUNK - 1)))
+    for j = 1, #got do queued[first + j - 1] = got[j] ~= false end
+  end
+end
 local effective, fresh, seen_keys = {}, 0, {}
 local key_index = FIRST_IDEM
 for i = 0, n - 1 do
-  local base = 4 + 6 * i
+  local base = 4 + 7 * i
   local id, prio = ARGV[base], int_arg(ARGV[base + 1], 0, 2)
   local deadline_ms = int_arg(ARGV[base + 2], 0, 86400000)
   local cost = int_arg(ARGV[base + 5], 1, MAX_REQUEST_COST)
@@ -131,6 +152,7 @@ for i = 0, n - 1 do
   if not prio then return {-3, 'priority'} end
   if not deadline_ms then return {-3, 'deadline_ms'} end
   if not cost then return {-3, 'cost'} end
+  if ARGV[base + 6] ~= '0' and ARGV[base + 6] ~= '1' then return {-3, 'keep'} end
   if max_cost > 0 and cost > max_cost and not truncate then
     return {-4, 'cost', i, cost, max_cost}
   end
@@ -152,7 +174,7 @@ for i = 0, n - 1 do
       if not existing then seen_keys[key] = id end
     end
   end
-  if not existing and redis.call('HEXISTS', jobs, id) == 1 then existing = id end
+  if not existing and queued[i + 1] then existing = id end
   if existing then
     effective[i + 1] = existing
   else
@@ -181,9 +203,10 @@ first_deadline = first_deadline and tonumber(first_deadline) or math.huge
 local given = {}  -- the deadline each request got, ms
 local scores = arrival_clock(clock, now)
 local wake = (strategy == 'fifo') or costed
+local pending_adds, job_fields, deadline_adds = {{}, {}, {}}, {}, {}
 key_index = FIRST_IDEM
 for i = 0, n - 1 do
-  local base = 4 + 6 * i
+  local base = 4 + 7 * i
   local id, prio, deadline_ms = ARGV[base], tonumber(ARGV[base + 1]), tonumber(ARGV[base + 2])
   local requested = tonumber(ARGV[base + 5])
   local cost = requested
@@ -203,17 +226,20 @@ for i = 0, n - 1 do
     local deadline = 0
     if deadline_ms > 0 then
       deadline = now + deadline_ms * 1000
-      redis.call('ZADD', deadlines, int(deadline), id)
+      deadline_adds[#deadline_adds + 1] = int(deadline)
+      deadline_adds[#deadline_adds + 1] = id
       -- The queue's earliest deadline: an idle consumer re-arms its timer for it.
       if deadline < first_deadline then
         first_deadline, wake = deadline, true
       end
     end
-    redis.call('ZADD', pending[prio + 1], int(arrival), id)
-    redis.call('HSET', jobs, id, ARGV[base + 3])
-    redis.call('HSET', meta, id, format_meta({prio = prio, arrival = arrival,
-      deadline = deadline, attempts = 0, producer = producer, cost = cost,
-      requested = requested}))
+    local adds = pending_adds[prio + 1]
+    adds[#adds + 1] = int(arrival)
+    adds[#adds + 1] = id
+    job_fields[#job_fields + 1] = id
+    job_fields[#job_fields + 1] = format_job({prio = prio, arrival = arrival,
+      deadline = deadline, attempts = 0, keep = ARGV[base + 6] == '1', producer = producer,
+      cost = cost, requested = requested, envelope = ARGV[base + 3]})
     if idem_key then redis.call('SET', idem_key, id, 'EX', idem_ttl) end  -- free or stale
     effective[i + 1] = id
     -- Wake an idle consumer only when its next decision may have changed: the request
@@ -229,6 +255,9 @@ for i = 0, n - 1 do
     total = total + 1
   end
 end
+for level = 1, 3 do write_pairs('ZADD', pending[level], pending_adds[level]) end
+write_pairs('HSET', jobs, job_fields)
+write_pairs('ZADD', deadlines, deadline_adds)
 scores.save()
 if wake then wake_consumers(marker) end
 if fresh > 0 then count_arrivals(arrivals, now, fresh) end

@@ -3,8 +3,8 @@
 Called in two steps, so that every key it writes is passed in KEYS: 'list' names the due
 requests (and, under on_timeout = delay, moves them to the delayed set itself: that needs
 no per-call key); 'expire' answers those listed with their DeadlineExceeded envelope,
-stored under result:<id> and pushed to the producer's inbox as cancel.lua and
-complete.lua do. A request is answered only while it still waits past its deadline, so
+pushed to the producer's inbox (and stored under result:<id> if the request asked for
+it) as cancel.lua and complete.lua do. A request is answered only while it still waits past its deadline, so
 of several callers (consumers, their lease threads, producers) exactly one delivers it.
 
 KEYS[1..23] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
@@ -13,8 +13,7 @@ KEYS[1]  {bg:q}:policy      hash  on_timeout, result_ttl_s
 KEYS[2]  {bg:q}:pending:0   zset  HIGH
 KEYS[3]  {bg:q}:pending:1   zset  NORMAL
 KEYS[4]  {bg:q}:pending:2   zset  LOW
-KEYS[5]  {bg:q}:jobs        hash  id -> envelope
-KEYS[6]  {bg:q}:meta        hash  id -> meta (deadline cleared when delayed)
+KEYS[5]  {bg:q}:jobs        hash  id -> "<meta>|<envelope>" (deadline cleared when delayed)
 KEYS[8]  {bg:q}:marker      zset  wake-up marker (a delayed request may be due at once)
 KEYS[9]  {bg:q}:stats       hash  counters: expired, delayed
 KEYS[20] {bg:q}:deadlines   zset  pending id -> deadline (µs)
@@ -49,7 +48,6 @@ local pending_high = KEYS[2]
 local pending_normal = KEYS[3]
 local pending_low = KEYS[4]
 local jobs = KEYS[5]
-local meta = KEYS[6]
 local marker = KEYS[8]
 local stats = KEYS[9]
 local deadlines = KEYS[20]
@@ -67,14 +65,14 @@ end
 
 -- on_timeout = delay: the request stays, in the delayed set, without its deadline.
 local function delay(id, now)
-  local m = parse_meta(redis.call('HGET', meta, id))
+  local m = parse_job(redis.call('HGET', jobs, id))
   redis.call('ZREM', deadlines, id)
   if not unqueue(id) then return false end
   local arrival = now
   if m then
     arrival = m.arrival
     m.deadline, m.deadline_s = 0, nil
-    redis.call('HSET', meta, id, format_meta(m))
+    redis.call('HSET', jobs, id, format_job(m))
   end
   redis.call('ZADD', delayed, int(arrival), id)
   return true
@@ -108,9 +106,9 @@ if mode == 'list' then
     end
     reply[3] = moved
   elseif #due > 0 then
-    local metas = redis.call('HMGET', meta, unpack(due))
+    local raw = redis.call('HMGET', jobs, unpack(due))
     for i, id in ipairs(due) do
-      local m = parse_meta(metas[i])
+      local m = parse_job(raw[i])
       reply[#reply + 1] = id
       reply[#reply + 1] = m and m.producer or ''
     end
@@ -133,12 +131,11 @@ for i = 0, n - 1 do
     if timeouts.on_timeout == 'delay' then  -- changed since the list
       if delay(id, now) then moved = moved + 1 end
     else
-      local m = parse_meta(redis.call('HGET', meta, id))
+      local m = parse_job(redis.call('HGET', jobs, id))
       redis.call('ZREM', deadlines, id)
       if unqueue(id) then
         redis.call('HDEL', jobs, id)
-        redis.call('HDEL', meta, id)
-        store_result(KEYS[24 + 2 * i], envelope, ttl)
+        if not m or m.keep then store_result(KEYS[24 + 2 * i], envelope, ttl) end
         if m and m.producer ~= '' then deliver_results(KEYS[25 + 2 * i], ttl, envelope) end
         expired = expired + 1
       end

@@ -29,8 +29,8 @@ KEYS[1]  {bg:q}:policy      hash  read; each field within policy LIMITS
 KEYS[2]  {bg:q}:pending:0   zset  HIGH    (score = arrival, µs)
 KEYS[3]  {bg:q}:pending:1   zset  NORMAL
 KEYS[4]  {bg:q}:pending:2   zset  LOW
-KEYS[5]  {bg:q}:jobs        hash  id -> envelope
-KEYS[6]  {bg:q}:meta        hash  id -> meta (attempts incremented here)
+KEYS[5]  {bg:q}:jobs        hash  id -> "<meta>|<envelope>" (read only: the delivery in
+                                  progress is the stored attempts + 1)
 KEYS[8]  {bg:q}:marker      zset  wake-up marker
 KEYS[9]  {bg:q}:stats       hash  counters
 KEYS[10] {bg:q}:inflight    zset  batch id -> lease deadline (µs)
@@ -87,7 +87,6 @@ local pending_high = KEYS[2]
 local pending_normal = KEYS[3]
 local pending_low = KEYS[4]
 local jobs = KEYS[5]
-local meta = KEYS[6]
 local marker = KEYS[8]
 local stats = KEYS[9]
 local inflight = KEYS[10]
@@ -156,7 +155,7 @@ local function promote_aged(rules, now)
   local once = redis.call('ZRANGEBYSCORE', pending_normal, '(' .. int(now - 2 * aging),
                           int(now - aging), 'WITHSCORES', 'LIMIT', 0, limit)
   for i = 1, #once, 2 do
-    local m = parse_meta(redis.call('HGET', meta, once[i]))
+    local m = parse_job(redis.call('HGET', jobs, once[i]))
     if not m or m.prio <= 1 then move(1, 0, once[i], once[i + 1]) end
   end
 end
@@ -225,10 +224,10 @@ local function pick_costed(rules, count, levels, now, due_only)
   local cands = take(count, levels, rules.window)
   local ids = {}
   for i, c in ipairs(cands) do ids[i] = c.id end
-  local raw = redis.call('HMGET', meta, unpack(ids))
+  local raw = redis.call('HMGET', jobs, unpack(ids))
   local groups, order = {}, {}
   for i, c in ipairs(cands) do
-    local m = parse_meta(raw[i])
+    local m = parse_job(raw[i])
     c.cost = m and m.cost or 1
     local b = bucket_of(rules.bounds, c.cost)
     if not groups[b] then
@@ -333,15 +332,15 @@ end
 -- A request delivered before whose batch never completed (its consumer crashed, hung or
 -- lost its lease) runs in a batch of its own, so a payload that kills its consumer cannot
 -- drag its batch-mates to max_attempts with it. Truncates `chosen` there; returns the
--- metas of what is left (nil where unreadable) and the ids read.
+-- metas of what is left (nil where unreadable), the ids read and their raw jobs values.
 local function isolate_retried(chosen)
   -- One variadic call per key rather than one per request: the script's cost is mostly
   -- the number of redis.call()s.
   local ids, metas = {}, {}
   for i, c in ipairs(chosen) do ids[i] = c.id end
-  local raw_metas = redis.call('HMGET', meta, unpack(ids))
+  local raw = redis.call('HMGET', jobs, unpack(ids))
   for i in ipairs(chosen) do
-    local m = parse_meta(raw_metas[i])
+    local m = parse_job(raw[i])
     local retried = m and m.attempts > 0
     if retried and i > 1 then
       for j = #chosen, i, -1 do chosen[j] = nil end
@@ -353,27 +352,26 @@ local function isolate_retried(chosen)
       break
     end
   end
-  return metas, ids
+  return metas, ids, raw
 end
 
 -- Move `chosen` in flight under a new batch id and build the reply.
-local function commit(rules, consumer, lease_ms, chosen, metas, ids, total, now)
+local function commit(rules, consumer, lease_ms, chosen, metas, ids, raw, total, now)
   local batch_id = redis.call('INCR', seq)
   local lease_deadline = now + lease_ms * 1000
   local reply = {batch_id, int(now), int(lease_deadline), total - #chosen}
   ids = {unpack(ids, 1, #chosen)}  -- what is left after isolate_retried
-  local waits, by_level, meta_fields, owner_fields = {}, {{}, {}, {}, {}}, {}, {}
-  local envelopes = redis.call('HMGET', jobs, unpack(ids))
+  local waits, by_level, owner_fields = {}, {{}, {}, {}, {}}, {}
   for i, c in ipairs(chosen) do
     local id = c.id
     table.insert(by_level[c.level + 1], id)
-    -- A member without (valid) meta was written by hand: deliver it once, marked so the
-    -- consumer dead-letters it instead of crashing.
+    -- A member without (valid) meta was written by hand: deliver it once (its whole jobs
+    -- value as the envelope), marked so the consumer dead-letters it instead of crashing.
     local arrival = c.score
     if arrival ~= arrival or arrival == math.huge or arrival == -math.huge then arrival = now end
     local m = metas[i] or {prio = c.level, arrival = arrival, deadline = 0,
                            attempts = rules.max_attempts, producer = '', cost = 1,
-                           requested = 1}
+                           requested = 1, envelope = raw[i]}
     local state = 'run'
     if m.attempts >= rules.max_attempts then
       state = 'exhausted'
@@ -382,24 +380,24 @@ local function commit(rules, consumer, lease_ms, chosen, metas, ids, total, now)
     else
       waits[#waits + 1] = int(now - m.arrival)
     end
-    m.attempts = m.attempts + 1
-    meta_fields[#meta_fields + 1] = id
-    meta_fields[#meta_fields + 1] = format_meta(m)
+    -- This delivery's number; not written back: requeue_expired counts a delivery that
+    -- ended without a result, complete a dead one (a write of the whole value saved here).
+    local attempt = m.attempts + 1
     owner_fields[#owner_fields + 1] = id
     owner_fields[#owner_fields + 1] = batch_id
     local r = #reply
-    reply[r + 1], reply[r + 2], reply[r + 3], reply[r + 4] = id, envelopes[i],
+    reply[r + 1], reply[r + 2], reply[r + 3], reply[r + 4] = id, m.envelope,
                                                             m.arrival_s or int(m.arrival),
-                                                            m.attempts
+                                                            attempt
     reply[r + 5], reply[r + 6], reply[r + 7] = m.producer, state, c.level
-    reply[r + 8], reply[r + 9] = int(m.cost), int(m.requested)
+    reply[r + 8] = m.cost_s or int(m.cost)  -- the digits as stored: no number formatted
+    reply[r + 9] = m.requested_s or int(m.requested)
   end
   for level = 0, 3 do
     local members = by_level[level + 1]
     if #members > 0 then redis.call('ZREM', pending[level + 1], unpack(members)) end
   end
   redis.call('ZREM', deadlines, unpack(ids))  -- deadlines holds waiting requests only
-  redis.call('HSET', meta, unpack(meta_fields))
   redis.call('HSET', owner, unpack(owner_fields))
   redis.call('ZADD', inflight, int(lease_deadline), batch_id)
   redis.call('HSET', batches, batch_id, consumer .. '|' .. table.concat(ids, ','))
@@ -450,5 +448,5 @@ if not chosen then
 end
 chosen = drop_malformed(chosen, now)
 if #chosen == 0 then return {0, 0} end
-local metas, ids = isolate_retried(chosen)
-return commit(rules, consumer, lease_ms, chosen, metas, ids, total, now)
+local metas, ids, raw = isolate_retried(chosen)
+return commit(rules, consumer, lease_ms, chosen, metas, ids, raw, total, now)

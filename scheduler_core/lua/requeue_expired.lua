@@ -8,7 +8,8 @@ KEYS[1..23] the queue's shared keys, in the order of scheduler_core.keys.SHARED_
 KEYS[2]  {bg:q}:pending:0   zset  HIGH
 KEYS[3]  {bg:q}:pending:1   zset  NORMAL
 KEYS[4]  {bg:q}:pending:2   zset  LOW
-KEYS[6]  {bg:q}:meta        hash  id -> meta
+KEYS[5]  {bg:q}:jobs        hash  id -> "<meta>|<envelope>": a returned request's attempts
+                                  count the delivery that ended without a result
 KEYS[8]  {bg:q}:marker      zset  wake-up marker
 KEYS[9]  {bg:q}:stats       hash  counters (requeued)
 KEYS[10] {bg:q}:inflight    zset  batch id -> lease deadline (µs)
@@ -30,7 +31,7 @@ Errors   {-3, field} malformed argument
 local pending_high = KEYS[2]
 local pending_normal = KEYS[3]
 local pending_low = KEYS[4]
-local meta = KEYS[6]
+local jobs = KEYS[5]
 local marker = KEYS[8]
 local stats = KEYS[9]
 local inflight = KEYS[10]
@@ -50,9 +51,13 @@ local requeued = 0
 for _, batch_id in ipairs(expired) do
   for _, id in ipairs(batch_members(batches, batch_id)) do
     if redis.call('HGET', owner, id) == batch_id then
-      local m = parse_meta(redis.call('HGET', meta, id))
+      local m = parse_job(redis.call('HGET', jobs, id))
       local prio, arrival = 2, now
-      if m then prio, arrival = m.prio, m.arrival end
+      if m then
+        prio, arrival = m.prio, m.arrival
+        m.attempts = m.attempts + 1
+        redis.call('HSET', jobs, id, format_job(m))
+      end
       redis.call('ZADD', pending[prio + 1], int(arrival), id)
       if m and m.deadline > 0 then redis.call('ZADD', deadlines, m.deadline_s, id) end
       redis.call('HDEL', owner, id)

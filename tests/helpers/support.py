@@ -103,9 +103,13 @@ def configure(url: str, queue: str, **policy: Any) -> None:
         client.close()
 
 
-def snapshot(client: redis.Redis, pattern: str = "*") -> dict[bytes, bytes | None]:
-    """Every key matching `pattern` with its serialized value (DUMP)."""
-    return {key: client.dump(key) for key in client.scan_iter(match=pattern, count=1000)}
+def snapshot(client: redis.Redis, pattern: str = "*") -> dict[bytes, Any]:
+    """Every key matching `pattern` with its value: a hash's fields and values (a large
+    hash's DUMP follows its hash table's order, which a mere read may rehash), any other
+    key's serialized value (DUMP)."""
+    return {key: sorted(client.hgetall(key).items())
+            if client.type(key) == b"hash" else client.dump(key)
+            for key in client.scan_iter(match=pattern, count=1000)}
 
 
 def queue_pattern(queue: str) -> str:

@@ -48,7 +48,7 @@ def test_requests_spread_over_shards_are_answered_exactly_once(
               max_queue_delay_ms=20)
     with ShardedProducer(url, queue) as p:
         assert p.shards == S
-        handles = [p.submit({"i": i}) for i in range(60)]
+        handles = [p.submit({"i": i}, store_result=True) for i in range(60)]
         # Round robin: 20 waiting in each shard, each under its own hash tag.
         assert [depth(client, k) for k in shard_keys(queue)] == [20, 20, 20]
         tags = {key.decode().split("}")[0] for key in client.scan_iter(match="{bg:*")
@@ -112,7 +112,9 @@ def test_cancel_and_fetch_on_a_non_zero_shard(shared_redis, queue):
     url, client = shared_redis.url, shared_redis.client()
     configure(url, queue, shards=S)
     with ShardedProducer(url, queue) as p:
-        first, second = p.submit({"i": 0}), p.submit({"i": 1})  # shards 0 and 1
+        # stored by id: fetched below
+        first, second = p.submit({"i": 0}, store_result=True), p.submit({"i": 1},
+                                                                        store_result=True)
         assert client.hexists(shard_keys(queue)[1].jobs, second.id)
         assert request_state(client, queue, second.id).status == "queued"
         assert second.cancel() == "cancelled"
@@ -254,7 +256,7 @@ def test_async_sharded_producer_round_trip(shared_redis, queue, start_consumer, 
         async with AsyncShardedProducer(url, queue, placement="least_depth") as p:
             assert p.shards == S
             handles = [await p.submit({"i": i}) for i in range(9)]
-            handles += await p.submit_many([{"i": i} for i in range(9, 12)],
+            handles += await p.submit_many([{"i": i} for i in range(9, 12)], store_result=True,
                                            idempotency_keys=["a", "b", "c"])
             assert await asyncio.gather(*(h.result(timeout=30) for h in handles)) == \
                 [{"i": i} for i in range(12)]
@@ -342,9 +344,10 @@ def test_gateway_finds_and_cancels_requests_on_any_shard(shared_redis, queue, st
     url, client = shared_redis.url, shared_redis.client()
     configure(url, queue, shards=S)
     with gateway_http(start_gateway, url, queue) as http, ShardedProducer(url, queue) as p:
-        on = [p.submit({"i": i}) for i in range(S)]  # round robin: shards 0, 1, 2
-        late = p.submit({"late": True}, deadline_ms=300)  # shard 0
-        soon = p.submit({"soon": True}, deadline_ms=300)  # shard 1
+        # Stored by id, as the gateway's own submits are: read back through GET.
+        on = [p.submit({"i": i}, store_result=True) for i in range(S)]  # shards 0, 1, 2
+        late = p.submit({"late": True}, deadline_ms=300, store_result=True)  # shard 0
+        soon = p.submit({"soon": True}, deadline_ms=300, store_result=True)  # shard 1
         assert [shard_of(client, queue, h.id) for h in on] == [0, 1, 2]
         assert shard_of(client, queue, soon.id) == 1
         got = http.get(f"/v1/requests/{on[2].id}")
@@ -429,7 +432,7 @@ def test_gateway_on_a_sharded_queue_across_cluster_nodes(redis_cluster, queue, s
     nodes = {client.get_node_from_key(k.policy).name for k in shard_keys(queue, shards)}
     assert len(nodes) >= 2, nodes
     with gateway_http(start_gateway, url, queue) as http, ShardedProducer(url, queue) as p:
-        queued = [p.submit({"q": i}) for i in range(shards)]  # one on each shard
+        queued = [p.submit({"q": i}, store_result=True) for i in range(shards)]  # each shard
         for handle in queued:
             got = http.get(f"/v1/requests/{handle.id}")
             assert got.status_code == 202 and got.json()["status"] == "queued", got.text

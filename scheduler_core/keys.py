@@ -107,7 +107,8 @@ class QueueKeys:
 
     def __post_init__(self) -> None:
         # A shard's physical queue (`<queue>#<i>`, scheduler_core/shards.py) is a queue too.
-        base, sep, index = self.queue.rpartition("#")
+        base, sep, index = self.queue.rpartition("#") if isinstance(self.queue, str) else \
+            ("", "", "")
         if sep and _SHARD_INDEX.fullmatch(index):
             validate_queue_name(base)
         else:

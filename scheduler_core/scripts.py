@@ -147,10 +147,12 @@ class Scripts:
     bulk_lease_release: Any
 
     def __init__(self, client: Any):
-        is_async = isinstance(client.register_script(""), AsyncScript)
-        script_class = AsyncReloadingScript if is_async else ReloadingScript
+        reloading = {Script: ReloadingScript, AsyncScript: AsyncReloadingScript}
         for name in SCRIPT_NAMES:
-            setattr(self, name.replace("/", "_"), script_class(client, source(name)))
+            script = client.register_script(source(name))
+            if type(script) in reloading:  # redis-py's (a client's own kind is kept as is)
+                script = reloading[type(script)](client, script.script)
+            setattr(self, name.replace("/", "_"), script)
 
 
 class ScriptPipeline:

@@ -474,6 +474,8 @@ def test_results_of_dead_producers_expire(redis_server, queue, start_consumer):
         warm_keys = (keys.result(warm.id), keys.inbox(p.id))
     # the baseline is taken once the warm-up's own result has expired
     wait_for(lambda: not r.exists(*warm_keys), ttl + 15, "the warm-up's result to expire")
+    # ... and the consumer's info hash is written (its lease thread's first tick)
+    wait_for(lambda: r.keys(keys.tag + ":consumer:*"), 15, "the consumer's info hash")
     transient = (keys.marker.encode(), keys.tag.encode() + b":wake:")
 
     def standing() -> set[bytes]:

@@ -17,6 +17,7 @@ from scheduler_core.connection import slot_owner
 from scheduler_core.deadletter import list_dead
 from scheduler_core.keys import QueueKeys
 from scheduler_core.registry import known_queues
+from scheduler_core.shards import physical_queues
 
 BATCH_SAMPLES_READ = 1000  # the batch-size histogram covers the newest this many batches
 DEAD_SHOWN = 20
@@ -39,10 +40,51 @@ def _number(raw: Any) -> int | float | str:
 
 def queue_snapshot(client: redis.Redis, queue: str, dead_shown: int = DEAD_SHOWN,
                    failures_shown: int = FAILURES_SHOWN) -> dict[str, Any]:
-    """One queue's figures as plain JSON-ready data (see docs/dashboard.md). With
-    dead_shown=0 / failures_shown=0 those lists are not read (the totals still are)."""
-    keys = QueueKeys(queue)
+    """One queue's figures as plain JSON-ready data (see docs/dashboard.md); a sharded
+    queue's shards are read one after the other and summed. With dead_shown=0 /
+    failures_shown=0 those lists are not read (the totals still are)."""
     stats = queue_stats(client, queue).to_dict()
+    shards = [_read_shard(client, QueueKeys(name), failures_shown)
+              for name in physical_queues(client, queue)]
+    now_us = max(shard["now_us"] for shard in shards)
+    consumers: dict[str, dict[str, Any]] = {}  # a sharded consumer beats on every shard
+    sizes: Counter[int] = Counter()
+    recent_failures: list[Any] = []
+    for shard in shards:
+        sizes.update(shard["sizes"])
+        recent_failures += shard["failures"]
+        for row in shard["consumers"]:
+            seen = consumers.get(row["name"])
+            if seen is None:
+                consumers[row["name"]] = row
+                continue
+            seen["beat_us"] = max(seen["beat_us"], row["beat_us"])
+            seen["batch"] = seen["batch"] or row["batch"]
+            seen["batch_size"] = max(seen["batch_size"], row["batch_size"])
+            seen["batches"] += row["batches"]  # each shard counts the batches it ran
+            seen["requests"] += row["requests"]
+    for row in consumers.values():
+        row["heartbeat_age_s"] = round(max(0.0, (now_us - row.pop("beat_us")) / 1e6), 3)
+    recent_failures.sort(key=lambda f: f.get("at_ms", 0) if isinstance(f, dict) else 0,
+                         reverse=True)
+    total_dead, dead = (list_dead(client, queue, limit=dead_shown) if dead_shown
+                        else (stats["dead_letters"], []))
+    return {
+        "queue": queue,
+        "time_s": now_us / 1e6,
+        **stats,
+        "completed": stats["processed"] + stats["failed"] + stats["expired"]
+        + stats["cancelled"],
+        "consumers": list(consumers.values()),
+        "batch_sizes": {str(size): n for size, n in sorted(sizes.items())},
+        "adaptive_delay": shards[0]["adaptive"],
+        "dead": {"total": total_dead, "shown": [d.to_dict() for d in dead]},
+        "recent_failures": recent_failures[:failures_shown],
+    }
+
+
+def _read_shard(client: redis.Redis, keys: QueueKeys, failures_shown: int) -> dict[str, Any]:
+    """One physical queue's consumers, batch sizes, adaptive delay and failures."""
     client = slot_owner(client, keys.policy)  # a cluster: the slot's primary, for TIME
     pipe = client.pipeline(transaction=False)
     pipe.time()
@@ -52,7 +94,6 @@ def queue_snapshot(client: redis.Redis, queue: str, dead_shown: int = DEAD_SHOWN
     pipe.lrange(keys.model_samples, 0, BATCH_SAMPLES_READ - 1)
     pipe.lrange(keys.failures, 0, failures_shown - 1) if failures_shown else pipe.echo("")
     (now_s, now_frac), beats, batches, counters, model, failures = pipe.execute()
-    now_us = now_s * 1_000_000 + now_frac
 
     names = [_text(name) for name, _ in beats]
     info_pipe = client.pipeline(transaction=False)
@@ -71,7 +112,7 @@ def queue_snapshot(client: redis.Redis, queue: str, dead_shown: int = DEAD_SHOWN
             "host": about.get("host", ""),
             "pid": about.get("pid", ""),
             "device": about.get("device", ""),
-            "heartbeat_age_s": round(max(0.0, (now_us - beat) / 1e6), 3),
+            "beat_us": beat,
             "batch": about.get("batch") or ",".join(holding.get(name, [])),
             "batch_size": int(about.get("batch_size") or 0),
             "batches": int(about.get("batches") or 0),
@@ -84,11 +125,6 @@ def queue_snapshot(client: redis.Redis, queue: str, dead_shown: int = DEAD_SHOWN
         if size.isdigit():
             sizes[int(size)] += 1
     raw_counters = {_text(k): v for k, v in counters.items()}
-    # The adaptive delay (max_queue_delay_ms=auto) where the queue has one: any stats
-    # field naming a delay, as stored.
-    adaptive = {k: _number(v) for k, v in raw_counters.items() if "delay" in k}
-    total_dead, dead = (list_dead(client, queue, limit=dead_shown) if dead_shown
-                        else (stats["dead_letters"], []))
     recent_failures = []
     for raw in failures if failures_shown else []:
         try:
@@ -96,16 +132,13 @@ def queue_snapshot(client: redis.Redis, queue: str, dead_shown: int = DEAD_SHOWN
         except orjson.JSONDecodeError:
             continue
     return {
-        "queue": queue,
-        "time_s": now_us / 1e6,
-        **stats,
-        "completed": stats["processed"] + stats["failed"] + stats["expired"]
-        + stats["cancelled"],
+        "now_us": now_s * 1_000_000 + now_frac,
         "consumers": consumers,
-        "batch_sizes": {str(size): n for size, n in sorted(sizes.items())},
-        "adaptive_delay": adaptive,
-        "dead": {"total": total_dead, "shown": [d.to_dict() for d in dead]},
-        "recent_failures": recent_failures,
+        "sizes": sizes,
+        # The adaptive delay (max_queue_delay_ms=auto) where the queue has one: any stats
+        # field naming a delay, as stored.
+        "adaptive": {k: _number(v) for k, v in raw_counters.items() if "delay" in k},
+        "failures": recent_failures,
     }
 
 

@@ -28,6 +28,7 @@ from scheduler_core.admin import queue_stats, read_policy, request_state
 from scheduler_core.deadletter import list_dead
 from scheduler_core.keys import QueueKeys
 from scheduler_core.shards import shard_name
+from scheduler_core.snapshot import queue_snapshot
 from scheduler_core.wire import CANCELLED
 
 S = 3
@@ -84,6 +85,14 @@ def test_requests_spread_over_shards_are_answered_exactly_once(
     # the registry lists the logical queue only
     assert client.zscore("batchgate:queues", queue) is not None
     assert client.zscore("batchgate:queues", shard_name(queue, 1)) is None
+    # the live view (dashboard, top): each consumer once, batches from every shard
+    wait_for(lambda: sum(c["requests"] for c in queue_snapshot(client, queue)["consumers"])
+             == 60, 10, "every shard's requests in the consumers' totals")
+    snap = queue_snapshot(client, queue)
+    assert sorted(c["name"] for c in snap["consumers"]) == sorted(
+        {c["name"] for c in snap["consumers"]}) and len(snap["consumers"]) == 2
+    assert sum(c["batches"] for c in snap["consumers"]) == stats.batches
+    assert sum(int(n) * int(size) for size, n in snap["batch_sizes"].items()) == 60
 
 
 def test_high_on_another_shard_runs_before_a_due_normal_batch(

@@ -17,6 +17,7 @@ from scheduler_core.errors import (
     RequestCancelled,
     RequestFailed,
     RequestLost,
+    ShardRetired,
 )
 from scheduler_core.policy import Priority
 from scheduler_core.wire import Restart, Result
@@ -36,5 +37,6 @@ __all__ = [
     "RequestLost",
     "Restart",
     "Result",
+    "ShardRetired",
     "ShardedProducer",
 ]

@@ -2,7 +2,9 @@
 
 One Producer per shard (scheduler_core/shards.py), all on one connection pool; each keeps
 its own inbox and listener, so a handle behaves exactly as with one queue. The shard count
-is read from the queue's policy once, when the producer is made.
+is read from the queue's policy when the producer is made, then again at most every
+SHARDS_REFRESH_S on the submit path, and at once when a shard refuses a submit because
+`policy set --shards` dropped it (ShardRetired): the submit is then placed again.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from scheduler_core.connection import (
     connect,
     connect_async,
 )
-from scheduler_core.errors import InvalidRequest
+from scheduler_core.errors import InvalidRequest, ShardRetired
 from scheduler_core.keys import QueueKeys, validate_queue_name
 from scheduler_core.policy import Priority
 from scheduler_core.shards import check_placement, shard_count, shard_count_async, shard_name
@@ -37,6 +39,8 @@ from scheduler_core.wire import Result, decode_result
 # least_depth: the shards' depths are read at most this often; between reads, the
 # requests this producer placed are added to the last read.
 DEPTH_REFRESH_S = 0.05
+# How stale a producer's shard count may be before a submit re-reads it (one HGET).
+SHARDS_REFRESH_S = 2.0
 
 
 class Placer:
@@ -82,6 +86,16 @@ class Placer:
         return out
 
 
+def reshaped(queue: str, count: int, producers: list[Any], retired: list[Any],
+             make: Any) -> tuple[list[Any], list[Any]]:
+    """(the producers of shards 0..count-1, those of dropped shards): a shard's existing
+    producer is kept (its handles, its inbox), one is made for each new shard."""
+    old = {p.keys.queue: p for p in [*producers, *retired]}
+    names = [shard_name(queue, i) for i in range(count)]
+    kept = [old.pop(name, None) or make(name) for name in names]
+    return kept, list(old.values())
+
+
 def depth_reads(pipe: Any, producers: Sequence[Any]) -> None:
     for producer in producers:
         for key in producer.keys.pending_all:
@@ -116,55 +130,115 @@ class ShardedProducer:
         self.queue = validate_queue_name(queue)
         self._redis = client or connect(redis_url, max_connections)
         self._owns_client = client is None
-        count = shard_count(self._redis, queue)
-        self.producers = [Producer(queue=shard_name(queue, i), client=self._redis,
-                                   **producer_args) for i in range(count)]
-        self._placer = Placer(count, self.placement)
+        self._args = producer_args
+        self._resizing = threading.Lock()
+        self.producers: list[Producer] = []
+        self._retired: list[Producer] = []  # of dropped shards: their handles still resolve
+        self._resize(shard_count(self._redis, queue))
 
     @property
     def shards(self) -> int:
         return len(self.producers)
 
+    def refresh(self, force: bool = False) -> int:
+        """Re-read the shard count (if SHARDS_REFRESH_S has passed, or `force`); the
+        count now placed on."""
+        if force or time.monotonic() >= self._refresh_at:
+            try:
+                self._resize(shard_count(self._redis, self.queue))
+            except redis.RedisError:
+                if force:
+                    raise
+                # the submit itself meets the outage (and Producer's handling of it)
+                self._refresh_at = time.monotonic() + SHARDS_REFRESH_S
+        return self.shards
+
+    def _resize(self, count: int) -> None:
+        with self._resizing:
+            self._refresh_at = time.monotonic() + SHARDS_REFRESH_S
+            if count == len(self.producers):
+                return
+            self.producers, self._retired = reshaped(
+                self.queue, count, self.producers, self._retired,
+                lambda name: Producer(queue=name, client=self._redis, **self._args))
+            self._placer = Placer(count, self.placement)
+
     # -- placement ------------------------------------------------------------------
     def _shard_for(self, count: int, key: object) -> Producer:
-        if self._placer.stale(key):
+        self.refresh()
+        producers, placer = self.producers, self._placer
+        if placer.stale(key):
             pipe = self._redis.pipeline(transaction=False)
-            depth_reads(pipe, self.producers)
-            self._placer.read(depths_of(pipe.execute(), self.shards))
-        return self.producers[self._placer.pick(count, key)]
+            depth_reads(pipe, producers)
+            placer.read(depths_of(pipe.execute(), len(producers)))
+        return producers[placer.pick(count, key)]
 
     # -- Producer's API -------------------------------------------------------------
     def submit(self, payload: Any, priority: Priority | int | str = Priority.NORMAL,
                deadline_ms: float | None = None, idempotency_key: str | None = None,
                cost: int = 1, store_result: bool = False) -> Handle:
-        producer = self._shard_for(1, idempotency_key)
-        return producer.submit(payload, priority, deadline_ms, idempotency_key, cost,
-                               store_result)
+        try:
+            return self._shard_for(1, idempotency_key).submit(
+                payload, priority, deadline_ms, idempotency_key, cost, store_result)
+        except ShardRetired:  # nothing was written: place it on a shard of the new count
+            self.refresh(force=True)
+            return self._shard_for(1, idempotency_key).submit(
+                payload, priority, deadline_ms, idempotency_key, cost, store_result)
 
     def submit_many(self, payloads: Iterable[Any], priority: Priority | int | str =
                     Priority.NORMAL, deadline_ms: float | None = None,
                     idempotency_keys: list[str | None] | None = None,
                     cost: int | Sequence[int] = 1,
                     store_result: bool = False) -> list[Handle]:
-        payloads = list(payloads)
+        return self._place_many(list(payloads), priority, deadline_ms, idempotency_keys, cost,
+                                store_result, retry=True)
+
+    def _place_many(self, payloads: list[Any], priority: Priority | int | str,
+                    deadline_ms: float | None, idempotency_keys: list[str | None] | None,
+                    cost: int | Sequence[int], store_result: bool, retry: bool) -> list[Handle]:
+        """submit_many; with `retry`, requests a dropped shard refused (nothing written
+        for them) are placed again once on the re-read shard count."""
         if not needs_split(len(payloads), idempotency_keys, self.shards):
-            producer = self._shard_for(len(payloads), None)
-            return producer.submit_many(payloads, priority, deadline_ms, idempotency_keys,
-                                        cost, store_result)
+            try:
+                return self._shard_for(len(payloads), None).submit_many(
+                    payloads, priority, deadline_ms, idempotency_keys, cost, store_result)
+            except ShardRetired:
+                if not retry:
+                    raise
+                self.refresh(force=True)
+                return self._place_many(payloads, priority, deadline_ms, idempotency_keys,
+                                        cost, store_result, retry=False)
         assert idempotency_keys is not None
         # Each keyed request to its key's shard (a repeat must find the first); one call
         # per shard, each atomic. A repeat of the whole call after an error is safe: the
         # keys answer the requests already accepted with their first ids.
         costs = list(cost) if isinstance(cost, Sequence) else None
         handles: list[Handle | None] = [None] * len(payloads)
-        for shard, indexes in self._placer.groups(idempotency_keys).items():
-            producer = self.producers[shard] if shard >= 0 else \
+        refused: list[int] = []
+        producers, placer = self.producers, self._placer
+        for shard, indexes in placer.groups(idempotency_keys).items():
+            producer = producers[shard] if shard >= 0 else \
                 self._shard_for(len(indexes), None)
-            got = producer.submit_many(
-                [payloads[i] for i in indexes], priority, deadline_ms,
-                [idempotency_keys[i] for i in indexes],
-                [costs[i] for i in indexes] if costs is not None else cost, store_result)
+            try:
+                got = producer.submit_many(
+                    [payloads[i] for i in indexes], priority, deadline_ms,
+                    [idempotency_keys[i] for i in indexes],
+                    [costs[i] for i in indexes] if costs is not None else cost, store_result)
+            except ShardRetired:
+                if not retry:
+                    raise
+                refused += indexes
+                continue
             for i, handle in zip(indexes, got, strict=True):
+                handles[i] = handle
+        if refused:  # only those: the others' keys would hash elsewhere on the new count
+            self.refresh(force=True)
+            got = self._place_many(
+                [payloads[i] for i in refused], priority, deadline_ms,
+                [idempotency_keys[i] for i in refused],
+                [costs[i] for i in refused] if costs is not None else cost, store_result,
+                retry=False)
+            for i, handle in zip(refused, got, strict=True):
                 handles[i] = handle
         return [h for h in handles if h is not None]
 
@@ -174,7 +248,7 @@ class ShardedProducer:
         """The stored result of any request of this queue, from whichever shard has it
         (one pipelined GET per shard)."""
         pipe = self._redis.pipeline(transaction=False)
-        for producer in self.producers:
+        for producer in [*self.producers, *self._retired]:
             pipe.get(QueueKeys(producer.config.queue).result(request_id))
         for raw in pipe.execute():
             if raw is not None:
@@ -182,7 +256,7 @@ class ShardedProducer:
         return None
 
     def close(self) -> None:
-        for producer in self.producers:
+        for producer in [*self.producers, *self._retired]:
             producer.close()
         if self._owns_client:
             close_node_clients(self._redis)
@@ -200,8 +274,8 @@ class ShardedProducer:
 
 class AsyncShardedProducer:
     """ShardedProducer for asyncio: `async with AsyncShardedProducer(url, queue) as p:`.
-    The shard count is read on entering (or on the first submit); AsyncProducer's
-    arguments otherwise."""
+    The shard count is read on entering (or on the first submit), then as
+    ShardedProducer re-reads it; AsyncProducer's arguments otherwise."""
 
     def __init__(self, redis_url: str = DEFAULT_REDIS_URL, queue: str = "default", *,
                  placement: str = "round_robin", client: redis.asyncio.Redis | None = None,
@@ -212,7 +286,9 @@ class AsyncShardedProducer:
         self._owns_client = client is None
         self._args = producer_args
         self.producers: list[AsyncProducer] = []
+        self._retired: list[AsyncProducer] = []
         self._placer: Placer | None = None
+        self._refresh_at = float("-inf")
         self._opening = asyncio.Lock()
 
     @property
@@ -220,33 +296,52 @@ class AsyncShardedProducer:
         return len(self.producers)
 
     async def open(self) -> AsyncShardedProducer:
-        async with self._opening:
-            if self._placer is None:
-                count = await shard_count_async(self._redis, self.queue)
-                self.producers = [AsyncProducer(queue=shard_name(self.queue, i),
-                                                client=self._redis, **self._args)
-                                  for i in range(count)]
-                self._placer = Placer(count, self.placement)
+        if self._placer is None:
+            await self.refresh(force=True)
         return self
 
+    async def refresh(self, force: bool = False) -> int:
+        """As ShardedProducer.refresh."""
+        if force or time.monotonic() >= self._refresh_at:
+            async with self._opening:
+                if force or time.monotonic() >= self._refresh_at:
+                    try:
+                        count = await shard_count_async(self._redis, self.queue)
+                    except redis.RedisError:
+                        if force or self._placer is None:
+                            raise
+                        count = self.shards  # as ShardedProducer.refresh
+                    self._refresh_at = time.monotonic() + SHARDS_REFRESH_S
+                    if count != len(self.producers):
+                        self.producers, self._retired = reshaped(
+                            self.queue, count, self.producers, self._retired,
+                            lambda name: AsyncProducer(queue=name, client=self._redis,
+                                                       **self._args))
+                        self._placer = Placer(count, self.placement)
+        return self.shards
+
     async def _shard_for(self, count: int, key: object) -> AsyncProducer:
-        placer = self._placer
-        if placer is None:
-            await self.open()
-            placer = self._placer
-            assert placer is not None
+        await self.refresh()
+        producers, placer = self.producers, self._placer
+        assert placer is not None
         if placer.stale(key):
             pipe = self._redis.pipeline(transaction=False)
-            depth_reads(pipe, self.producers)
-            placer.read(depths_of(await pipe.execute(), self.shards))
-        return self.producers[placer.pick(count, key)]
+            depth_reads(pipe, producers)
+            placer.read(depths_of(await pipe.execute(), len(producers)))
+        return producers[placer.pick(count, key)]
 
     async def submit(self, payload: Any, priority: Priority | int | str = Priority.NORMAL,
                      deadline_ms: float | None = None, idempotency_key: str | None = None,
                      cost: int = 1, store_result: bool = False) -> AsyncHandle:
-        producer = await self._shard_for(1, idempotency_key)
-        return await producer.submit(payload, priority, deadline_ms, idempotency_key, cost,
-                                     store_result)
+        try:
+            producer = await self._shard_for(1, idempotency_key)
+            return await producer.submit(payload, priority, deadline_ms, idempotency_key,
+                                         cost, store_result)
+        except ShardRetired:  # nothing was written: place it on a shard of the new count
+            await self.refresh(force=True)
+            producer = await self._shard_for(1, idempotency_key)
+            return await producer.submit(payload, priority, deadline_ms, idempotency_key,
+                                         cost, store_result)
 
     async def submit_many(self, payloads: Iterable[Any], priority: Priority | int | str =
                           Priority.NORMAL, deadline_ms: float | None = None,
@@ -254,23 +349,55 @@ class AsyncShardedProducer:
                           cost: int | Sequence[int] = 1,
                           store_result: bool = False) -> list[AsyncHandle]:
         """As ShardedProducer.submit_many."""
-        payloads = list(payloads)
         await self.open()
+        return await self._place_many(list(payloads), priority, deadline_ms,
+                                      idempotency_keys, cost, store_result, retry=True)
+
+    async def _place_many(self, payloads: list[Any], priority: Priority | int | str,
+                          deadline_ms: float | None,
+                          idempotency_keys: list[str | None] | None,
+                          cost: int | Sequence[int], store_result: bool,
+                          retry: bool) -> list[AsyncHandle]:
+        """As ShardedProducer._place_many."""
         if not needs_split(len(payloads), idempotency_keys, self.shards):
-            producer = await self._shard_for(len(payloads), None)
-            return await producer.submit_many(payloads, priority, deadline_ms,
-                                              idempotency_keys, cost, store_result)
+            try:
+                producer = await self._shard_for(len(payloads), None)
+                return await producer.submit_many(payloads, priority, deadline_ms,
+                                                  idempotency_keys, cost, store_result)
+            except ShardRetired:
+                if not retry:
+                    raise
+                await self.refresh(force=True)
+                return await self._place_many(payloads, priority, deadline_ms,
+                                              idempotency_keys, cost, store_result, False)
         assert idempotency_keys is not None and self._placer is not None
         costs = list(cost) if isinstance(cost, Sequence) else None
         handles: list[AsyncHandle | None] = [None] * len(payloads)
-        for shard, indexes in self._placer.groups(idempotency_keys).items():
-            producer = self.producers[shard] if shard >= 0 else \
+        refused: list[int] = []
+        producers, placer = self.producers, self._placer
+        for shard, indexes in placer.groups(idempotency_keys).items():
+            producer = producers[shard] if shard >= 0 else \
                 await self._shard_for(len(indexes), None)
-            got = await producer.submit_many(
-                [payloads[i] for i in indexes], priority, deadline_ms,
-                [idempotency_keys[i] for i in indexes],
-                [costs[i] for i in indexes] if costs is not None else cost, store_result)
+            try:
+                got = await producer.submit_many(
+                    [payloads[i] for i in indexes], priority, deadline_ms,
+                    [idempotency_keys[i] for i in indexes],
+                    [costs[i] for i in indexes] if costs is not None else cost, store_result)
+            except ShardRetired:
+                if not retry:
+                    raise
+                refused += indexes
+                continue
             for i, handle in zip(indexes, got, strict=True):
+                handles[i] = handle
+        if refused:
+            await self.refresh(force=True)
+            got = await self._place_many(
+                [payloads[i] for i in refused], priority, deadline_ms,
+                [idempotency_keys[i] for i in refused],
+                [costs[i] for i in refused] if costs is not None else cost, store_result,
+                False)
+            for i, handle in zip(refused, got, strict=True):
                 handles[i] = handle
         return [h for h in handles if h is not None]
 
@@ -278,7 +405,7 @@ class AsyncShardedProducer:
         """As ShardedProducer.fetch."""
         await self.open()
         pipe = self._redis.pipeline(transaction=False)
-        for producer in self.producers:
+        for producer in [*self.producers, *self._retired]:
             pipe.get(producer.keys.result(request_id))
         for raw in await pipe.execute():
             if raw is not None:
@@ -286,7 +413,7 @@ class AsyncShardedProducer:
         return None
 
     async def close(self) -> None:
-        for producer in self.producers:
+        for producer in [*self.producers, *self._retired]:
             await producer.close()
         if self._owns_client:
             await aclose_node_clients(self._redis)

@@ -38,25 +38,33 @@ def _pairs(flat: list[Any]) -> dict[str, str]:
 def store_policy(client: redis.Redis, queue: str, policy: Policy, replace: bool) -> Policy:
     """Write `policy` (always, or only if the queue has none); return the stored one. On
     a logical queue, every shard's policy is then set to the stored one (a shard's
-    pop_batch reads its own); fewer shards than before are refused (InvalidPolicy naming
-    `shards`, nothing written) while a shard to drop still holds requests."""
+    pop_batch reads its own). Fewer shards than before: each shard to drop is retired
+    first (enqueue refuses it from then on, so that a producer still placing on it
+    re-reads the count); if one still holds requests (waiting, running or
+    dead-lettered), those retired are restored and InvalidPolicy names `shards`, nothing
+    else written."""
     if split_shard(queue)[1] == 0:
         if replace:
-            _check_dropped_shards(client, queue, policy.shards)
+            _retire_dropped_shards(client, queue, policy.shards)
         stored = _configure(client, queue, policy, replace)
         for name in shard_names(queue, stored.shards)[1:]:
-            _configure(client, name, stored, replace=True)
+            _configure(client, name, stored, replace=True)  # also un-retires a re-added one
         return stored
     return _configure(client, queue, policy, replace)
 
 
-def _check_dropped_shards(client: redis.Redis, queue: str, shards: int) -> None:
+def _retire_dropped_shards(client: redis.Redis, queue: str, shards: int) -> None:
+    retired: list[QueueKeys] = []
     for name in shard_names(queue, shard_count(client, queue))[shards:]:
         keys = QueueKeys(name)
-        if client.hlen(keys.jobs):
+        reply = Scripts(client).configure(keys=configure_keys(keys), args=["retire"])
+        if int(reply[0]) < 0:
+            for done in retired:
+                Scripts(client).configure(keys=configure_keys(done), args=["restore"])
             raise InvalidPolicy("shards", f"{shards}: shard {name!r} still holds requests "
                                           "(waiting, running or dead-lettered); drain it, "
                                           "or keep the shard count")
+        retired.append(keys)
 
 
 def _configure(client: redis.Redis, queue: str, policy: Policy, replace: bool) -> Policy:

@@ -19,6 +19,16 @@ class InvalidPolicy(InvalidRequest):
     """A policy value outside its documented range."""
 
 
+class ShardRetired(InvalidRequest):
+    """The queue is a shard that `batchgate policy set --shards` dropped: nothing was
+    written. A ShardedProducer re-reads the shard count and places the requests again."""
+
+    def __init__(self, queue: str):
+        self.queue = queue
+        super().__init__("shards", f"queue {queue!r} is a shard that `policy set --shards` "
+                                   "dropped; submit to the logical queue's current shards")
+
+
 class PolicyConflict(BatchgateError):
     """A consumer asked for rules that differ from the ones stored with the queue."""
 

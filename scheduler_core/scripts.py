@@ -31,7 +31,7 @@ from scheduler_core.connection import (
     slot_owner,
     slot_owner_async,
 )
-from scheduler_core.errors import InvalidRequest, NotReplicated, QueueFull
+from scheduler_core.errors import InvalidRequest, NotReplicated, QueueFull, ShardRetired
 from scheduler_core.keys import QueueKeys, bulk_lease_key
 from scheduler_core.policy import CHOICES, LIMITS, MAX_COST_BUCKETS, MAX_REQUEST_COST, Strategy
 
@@ -345,6 +345,8 @@ def enqueue_reply(keys: QueueKeys, reply: list[Any]) -> list[str]:
         index, cost, limit = (int(x) for x in reply[2:5])
         raise InvalidRequest("cost", f"{cost} is over the queue's max_cost of {limit} "
                                      f"(request {index} of the call; nothing was enqueued)")
+    if status == -5:
+        raise ShardRetired(keys.queue)
     n = (len(reply) - 3) // 2  # the ids, then the deadline each request got
     return [_text(x) for x in reply[3:3 + n]]
 

@@ -229,6 +229,74 @@ def test_shard_count_conflicts_and_cannot_drop_a_busy_shard(shared_redis, queue)
     assert read_policy(client, queue).shards == 3
 
 
+def test_a_dropped_shard_takes_no_request_from_a_producer_that_missed_the_change(
+        shared_redis, queue, start_consumer, tmp_path):
+    """`policy set --shards 2` retires shard 2 atomically while it is empty: a producer
+    still placing on 3 shards is refused there (nothing written), re-reads the count and
+    places the request on a live shard, where a consumer answers it."""
+    url, client = shared_redis.url, shared_redis.client()
+    configure(url, queue, shards=3)
+    with ShardedProducer(url, queue) as stale, ShardedProducer(url, queue) as keyed:
+        assert stale.shards == 3
+        out = CliRunner().invoke(cli, ["policy", "set", "--redis-url", url, "--queue", queue,
+                                       "--shards", "2"])
+        assert out.exit_code == 0, out.output
+        # direct submits to the dropped shard are refused, naming the field
+        with Producer(url, shard_name(queue, 2)) as direct, \
+                pytest.raises(InvalidRequest, match="shards"):
+            direct.submit({"x": 1})
+        handles = [stale.submit({"i": i}, store_result=True) for i in range(9)]
+        assert stale.shards == 2  # re-read on the refusal, before its interval
+        many = keyed.submit_many([{"k": i} for i in range(6)],
+                                 idempotency_keys=[f"key-{i}" for i in range(6)])
+        assert keyed.shards == 2
+        dropped = QueueKeys(shard_name(queue, 2))
+        assert client.hlen(dropped.jobs) == 0 and depth(client, dropped) == 0
+        model = RecordingModel(tmp_path)
+        model.start(start_consumer, url, queue)
+        assert [h.result(timeout=30) for h in handles] == [{"i": i} for i in range(9)]
+        assert [h.result(timeout=30) for h in many] == [{"k": i} for i in range(6)]
+    assert queue_stats(client, queue).processed == 15
+
+
+def test_a_refused_shard_drop_leaves_the_shard_serving(shared_redis, queue):
+    url, client = shared_redis.url, shared_redis.client()
+    configure(url, queue, shards=4)
+    with Producer(url, shard_name(queue, 3)) as direct:
+        direct.submit({"held": True})
+        out = CliRunner().invoke(cli, ["policy", "set", "--redis-url", url, "--queue", queue,
+                                       "--shards", "2"])
+        assert out.exit_code != 0 and "shards" in out.output and "still holds" in out.output
+        assert read_policy(client, queue).shards == 4
+        # shard 2 was retired first, then restored: both still take requests
+        direct.submit({"again": True})
+        with Producer(url, shard_name(queue, 2)) as other:
+            other.submit({"two": True})
+    assert client.hget(QueueKeys(shard_name(queue, 2)).policy, "retired") is None
+
+
+def test_producers_and_the_gateway_place_on_added_shards_without_a_restart(
+        shared_redis, queue, start_gateway, monkeypatch):
+    import producer.sharded
+    monkeypatch.setattr(producer.sharded, "SHARDS_REFRESH_S", 0.2)
+    url, client = shared_redis.url, shared_redis.client()
+    configure(url, queue, shards=1)
+    with gateway_http(start_gateway, url, queue) as http, ShardedProducer(url, queue) as p:
+        assert http.post("/v1/requests", json={"payload": 1}).status_code == 202
+        out = CliRunner().invoke(cli, ["policy", "set", "--redis-url", url, "--queue", queue,
+                                       "--shards", "3"])
+        assert out.exit_code == 0, out.output
+        time.sleep(0.3)
+        on = [p.submit({"i": i}, store_result=True) for i in range(3)]
+        assert p.shards == 3
+        assert sorted(shard_of(client, queue, h.id) for h in on) == [0, 1, 2]
+        # the gateway (another process, refreshing every 2 s) finds them and places on all
+        wait_for(lambda: all(http.get(f"/v1/requests/{h.id}").status_code == 202
+                             for h in on), 10, "the gateway to see the new shards")
+        ids = [http.post("/v1/requests", json={"payload": i}).json()["id"] for i in range(6)]
+        assert {shard_of(client, queue, i) for i in ids} == {0, 1, 2}
+
+
 def test_shards_on_different_cluster_nodes(redis_cluster, queue, start_consumer, tmp_path):
     """On a real 6-node cluster the shards' hash tags fall on different primaries; two
     consumers (waking on each shard's marker from a thread per shard) answer every

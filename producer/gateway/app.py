@@ -116,10 +116,9 @@ class Gateway:
     A sharded queue (policy `shards` > 1, docs/scaling.md) is served through an
     AsyncShardedProducer: submits are placed round robin over the shards, and a request's
     state, cancel and stream are looked up in whichever shard holds it. The shard count
-    is read once, at startup (`open`; if Redis is down then, on the first request): a
-    gateway must be restarted after `batchgate policy set --shards` to place on, and find
-    requests in, the new shards. With one shard, submits go through that shard's
-    AsyncProducer directly."""
+    is read at startup (`open`; if Redis is down then, on the first request), then again
+    at most every SHARDS_REFRESH_S by the requests (see producer/sharded.py), so that a
+    `batchgate policy set --shards` needs no restart."""
 
     def __init__(self, redis_url: str, queue: str, wait_replicas: int = 0,
                  wait_timeout_ms: int = ProducerConfig.wait_timeout_ms):
@@ -129,9 +128,6 @@ class Gateway:
         self.sharded = AsyncShardedProducer(redis_url, queue, client=self.redis,
                                             wait_replicas=wait_replicas,
                                             wait_timeout_ms=wait_timeout_ms)
-        # Until open() has read the shard count: the sharded producer, which reads it on
-        # its first submit.
-        self.producer: AsyncProducer | AsyncShardedProducer = self.sharded
         self.result_ttl_s = ProducerConfig(queue).result_ttl_s  # the producers' (defaults)
         self.sync_redis = connect(redis_url)  # for admin.queue_stats, run in a thread
         self.scripts = Scripts(self.redis)
@@ -144,15 +140,12 @@ class Gateway:
             log.warning("gateway: cannot read queue %r's shard count yet (%s); reading it "
                         "on the first request", self.keys.queue, str(exc) or type(exc).__name__)
             return
-        if self.sharded.shards == 1:
-            self.producer = self.sharded.producers[0]
-        else:
+        if self.sharded.shards > 1:
             log.info("gateway: queue %r has %d shards", self.keys.queue, self.sharded.shards)
 
     async def shards(self) -> list[AsyncProducer]:
-        """One producer per shard, in shard order (read at startup, see the class)."""
-        if not self.sharded.producers:
-            await self.sharded.open()
+        """One producer per shard, in shard order (the count re-read, see the class)."""
+        await self.sharded.refresh()
         return self.sharded.producers
 
     async def close(self) -> None:

@@ -248,7 +248,7 @@ class HotPath:
         scope[WAIT] = submit.wait or submit.stream
         gateway = self.gateway()
         try:
-            handle = await gateway.producer.submit(
+            handle = await gateway.sharded.submit(
                 submit.payload, priority=submit.priority, deadline_ms=submit.deadline_ms,
                 idempotency_key=submit.idempotency_key, cost=submit.cost,
                 store_result=True)  # GET /v1/requests/<id> reads it, from any gateway

@@ -3,23 +3,39 @@
 KEYS[1..23] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
             this script uses:
 KEYS[1]  {bg:q}:policy   hash
+KEYS[5]  {bg:q}:jobs     hash   read by 'retire': the requests the queue holds
 
-ARGV[1]  mode: 'ensure' (write only if the queue has no policy yet) | 'replace'
-ARGV[2..] field, value pairs: strategy and every field of LIMITS (rendered from
+ARGV[1]  mode: 'ensure' (write only if the queue has no policy yet) | 'replace' |
+         'retire' (a shard that `policy set --shards` drops: set the policy's field
+         retired=1, so that enqueue refuses new requests, only while the queue holds no
+         request, waiting, running or dead-lettered) | 'restore' (remove retired)
+ARGV[2..] ('ensure', 'replace' only) field, value pairs: strategy and every field of LIMITS (rendered from
          scheduler_core.policy.LIMITS), each within its range (scheduler_core.policy.Policy
          validates them first); delay_mode, over_cost, cost_mode and on_timeout, if given, one of
          CHOICES; cost_buckets, if given, "" or increasing boundaries "32,1024"; other
          fields are kept if their name is [a-z_] and their value at most 256 bytes
 
-Returns  {written (0|1), field, value, ...}: the policy now stored.
+Returns  {written (0|1), field, value, ...}: the policy now stored ('ensure', 'replace');
+         {1} retired or restored; {-1, held} not retired: the queue holds `held` requests
 Errors   {-3, field} malformed argument, nothing written
 ]]
 -- @include _common.lua
 -- @include _policy.lua
 
 local policy = KEYS[1]
+local jobs = KEYS[5]
 
 local mode = ARGV[1]
+if mode == 'retire' then
+  -- Checked and set in one call: no enqueue can slip in between.
+  local held = redis.call('HLEN', jobs)
+  if held > 0 then return {-1, held} end
+  redis.call('HSET', policy, 'retired', '1')
+  return {1}
+elseif mode == 'restore' then
+  redis.call('HDEL', policy, 'retired')
+  return {1}
+end
 if mode ~= 'ensure' and mode ~= 'replace' then return {-3, 'mode'} end
 if (#ARGV - 1) % 2 ~= 0 or #ARGV < 3 then return {-3, 'fields'} end
 local given = {}

@@ -3,8 +3,8 @@
 KEYS[1..23] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
             this script uses:
 KEYS[1]  {bg:q}:policy      hash   read: strategy, max_batch_size, max_queue_size, max_cost,
-                                   over_cost, max_batch_cost, cost_buckets and the
-                                   deadline policy (timeout_<level>_ms,
+                                   over_cost, max_batch_cost, cost_buckets, retired and
+                                   the deadline policy (timeout_<level>_ms,
                                    allow_timeout_override)
 KEYS[2]  {bg:q}:pending:0   zset   HIGH
 KEYS[3]  {bg:q}:pending:1   zset   NORMAL
@@ -53,6 +53,10 @@ Errors   {-1, depth, max_queue_size, adding, rate_mrps}  queue full, nothing wri
                                               cost is capped to max_cost instead and the
                                               meta keeps the cost asked for
          {-3, 'keep'}                         keep is not 0 or 1
+         {-5, 'shards'}                       this queue is a shard that `policy set
+                                              --shards` dropped (policy field retired):
+                                              nothing written; place the requests on a
+                                              shard of the current count
 
 Arrival scores come from TIME and are strictly increasing per queue, so ties keep
 arrival order. A consumer is woken when a new deadline is the queue's earliest, so that
@@ -111,7 +115,9 @@ local producer = ARGV[1]
 if producer ~= '' and not valid_id(producer) then return {-3, 'producer'} end
 
 local rules = redis.call('HMGET', policy, 'strategy', 'max_batch_size', 'max_queue_size',
-                         'max_cost', 'over_cost', 'max_batch_cost', 'cost_buckets')
+                         'max_cost', 'over_cost', 'max_batch_cost', 'cost_buckets', 'retired')
+-- A dropped shard takes nothing more: no consumer will serve it.
+if rules[8] == '1' then return {-5, 'shards'} end
 local strategy = rules[1] or 'fifo'
 local batch_size = tonumber(rules[2]) or 1
 local limit = tonumber(rules[3]) or 0

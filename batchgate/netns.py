@@ -5,12 +5,15 @@ with delay, loss and partitions injected between them and Redis.
         redis on host.host_ip                 # the host end of the veth pair
         host.argv(["batchgate", "consumer", "--redis-url", f"redis://{host.host_ip}:P/0"])
         host.netem(delay_ms=5)                # tc netem on both ends (RTT = 2 x 5 ms)
+        host.drop(loss_pct=2)                 # 2% of the packets lost each way
         host.partition(); host.heal()         # the link down, then up again
 
 `tc netem` needs the kernel's sch_netem; where it is missing (some VM kernels),
 `netem()` raises NetemUnavailable and `DelayProxy` adds the delay in user space instead:
 a TCP relay on the host end that holds every chunk for half the RTT in each direction.
-Everything made here is removed by `close()` (namespaces, links, qdiscs).
+`drop()` loses packets with netem where it can, else with iptables' `statistic` match
+inside the namespace (netfilter is in kernels that lack netem).
+Everything made here is removed by `close()` (namespaces, links, qdiscs, rules).
 """
 
 from __future__ import annotations
@@ -91,6 +94,27 @@ class ConsumerHost:
                 if "unknown" in done.stderr.lower():
                     raise NetemUnavailable(f"tc netem is not available: {done.stderr.strip()}")
                 raise BatchgateError(done.stderr.strip())
+
+    def drop(self, loss_pct: float) -> str:
+        """Lose loss_pct% of the packets in each direction; says how ("netem" or
+        "iptables")."""
+        if not 0 <= loss_pct <= 100:
+            raise ValueError(f"loss_pct must be within 0-100, got {loss_pct}")
+        try:
+            self.netem(loss_pct=loss_pct)
+            return "netem"
+        except NetemUnavailable:
+            pass
+        if shutil.which("iptables") is None:
+            raise NetemUnavailable("neither tc netem nor iptables is available to lose "
+                                   "packets")
+        for chain in ("INPUT", "OUTPUT"):  # every packet on the link crosses one of them
+            self.run("iptables", "-F", chain)
+            if loss_pct:
+                self.run("iptables", "-A", chain, "-i" if chain == "INPUT" else "-o",
+                         self.ns_if, "-m", "statistic", "--mode", "random",
+                         "--probability", f"{loss_pct / 100:.6f}", "-j", "DROP")
+        return "iptables"
 
     def partition(self) -> None:
         """Cut the consumer host off: its link goes down (nothing passes either way)."""

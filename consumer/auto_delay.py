@@ -30,6 +30,7 @@ import redis
 from consumer.batch import Batch
 from scheduler_core.admin import CONSUMER_ALIVE_S
 from scheduler_core.auto_delay import (
+    MIN_GAIN,
     STATS_AT_US,
     STATS_DELAY_US,
     STATS_RATE_MRPS,
@@ -166,7 +167,9 @@ class DelayKeeper:
         if oldest_wait_us < derived.delay_ms * 1000:
             return
         expected = derived.rate_rps * derived.delay_ms / 1000  # arrivals within the window
-        if expected < 4 or size - 1 >= expected / 4:
+        # A delay is derived only where the window collects MIN_GAIN more on average, so
+        # any window may show the drop: under a quarter of them (none at all, below 4).
+        if expected < MIN_GAIN or size - 1 >= expected / 4:
             return
         seen = (size - 1) / (oldest_wait_us / 1e6)
         self._cap = (seen, time.monotonic() + RATE_WINDOW_S + 1)

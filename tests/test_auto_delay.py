@@ -206,7 +206,8 @@ def test_auto_under_load_waits_and_forms_batches(shared_redis, queue, start_cons
 def test_a_window_that_stays_nearly_empty_drops_the_delay_at_once(shared_redis):
     """After a load step down, the first batch the delay releases with far fewer requests
     than the rate predicts sets the delay from the rate it shows (0 at light load),
-    without waiting for the 2-second rate window to forget the old load."""
+    without waiting for the 2-second rate window to forget the old load; where the window
+    predicts only 2-4 more, a window that collected none."""
     keys = QueueKeys(f"observe-{time.monotonic_ns()}")
     keeper = DelayKeeper(shared_redis.client(), keys)
     keeper.follow(Policy.build("dynamic", max_queue_delay_ms="auto", slo_p99_ms=60))
@@ -228,3 +229,11 @@ def test_a_window_that_stays_nearly_empty_drops_the_delay_at_once(shared_redis):
     assert keeper.delay_ms == 0
     stats = shared_redis.client().hgetall(keys.stats)  # published for `stats`
     assert stats[b"auto_delay_us"] == b"0" and stats[b"auto_at_us"] == b"10000000"
+    # at a rate whose window predicts only 2-4 more requests, an empty window is the sign
+    keeper.derived = keeper._derive(keeper.policy, 75)
+    delay = keeper.delay_ms
+    assert delay and 2 <= 75 * delay / 1000 < 4
+    keeper.observe(batch(size=2, waited_ms=delay))  # one more came: no evidence
+    assert keeper.delay_ms == delay
+    keeper.observe(batch(size=1, waited_ms=delay))
+    assert keeper.delay_ms == 0

@@ -162,3 +162,22 @@ def test_load_step_smoke(tmp_path: Path):
     assert results["checks"] and "auto" in (tmp_path / "results.md").read_text()
     if importlib.util.find_spec("matplotlib") is not None:
         assert (tmp_path / "load_step.png").stat().st_size > 1000
+
+
+@pytest.mark.skipif(not shutil.which("redis-server"), reason="redis-server is not on PATH")
+def test_shard_scaling_smoke(tmp_path: Path):
+    """batchgate/bench/shard_scaling.py (docs/scaling.md's capacity figures) drains a
+    queue of 1 and of 2 shards on a real 3-primary cluster, each shard on its own primary,
+    and charges every primary its CPU per request; a small backlog (it checks the
+    harness, not the numbers)."""
+    out = tmp_path / "rows.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "batchgate.bench.shard_scaling", "--shards", "1,2",
+         "--per-shard", "300", "--json", str(out)], capture_output=True, text=True,
+        timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert [(r["shards"], r["requests"]) for r in rows] == [(1, 300), (2, 600)]
+    assert len(rows[1]["redis_cpu_us_per_request"]) == 2  # two primaries, one shard each
+    assert all(v > 0 for r in rows for v in r["redis_cpu_us_per_request"].values())
+    assert "| 2 | 600 |" in proc.stdout

@@ -2,12 +2,14 @@
 partitions"): a consumer runs in a network namespace of its own, joined to Redis by a
 veth pair, and its link is cut for 5 s while it holds a batch. Its lease expires, the
 batch is re-run by a consumer on another host, its late completion is refused (the batch
-id is a fencing token), and the result is delivered once. Needs root (`ip netns`); skips
+id is a fencing token), and the result is delivered once. A lossy link (packets dropped
+both ways) slows the consumer host down and loses nothing. Needs root (`ip netns`); skips
 with the reason elsewhere."""
 
 from __future__ import annotations
 
 import collections
+import shutil
 import time
 
 import pytest
@@ -23,6 +25,7 @@ pytestmark = pytest.mark.skipif(REASON is not None, reason=f"no network namespac
 
 PARTITION_S = 5.0
 LEASE_MS = 1000
+LOSS_PCT = 5
 
 
 def test_a_partitioned_consumer_loses_its_batch_and_its_late_completion_is_refused(
@@ -69,4 +72,34 @@ def test_a_partitioned_consumer_loses_its_batch_and_its_late_completion_is_refus
         finally:
             for proc in started:
                 proc.close()
+            server.close()
+
+
+@pytest.mark.skipif(shutil.which("iptables") is None, reason="no iptables to lose packets")
+def test_a_lossy_link_loses_no_request_and_answers_each_once(queue, tmp_path) -> None:
+    model = RecordingModel(tmp_path)
+    deliveries: collections.Counter[str] = collections.Counter()
+    with ConsumerHost() as host:
+        server = RedisServer("--bind", "127.0.0.1", host.host_ip, "--protected-mode", "no")
+        remote = None
+        try:
+            configure(server.url, queue, strategy="dynamic", max_batch_size=16,
+                      max_queue_delay_ms=5)
+            remote = ConsumerProcess(f"redis://{host.host_ip}:{server.port}/0", queue,
+                                     *model.args(stamp=True), "--lease-ms", "5000",
+                                     cwd=str(tmp_path), wrap=host.argv([]))
+            remote.wait_ready()
+            host.drop(LOSS_PCT)
+            with Producer(server.url, queue,
+                          on_result=lambda r: deliveries.update([r.id])) as p:
+                handles = p.submit_many([{"i": i} for i in range(300)])
+                results = [h.result(timeout=60) for h in handles]
+                wait_for(lambda: len(deliveries) == 300, what="every result delivered")
+            assert results == [{"by": remote.proc.pid, "payload": {"i": i}}
+                               for i in range(300)]
+            assert set(deliveries.values()) == {1}
+            assert queue_stats(server.client(), queue).processed == 300
+        finally:
+            if remote is not None:
+                remote.close()
             server.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -315,6 +316,31 @@ def test_simcheck_simulates_the_benchmarks_sleep_model_runs():
     assert "λ=200" in render(rows) and "runs under 90% busy" in render(rows)
     exact = compare({"runs": runs}, jitter=False)
     assert exact[0]["jitter_samples"] == 0
+
+
+
+def test_simcheck_fits_the_path_to_a_calibration_runs_stage_means():
+    """--path-from: transport is the median of the kept-up batchgate runs' submit→enqueue
+    means; fetch and finish are the least-squares line of their stage means over mean
+    batch size (overloaded and other systems' runs left out)."""
+    from batchgate.bench.simcheck import fit_path
+
+    def run(system: str, batch: float, fetch: float, finish: float, transport: float,
+            overloaded: bool = False) -> dict[str, Any]:
+        stages = {"submit_to_enqueue": {"mean": transport}, "pop_to_model": {"mean": fetch},
+                  "model_to_seen": {"mean": finish}}
+        return {"spec": {"system": system}, "summary": {
+            "batch_mean": batch, "overloaded": overloaded, "stages_ms": stages}}
+
+    runs = [run("batchgate", 1, 0.31, 0.47, 0.5), run("batchgate", 11, 0.41, 0.67, 0.2),
+            run("batchgate", 31, 0.61, 1.07, 0.3), run("batchgate", 31, 9, 9, 9, True),
+            run("rq", 1, 5, 5, 5)]
+    transport, fetch, finish = fit_path({"runs": runs})
+    assert transport == 0.3
+    assert (fetch.base_ms, fetch.per_item_ms) == (0.3, 0.01)
+    assert (finish.base_ms, finish.per_item_ms) == (0.45, 0.02)
+    with pytest.raises(SystemExit, match="two batch sizes"):
+        fit_path({"runs": runs[:1]})
 
 
 # -- requests of different cost ------------------------------------------------------------

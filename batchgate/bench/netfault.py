@@ -1,14 +1,17 @@
 """How round-trip time between consumer hosts and Redis moves latency and throughput,
 measured beside `batchgate simulate` given the same RTT.
 
-    sudo python -m batchgate.bench.netfault [--rtt-ms 0,1,10] [--requests 4000]
+    sudo python -m batchgate.bench.netfault [--rtt-ms 0,1,10] [--loss-pct 1,5]
+                                            [--requests 4000]
 
 Two consumers (`consumers.models:synthetic`, 5 + 0.5·b ms per batch; dynamic, batches of
 up to 32, no queue delay) run each in a network namespace of its own, joined to Redis by
 a veth pair; the producer runs beside Redis. The delay is `tc netem` on both ends of
 each pair, or, where the kernel has no netem, a user-space relay on the host end that
 holds each chunk RTT/2 per direction (the figures say which, and the RTT measured from
-inside a namespace: PING, median of 50). For each RTT:
+inside a namespace: PING, median of 50). Loss is netem's too, or iptables' `statistic`
+match inside each namespace where the kernel has no netem; each --loss-pct runs with no
+added delay. For each RTT and each loss:
 
   light load: 100 requests one after another, submit to result (p50, p99)
   saturation: --requests submitted at once, requests/s until the last result
@@ -16,12 +19,15 @@ inside a namespace: PING, median of 50). For each RTT:
 and `batchgate simulate` on the same policy, cost and consumers, with the RTT added to
 its per-batch overhead (--overhead-ms: a completion and the next pop are one round trip)
 and to its transport latency (--transport-ms: a wake-up reaches the consumer, a result
-reaches Redis).
+reaches Redis). The simulator has no notion of loss (TCP's retransmission timers), so a
+loss row has no simulated figures. Every run also counts the requests answered: all of
+them, once each, or the run fails.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import json
 import os
@@ -58,7 +64,8 @@ def _batchgate() -> str:
     return found
 
 
-def measure(rtt_ms: float, requests: int, log: Any = print) -> dict[str, Any]:
+def measure(rtt_ms: float, requests: int, log: Any = print,
+            loss_pct: float = 0.0) -> dict[str, Any]:
     hosts = [ConsumerHost(), ConsumerHost()]
     proxies: list[DelayProxy] = []
     children: list[ChildProcess] = []
@@ -81,10 +88,13 @@ def measure(rtt_ms: float, requests: int, log: Any = print) -> dict[str, Any]:
                     endpoints.append((host.host_ip, proxy.port))
                 else:
                     endpoints.append((host.host_ip, server.port))
+        lost_by = hosts[0].drop(loss_pct) if loss_pct else "none"
+        if loss_pct:
+            hosts[1].drop(loss_pct)
         measured = float(subprocess.run(
             hosts[0].argv([sys.executable, "-c", PING_SOURCE, *map(str, endpoints[0])]),
             capture_output=True, text=True, check=True).stdout)
-        queue = f"rtt-{int(rtt_ms * 1000)}"
+        queue = f"rtt-{int(rtt_ms * 1000)}-loss-{int(loss_pct * 100)}"
         for i, (host, (ip, port)) in enumerate(zip(hosts, endpoints, strict=True)):
             argv = host.argv([_batchgate(), "consumer", "--redis-url",
                               f"redis://{ip}:{port}/0", "--queue", queue, "--model",
@@ -95,7 +105,8 @@ def measure(rtt_ms: float, requests: int, log: Any = print) -> dict[str, Any]:
             if time.monotonic() > deadline:
                 raise RuntimeError("consumers not ready")
             time.sleep(0.05)
-        with Producer(server.url, queue) as p:
+        answered: collections.Counter[str] = collections.Counter()
+        with Producer(server.url, queue, on_result=lambda r: answered.update([r.id])) as p:
             p.submit({"warm": 1}).result(timeout=30)
             e2e = []
             for i in range(100):
@@ -110,11 +121,18 @@ def measure(rtt_ms: float, requests: int, log: Any = print) -> dict[str, Any]:
             for handle in handles:
                 handle.result(timeout=120)
             rate = requests / (time.perf_counter() - started)
+            wanted = {h.id for h in handles}
+            twice = [i for i in wanted if answered[i] > 1]
+            if twice or not wanted <= set(answered):
+                raise RuntimeError(f"{len(wanted - set(answered))} requests unanswered, "
+                                   f"{len(twice)} answered twice")
         e2e.sort()
-        figures = {"rtt_ms": rtt_ms, "delay_by": how, "rtt_measured_ms": round(measured, 2),
+        figures = {"rtt_ms": rtt_ms, "delay_by": how, "loss_pct": loss_pct,
+                   "loss_by": lost_by, "rtt_measured_ms": round(measured, 2),
                    "light_p50_ms": round(statistics.median(e2e), 2),
                    "light_p99_ms": round(e2e[98], 2), "saturated_rps": round(rate)}
-        figures.update(simulated(measured if rtt_ms else 0.0))
+        if not loss_pct:
+            figures.update(simulated(measured if rtt_ms else 0.0))
         log(json.dumps(figures))
         return figures
     finally:
@@ -148,26 +166,32 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rtt-ms", default="0,1,10",
                         help="comma-separated round-trip times to add, ms")
+    parser.add_argument("--loss-pct", default="",
+                        help="comma-separated packet loss, %% each way (no added delay)")
     parser.add_argument("--requests", type=int, default=4000)
     args = parser.parse_args(argv)
     reason = unavailable_reason()
     if reason is not None:
         raise SystemExit(f"cannot make consumer hosts here: {reason}")
+    runs = [(float(x), 0.0) for x in args.rtt_ms.split(",") if x]
+    runs += [(0.0, float(x)) for x in args.loss_pct.split(",") if x]
     rows = []
-    for rtt in (float(x) for x in args.rtt_ms.split(",")):
+    for rtt, loss in runs:
         with contextlib.suppress(KeyboardInterrupt):
-            rows.append(measure(rtt, args.requests,
+            rows.append(measure(rtt, args.requests, loss_pct=loss,
                                 log=lambda line: print(line, file=sys.stderr, flush=True)))
     base = rows[0] if rows else None
-    print("| RTT added | delay by | RTT measured | light p50 (sim) | light p99 | "
-          "saturated req/s (sim) |")
-    print("|---|---|---|---|---|---|")
+    print("| RTT added | loss each way | delay / loss by | RTT measured | light p50 (sim) | "
+          "light p99 | saturated req/s (sim) |")
+    print("|---|---|---|---|---|---|---|")
     for row in rows:
         rel = f" ({row['saturated_rps'] / base['saturated_rps']:.2f}x)" if base else ""
-        print(f"| {row['rtt_ms']:g} ms | {row['delay_by']} | {row['rtt_measured_ms']} ms | "
-              f"{row['light_p50_ms']} ms ({row['sim_light_p50_ms']:.2f}) | "
-              f"{row['light_p99_ms']} ms | {row['saturated_rps']}{rel} "
-              f"({row['sim_saturated_rps']:.0f}) |")
+        sim_p50 = f" ({row['sim_light_p50_ms']:.2f})" if "sim_light_p50_ms" in row else ""
+        sim_rps = f" ({row['sim_saturated_rps']:.0f})" if "sim_saturated_rps" in row else ""
+        print(f"| {row['rtt_ms']:g} ms | {row['loss_pct']:g}% | {row['delay_by']} / "
+              f"{row['loss_by']} | {row['rtt_measured_ms']} ms | "
+              f"{row['light_p50_ms']} ms{sim_p50} | {row['light_p99_ms']} ms | "
+              f"{row['saturated_rps']}{rel}{sim_rps} |")
 
 
 if __name__ == "__main__":

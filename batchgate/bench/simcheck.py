@@ -2,7 +2,8 @@
 
     batchgate bench --sections grid,bursty --grid 20,100,400,900,1800 --out DIR
     python -m batchgate.bench.simcheck DIR/results.json [--overhead-ms X] [--transport-ms Y]
-        [--fetch-ms A+B*b] [--finish-ms A+B*b] [--no-jitter] [--json]
+        [--fetch-ms A+B*b] [--finish-ms A+B*b] [--path-from CAL/results.json]
+        [--no-jitter] [--json]
 
 For every run of results.json on the synthetic sleep model with Poisson or bursty
 arrivals (the grid and bursty sections, batchgate and in-process), it simulates the same
@@ -12,8 +13,10 @@ Each run's simulation is given that run's own model-time samples as `--cost-jitt
 sleeps the consumers measured, as a queue's {bg:q}:samples:model would hold them) unless
 --no-jitter. batchgate runs get the distributed path (the options, by default simulate's);
 in-process runs, which have no Redis between producer and batcher, the flat path they
-were validated with (IN_PROCESS_*). docs/benchmarks.md ("The simulator against the real
-system") has one run's figures.
+were validated with (IN_PROCESS_*). `--path-from` fits the path to another run on the
+same host instead (a calibration run, e.g. `--grid 20,900`: see fit_path) and prints the
+terms it found, which `batchgate simulate` takes as they are. docs/benchmarks.md ("The
+simulator against the real system") has the figures.
 """
 
 from __future__ import annotations
@@ -96,6 +99,41 @@ def compare(results: dict[str, Any], overhead_ms: float = DEFAULT_OVERHEAD_MS,
     return rows
 
 
+def fit_path(results: dict[str, Any]) -> tuple[float, PathTime, PathTime]:
+    """transport_ms, fetch(b) and finish(b) from the stage timings of a bench run's
+    batchgate runs that kept up: transport is the median of their submit → enqueue means;
+    fetch and finish are least-squares A + B·b over (mean batch, the stage's mean) of
+    pop → model start and model end → result seen. Means, not p50s: the path is one
+    number per request in the simulation, and a sum of stages keeps the stages' means,
+    not their p50s."""
+    points: dict[str, list[tuple[float, float]]] = {"pop_to_model": [], "model_to_seen": []}
+    transport = []
+    for run in results["runs"]:
+        measured = run.get("summary")
+        if run["spec"]["system"] != "batchgate" or not measured or measured.get("overloaded"):
+            continue
+        stages = measured.get("stages_ms") or {}
+        if not all(stages.get(k) for k in (*points, "submit_to_enqueue")):
+            continue
+        transport.append(stages["submit_to_enqueue"]["mean"])
+        for stage, rows in points.items():
+            rows.append((measured["batch_mean"], stages[stage]["mean"]))
+    if len(transport) < 2 or len({b for b, _ in points["pop_to_model"]}) < 2:
+        raise SystemExit("--path-from: need at least two batchgate runs that kept up, at two "
+                         "batch sizes")
+
+    def line(rows: list[tuple[float, float]], name: str) -> PathTime:
+        n = len(rows)
+        mb, my = sum(b for b, _ in rows) / n, sum(y for _, y in rows) / n
+        slope = (sum((b - mb) * (y - my) for b, y in rows)
+                 / sum((b - mb) ** 2 for b, _ in rows))
+        slope = max(0.0, slope)
+        return PathTime(round(max(0.0, my - slope * mb), 3), round(slope, 4), name)
+
+    return (round(sorted(transport)[len(transport) // 2], 3),
+            line(points["pop_to_model"], "fetch_ms"), line(points["model_to_seen"], "finish_ms"))
+
+
 def ratio(pair: tuple[float | None, float | None]) -> float | None:
     measured, predicted = pair
     return None if not measured or predicted is None else predicted / measured
@@ -151,17 +189,29 @@ def main() -> None:
     parser.add_argument("--transport-ms", type=float, default=DEFAULT_TRANSPORT_MS)
     parser.add_argument("--fetch-ms", default=str(DEFAULT_FETCH).removesuffix(" ms"))
     parser.add_argument("--finish-ms", default=str(DEFAULT_FINISH).removesuffix(" ms"))
+    parser.add_argument("--path-from", type=Path, metavar="RESULTS",
+                        help="fit --transport-ms, --fetch-ms and --finish-ms to this bench "
+                             "run's stage timings (a calibration run on the same host)")
     parser.add_argument("--no-jitter", action="store_true",
                         help="simulate each run's t(b) exactly, without its model samples")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    rows = compare(orjson.loads(args.results.read_bytes()), args.overhead_ms,
-                   args.transport_ms, PathTime.parse(args.fetch_ms, "fetch_ms"),
-                   PathTime.parse(args.finish_ms, "finish_ms"), not args.no_jitter)
+    transport_ms = args.transport_ms
+    fetch = PathTime.parse(args.fetch_ms, "fetch_ms")
+    finish = PathTime.parse(args.finish_ms, "finish_ms")
+    path = ""
+    if args.path_from:
+        transport_ms, fetch, finish = fit_path(orjson.loads(args.path_from.read_bytes()))
+        path = (f"path fitted to {args.path_from}: --transport-ms {transport_ms:g} "
+                f"--fetch-ms {str(fetch).removesuffix(' ms')} "
+                f"--finish-ms {str(finish).removesuffix(' ms')}")
+    rows = compare(orjson.loads(args.results.read_bytes()), args.overhead_ms, transport_ms,
+                   fetch, finish, not args.no_jitter)
     if args.json:
-        print(orjson.dumps(rows, option=orjson.OPT_INDENT_2).decode())
+        print(orjson.dumps({"path": path, "rows": rows} if path else rows,
+                           option=orjson.OPT_INDENT_2).decode())
     else:
-        print(render(rows))
+        print(render(rows) + (f"\n{path}" if path else ""))
 
 
 if __name__ == "__main__":

@@ -97,7 +97,7 @@ class ConsumerHost:
 
     def drop(self, loss_pct: float) -> str:
         """Lose loss_pct% of the packets in each direction; says how ("netem" or
-        "iptables")."""
+        "iptables"). With netem this replaces a delay set by netem(): give both there."""
         if not 0 <= loss_pct <= 100:
             raise ValueError(f"loss_pct must be within 0-100, got {loss_pct}")
         try:

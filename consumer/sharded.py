@@ -38,7 +38,7 @@ from consumer.due_timer import DueTimer
 from consumer.loader import BatchModel
 from consumer.worker import IDLE_BLOCK_S, Consumer, ConsumerConfig, check_eviction_policy
 from scheduler_core.admin import ensure_policy
-from scheduler_core.connection import Backoff, connect, dedicated
+from scheduler_core.connection import Backoff, Outage, connect, dedicated
 from scheduler_core.policy import Policy, Strategy
 from scheduler_core.scripts import ScriptPipeline
 from scheduler_core.shards import shard_name
@@ -56,6 +56,7 @@ class ShardedConsumer:
         self.redis = client or connect(config.redis_url)
         self.stopping = threading.Event()
         self.info: dict[str, str] = {}
+        self.outage = Outage(f"consumer {config.name}")  # shared by every shard's loops
         self.shards: list[Consumer] = []
         self.policy: Policy | None = None
         self._model = model
@@ -115,6 +116,7 @@ class ShardedConsumer:
             shard = Consumer(self._model, config, client=self.redis)
             shard.stopping = self.stopping
             shard.info = self.info
+            shard.outage = self.outage
             shard.tracer = self._tracer
             shard.pop_after_complete = False
             shard.start()
@@ -135,7 +137,7 @@ class ShardedConsumer:
                                                            self.stopping))
             log.info("consumer %s serving queue %r over %d shards with %s", self.config.name,
                      self.config.queue, len(self.shards), self.policy)
-            backoff = Backoff(f"consumer {self.config.name}")
+            backoff = Backoff(outage=self.outage)
             try:
                 while not self.stopping.is_set():
                     try:

@@ -44,7 +44,7 @@ from consumer.overlap import Overlap
 from consumer.refit import CostRefit
 from consumer.streaming import Emit, StreamWriter
 from scheduler_core.admin import ensure_policy, store_policy, unknown_requests
-from scheduler_core.connection import DEFAULT_REDIS_URL, Backoff, connect
+from scheduler_core.connection import DEFAULT_REDIS_URL, Backoff, Outage, connect
 from scheduler_core.deadlines import expire_due
 from scheduler_core.errors import InvalidRequest, NotReplicated
 from scheduler_core.keys import QueueKeys
@@ -170,6 +170,9 @@ class Consumer:
         self.failures: deque[dict[str, Any]] = deque(maxlen=100)
         # Under max_queue_delay_ms=auto, the delay derived about once a second.
         self.delay = DelayKeeper(self.redis, self.keys)
+        # A Redis outage as this consumer's loops meet it: the main loop and completions
+        # being retried log it once between them.
+        self.outage = Outage(f"consumer {config.name}")
         # Optional: called once per batch as on_batch(batch, ran, model_us, outcomes), e.g.
         # consumer.metrics.ConsumerMetrics. It must not raise.
         self.observer: Any = None
@@ -220,7 +223,7 @@ class Consumer:
 
     def run(self) -> None:
         with self.services():
-            backoff = Backoff(f"consumer {self.config.name}")
+            backoff = Backoff(outage=self.outage)
             log.info("consumer %s serving queue %r with %s", self.config.name,
                      self.config.queue, self.policy)
             next_step: Next = POP_NOW
@@ -551,25 +554,27 @@ class Consumer:
         held, so the lease thread keeps renewing it. complete.lua is fenced, so a resend
         whose first copy did land is refused, never applied twice (and not reported:
         `landed` says the first copy's reply was seen)."""
-        backoff = Backoff(f"consumer {self.config.name} (completing batch {batch.id})")
-        while True:
-            backoff.sleep_after(exc)
-            pipe = ScriptPipeline(self.redis, self.config.wait_replicas,
-                                  self.config.wait_timeout_ms)
-            pipe.script(*complete)
-            try:
-                reply = pipe.execute()[0]
-            except NotReplicated as again:
-                landed = landed or int(again.replies[0][0]) != -1
-                exc = again
-                continue
-            except COMPLETION_RETRIED as again:
-                exc = again
-                continue
-            if not (landed and int(reply[0]) == -1):
-                self._check_completion(batch, reply)
-            break
-        backoff.succeeded()
+        backoff = Backoff(outage=self.outage, where=f" (completing batch {batch.id})")
+        try:
+            while True:
+                backoff.sleep_after(exc)
+                pipe = ScriptPipeline(self.redis, self.config.wait_replicas,
+                                      self.config.wait_timeout_ms)
+                pipe.script(*complete)
+                try:
+                    reply = pipe.execute()[0]
+                except NotReplicated as again:
+                    landed = landed or int(again.replies[0][0]) != -1
+                    exc = again
+                    continue
+                except COMPLETION_RETRIED as again:
+                    exc = again
+                    continue
+                if not (landed and int(reply[0]) == -1):
+                    self._check_completion(batch, reply)
+                break
+        finally:  # Redis answered (or this loop is gone): its part of the outage is over
+            backoff.succeeded()
 
     def _encode(self, request_id: str, ok: bool, value: Any) -> tuple[Outcome, bytes]:
         if not ok:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -236,19 +237,55 @@ def _pool_size(max_connections: Any) -> int:
     return max_connections
 
 
+class Outage:
+    """One process's view of a Redis outage, shared by the loops that meet it (a
+    consumer's main loop and its completions being retried): logged once when the first
+    of them fails and once when the last of them is through (each line names what that
+    loop was doing)."""
+
+    def __init__(self, what: str):
+        self.what = what
+        self._lock = threading.Lock()
+        self._failing = 0  # loops failing now
+        self._attempts = 0
+        self._since = 0.0
+
+    def began(self, exc: BaseException, where: str) -> None:
+        with self._lock:
+            self._failing += 1
+            if self._failing == 1:
+                self._since, self._attempts = time.monotonic(), 0
+                log.warning("%s%s: Redis unavailable (%s); retrying with backoff", self.what,
+                            where, exc)
+
+    def attempted(self) -> None:
+        with self._lock:
+            self._attempts += 1
+
+    def ended(self, where: str) -> None:
+        with self._lock:
+            self._failing -= 1
+            if self._failing == 0:
+                log.warning("%s%s: Redis is back after %.1fs (%d failed attempts)", self.what,
+                            where, time.monotonic() - self._since, self._attempts)
+
+
 class Backoff:
     """Reconnect pacing for long-running loops: exponential up to `cap` seconds, and the
-    outage logged once when it starts and once when it ends, not on every attempt."""
+    outage logged once when it starts and once when it ends, not on every attempt; with
+    `outage`, once for all the loops that share it."""
 
-    def __init__(self, what: str, base: float = 0.05, cap: float = 2.0):
-        self.what, self.base, self.cap = what, base, cap
+    def __init__(self, what: str = "", base: float = 0.05, cap: float = 2.0,
+                 outage: Outage | None = None, where: str = ""):
+        self.base, self.cap = base, cap
+        self.outage = outage or Outage(what)
+        self.where = where  # what this loop was doing, in the first loop's log line
         self.failures = 0
-        self.since = 0.0
 
     def failed(self, exc: BaseException) -> float:
         if self.failures == 0:
-            self.since = time.monotonic()
-            log.warning("%s: Redis unavailable (%s); retrying with backoff", self.what, exc)
+            self.outage.began(exc, self.where)
+        self.outage.attempted()
         self.failures += 1
         return min(self.cap, self.base * 2 ** min(self.failures, 16))
 
@@ -257,8 +294,7 @@ class Backoff:
 
     def succeeded(self) -> None:
         if self.failures:
-            log.warning("%s: Redis is back after %.1fs (%d failed attempts)", self.what,
-                        time.monotonic() - self.since, self.failures)
+            self.outage.ended(self.where)
         self.failures = 0
 
 

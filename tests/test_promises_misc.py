@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
 import pytest
 from click.testing import CliRunner
@@ -18,6 +19,7 @@ from helpers.support import configure, queue_pattern, snapshot, wait_for
 from batchgate.cli import main as cli
 from producer import AsyncProducer, InvalidRequest, Producer, QueueFull
 from scheduler_core.admin import queue_stats
+from scheduler_core.connection import Backoff, Outage
 from scheduler_core.deadletter import MAX_IDS_PER_CALL
 from scheduler_core.keys import QueueKeys
 from scheduler_core.scripts import NewRequest, Scripts, enqueue_call, enqueue_reply
@@ -194,3 +196,27 @@ def test_latency_sample_lists_stay_bounded(shared_redis, queue, start_consumer):
         assert client.lindex(key, 0) != filler and client.lindex(key, -1) == filler, key
     stats = queue_stats(client, queue)
     assert stats.queue_wait_ms["samples"] == stats.end_to_end_ms["samples"] == kept
+
+
+def test_loops_sharing_an_outage_log_it_once_when_it_starts_and_once_when_it_ends(caplog):
+    """A consumer's main loop and its completions being retried share one Outage: the
+    first loop to fail logs it, the last one through logs its end, and the next outage is
+    logged again (README, failure modes: logged once when it starts, once when it ends)."""
+    caplog.set_level(logging.WARNING, logger="batchgate")
+    outage = Outage("consumer c")
+    main_loop = Backoff(outage=outage)
+    completing = Backoff(outage=outage, where=" (completing batch 7)")
+    refused = ConnectionError("refused")
+    for _ in range(2):
+        caplog.clear()
+        completing.failed(refused)
+        main_loop.failed(refused)
+        main_loop.failed(refused)
+        main_loop.succeeded()
+        assert caplog.messages == ["consumer c (completing batch 7): Redis unavailable "
+                                   "(refused); retrying with backoff"]
+        completing.succeeded()
+        completing.succeeded()  # a loop that did not fail ends nothing
+        assert len(caplog.messages) == 2
+        assert caplog.messages[1].startswith("consumer c (completing batch 7): Redis is back")
+        assert caplog.messages[1].endswith("(3 failed attempts)")

@@ -381,8 +381,8 @@ def delete_queues(client: redis.Redis, prefix: str) -> int:
               show_default=True,
               help="strategies: fifo, dynamic and priority on one workload; lengths: 80% "
                    "short (16 tokens) and 20% long (256) requests on the generator model, "
-                   "one bucket vs --cost-buckets 32, --prefer-bucket and --max-cost "
-                   "(extra `generate`).")
+                   "one bucket vs --cost-buckets 32, --prefer-bucket, --only-bucket and "
+                   "--max-cost (extra `generate`).")
 @click.option("--rate", type=click.FloatRange(1, 5000), default=None,
               help="Mean arrival rate, requests/s (Poisson). Default: 110 (strategies); "
                    "lengths: 60% load from the generator's measured t(1, cost).")
@@ -400,7 +400,8 @@ def delete_queues(client: redis.Redis, prefix: str) -> int:
               help="With --redis-url: leave the demo's queues for `batchgate stats`.")
 @click.option("--configs", default=None,
               help="lengths only: comma-separated configurations to run, of one-bucket, "
-                   "buckets, buckets+prefer, buckets+max-cost [default: all four].")
+                   "buckets, buckets+prefer, buckets+dedicated, buckets+max-cost "
+                   "[default: all five].")
 @click.option("--profile-repeats", type=click.IntRange(1, 20), default=2, show_default=True,
               help="lengths only: timings of each profiled (batch size, new tokens) shape "
                    "before the runs (the median is used).")

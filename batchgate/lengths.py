@@ -13,6 +13,8 @@ The configurations (dynamic, max_batch_size 8, max_queue_delay_ms 20, cost_mode 
   one-bucket        every request in one queue order (a short one may ride with a long one)
   buckets           --cost-buckets 32: a batch holds costs <= 32 or > 32 only
   buckets+prefer    as buckets, the first consumer started with --prefer-bucket 1
+  buckets+dedicated as buckets, the first consumer started with --only-bucket 1: it
+                    serves short requests only, the others every bucket
   buckets+max-cost  as buckets, --max-cost 128 --over-cost truncate: the long tail capped
 
 Before the runs, the generator is timed in this process at a few (batch size, new tokens)
@@ -72,6 +74,7 @@ class Config:
     name: str
     flags: tuple[str, ...]  # policy flags, every consumer
     prefer: tuple[int, ...] = ()  # --prefer-bucket of consumer i (0 = none)
+    only: tuple[int, ...] = ()  # --only-bucket of consumer i (0 = every bucket)
     policy: dict[str, Any] = field(default_factory=dict)  # the same, for the simulator
 
 
@@ -83,6 +86,8 @@ CONFIGS = (
     Config("one-bucket", BASE, policy=BASE_POLICY),
     Config("buckets", BASE + BUCKETS, policy={**BASE_POLICY, "cost_buckets": str(BUCKET)}),
     Config("buckets+prefer", BASE + BUCKETS, prefer=(1,),
+           policy={**BASE_POLICY, "cost_buckets": str(BUCKET)}),
+    Config("buckets+dedicated", BASE + BUCKETS, only=(1,),
            policy={**BASE_POLICY, "cost_buckets": str(BUCKET)}),
     Config("buckets+max-cost", BASE + BUCKETS + ("--max-cost", str(CAP), "--over-cost",
                                                  "truncate"),
@@ -222,10 +227,12 @@ def consumer_argv(url: str, queue: str, config: Config, index: int,
 
     model_args = [a for k, v in MODEL_ARGS.items() for a in ("--model-arg", f"{k}={v}")]
     prefer = config.prefer[index] if index < len(config.prefer) else 0
+    only = config.only[index] if index < len(config.only) else 0
     return [*batchgate_argv(), "--log-level", "WARNING", "consumer", "--redis-url", url,
             "--queue", queue, "--model", MODEL_SPEC, *model_args, "--torch-threads",
             str(threads), "--device", "cpu", *config.flags,
-            *(("--prefer-bucket", str(prefer)) if prefer else ())]
+            *(("--prefer-bucket", str(prefer)) if prefer else ()),
+            *(("--only-bucket", str(only)) if only else ())]
 
 
 def pct(values: list[float], q: float) -> float | None:
@@ -378,13 +385,16 @@ def predict(config: Config, prof: dict[str, Any], kind: str, times: list[float],
             m, jitter = live_model(run)
     cost = (ModelTime(m["base_ms"], 0.0, m["per_cost_ms"]) if kind == "padded" else
             StepTime(m["base_ms"], 0.0, m["per_cost_ms"], m["per_step_ms"]))
-    prefer = tuple(config.prefer[i] if i < len(config.prefer) else 0
-                   for i in range(consumers)) if config.prefer else ()
+    def per_consumer(buckets: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(buckets[i] if i < len(buckets) else 0
+                     for i in range(consumers)) if buckets else ()
+
     draws = []
     for k in range(LIVE_DRAWS if jitter else 1):
         sim = SimConfig(policy=Policy.build("dynamic", **config.policy), cost=cost,
-                        consumers=consumers, prefer_buckets=prefer, jitter=jitter,
-                        jitter_seed=seed + k)
+                        consumers=consumers, prefer_buckets=per_consumer(config.prefer),
+                        jitter=jitter, jitter_seed=seed + k,
+                        only_buckets=per_consumer(config.only))
         draws.append(simulate(sim, times, [1] * len(times), costs))
 
     def median(get: Callable[[Any], float | None]) -> float | None:
@@ -486,7 +496,7 @@ def checks(results: dict[str, Any]) -> list[dict[str, Any]]:
         return results[name]["latency_ms"][str(cost)]["p99"] if name in results else None
 
     one = results.get("one-bucket")
-    for name in ("buckets", "buckets+prefer"):
+    for name in ("buckets", "buckets+prefer", "buckets+dedicated"):
         if one is None or name not in results:
             continue
         a, b = p99("one-bucket", SHORT), p99(name, SHORT)

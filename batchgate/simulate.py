@@ -95,12 +95,12 @@ def parse_cost_mix(text: str) -> list[tuple[int, float]]:
     return mix
 
 
-def _parse_prefs(text: str) -> tuple[int, ...]:
+def _parse_prefs(text: str, field: str = "prefer_buckets") -> tuple[int, ...]:
     try:
         return tuple(int(part) for part in text.split(","))
     except ValueError:
-        raise InvalidRequest("prefer_buckets", f"{text!r}: use one integer per consumer, "
-                                               "e.g. 1,0") from None
+        raise InvalidRequest(field, f"{text!r}: use one integer per consumer, e.g. 1,0"
+                             ) from None
 
 
 def read_trace(path: Path) -> Arrivals:
@@ -178,7 +178,9 @@ def render(result: SimResult, config: SimConfig, workload: str) -> str:
     lines = [
         f"{result.requests:,} requests ({workload}), {config.consumers} consumer(s)"
         + (f" preferring buckets {','.join(map(str, config.prefer_buckets))}"
-           if config.prefer_buckets else "") + ", "
+           if config.prefer_buckets else "")
+        + (f" dedicated to buckets {','.join(map(str, config.only_buckets))}"
+           if config.only_buckets else "") + ", "
         f"t(b) = {config.cost}"
         + (f" x a measured ratio ({len(config.jitter):,} samples)" if config.jitter else "")
         + f", overhead {config.overhead_ms:g} ms per batch, fetch {config.fetch}, finish "
@@ -255,6 +257,9 @@ def render(result: SimResult, config: SimConfig, workload: str) -> str:
 @click.option("--prefer-buckets", default=None,
               help="Each consumer's --prefer-bucket, comma-separated, one per consumer, e.g. "
                    "1,0 (0 = none) [default: none].")
+@click.option("--only-buckets", default=None,
+              help="Each consumer's --only-bucket, comma-separated, one per consumer, e.g. "
+                   "1,0: the first serves bucket 1 only (0 = every bucket) [default: none].")
 @click.option("--overhead-ms", type=float, default=DEFAULT_OVERHEAD_MS, show_default=True,
               help="Consumer time between two batches when the next one was fetched ahead "
                    "(a backlog), ms (default: the measured gap at saturation).")
@@ -284,7 +289,8 @@ def simulate_command(strategy: str | None, max_batch_size: int | None,
                      cost_mode: str | None, cost_buckets: str | None, cost_mix: str | None,
                      arrivals: str,
                      rate: float, duration_s: float, mix: str, trace: Path | None,
-                     consumers: int, prefer_buckets: str | None, cost_ms: str,
+                     consumers: int, prefer_buckets: str | None, only_buckets: str | None,
+                     cost_ms: str,
                      overhead_ms: float, fetch_ms: str, finish_ms: str,
                      transport_ms: float, cost_jitter: Path | None,
                      seed: int, as_json: bool) -> None:
@@ -302,7 +308,8 @@ def simulate_command(strategy: str | None, max_batch_size: int | None,
     jitter = jitter_ratios(read_model_samples(cost_jitter)) if cost_jitter else ()
     config = SimConfig(policy, CostModel.parse(cost_ms), consumers, overhead_ms, transport_ms,
                        prefs, PathTime.parse(fetch_ms, "fetch_ms"),
-                       PathTime.parse(finish_ms, "finish_ms"), jitter, seed)
+                       PathTime.parse(finish_ms, "finish_ms"), jitter, seed,
+                       _parse_prefs(only_buckets, "only_buckets") if only_buckets else ())
     mix_of_costs = parse_cost_mix(cost_mix) if cost_mix is not None else None
     costs: list[int] | None = None
     if trace is not None:

@@ -105,6 +105,11 @@ def install_signal_handlers(consumer: Consumer | ShardedConsumer) -> None:
             help="With the queue's cost_buckets: the bucket this consumer serves first "
                  "whenever it is due (1 = the cheapest); otherwise the oldest due bucket. "
                  "0 = none.")
+@env_option("--only-bucket", envvar="BATCHGATE_ONLY_BUCKET",
+            type=click.IntRange(0, MAX_COST_BUCKETS + 1), default=0, show_default=True,
+            help="With the queue's cost_buckets: serve this bucket only (1 = the cheapest), "
+                 "never another's requests: a consumer dedicated to short (or long) "
+                 "requests. 0 = every bucket. Not with --prefer-bucket.")
 @wait_replicas_options("Acknowledge a batch's results")
 @env_option("--name", envvar="BATCHGATE_CONSUMER_NAME", default="",
             help="Consumer name shown in stats [default: host:pid:random].")
@@ -118,7 +123,8 @@ def install_signal_handlers(consumer: Consumer | ShardedConsumer) -> None:
 def consumer_command(redis_url: str, queue: str, model_spec: str, model_arg: tuple[str, ...],
                      device: str | None, torch_threads: int | None, lease_ms: int,
                      max_batch_ms: int, max_result_bytes: int, overlap: bool,
-                     cost_refit_s: float, prefer_bucket: int, wait_replicas: int,
+                     cost_refit_s: float, prefer_bucket: int, only_bucket: int,
+                     wait_replicas: int,
                      wait_timeout_ms: int, name: str, otel_exporter: str,
                      **kwargs: Any) -> None:
     """Pop batches from QUEUE and run MODEL on them until SIGTERM/SIGINT.
@@ -134,6 +140,7 @@ def consumer_command(redis_url: str, queue: str, model_spec: str, model_arg: tup
                             max_batch_ms=max_batch_ms, max_result_bytes=max_result_bytes,
                             overlap=overlap, cost_refit_s=cost_refit_s, policy=policy,
                             name=name, prefer_bucket=prefer_bucket,
+                            only_bucket=only_bucket,
                             wait_replicas=wait_replicas, wait_timeout_ms=wait_timeout_ms)
     model_kwargs = parse_model_args(model_arg)
     flags = dict.fromkeys(model_kwargs, "--model-arg")

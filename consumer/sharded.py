@@ -196,8 +196,10 @@ class ShardedConsumer:
         order, with_high = self._order(high)
         due: list[float] = []
         for position, index in enumerate(order):
-            if with_high and position == with_high:
-                return None  # a shard seen with HIGH gave no batch: peek again first
+            if with_high and position == with_high and not self.config.only_bucket:
+                # A shard seen with HIGH gave no batch: peek again first. (A dedicated
+                # consumer's pop leaves other buckets' HIGH requests: it goes on.)
+                return None
             if not busy[index]:
                 continue
             shard = self.shards[index]
@@ -230,7 +232,7 @@ class ShardedConsumer:
         if idle.due_in_ms is not None and wait_s < IDLE_BLOCK_S:
             self._due_timer.set(time.monotonic() + wait_s)
         pipe = ScriptPipeline(self.redis)
-        pipe.command("bzpopmin", [*(s.keys.marker for s in self.shards), wake_key],
+        pipe.command("bzpopmin", [*(s.wake_marker for s in self.shards), wake_key],
                      IDLE_BLOCK_S)
         try:
             pipe.execute()
@@ -247,7 +249,7 @@ class _Wakers:
         self._woken = threading.Event()
         self._stopping = stopping
         self._clients = [dedicated(client) for _ in shards]
-        self._threads = [threading.Thread(target=self._watch, args=(own, s.keys),
+        self._threads = [threading.Thread(target=self._watch, args=(own, s.wake_marker),
                                           name=f"waker-{s.config.queue}", daemon=True)
                          for own, s in zip(self._clients, shards, strict=True)]
 
@@ -273,12 +275,12 @@ class _Wakers:
             self._idle.clear()
             self._woken.clear()
 
-    def _watch(self, client: Any, keys: Any) -> None:
+    def _watch(self, client: Any, marker: str) -> None:
         while not self._stopping.is_set():
             if not self._idle.wait(IDLE_BLOCK_S) or self._stopping.is_set():
                 continue
             try:
-                if client.bzpopmin([keys.marker], IDLE_BLOCK_S):
+                if client.bzpopmin([marker], IDLE_BLOCK_S):
                     self._woken.set()
             except redis.RedisError:
                 time.sleep(IDLE_BLOCK_S)  # the loop's own calls report the outage

@@ -105,6 +105,9 @@ class ConsumerConfig:
     # The cost bucket this consumer serves first when it is due (1-based; 0 = none):
     # docs/scheduling.md, "Requests of different cost".
     prefer_bucket: int = 0
+    # The cost bucket this consumer serves alone (1-based; 0 = every bucket): a consumer
+    # dedicated to it, which never takes another bucket's requests.
+    only_bucket: int = 0
     # Acknowledge a completion only once this many replicas confirm it (WAIT); until
     # then it is offered again. wait_timeout_ms bounds each WAIT.
     wait_replicas: int = 0
@@ -135,10 +138,14 @@ class ConsumerConfig:
                 or not (self.cost_refit_s == 0 or 0.1 <= self.cost_refit_s <= 86_400):
             raise InvalidRequest("cost_refit_s",
                                  f"{self.cost_refit_s!r}: use 0 (off) or [0.1, 86400] s")
-        if isinstance(self.prefer_bucket, bool) or not isinstance(self.prefer_bucket, int) \
-                or not 0 <= self.prefer_bucket <= MAX_COST_BUCKETS + 1:
-            raise InvalidRequest("prefer_bucket", f"{self.prefer_bucket!r} is outside "
-                                                  f"[0, {MAX_COST_BUCKETS + 1}]")
+        for knob in ("prefer_bucket", "only_bucket"):
+            value = getattr(self, knob)
+            if isinstance(value, bool) or not isinstance(value, int) \
+                    or not 0 <= value <= MAX_COST_BUCKETS + 1:
+                raise InvalidRequest(knob, f"{value!r} is outside [0, {MAX_COST_BUCKETS + 1}]")
+        if self.prefer_bucket and self.only_bucket:
+            raise InvalidRequest("only_bucket", "a consumer dedicated to a bucket prefers no "
+                                                "other: give prefer_bucket or only_bucket")
         if not self.name:
             object.__setattr__(self, "name", f"{socket.gethostname()}:{os.getpid()}:"
                                              f"{uuid.uuid4().hex[:6]}")
@@ -305,8 +312,9 @@ class Consumer:
     def _pop_call(self) -> tuple[Any, list[str], list[Any]]:
         args: list[Any] = [self.config.name, self.config.lease_ms]
         delay_ms = self.delay.delay_ms  # max_queue_delay_ms=auto: the delay derived for now
-        if self.config.prefer_bucket or delay_ms is not None:
-            args.append(self.config.prefer_bucket)
+        bucket = -self.config.only_bucket or self.config.prefer_bucket  # ARGV[3]
+        if bucket or delay_ms is not None:
+            args.append(bucket)
         if delay_ms is not None:
             args.append(delay_ms)
         return self.scripts.pop_batch, pop_keys(self.keys), args
@@ -687,13 +695,19 @@ class Consumer:
         if idle.due_in_ms is not None and idle.due_in_ms < IDLE_BLOCK_S * 1000:
             self._due_timer.set(time.monotonic() + idle.due_in_ms / 1000)
         pipe = ScriptPipeline(self.redis)
-        pipe.command("bzpopmin", [self.keys.marker, wake_key], IDLE_BLOCK_S)
+        pipe.command("bzpopmin", [self.wake_marker, wake_key], IDLE_BLOCK_S)
         pipe.script(*self._pop_call())
         try:
             replies = pipe.execute()
         finally:
             self._due_timer.cancel()
         return self._parse(replies[-1])
+
+    @property
+    def wake_marker(self) -> str:
+        """The marker this consumer blocks on: a dedicated consumer, its bucket's own."""
+        only = self.config.only_bucket
+        return self.keys.bucket_marker(only) if only else self.keys.marker
 
     def _self_wake(self, wake_key: str) -> None:
         try:

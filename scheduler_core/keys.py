@@ -2,7 +2,7 @@
 
 All keys of a queue share the hash tag `{bg:<queue>}`, so they live in one cluster slot
 and one Lua script may touch them all. Every key a script touches is passed in KEYS: the
-queue's shared keys first, as KEYS[1..23] in the order of SHARED_KEYS in every script,
+queue's shared keys first, as KEYS[1..33] in the order of SHARED_KEYS in every script,
 then the script's per-call keys (result:<id>, inbox:<producer>, idem:<key>).
 
 | key                         | type   | holds                                                     |
@@ -23,6 +23,13 @@ then the script's per-call keys (result:<id>, inbox:<producer>, idem:<key>).
 | `{bg:q}:clock`              | string | last arrival score issued (keeps arrival order strict)    |
 | `{bg:q}:seq`                | string | batch id counter; a batch id is its fencing token         |
 | `{bg:q}:marker`             | zset   | wake-up marker idle consumers block on (BZPOPMIN)         |
+| `{bg:q}:marker:<1..5>`      | zset   | the wake-up marker of the consumers dedicated to cost     |
+|                             |        | bucket 1..5 (--only-bucket): woken by that bucket's       |
+|                             |        | arrivals (and by re-queues and batches that leave work)   |
+| `{bg:q}:bucket:<1..5>`      | zset   | with cost_buckets: the ids waiting in cost bucket 1..5,   |
+|                             |        | score = arrival (all levels and the delayed set), for the |
+|                             |        | consumers dedicated to it; cancel and expiry leave stale  |
+|                             |        | ids, which the next dedicated pop removes                 |
 | `{bg:q}:wake:<consumer>`    | zset   | a consumer's private wake-up key (its own due timer)      |
 | `{bg:q}:consumers`          | zset   | consumer name -> last heartbeat (µs)                      |
 | `{bg:q}:stats`              | hash   | counters: processed, failed, batches, ...                 |
@@ -76,19 +83,24 @@ import re
 from dataclasses import dataclass
 
 from scheduler_core.errors import InvalidRequest
+from scheduler_core.policy import MAX_COST_BUCKETS
 
 # Checked with fullmatch: `$` alone also matches before a final "\n", so "q\n" would pass.
 QUEUE_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 MAX_QUEUE_NAME = 128
 _SHARD_INDEX = re.compile(r"[1-9][0-9]{0,2}")
 
-# The queue's shared keys, as every script receives them (KEYS[1..23], this order) and
-# names them at the top of its body (`local pending_high = KEYS[2]`); QueueKeys has a
-# property of each name. A script's per-call keys come after them.
+# The queue's shared keys, as every script receives them (KEYS[1..33], this order) and
+# names them at the top of its body (`local pending_high = KEYS[2]`; the per-bucket keys
+# as one table each, `local bucket_markers = {KEYS[24], ...}`); QueueKeys has a property
+# of each name. A script's per-call keys come after them.
+BUCKET_MARKERS = tuple(f"bucket_marker_{b}" for b in range(1, MAX_COST_BUCKETS + 2))
+BUCKET_SETS = tuple(f"bucket_set_{b}" for b in range(1, MAX_COST_BUCKETS + 2))
 SHARED_KEYS = ("policy", "pending_high", "pending_normal", "pending_low", "jobs", "meta",
                "clock", "marker", "stats", "inflight", "owner", "batches", "seq", "consumers",
                "dead", "dead_reason", "wait_samples", "e2e_samples", "model_samples",
-               "deadlines", "delayed", "arrivals", "cost_model")
+               "deadlines", "delayed", "arrivals", "cost_model", *BUCKET_MARKERS,
+               *BUCKET_SETS)
 
 
 def validate_queue_name(name: object, field: str = "queue") -> str:
@@ -146,8 +158,12 @@ class QueueKeys:
 
     @functools.cached_property
     def shared(self) -> tuple[str, ...]:
-        """KEYS[1..23] of every script: the keys of SHARED_KEYS, in that order."""
-        return tuple(getattr(self, name) for name in SHARED_KEYS)
+        """KEYS[1..33] of every script: the keys of SHARED_KEYS, in that order."""
+        buckets = range(1, len(BUCKET_MARKERS) + 1)
+        named = tuple(getattr(self, name) for name in SHARED_KEYS
+                      if name not in BUCKET_MARKERS + BUCKET_SETS)
+        return named + tuple(self.bucket_marker(b) for b in buckets) + \
+            tuple(self.bucket_set(b) for b in buckets)
 
     @property
     def jobs(self) -> str:
@@ -180,6 +196,14 @@ class QueueKeys:
     @property
     def marker(self) -> str:
         return self._k("marker")
+
+    def bucket_marker(self, bucket: int) -> str:
+        """The marker that consumers dedicated to cost bucket `bucket` (1-based) block on."""
+        return self._k(f"marker:{int(bucket)}")
+
+    def bucket_set(self, bucket: int) -> str:
+        """The ids waiting in cost bucket `bucket` (1-based), for its dedicated consumers."""
+        return self._k(f"bucket:{int(bucket)}")
 
     def wake(self, consumer: str) -> str:
         return self._k(f"wake:{consumer}")

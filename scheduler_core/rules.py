@@ -13,7 +13,10 @@ queue states against a real Redis. `batchgate simulate` and the benchmark's in-p
 baseline decide with it, so the rules have one Python copy. With a policy's cost settings
 (max_batch_cost, cost_buckets) a batch is fitted to the budget from one bucket
 (_CostRules: the script's read_cost_rules, fit and pick_costed); a request's cost is
-`Request.cost`, and `decide(..., prefer_bucket=N)` is a consumer's ARGV[3].
+`Request.cost`; `decide(..., prefer_bucket=N)` is a consumer's ARGV[3] = N and
+`decide(..., only_bucket=N)` one dedicated to bucket N (ARGV[3] = -N: the rules applied
+to that bucket's oldest requests wherever they wait, the script's read_views of the
+bucket's set).
 
 Out of scope, as they come only from hand-written keys: members whose id no producer
 makes (the script dead-letters them) and members without meta.
@@ -29,9 +32,10 @@ decision's writes on lists.
 from __future__ import annotations
 
 import bisect
+import heapq
 import itertools
-from collections.abc import MutableSequence, Sequence
-from operator import attrgetter
+from collections.abc import Iterator, MutableSequence, Sequence
+from operator import attrgetter, itemgetter
 from typing import NamedTuple
 
 from scheduler_core.policy import Policy, Strategy
@@ -121,22 +125,26 @@ def first_deadline(levels: Levels) -> int:
 
 
 def decide(levels: Levels, now_us: int, policy: Policy, prefer_bucket: int = 0,
-           first_deadline_us: int | None = None) -> Decision:
+           first_deadline_us: int | None = None, only_bucket: int = 0) -> Decision:
     """What pop_batch.lua does with this queue state at `now_us` under `policy`, for a
-    consumer that prefers cost bucket `prefer_bucket` (1-based; 0 = none).
+    consumer that prefers cost bucket `prefer_bucket` (1-based; 0 = none), or that serves
+    bucket `only_bucket` only (0 = every bucket).
 
     `first_deadline_us`: the earliest deadline among the waiting requests (0: none) where
     the caller keeps it, as Redis keeps the deadlines zset; None: found by a scan."""
     deadline = first_deadline(levels) if first_deadline_us is None else first_deadline_us
     if deadline and deadline <= now_us:  # past_deadline
         return EXPIRE
-    decision = _decide(levels, now_us, policy, prefer_bucket)
+    decision = _decide(levels, now_us, policy, prefer_bucket, only_bucket)
     if deadline and type(decision) is Wait:  # a wait ends by the earliest deadline
         return Wait(min(decision.wait_us, deadline - now_us), decision.promoted)
+    if deadline and type(decision) is Nothing:  # dedicated, none of its bucket in view
+        return Wait(deadline - now_us, decision.promoted)
     return decision
 
 
-def _decide(levels: Levels, now_us: int, policy: Policy, prefer_bucket: int) -> Decision:
+def _decide(levels: Levels, now_us: int, policy: Policy, prefer_bucket: int,
+            only_bucket: int) -> Decision:
     size, delay = policy.max_batch_size, policy.max_queue_delay_ms * 1000
     aging = policy.aging_ms * 1000 if policy.strategy is Strategy.PRIORITY else 0
     costs = _CostRules.of(policy, prefer_bucket)
@@ -151,6 +159,16 @@ def _decide(levels: Levels, now_us: int, policy: Policy, prefer_bucket: int) -> 
     delayed = levels[DELAYED] if len(levels) > DELAYED else ()
     if total == 0 and not delayed:
         return NOTHING
+    queue_heads = heads  # the aging due time reads the whole level, dedicated or not
+    delayed_view = delayed[:window]
+    if only_bucket == 1 and not policy.bucket_bounds:
+        only_bucket = 0  # without cost buckets bucket 1 is every request
+    if only_bucket:  # read_views: the rules see this bucket's requests only
+        *heads, delayed_view = _bucket_view(levels, promoted, policy.bucket_bounds,
+                                            only_bucket, window)
+        counts = [len(head) for head in heads]
+        if not (any(counts) if total else delayed_view):
+            return Nothing(promoted)  # until a wake-up (or the next deadline)
     strategy = policy.strategy
 
     def pick(levels: tuple[int, ...]) -> list[tuple[Request, int]]:
@@ -160,7 +178,7 @@ def _decide(levels: Levels, now_us: int, policy: Policy, prefer_bucket: int) -> 
 
     due: list[tuple[Request, int]] | None
     if total == 0:  # take_delayed: only when no level waits
-        heads.append(delayed[:window])
+        heads.append(delayed_view)
         chosen = pick((DELAYED,))
     elif strategy is Strategy.FIFO:
         chosen = pick((0, 1, 2))
@@ -171,7 +189,7 @@ def _decide(levels: Levels, now_us: int, policy: Policy, prefer_bucket: int) -> 
             if due is None:
                 return Wait(max(0, first + delay - now_us), promoted)
             chosen = due
-        elif total < size and now_us - first < delay:
+        elif sum(counts) < size and now_us - first < delay:
             return Wait(max(0, first + delay - now_us), promoted)
         else:
             chosen = _take(heads, (0, 1, 2), size)
@@ -187,7 +205,8 @@ def _decide(levels: Levels, now_us: int, policy: Policy, prefer_bucket: int) -> 
             if aging:  # or until the next promotion (see pop_batch.lua)
                 due_us = min(due_us, first + 2 * aging)
                 cut = now_us - aging
-                younger = next((r.arrival_us for r in heads[1] if r.arrival_us > cut), None)
+                younger = next((r.arrival_us for r in queue_heads[1] if r.arrival_us > cut),
+                               None)
                 if younger is not None:
                     due_us = min(due_us, younger + aging)
                 if counts[2]:
@@ -266,6 +285,26 @@ class _CostRules(NamedTuple):
             if not due_only or full or now_us - group[0][0].arrival_us >= delay:
                 return chosen
         return None
+
+
+def _bucket_view(levels: Levels, promoted: tuple[Promotion, ...], bounds: tuple[int, ...],
+                 bucket: int, n: int) -> list[list[Request]]:
+    """read_views: the oldest n requests of cost bucket `bucket` (1-based) wherever they
+    wait, as its set orders them (by arrival, then id), per level after the aging moves
+    (HIGH, NORMAL, LOW, DELAYED). O(the requests ahead of them)."""
+    moved = {p.request: p.target for p in promoted}
+
+    def listed(index: int, level: Sequence[Request]) -> Iterator[tuple[Request, int]]:
+        for r in level:
+            if bisect.bisect_left(bounds, r.cost) + 1 == bucket:
+                yield r, moved.get(r, index)
+
+    view: list[list[Request]] = [[], [], [], []]
+    merged = heapq.merge(*(listed(i, level) for i, level in enumerate(levels)),
+                         key=itemgetter(0))
+    for r, level in itertools.islice(merged, n):
+        view[level].append(r)
+    return view
 
 
 def _take(heads: list[Sequence[Request]], levels: tuple[int, ...],

@@ -182,6 +182,8 @@ class SimConfig:
     # multiplied by one drawn with jitter_seed. () = the model time exactly.
     jitter: tuple[float, ...] = ()
     jitter_seed: int = 1
+    # Each consumer's --only-bucket (1-based, 0 = every bucket), one per consumer; () = none.
+    only_buckets: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.consumers, bool) or not isinstance(self.consumers, int) or \
@@ -197,11 +199,15 @@ class SimConfig:
         for name in ("fetch", "finish"):
             if not isinstance(getattr(self, name), PathTime):
                 raise InvalidRequest(name, f"must be a PathTime, got {getattr(self, name)!r}")
-        prefs = self.prefer_buckets
-        if prefs and (len(prefs) != self.consumers or not all(
-                type(b) is int and 0 <= b <= MAX_COST_BUCKETS + 1 for b in prefs)):
-            raise InvalidRequest("prefer_buckets", f"{prefs!r}: one bucket per consumer, each "
-                                                   f"0-{MAX_COST_BUCKETS + 1} (0 = none)")
+        for knob in ("prefer_buckets", "only_buckets"):
+            buckets = getattr(self, knob)
+            if buckets and (len(buckets) != self.consumers or not all(
+                    type(b) is int and 0 <= b <= MAX_COST_BUCKETS + 1 for b in buckets)):
+                raise InvalidRequest(knob, f"{buckets!r}: one bucket per consumer, each "
+                                           f"0-{MAX_COST_BUCKETS + 1} (0 = none)")
+        if any(p and o for p, o in zip(self.prefer_buckets, self.only_buckets, strict=False)):
+            raise InvalidRequest("only_buckets", "a consumer dedicated to a bucket prefers "
+                                                 "no other: give one of the two per consumer")
 
 
 @dataclass(frozen=True)
@@ -272,6 +278,9 @@ def simulate(config: SimConfig, times: list[float], prios: list[int],
     free_at: list[tuple[int, int]] = []  # heap: (when a busy consumer finishes, which)
     idle = list(range(config.consumers))  # the idle consumers, lowest first
     prefer = config.prefer_buckets or (0,) * config.consumers
+    only = config.only_buckets or (0,) * config.consumers
+    # With dedicated consumers one idle consumer's Wait is not another's: each decides.
+    dedicated = any(only)
     timer, model_us, waiting = math.inf, 0, 0
     i, next_arrival = 0, (arrival[0] if n else math.inf)
     push, pop = heapq.heappush, heapq.heappop
@@ -298,9 +307,15 @@ def simulate(config: SimConfig, times: list[float], prios: list[int],
         # Pop at once while consumers are free and batches due (with nothing waiting,
         # decide would say Nothing).
         while idle and waiting:
-            decision = decide(levels, now, policy, prefer_bucket=prefer[idle[0]],
-                              first_deadline_us=0)  # no simulated request has a deadline
-            apply(levels, decision)
+            for consumer in idle if dedicated else idle[:1]:
+                decision = decide(levels, now, policy, prefer_bucket=prefer[consumer],
+                                  first_deadline_us=0,  # no simulated request has one
+                                  only_bucket=only[consumer])
+                apply(levels, decision)
+                if type(decision) is Batch:
+                    break
+                if type(decision) is Wait:
+                    timer = min(timer, now + (decision.wait_us or repoll))
             if type(decision) is Batch:
                 size = len(decision.picked)
                 model = cost[size]
@@ -313,7 +328,7 @@ def simulate(config: SimConfig, times: list[float], prios: list[int],
                         model = config.cost.us(size, size * top if padded else sum(batch_costs))
                 if draw is not None:
                     model = round(model * draw(jitter))
-                consumer = idle.pop(0)
+                idle.remove(consumer)
                 end = now + (overhead if ahead[consumer] == now else fetch[size]) + model
                 seen = end + finish[size] + transport
                 for p in decision.picked:
@@ -327,8 +342,6 @@ def simulate(config: SimConfig, times: list[float], prios: list[int],
                 histogram[size] += 1
                 model_us += model
             else:
-                if type(decision) is Wait:
-                    timer = now + (decision.wait_us or repoll)
                 break
     result = _result(config, arrival, prios, done, histogram, model_us,
                      time.perf_counter() - started, costs, stored if refused else None)

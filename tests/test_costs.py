@@ -314,12 +314,123 @@ def test_a_consumer_serves_its_preferred_bucket_first_when_it_is_due(
     assert [b["costs"] for b in batches(tmp_path / "out")] == [[100], [16]]
 
 
-def test_prefer_bucket_is_validated():
+def test_prefer_and_only_bucket_are_validated():
     from consumer.worker import ConsumerConfig
 
-    for bad in (-1, 6, True, "1"):
-        with pytest.raises(InvalidRequest) as err:
-            ConsumerConfig(prefer_bucket=bad)
-        assert err.value.field == "prefer_bucket" and "5" in str(err.value)
-    done = batchgate("consumer", "--prefer-bucket", "6")
-    assert done.returncode == 2 and "--prefer-bucket" in done.stderr
+    for knob in ("prefer_bucket", "only_bucket"):
+        for bad in (-1, 6, True, "1"):
+            with pytest.raises(InvalidRequest) as err:
+                ConsumerConfig(**{knob: bad})
+            assert err.value.field == knob and "5" in str(err.value)
+        flag = "--" + knob.replace("_", "-")
+        done = batchgate("consumer", flag, "6")
+        assert done.returncode == 2 and flag in done.stderr
+    with pytest.raises(InvalidRequest) as err:
+        ConsumerConfig(prefer_bucket=1, only_bucket=2)
+    assert err.value.field == "only_bucket" and "prefer_bucket" in str(err.value)
+
+
+def test_a_consumer_dedicated_to_a_bucket_serves_it_alone_past_a_busy_long_batch(
+        shared_redis, queue, start_consumer, tmp_path):
+    """--only-bucket 1 beside a consumer that serves every bucket: while that one runs a
+    long batch (3 s), short requests are answered by the dedicated one within their
+    delay and a fraction of the long batch; the dedicated consumer never runs a long
+    request, even idle with longs waiting."""
+    delay_ms, slow_ms = 50, 3000
+    configure(shared_redis.url, queue, strategy="dynamic", max_batch_size=4,
+              max_queue_delay_ms=delay_ms, cost_buckets="32")
+    model = ("--model-arg", "slow_over=32", "--model-arg", f"slow_ms={slow_ms}")
+    start_recorder(start_consumer, shared_redis.url, queue, tmp_path / "any", *model)
+    start_recorder(start_consumer, shared_redis.url, queue, tmp_path / "short", *model,
+                   "--only-bucket", "1")
+    with Producer(shared_redis.url, queue) as p:
+        longs = p.submit_many([f"l{i}" for i in range(8)], cost=100)  # two full batches
+        client, keys = shared_redis.client(), QueueKeys(queue)
+        deadline = time.monotonic() + 15
+        while not client.zcard(keys.inflight) and time.monotonic() < deadline:
+            time.sleep(0.005)  # until the first long batch is in flight
+        shorts, sent = [], time.monotonic()
+        for i in range(6):
+            shorts.append(p.submit(f"s{i}", cost=8))
+            time.sleep(0.02)
+        for h in shorts:
+            assert h.result(timeout=15)["cost"] == 8
+        shorts_took = time.monotonic() - sent
+        assert all(h.result(timeout=30)["cost"] == 100 for h in longs)
+    assert shorts_took < slow_ms / 1000 / 2, shorts_took  # not behind a long batch
+    dedicated = [b["costs"] for b in batches(tmp_path / "short")]
+    general = [b["costs"] for b in batches(tmp_path / "any")]
+    assert dedicated and all(c <= 32 for b in dedicated for c in b), dedicated
+    assert sorted(c for b in general for c in b if c > 32) == [100] * 8, general
+
+
+def test_an_arrival_for_another_bucket_wakes_a_consumer_that_serves_it(
+        shared_redis, queue, start_consumer, tmp_path):
+    """Idle consumers: one dedicated to bucket 1, one serving every bucket. A long request
+    wakes the second at once (the dedicated one blocks on its bucket's own marker, so it
+    cannot take the wake-up and leave the long request until an idle block times out)."""
+    delay_ms = 20
+    configure(shared_redis.url, queue, strategy="dynamic", max_batch_size=4,
+              max_queue_delay_ms=delay_ms, cost_buckets="32")
+    start_recorder(start_consumer, shared_redis.url, queue, tmp_path / "any")
+    start_recorder(start_consumer, shared_redis.url, queue, tmp_path / "short",
+                   "--only-bucket", "1")
+    with Producer(shared_redis.url, queue) as p:
+        assert p.submit("warm", cost=100).result(timeout=15)["cost"] == 100
+        took = []
+        for i in range(10):
+            time.sleep(0.15)  # both idle, blocked
+            sent = time.monotonic()
+            assert p.submit(f"l{i}", cost=100).result(timeout=15)["cost"] == 100
+            took.append(time.monotonic() - sent)
+    # IDLE_BLOCK_S (1 s) is what a lost wake-up costs; the delay is 20 ms.
+    assert max(took) < 0.6, took
+    assert not batches(tmp_path / "short")
+
+
+def test_a_dedicated_consumer_finds_its_bucket_behind_a_long_backlog(
+        shared_redis, queue, start_consumer, tmp_path):
+    """Only a consumer dedicated to bucket 1 runs: 300 long requests wait ahead of the
+    short ones (far beyond the max_batch_size x buckets requests a pop reads of a level),
+    yet it answers the short ones, including one sent after a cancelled one, and leaves
+    every long one waiting."""
+    configure(shared_redis.url, queue, strategy="dynamic", max_batch_size=4,
+              max_queue_delay_ms=20, cost_buckets="32")
+    with Producer(shared_redis.url, queue) as p:
+        longs = p.submit_many([f"l{i}" for i in range(300)], cost=100)
+        cancelled = p.submit("gone", cost=8)
+        assert cancelled.cancel() == "cancelled"
+        start_recorder(start_consumer, shared_redis.url, queue, tmp_path / "short",
+                       "--only-bucket", "1")
+        shorts = p.submit_many([f"s{i}" for i in range(3)], cost=8)
+        assert [h.result(timeout=15)["payload"] for h in shorts] == ["s0", "s1", "s2"]
+        assert not any(h.done() for h in longs)
+    client, keys = shared_redis.client(), QueueKeys(queue)
+    assert client.zcard(keys.pending_normal) == 300
+    assert client.zcard(keys.bucket_set(2)) == 300
+    assert client.zcard(keys.bucket_set(1)) == 0  # the cancelled one's entry left it too
+    assert all(c <= 32 for b in batches(tmp_path / "short") for c in b["costs"])
+
+
+def test_a_short_request_re_queued_after_a_crash_reaches_its_dedicated_consumer(
+        shared_redis, queue, start_consumer, tmp_path):
+    """A consumer dedicated to bucket 1 is SIGKILLed mid-batch; its request goes back to
+    the queue (and to its bucket's set) when the lease lapses, and the next dedicated
+    consumer runs it: nothing accepted is lost with dedicated consumers only."""
+    configure(shared_redis.url, queue, strategy="dynamic", max_batch_size=4,
+              max_queue_delay_ms=20, cost_buckets="32")
+    doomed = start_recorder(start_consumer, shared_redis.url, queue, tmp_path / "doomed",
+                            "--model-arg", "delay_ms=60000", "--lease-ms", "300",
+                            "--only-bucket", "1")
+    client, keys = shared_redis.client(), QueueKeys(queue)
+    with Producer(shared_redis.url, queue) as p:
+        handle = p.submit("short", cost=8)
+        deadline = time.monotonic() + 15
+        while not client.zcard(keys.inflight) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert client.zcard(keys.bucket_set(1)) == 0  # in flight: out of its set
+        doomed.kill()
+        start_recorder(start_consumer, shared_redis.url, queue, tmp_path / "next",
+                       "--lease-ms", "300", "--only-bucket", "1")
+        assert handle.result(timeout=20)["payload"] == "short"
+    assert [b["payloads"] for b in batches(tmp_path / "next")] == [["short"]]

@@ -113,7 +113,7 @@ def check_structure(report: dict, configs: tuple[str, ...]) -> None:
 # and the bench smoke run two each, together all four, each once; the demo with one
 # consumer of one torch thread (profiled in its own process), the bench smoke with two.
 DEMO_CONFIGS = ("one-bucket", "buckets+prefer")
-BENCH_CONFIGS = ("buckets", "buckets+max-cost")
+BENCH_CONFIGS = ("buckets", "buckets+dedicated", "buckets+max-cost")
 assert sorted(DEMO_CONFIGS + BENCH_CONFIGS) == sorted(lengths.CONFIG_NAMES)
 
 
@@ -161,7 +161,7 @@ def test_demo_lengths_refuses_an_unknown_config() -> None:
 @needs_redis
 @pytest.mark.timeout(150)
 def test_bench_lengths_smoke(tmp_path: Path) -> None:
-    """The harness, not the numbers: two configurations, 1.5 s each."""
+    """The harness, not the numbers: three configurations, 1.5 s each."""
     proc = subprocess.run(
         [sys.executable, "-m", "batchgate.bench.lengths", "--quick", "--duration-s", "1.5",
          "--configs", ",".join(BENCH_CONFIGS), "--rate", RATE, "--seed", SEED,

@@ -14,7 +14,7 @@ import redis
 import redis.asyncio
 from redis.commands.core import Script
 
-from scheduler_core.keys import SHARED_KEYS, QueueKeys
+from scheduler_core.keys import BUCKET_MARKERS, BUCKET_SETS, SHARED_KEYS, QueueKeys
 from scheduler_core.policy import LIMITS
 from scheduler_core.scripts import (
     SCRIPT_NAMES,
@@ -36,6 +36,7 @@ from scheduler_core.scripts import (
 LUA = Path(__file__).resolve().parent.parent / "scheduler_core" / "lua"
 QUEUE_SCRIPTS = [name for name in SCRIPT_NAMES if "/" not in name]
 NAMED_KEY = re.compile(r"^local (\w+) = KEYS\[(\d+)\]\s*(?:--.*)?$", re.MULTILINE)
+NAMED_TABLE = re.compile(r"^local (\w+) = \{((?:KEYS\[\d+\],? ?)+)\}\s*$", re.MULTILINE)
 
 
 @pytest.mark.parametrize("name", QUEUE_SCRIPTS)
@@ -48,6 +49,13 @@ def test_script_names_the_shared_keys_in_the_one_order(name):
         i = int(index)
         assert i > len(SHARED_KEYS) or local == SHARED_KEYS[i - 1], (local, i)
         assert re.search(rf"^KEYS\[{i}\] ", header, re.MULTILINE), f"header lacks KEYS[{i}]"
+    # The per-bucket keys, as one table each: all of them, in order, and one header line.
+    tables = {"bucket_markers": BUCKET_MARKERS, "bucket_sets": BUCKET_SETS}
+    for local, indexes in NAMED_TABLE.findall(body):
+        numbers = [int(i) for i in re.findall(r"KEYS\[(\d+)\]", indexes)]
+        assert [SHARED_KEYS[i - 1] for i in numbers] == list(tables[local]), (local, numbers)
+        assert f"KEYS[{numbers[0]}..{numbers[-1]}] " in header, "header lacks the markers"
+        named += [(SHARED_KEYS[i - 1], str(i)) for i in numbers]
     # Shared keys are used by name only; KEYS[<number>] elsewhere is a per-call key.
     numbered = [int(i) for i in re.findall(r"KEYS\[(\d+)\]", body)]
     shared = sorted(int(i) for _, i in named if int(i) <= len(SHARED_KEYS))
@@ -56,8 +64,11 @@ def test_script_names_the_shared_keys_in_the_one_order(name):
 
 def test_every_keys_builder_starts_with_the_shared_keys():
     q = QueueKeys("order")
-    shared = [getattr(q, name) for name in SHARED_KEYS]
-    assert list(q.shared) == shared and len(shared) == 23
+    shared = [getattr(q, name) for name in SHARED_KEYS
+              if name not in BUCKET_MARKERS + BUCKET_SETS]
+    shared += [q.bucket_marker(b) for b in range(1, len(BUCKET_MARKERS) + 1)]
+    shared += [q.bucket_set(b) for b in range(1, len(BUCKET_SETS) + 1)]
+    assert list(q.shared) == shared and len(shared) == 33
     for keys in (pop_keys(q), requeue_keys(q), extend_lease_keys(q), configure_keys(q)):
         assert keys == shared
     assert enqueue_call(q, "p", [], 60)[0] == shared

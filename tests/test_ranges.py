@@ -281,3 +281,19 @@ def test_policy_set_reaches_running_consumers_and_show_prints_it(shared_redis, q
     sizes = [len(b["payloads"]) for b in model.batches() if "i" in b["payloads"][0]]
     assert sizes[0] == 1 and sizes[1:] and max(sizes[1:]) == 2, sizes
     assert consumer.proc.poll() is None  # the same process all along
+
+
+@pytest.mark.parametrize("flags", [(), ("--only-bucket", "1")], ids=["every-bucket", "dedicated"])
+def test_the_largest_batch_runs_with_cost_buckets(shared_redis, queue, start_consumer, flags):
+    """max_batch_size 4096 (the top of its range) with two cost buckets: a pop reads
+    2 x 4096 waiting requests, a batch moves 4096 in flight (8,192 values for its owners),
+    its completion answers 4096 at once; none of it may exceed what one Lua call takes."""
+    configure(shared_redis.url, queue, strategy="dynamic", max_batch_size=4096,
+              max_queue_delay_ms=0, cost_buckets="32")
+    with Producer(shared_redis.url, queue) as p:
+        handles = [h for i in range(9) for h in p.submit_many(list(range(1000)), cost=8)]
+        start_consumer(shared_redis.url, queue, "--model", "consumer.models:noop", *flags)
+        assert sum(1 for h in handles if h.result(timeout=60) is not None) == 9000
+    keys = QueueKeys(queue)
+    batches = shared_redis.client().hget(keys.stats, "batches")
+    assert int(batches) == 3  # 4096, 4096, 808

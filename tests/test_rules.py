@@ -1,7 +1,8 @@
 """scheduler_core.rules.decide is pop_batch.lua's twin: on thousands of random queue states
 and policies (every strategy, aging, deadlines, re-delivered requests, max_attempts,
-per-level default timeouts, requests delayed past their deadline, costs, cost buckets and
-a preferred bucket) the function and the script, run on a real Redis (a third of them with
+per-level default timeouts, requests delayed past their deadline, costs, cost buckets, a
+preferred bucket, a consumer dedicated to one bucket) the function and the script, run on
+a real Redis (a third of them with
 the delay passed in ARGV[4], as a consumer under max_queue_delay_ms=auto does), make the
 same decision: the same batch (ids, levels, states, costs, what remains), the same wait,
 the same aging moves, the same "expire first" ({-4}).
@@ -57,7 +58,9 @@ class Case:
     policy: Policy  # the rules decide() applies
     levels: list[list[Request]]  # HIGH, NORMAL, LOW, DELAYED
     stored: Policy  # the policy hash; differs from `policy` when delay_ms overrides it
-    prefer: int = 0  # the consumer's preferred cost bucket (ARGV[3]), 1-based; 0 = none
+    # The consumer's cost bucket (ARGV[3]), 1-based: N it prefers bucket N, -N it serves
+    # bucket N only; 0 = none.
+    prefer: int = 0
     delay_ms: int | None = None  # pop_batch's ARGV[4] (a consumer's auto delay)
 
 
@@ -113,7 +116,8 @@ def random_case(rng: random.Random, t0: int) -> Case:
                                            rng.randint(0, 2), 0, attempts, cost))
     for level in levels:
         level.sort()
-    prefer = rng.choice((0, 0, 1, 2, 3)) if costed else 0
+    prefer = rng.choice((0, 0, 1, 2, 3, -1, -2, -3)) if costed else \
+        rng.choice((0,) * 8 + (-1, -2))  # without buckets every request is in bucket 1
     if rng.random() < 0.3:  # delay_mode=auto: the consumer passes the delay it derived
         stored = replace(policy, max_queue_delay_ms=rng.choice(DELAYS_MS), delay_mode="auto",
                          slo_p99_ms=60)
@@ -175,6 +179,10 @@ def run_case(client, scripts: Scripts, rng: random.Random) -> tuple[
             with_deadline = {r.id: r.deadline_us for r in requests if r.deadline_us}
             if with_deadline:  # as enqueue.lua lists them
                 pipe.zadd(keys.deadlines, with_deadline)
+            if case.stored.bucket_bounds:  # as enqueue.lua (requeue, retry) list them
+                for r in requests:
+                    pipe.zadd(keys.bucket_set(case.stored.bucket_of(r.cost) + 1),
+                              {r.id: r.arrival_us})
     # ARGV[3] (prefer) and ARGV[4] (delay) are absent, as consumers without them send.
     optional = [case.prefer] if case.prefer or case.delay_ms is not None else []
     if case.delay_ms is not None:
@@ -214,16 +222,17 @@ def test_decide_makes_the_decisions_of_pop_batch_lua(shared_redis):
     seen = {"batch": 0, "wait": 0, "aging wait": 0, "deadline wait": 0, "nothing": 0,
             "expire first": 0, "delayed batch": 0, EXHAUSTED: 0, "promoted": 0,
             "isolated": 0, "borderline": 0, "costed batch": 0, "costed wait": 0,
-            "budget cut": 0, "bucket cut": 0, "preferred": 0, "delay override wait": 0}
+            "budget cut": 0, "bucket cut": 0, "preferred": 0, "delay override wait": 0,
+            "dedicated batch": 0, "dedicated, none in view": 0}
     started = time.monotonic()
     for i in range(CASES):
         case, reply, t0, now, after, deadlines_after = run_case(client, scripts, rng)
         where = f"case {i}: {case.policy}, prefer {case.prefer}, levels {case.levels}, " \
                 f"reply {reply}"
         assert t0 <= now, where
-        expected = decide(case.levels, now, case.policy, case.prefer)
+        expected = decide_as(case, now)
         # Cases the µs between the TIME read and the script decided.
-        seen["borderline"] += expected != decide(case.levels, t0, case.policy, case.prefer)
+        seen["borderline"] += expected != decide_as(case, t0)
         if int(reply[0]) == -4:
             assert isinstance(expected, Expire), where
             seen["expire first"] += 1
@@ -232,6 +241,7 @@ def test_decide_makes_the_decisions_of_pop_batch_lua(shared_redis):
             if wait == -1:
                 assert isinstance(expected, Nothing), where
                 seen["nothing"] += 1
+                seen["dedicated, none in view"] += case.prefer < 0 and any(case.levels)
             else:
                 assert isinstance(expected, Wait) and expected.wait_us == wait, where
                 seen["wait"] += 1
@@ -256,13 +266,15 @@ def test_decide_makes_the_decisions_of_pop_batch_lua(shared_redis):
             assert [int(x[3]) for x in items] == [p.request.attempts + 1
                                                   for p in expected.picked], where
             seen["batch"] += 1
+            seen["dedicated batch"] += case.prefer < 0 and any(
+                r not in expected.run for level in case.levels for r in level)
             seen["delayed batch"] += any(p.level == DELAYED for p in expected.picked)
             assert not expected.expired, where  # an expired request never joins a batch
             seen[EXHAUSTED] += len(expected.dead_lettered)
             seen["isolated"] += any(p.request.attempts for p in expected.picked)
             if costed(case.policy):
                 seen["costed batch"] += 1
-                seen["preferred"] += bool(case.prefer) and case.policy.bucket_of(
+                seen["preferred"] += case.prefer > 0 and case.policy.bucket_of(
                     expected.picked[0].request.cost) == case.prefer - 1 and \
                     expected.picked[0].request != min(r for level in case.levels
                                                       for r in level)
@@ -277,6 +289,12 @@ def test_decide_makes_the_decisions_of_pop_batch_lua(shared_redis):
     print(seen, f"{took:.1f} s")
     assert min(seen.values()) >= 50, seen
     assert took < 60, took
+
+
+def decide_as(case: Case, now: int):
+    """decide() for the case's consumer (ARGV[3]: prefer N, or dedicated to -N)."""
+    return decide(case.levels, now, case.policy, prefer_bucket=max(case.prefer, 0),
+                  only_bucket=max(-case.prefer, 0))
 
 
 def costed(policy: Policy) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import time
@@ -115,6 +116,34 @@ def test_high_on_another_shard_runs_before_a_due_normal_batch(
     assert batches[0] == [{"high": 1}]
     assert sorted(batches[1:], key=lambda b: b[0]["n"]) == [[{"n": i} for i in range(4)],
                                                             [{"n": i} for i in range(4, 8)]]
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU time of a process, from /proc."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_a_dedicated_consumer_passes_over_other_buckets_high_on_another_shard(
+        shared_redis, queue, start_consumer, tmp_path):
+    """Priority, cost buckets, 3 shards and only a consumer dedicated to bucket 1: a long
+    HIGH request on one shard is not its to take; it serves the short NORMAL ones on the
+    others, and then idles (it does not pop again and again for the HIGH one)."""
+    url = shared_redis.url
+    configure(url, queue, shards=S, strategy="priority", max_batch_size=4,
+              max_queue_delay_ms=20, cost_buckets="32")
+    with ShardedProducer(url, queue) as p:
+        long_high = p.submit({"long": 1}, priority=Priority.HIGH, cost=100)
+        model = RecordingModel(tmp_path)
+        proc = model.start(start_consumer, url, queue, "--only-bucket", "1")
+        shorts = p.submit_many([{"n": i} for i in range(6)], cost=8)
+        assert [h.result(timeout=30) for h in shorts] == [{"n": i} for i in range(6)]
+        before = cpu_s(proc.proc.pid)
+        time.sleep(2)
+        idle_cpu = cpu_s(proc.proc.pid) - before
+        assert not long_high.done()
+    assert idle_cpu < 0.5, idle_cpu  # a loop popping without pause takes a core's 2 s
 
 
 def test_cancel_and_fetch_on_a_non_zero_shard(shared_redis, queue):

@@ -86,6 +86,29 @@ local function format_job(m)
   return raw .. '|' .. m.envelope
 end
 
+-- Lua's unpack() gives at most ~8000 values (its C stack): a variadic call takes at most
+-- VARIADIC_MAX values at once (even, so that field/value pairs stay whole).
+local VARIADIC_MAX = 4000
+
+-- redis.call(command, key, values...) for a write, in calls of at most VARIADIC_MAX.
+local function call_in_chunks(command, key, values)
+  for first = 1, #values, VARIADIC_MAX do
+    redis.call(command, key, unpack(values, first, math.min(#values, first + VARIADIC_MAX - 1)))
+  end
+end
+
+-- The reply of a read of many values (HMGET, ZMSCORE), in calls of at most VARIADIC_MAX.
+local function read_in_chunks(command, key, values)
+  if #values <= VARIADIC_MAX then return redis.call(command, key, unpack(values)) end
+  local reply = {}
+  for first = 1, #values, VARIADIC_MAX do
+    local part = redis.call(command, key,
+                            unpack(values, first, math.min(#values, first + VARIADIC_MAX - 1)))
+    for i = 1, #part do reply[#reply + 1] = part[i] end
+  end
+  return reply
+end
+
 -- Push recent samples to a capped list: the newest SAMPLES_KEPT stay. Trimmed only once
 -- the list is SAMPLES_SLACK over, so that most calls cost one command, not two.
 local SAMPLES_KEPT, SAMPLES_SLACK = 10000, 500

@@ -43,3 +43,23 @@ local function parse_buckets(s)
   if #bounds > MAX_COST_BUCKETS then return nil end
   return bounds
 end
+
+-- The bucket (1-based) of a cost: the first boundary it does not exceed, else the last.
+local function bucket_of(bounds, cost)
+  for i, bound in ipairs(bounds) do
+    if cost <= bound then return i end
+  end
+  return #bounds + 1
+end
+
+-- The stored policy's cost_buckets boundaries; {} without them (or if malformed:
+-- pop_batch refuses such a policy anyway).
+local function stored_bounds(policy)
+  return parse_buckets(redis.call('HGET', policy, 'cost_buckets')) or {}
+end
+
+-- The number of cost buckets: the boundaries + 1; 0 without them (no bucket key is
+-- written then).
+local function bucket_count(bounds)
+  return #bounds > 0 and #bounds + 1 or 0
+end

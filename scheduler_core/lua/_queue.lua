@@ -7,6 +7,27 @@ local function wake_consumers(marker)
   redis.call('ZADD', marker, 0, 'w')
 end
 
+-- Wake the idle consumers dedicated to cost buckets 1..n (--only-bucket): each bucket has
+-- a marker of its own (KEYS[24..28]), so that a consumer dedicated to one bucket never
+-- takes the wake-up meant for another, nor for the consumers that serve every bucket.
+local function wake_bucket(bucket_markers, b)
+  redis.call('ZADD', bucket_markers[b], 0, 'w')
+end
+
+-- Every bucket's (n: the queue's bucket count, 0 without cost buckets).
+local function wake_buckets(bucket_markers, n)
+  for b = 1, n do wake_bucket(bucket_markers, b) end
+end
+
+-- With cost buckets (`bounds` not empty) a waiting request is also listed in its bucket's
+-- set, score = arrival, so that a consumer dedicated to the bucket finds it however many
+-- requests of other buckets wait ahead of it (pop_batch's read_views).
+local function list_in_bucket(bucket_sets, bounds, id, cost, arrival)
+  if #bounds > 0 then
+    redis.call('ZADD', bucket_sets[bucket_of(bounds, cost)], int(arrival), id)
+  end
+end
+
 -- Arrival scores: Redis time, strictly increasing per queue, so that ties keep arrival
 -- order. next() issues one; save() stores the last one issued (once per call).
 local function arrival_clock(clock, now)

@@ -1,6 +1,6 @@
 --[[ cancel: remove a waiting request so that it never runs.
 
-KEYS[1..23] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
+KEYS[1..33] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
             this script uses:
 KEYS[1]  {bg:q}:policy        hash  its result_ttl_s, when set, overrides ARGV[2]
 KEYS[2]  {bg:q}:pending:0     zset  HIGH
@@ -11,8 +11,8 @@ KEYS[9]  {bg:q}:stats         hash  counters
 KEYS[11] {bg:q}:owner         hash  id -> batch id while in flight
 KEYS[20] {bg:q}:deadlines     zset  pending id -> deadline (µs)
 KEYS[21] {bg:q}:delayed       zset  past its deadline, waiting to run when idle
-KEYS[24] {bg:q}:result:<id>   string, written if the request asked for it (keep)
-KEYS[25] {bg:q}:inbox:<producer>  list, the producer's inbox (any key if none)
+KEYS[34] {bg:q}:result:<id>   string, written if the request asked for it (keep)
+KEYS[35] {bg:q}:inbox:<producer>  list, the producer's inbox (any key if none)
 
 ARGV[1]  request id
 ARGV[2]  result TTL, seconds, if the queue has no policy
@@ -38,12 +38,12 @@ local stats = KEYS[9]
 local owner = KEYS[11]
 local deadlines = KEYS[20]
 local delayed = KEYS[21]
-local result = KEYS[24]
-local inbox = KEYS[25]
+local result = KEYS[34]
+local inbox = KEYS[35]
 
 if ARGV[4] ~= 'cancelled' and ARGV[4] ~= 'expired' then return {-3, 'counter'} end
 if not int_arg(ARGV[2], 1, 315360000) then return {-3, 'result_ttl_s'} end
-if #ARGV ~= 4 or #KEYS ~= 25 then return {-3, 'args'} end
+if #ARGV ~= 4 or #KEYS ~= 35 then return {-3, 'args'} end
 -- The queue's current result_ttl_s, as the consumers use it, not the caller's copy.
 local ttl = int_arg(redis.call('HGET', policy, 'result_ttl_s'), 1, 315360000)
   or tonumber(ARGV[2])

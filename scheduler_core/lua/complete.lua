@@ -1,6 +1,6 @@
 --[[ complete: record results of (part of) a batch, fenced by the batch id.
 
-KEYS[1..23] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
+KEYS[1..33] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
             this script uses:
 KEYS[5]  {bg:q}:jobs          hash   id -> "<meta>|<envelope>"
 KEYS[9]  {bg:q}:stats         hash   counters
@@ -11,9 +11,9 @@ KEYS[15] {bg:q}:dead          zset   dead-lettered id -> time
 KEYS[16] {bg:q}:dead:reason   hash   dead-lettered id -> error envelope
 KEYS[18] {bg:q}:samples:e2e   list   recent enqueue-to-result times (µs)
 KEYS[19] {bg:q}:samples:model list   recent batches as "size:model_us"
-KEYS[24+2i] {bg:q}:result:<id_i>         result of request i (i = 0..n-1), written only if
+KEYS[34+2i] {bg:q}:result:<id_i>         result of request i (i = 0..n-1), written only if
                                          its request asked for it (keep)
-KEYS[25+2i] {bg:q}:inbox:<producer_i>    its producer's inbox (any key if it has none)
+KEYS[35+2i] {bg:q}:inbox:<producer_i>    its producer's inbox (any key if it has none)
 
 ARGV[1]  batch id (the fencing token returned by pop_batch)
 ARGV[2]  result TTL, seconds
@@ -47,13 +47,13 @@ local dead = KEYS[15]
 local dead_reason = KEYS[16]
 local e2e_samples = KEYS[18]
 local model_samples = KEYS[19]
--- KEYS[24 + 2i], KEYS[25 + 2i]: result:<id> and inbox:<producer> of result i
+-- KEYS[34 + 2i], KEYS[35 + 2i]: result:<id> and inbox:<producer> of result i
 
 local batch_id = ARGV[1]
 local _, most_results = policy_range('max_batch_size')  -- a batch's results fit one call
 local ttl, n = int_arg(ARGV[2], 1, 315360000), int_arg(ARGV[3], 1, most_results)
 if not ttl then return {-3, 'result_ttl_s'} end
-if not n or (#ARGV ~= 3 + 3 * n and #ARGV ~= 4 + 3 * n) or #KEYS ~= 23 + 2 * n then
+if not n or (#ARGV ~= 3 + 3 * n and #ARGV ~= 4 + 3 * n) or #KEYS ~= 33 + 2 * n then
   return {-3, 'n'}
 end
 local model_sample = ARGV[4 + 3 * n]
@@ -84,9 +84,9 @@ for i = 0, n - 1 do
     seen[id] = true
     local arrival, keep, producer = job_route(raw[i + 1])
     -- Without readable meta (written by hand) the result is stored: no inbox to take it.
-    if not arrival or keep then store_result(KEYS[24 + 2 * i], envelope, ttl) end
+    if not arrival or keep then store_result(KEYS[34 + 2 * i], envelope, ttl) end
     if arrival and producer ~= '' then
-      local inbox = KEYS[25 + 2 * i]
+      local inbox = KEYS[35 + 2 * i]
       if not inboxes[inbox] then
         inboxes[inbox] = {}
         inbox_order[#inbox_order + 1] = inbox
@@ -119,7 +119,7 @@ for _, inbox in ipairs(inbox_order) do  -- results keep their order within each 
 end
 if #done > 0 then redis.call('HDEL', owner, unpack(done)) end
 if #gone > 0 then redis.call('HDEL', jobs, unpack(gone)) end
-if #counted > 0 then redis.call('HSET', jobs, unpack(counted)) end
+if #counted > 0 then call_in_chunks('HSET', jobs, counted) end  -- 2 values per request
 
 local remaining = 0
 local members = batch_members(batches, batch_id)

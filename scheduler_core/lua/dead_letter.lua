@@ -1,7 +1,8 @@
 --[[ dead_letter: retry or purge dead-lettered requests (`batchgate dead-letter`).
 
-KEYS[1..23] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
+KEYS[1..33] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
             this script uses:
+KEYS[1]  {bg:q}:policy        hash   read: cost_buckets (the bucket sets and markers)
 KEYS[2]  {bg:q}:pending:0     zset   HIGH
 KEYS[3]  {bg:q}:pending:1     zset   NORMAL
 KEYS[4]  {bg:q}:pending:2     zset   LOW
@@ -11,7 +12,9 @@ KEYS[8]  {bg:q}:marker        zset   wake-up marker for idle consumers
 KEYS[9]  {bg:q}:stats         hash   counters (dead_retried, dead_purged)
 KEYS[15] {bg:q}:dead          zset   dead-lettered id -> time (µs)
 KEYS[16] {bg:q}:dead:reason   hash   id -> error envelope
-KEYS[23+i] {bg:q}:result:<id_i>  the stored result of request i (for i = 1..n)
+KEYS[24..28] {bg:q}:marker:<1..5> zset  wake-up markers of consumers dedicated to a cost bucket
+KEYS[29..33] {bg:q}:bucket:<1..5> zset  the ids waiting in each cost bucket (score = arrival)
+KEYS[33+i] {bg:q}:result:<id_i>  the stored result of request i (for i = 1..n)
 
 ARGV[1]  action: 'retry' | 'purge'
 ARGV[2]  n, the number of ids (1..1000)
@@ -28,8 +31,10 @@ Errors   {-3, field} malformed argument, nothing written
 Work is bounded by n.
 ]]
 -- @include _common.lua
+-- @include _policy.lua
 -- @include _queue.lua
 
+local policy = KEYS[1]
 local pending_high = KEYS[2]
 local pending_normal = KEYS[3]
 local pending_low = KEYS[4]
@@ -39,15 +44,17 @@ local marker = KEYS[8]
 local stats = KEYS[9]
 local dead = KEYS[15]
 local dead_reason = KEYS[16]
+local bucket_markers = {KEYS[24], KEYS[25], KEYS[26], KEYS[27], KEYS[28]}
+local bucket_sets = {KEYS[29], KEYS[30], KEYS[31], KEYS[32], KEYS[33]}
 
 local action = ARGV[1]
 if action ~= 'retry' and action ~= 'purge' then return {-3, 'action'} end
 local n = int_arg(ARGV[2], 1, 1000)
-if not n or #ARGV ~= 2 + n or #KEYS ~= 23 + n then return {-3, 'n'} end
+if not n or #ARGV ~= 2 + n or #KEYS ~= 33 + n then return {-3, 'n'} end
 
 local pending = {pending_high, pending_normal, pending_low}
 local done, skipped = 0, 0
-local arrivals = nil  -- read on the first retry
+local arrivals, bounds = nil, nil  -- read on the first retry
 for i = 1, n do
   local id = ARGV[2 + i]
   if not redis.call('ZSCORE', dead, id) then
@@ -71,9 +78,11 @@ for i = 1, n do
                                              requested = m and m.requested,
                                              envelope = m and m.envelope or raw}))
     redis.call('ZADD', pending[prio + 1], int(arrival), id)
+    if not bounds then bounds = stored_bounds(policy) end
+    list_in_bucket(bucket_sets, bounds, id, m and m.cost or 1, arrival)
     redis.call('ZREM', dead, id)
     redis.call('HDEL', dead_reason, id)
-    redis.call('DEL', KEYS[23 + i])
+    redis.call('DEL', KEYS[33 + i])
     done = done + 1
   end
 end
@@ -81,6 +90,7 @@ if done > 0 then
   if action == 'retry' then
     arrivals.save()
     wake_consumers(marker)
+    wake_buckets(bucket_markers, bucket_count(stored_bounds(policy)))
     redis.call('HINCRBY', stats, 'dead_retried', done)
   else
     redis.call('HINCRBY', stats, 'dead_purged', done)

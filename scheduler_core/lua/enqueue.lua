@@ -1,6 +1,6 @@
 --[[ enqueue: add N requests to a queue atomically (all or none).
 
-KEYS[1..23] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
+KEYS[1..33] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
             this script uses:
 KEYS[1]  {bg:q}:policy      hash   read: strategy, max_batch_size, max_queue_size, max_cost,
                                    over_cost, max_batch_cost, cost_buckets, retired and
@@ -17,7 +17,11 @@ KEYS[20] {bg:q}:deadlines   zset   id -> deadline (µs) of each new request that
 KEYS[22] {bg:q}:arrivals    hash   epoch second (decimal string) -> requests enqueued in
                                    that second (scheduler_core/load.py reads the rate);
                                    fields older than ARRIVALS_KEEP_S are removed
-KEYS[24..] {bg:q}:idem:<key> string one per request whose idem flag is 1, in order
+KEYS[24..28] {bg:q}:marker:<1..5> zset  wake-up marker of the consumers dedicated to a cost
+                                   bucket: set for each bucket a new request falls in
+KEYS[29..33] {bg:q}:bucket:<1..5> zset  with cost buckets: each new request's id, in its
+                                   bucket's set (score = arrival)
+KEYS[34..] {bg:q}:idem:<key> string one per request whose idem flag is 1, in order
 read, not passed: {bg:q}:result:<id> of the id an idempotency key names (the caller cannot
          know it; same hash tag, so the slot of the keys above)
 
@@ -105,7 +109,9 @@ local marker = KEYS[8]
 local stats = KEYS[9]
 local deadlines = KEYS[20]
 local arrivals = KEYS[22]
-local FIRST_IDEM = 24  -- KEYS[24..]: the idempotency keys, in order
+local bucket_markers = {KEYS[24], KEYS[25], KEYS[26], KEYS[27], KEYS[28]}
+local bucket_sets = {KEYS[29], KEYS[30], KEYS[31], KEYS[32], KEYS[33]}
+local FIRST_IDEM = 34  -- KEYS[34..]: the idempotency keys, in order
 
 local n = int_arg(ARGV[2], 1, 10000)
 if not n or #ARGV ~= 3 + 7 * n then return {-3, 'n'} end
@@ -126,6 +132,8 @@ local truncate = rules[5] == 'truncate'
 -- With a cost budget or buckets, a new request may fill its bucket (by size or budget)
 -- while the queue as a whole is far from max_batch_size: every arrival wakes a consumer.
 local costed = (tonumber(rules[6]) or 0) > 0 or (rules[7] and rules[7] ~= '')
+-- Malformed buckets read as none here: pop_batch refuses such a policy anyway.
+local bounds = parse_buckets(rules[7]) or {}
 local timeouts = read_timeouts(policy)
 if not timeouts then return {-3, 'policy'} end
 local now = now_us()
@@ -210,6 +218,7 @@ local given = {}  -- the deadline each request got, ms
 local scores = arrival_clock(clock, now)
 local wake = (strategy == 'fifo') or costed
 local pending_adds, job_fields, deadline_adds = {{}, {}, {}}, {}, {}
+local bucket_adds = {}  -- bucket -> {arrival, id, ...} of its new requests
 key_index = FIRST_IDEM
 for i = 0, n - 1 do
   local base = 4 + 7 * i
@@ -257,6 +266,12 @@ for i = 0, n - 1 do
       if prio == 0 or depth[prio + 1] == 0 or depth[prio + 1] + 1 >= batch_size
          or (prio == 2 and depth[1] + depth[2] == 0) then wake = true end
     end
+    if #bounds > 0 then
+      local b = bucket_of(bounds, cost)
+      bucket_adds[b] = bucket_adds[b] or {}
+      table.insert(bucket_adds[b], int(arrival))
+      table.insert(bucket_adds[b], id)
+    end
     depth[prio + 1] = depth[prio + 1] + 1
     total = total + 1
   end
@@ -266,6 +281,10 @@ write_pairs('HSET', jobs, job_fields)
 write_pairs('ZADD', deadlines, deadline_adds)
 scores.save()
 if wake then wake_consumers(marker) end
+for b, adds in pairs(bucket_adds) do
+  write_pairs('ZADD', bucket_sets[b], adds)
+  wake_bucket(bucket_markers, b)
+end
 if fresh > 0 then count_arrivals(arrivals, now, fresh) end
 
 local reply = {1, fresh, total}

@@ -7,9 +7,9 @@ pushed to the producer's inbox (and stored under result:<id> if the request aske
 it) as cancel.lua and complete.lua do. A request is answered only while it still waits past its deadline, so
 of several callers (consumers, their lease threads, producers) exactly one delivers it.
 
-KEYS[1..23] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
+KEYS[1..33] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
             this script uses:
-KEYS[1]  {bg:q}:policy      hash  on_timeout, result_ttl_s
+KEYS[1]  {bg:q}:policy      hash  on_timeout, result_ttl_s, cost_buckets
 KEYS[2]  {bg:q}:pending:0   zset  HIGH
 KEYS[3]  {bg:q}:pending:1   zset  NORMAL
 KEYS[4]  {bg:q}:pending:2   zset  LOW
@@ -18,8 +18,9 @@ KEYS[8]  {bg:q}:marker      zset  wake-up marker (a delayed request may be due a
 KEYS[9]  {bg:q}:stats       hash  counters: expired, delayed
 KEYS[20] {bg:q}:deadlines   zset  pending id -> deadline (µs)
 KEYS[21] {bg:q}:delayed     zset  id -> arrival (µs): past its deadline, runs when idle
-KEYS[24+2i] {bg:q}:result:<id_i>       ('expire' only) result of listed request i
-KEYS[25+2i] {bg:q}:inbox:<producer_i>  ('expire' only) its producer's inbox (any key if
+KEYS[24..28] {bg:q}:marker:<1..5> zset  wake-up markers of consumers dedicated to a cost bucket
+KEYS[34+2i] {bg:q}:result:<id_i>       ('expire' only) result of listed request i
+KEYS[35+2i] {bg:q}:inbox:<producer_i>  ('expire' only) its producer's inbox (any key if
             it has none)
 
 ARGV[1]  mode: 'list' | 'expire'
@@ -52,6 +53,7 @@ local marker = KEYS[8]
 local stats = KEYS[9]
 local deadlines = KEYS[20]
 local delayed = KEYS[21]
+local bucket_markers = {KEYS[24], KEYS[25], KEYS[26], KEYS[27], KEYS[28]}
 
 local pending = {pending_high, pending_normal, pending_low}
 
@@ -103,6 +105,7 @@ if mode == 'list' then
     if moved > 0 then
       redis.call('HINCRBY', stats, 'delayed', moved)
       wake_consumers(marker)
+      wake_buckets(bucket_markers, bucket_count(stored_bounds(policy)))
     end
     reply[3] = moved
   elseif #due > 0 then
@@ -120,7 +123,7 @@ end
 local ttl_arg = int_arg(ARGV[2], 1, 315360000)
 if not ttl_arg then return {-3, 'result_ttl_s'} end
 local n = int_arg(ARGV[3], 1, 1000)
-if not n or #ARGV ~= 3 + 2 * n or #KEYS ~= 23 + 2 * n then return {-3, 'n'} end
+if not n or #ARGV ~= 3 + 2 * n or #KEYS ~= 33 + 2 * n then return {-3, 'n'} end
 -- The queue's current result_ttl_s, as the consumers use it, not the caller's copy.
 local ttl = int_arg(redis.call('HGET', policy, 'result_ttl_s'), 1, 315360000) or ttl_arg
 local expired, moved = 0, 0
@@ -135,8 +138,8 @@ for i = 0, n - 1 do
       redis.call('ZREM', deadlines, id)
       if unqueue(id) then
         redis.call('HDEL', jobs, id)
-        if not m or m.keep then store_result(KEYS[24 + 2 * i], envelope, ttl) end
-        if m and m.producer ~= '' then deliver_results(KEYS[25 + 2 * i], ttl, envelope) end
+        if not m or m.keep then store_result(KEYS[34 + 2 * i], envelope, ttl) end
+        if m and m.producer ~= '' then deliver_results(KEYS[35 + 2 * i], ttl, envelope) end
         expired = expired + 1
       end
     end
@@ -146,6 +149,7 @@ if expired > 0 then redis.call('HINCRBY', stats, 'expired', expired) end
 if moved > 0 then
   redis.call('HINCRBY', stats, 'delayed', moved)
   wake_consumers(marker)
+  wake_buckets(bucket_markers, bucket_count(stored_bounds(policy)))
 end
 local left = redis.call('ZRANGEBYSCORE', deadlines, '-inf', int(now), 'LIMIT', 0, 1)
 return {expired, next_deadline(), #left}

@@ -1,6 +1,6 @@
 --[[ extend_lease: heartbeat a consumer and, if it holds a batch, renew its lease.
 
-KEYS[1..23] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
+KEYS[1..33] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
             this script uses:
 KEYS[10] {bg:q}:inflight    zset  batch id -> lease deadline (µs)
 KEYS[14] {bg:q}:consumers   zset  consumer -> last heartbeat (µs)

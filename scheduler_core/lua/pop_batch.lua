@@ -16,6 +16,10 @@ This is where the scheduling rules live (docs/scheduling.md explains them):
             oldest request has waited max_queue_delay_ms: the due bucket whose oldest
             request is oldest goes first, unless the consumer prefers a bucket (ARGV[3])
             and that bucket is due (or, where the rule takes at once, waits at all).
+  dedicated (ARGV[3] < 0: a consumer that serves one bucket only) the rules above,
+            applied to that bucket's requests alone, as if they were the whole queue: the
+            oldest `window` of its bucket set, wherever they wait (read_views). Without
+            cost_buckets, bucket 1 is every request and no other bucket has any.
 Deadlines: while any waiting request is past its deadline the reply is {-4}: the caller
             takes them out with expire_due.lua and pops again, so an expired request never
             fills or joins a batch. A wait ends no later than the earliest deadline.
@@ -23,7 +27,7 @@ Delayed:   requests past their deadline under on_timeout = delay (expire_due.lua
             them) run only when no level has a request waiting: up to max_batch_size of
             them, oldest first (with costs, by pick_costed's rule), as level 3.
 
-KEYS[1..23] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
+KEYS[1..33] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
             this script uses:
 KEYS[1]  {bg:q}:policy      hash  read; each field within policy LIMITS
 KEYS[2]  {bg:q}:pending:0   zset  HIGH    (score = arrival, µs)
@@ -43,11 +47,20 @@ KEYS[16] {bg:q}:dead:reason hash  dead-lettered id -> error envelope
 KEYS[17] {bg:q}:samples:wait list recent queue waits (µs), capped
 KEYS[20] {bg:q}:deadlines   zset  pending id -> deadline (µs); popped ids leave it
 KEYS[21] {bg:q}:delayed     zset  id -> arrival (µs), past its deadline, runs when idle
+KEYS[24..28] {bg:q}:marker:<1..5> zset  wake-up markers of the consumers dedicated to a
+                                  cost bucket (set, with cost buckets, as the marker is)
+KEYS[29..33] {bg:q}:bucket:<1..5> zset  the ids waiting in each cost bucket (score =
+                                  arrival): a batch leaves them; a dedicated consumer reads
+                                  its own, drops the ids no longer waiting (cancelled,
+                                  expired) and moves those listed under an older
+                                  cost_buckets to their bucket's
 
 ARGV[1]  consumer name (no '|')
 ARGV[2]  lease in ms (100..86400000)
-ARGV[3]  optional: the bucket this consumer prefers, 1-based (1 = the cheapest); 0 or
-         absent = none; ignored without cost_buckets (0..MAX_COST_BUCKETS + 1)
+ARGV[3]  optional: this consumer's cost bucket, 1-based (1 = the cheapest): N > 0 it
+         prefers bucket N, -N it serves bucket N only; 0 or absent = none. Preference is
+         ignored without cost_buckets; without them every request is in bucket 1
+         (-(MAX_COST_BUCKETS + 1)..MAX_COST_BUCKETS + 1)
 ARGV[4]  optional: the max_queue_delay_ms to apply instead of the stored one (within its
          LIMITS): the delay a consumer derived under delay_mode=auto
 
@@ -74,9 +87,11 @@ in a batch of its own, so that a poison payload fails alone. A member whose id n
 makes (written by hand) is dead-lettered here, never delivered; if that leaves nothing,
 the reply is {0, 0} (pop again at once).
 Work is bounded: at most 2 x max_batch_size promotions and max_batch_size pops per call;
-with costs, at most (buckets x max_batch_size) requests read per level (at most 5 x 4096).
-The body runs as named steps: read_policy, past_deadline, promote_aged, choose
-(pick_costed when costs are on) or take_delayed, drop_malformed, isolate_retried, commit.
+with costs, at most (buckets x max_batch_size) requests read per level (at most 5 x 4096);
+a dedicated consumer reads as many of its bucket's set, and their levels (ZMSCORE).
+The body runs as named steps: read_policy, past_deadline, promote_aged, read_views (a
+dedicated consumer), choose (pick_costed when costs are on) or take_delayed,
+drop_malformed, isolate_retried, commit.
 ]]
 -- @include _common.lua
 -- @include _policy.lua
@@ -99,6 +114,8 @@ local dead_reason = KEYS[16]
 local wait_samples = KEYS[17]
 local deadlines = KEYS[20]
 local delayed = KEYS[21]
+local bucket_markers = {KEYS[24], KEYS[25], KEYS[26], KEYS[27], KEYS[28]}
+local bucket_sets = {KEYS[29], KEYS[30], KEYS[31], KEYS[32], KEYS[33]}
 
 local pending = {pending_high, pending_normal, pending_low, delayed}  -- by level + 1
 
@@ -160,8 +177,61 @@ local function promote_aged(rules, now)
   end
 end
 
+-- A dedicated consumer's view of the queue (nil for any other): per level + 1, its
+-- bucket's oldest `window` requests that wait there, {id, score, ...} in arrival order;
+-- view_costs: id -> cost of each.
+local views, view_costs = nil, nil
+
+-- Read the view from the bucket's set; returns the requests in view per level + 1. Ids
+-- that wait nowhere now (cancelled, expired, or already taken: their entry was stale)
+-- leave the set; one whose cost is of another bucket (listed under an older
+-- cost_buckets) moves to that bucket's set.
+local function read_views(rules)
+  views, view_costs = {{}, {}, {}, {}}, {}
+  local counts = {0, 0, 0, 0}
+  local set = bucket_sets[rules.only]
+  local items = redis.call('ZRANGE', set, 0, rules.window - 1, 'WITHSCORES')
+  if #items == 0 then return counts end
+  local ids = {}
+  for i = 1, #items, 2 do ids[#ids + 1] = items[i] end
+  local level_of = {}
+  for level = 0, 3 do
+    for i, score in ipairs(read_in_chunks('ZMSCORE', pending[level + 1], ids)) do
+      if score then level_of[i] = level end
+    end
+  end
+  local raw = read_in_chunks('HMGET', jobs, ids)
+  local gone = {}
+  for i, id in ipairs(ids) do
+    local m = level_of[i] and parse_job(raw[i])
+    local cost = m and m.cost or 1
+    local b = bucket_of(rules.bounds, cost)
+    if level_of[i] == nil then
+      gone[#gone + 1] = id
+    elseif b ~= rules.only then
+      gone[#gone + 1] = id
+      redis.call('ZADD', bucket_sets[b], items[2 * i], id)
+    else
+      local view = views[level_of[i] + 1]
+      view[#view + 1] = id
+      view[#view + 1] = items[2 * i]
+      view_costs[id] = cost
+      counts[level_of[i] + 1] = counts[level_of[i] + 1] + 1
+    end
+  end
+  if #gone > 0 then call_in_chunks('ZREM', set, gone) end
+  return counts
+end
+
+-- A level's first n (or more: callers stop at n) {id, score, ...}: from the zset, or the
+-- dedicated consumer's view.
+local function head(level, n)
+  if views then return views[level + 1] end
+  return redis.call('ZRANGE', pending[level + 1], 0, n - 1, 'WITHSCORES')
+end
+
 local function oldest(level)
-  local first = redis.call('ZRANGE', pending[level + 1], 0, 0, 'WITHSCORES')
+  local first = head(level, 1)
   if first[1] then return tonumber(first[2]) end
   return nil
 end
@@ -172,8 +242,7 @@ local function take(count, levels, n)
   local lists = {}  -- per level: its items {id, score, ...} and the next one's index
   for _, level in ipairs(levels) do
     if count[level + 1] > 0 then
-      lists[#lists + 1] = {level = level, at = 1,
-        items = redis.call('ZRANGE', pending[level + 1], 0, n - 1, 'WITHSCORES')}
+      lists[#lists + 1] = {level = level, at = 1, items = head(level, n)}
     end
   end
   local chosen = {}
@@ -188,14 +257,6 @@ local function take(count, levels, n)
     best.at = best.at + 2
   end
   return chosen
-end
-
--- The bucket (1-based) of a cost: the first boundary it does not exceed, else the last.
-local function bucket_of(bounds, cost)
-  for i, bound in ipairs(bounds) do
-    if cost <= bound then return i end
-  end
-  return #bounds + 1
 end
 
 -- The batch a bucket's requests (in arrival order) make within max_batch_size and the
@@ -222,13 +283,16 @@ end
 -- delay; nil if none is. Otherwise the group of the oldest request.
 local function pick_costed(rules, count, levels, now, due_only)
   local cands = take(count, levels, rules.window)
-  local ids = {}
-  for i, c in ipairs(cands) do ids[i] = c.id end
-  local raw = redis.call('HMGET', jobs, unpack(ids))
+  local raw = {}  -- a dedicated consumer read the costs with its view
+  if not view_costs then
+    local ids = {}
+    for i, c in ipairs(cands) do ids[i] = c.id end
+    raw = read_in_chunks('HMGET', jobs, ids)
+  end
   local groups, order = {}, {}
   for i, c in ipairs(cands) do
-    local m = parse_job(raw[i])
-    c.cost = m and m.cost or 1
+    local m = not view_costs and parse_job(raw[i])
+    c.cost = view_costs and view_costs[c.id] or (m and m.cost) or 1
     local b = bucket_of(rules.bounds, c.cost)
     if not groups[b] then
       groups[b] = {}
@@ -398,30 +462,47 @@ local function commit(rules, consumer, lease_ms, chosen, metas, ids, raw, total,
     if #members > 0 then redis.call('ZREM', pending[level + 1], unpack(members)) end
   end
   redis.call('ZREM', deadlines, unpack(ids))  -- deadlines holds waiting requests only
-  redis.call('HSET', owner, unpack(owner_fields))
+  call_in_chunks('HSET', owner, owner_fields)  -- 2 x max_batch_size values
+  local by_bucket = {}  -- with cost buckets: the batch leaves its bucket's set
+  if #rules.bounds > 0 then
+    for i, c in ipairs(chosen) do
+      local b = bucket_of(rules.bounds, metas[i] and metas[i].cost or 1)
+      by_bucket[b] = by_bucket[b] or {}
+      table.insert(by_bucket[b], c.id)
+    end
+    for b, members in pairs(by_bucket) do
+      redis.call('ZREM', bucket_sets[b], unpack(members))
+    end
+  end
   redis.call('ZADD', inflight, int(lease_deadline), batch_id)
   redis.call('HSET', batches, batch_id, consumer .. '|' .. table.concat(ids, ','))
   redis.call('HINCRBY', stats, 'batches', 1)
   redis.call('HINCRBY', stats, 'batched_requests', #ids)
   if #waits > 0 then push_samples(wait_samples, unpack(waits)) end
-  -- More work remains: wake one more idle consumer so it can take it or time its due date.
-  if total > #chosen then wake_consumers(marker) end
+  -- More work remains: wake one more idle consumer so it can take it or time its due date
+  -- (and one dedicated to this batch's bucket: more of it may wait; other buckets'
+  -- arrivals woke theirs).
+  if total > #chosen then
+    wake_consumers(marker)
+    for b in pairs(by_bucket) do wake_bucket(bucket_markers, b) end
+  end
   return reply
 end
 
 local consumer, lease_ms = ARGV[1], int_arg(ARGV[2], 100, 86400000)
-local prefer = int_arg(ARGV[3] or '0', 0, MAX_COST_BUCKETS + 1)
+local bucket = int_arg(ARGV[3] or '0', -(MAX_COST_BUCKETS + 1), MAX_COST_BUCKETS + 1)
 if type(consumer) ~= 'string' or consumer == '' or string.find(consumer, '|') then
   return {-3, 'consumer'}
 end
 if not lease_ms then return {-3, 'lease_ms'} end
-if not prefer then return {-3, 'prefer_bucket'} end
+if not bucket then return {-3, 'bucket'} end
 local delay_ms = ARGV[4] and policy_int('max_queue_delay_ms', ARGV[4])
 if ARGV[4] and not delay_ms then return {-3, 'delay_ms'} end
 
 local rules, err = read_policy()
 if not rules then return err end
-rules.prefer = prefer
+rules.prefer, rules.only = math.max(bucket, 0), math.max(-bucket, 0)
+if rules.only == 1 and #rules.bounds == 0 then rules.only = 0 end  -- bucket 1 is all
 if delay_ms then rules.delay = delay_ms * 1000 end
 local now = now_us()
 redis.call('ZADD', consumers, int(now), consumer)
@@ -435,7 +516,18 @@ local waiting = count[1] + count[2] + count[3]
 local total = waiting + count[4]
 if total == 0 then return {0, -1} end
 local chosen, wait
-if waiting == 0 then
+if rules.only > 0 then
+  -- Dedicated: the rules see its bucket's requests only; the queue's totals still say
+  -- whether delayed requests may run and what remains.
+  local mine = read_views(rules)
+  if (waiting > 0 and mine[1] + mine[2] + mine[3] == 0) or (waiting == 0 and mine[4] == 0) then
+    wait = {0, -1}  -- nothing of its bucket in view: until a wake-up (or the next deadline)
+  elseif waiting == 0 then
+    chosen = take_delayed(rules, mine, now)
+  else
+    chosen, wait = choose(rules, mine, mine[1] + mine[2] + mine[3], now)
+  end
+elseif waiting == 0 then
   chosen = take_delayed(rules, count, now)
 else
   chosen, wait = choose(rules, count, waiting, now)

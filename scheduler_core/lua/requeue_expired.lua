@@ -3,8 +3,9 @@ queues (any live consumer runs this sweep). A request keeps its arrival time, so
 back to the head of its original priority; pop_batch dead-letters it once it has been
 delivered max_attempts times.
 
-KEYS[1..23] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
+KEYS[1..33] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
             this script uses:
+KEYS[1]  {bg:q}:policy      hash  read: cost_buckets (the bucket sets and markers)
 KEYS[2]  {bg:q}:pending:0   zset  HIGH
 KEYS[3]  {bg:q}:pending:1   zset  NORMAL
 KEYS[4]  {bg:q}:pending:2   zset  LOW
@@ -19,6 +20,8 @@ KEYS[14] {bg:q}:consumers   zset  consumer -> last heartbeat (µs); pruned here 
 KEYS[20] {bg:q}:deadlines   zset  pending id -> deadline (µs): a returned request with a
                                   deadline is listed again (expire_due.lua answers it
                                   if it has passed)
+KEYS[24..28] {bg:q}:marker:<1..5> zset  wake-up markers of consumers dedicated to a cost bucket
+KEYS[29..33] {bg:q}:bucket:<1..5> zset  the ids waiting in each cost bucket (score = arrival)
 
 ARGV[1]  most batches to reap in this call (1..1000)
 
@@ -26,8 +29,10 @@ Returns  {batches_reaped, requests_requeued}
 Errors   {-3, field} malformed argument
 ]]
 -- @include _common.lua
+-- @include _policy.lua
 -- @include _queue.lua
 
+local policy = KEYS[1]
 local pending_high = KEYS[2]
 local pending_normal = KEYS[3]
 local pending_low = KEYS[4]
@@ -39,6 +44,8 @@ local owner = KEYS[11]
 local batches = KEYS[12]
 local consumers = KEYS[14]
 local deadlines = KEYS[20]
+local bucket_markers = {KEYS[24], KEYS[25], KEYS[26], KEYS[27], KEYS[28]}
+local bucket_sets = {KEYS[29], KEYS[30], KEYS[31], KEYS[32], KEYS[33]}
 
 local limit = int_arg(ARGV[1], 1, 1000)
 if not limit then return {-3, 'limit'} end
@@ -47,7 +54,7 @@ local now = now_us()
 -- Forget consumers silent for an hour, so the set does not grow with every restart.
 redis.call('ZREMRANGEBYSCORE', consumers, '-inf', int(now - 3600000000))
 local expired = redis.call('ZRANGEBYSCORE', inflight, '-inf', int(now), 'LIMIT', 0, limit)
-local requeued = 0
+local requeued, bounds = 0, nil  -- bounds: read with the first request re-queued
 for _, batch_id in ipairs(expired) do
   for _, id in ipairs(batch_members(batches, batch_id)) do
     if redis.call('HGET', owner, id) == batch_id then
@@ -59,6 +66,8 @@ for _, batch_id in ipairs(expired) do
         redis.call('HSET', jobs, id, format_job(m))
       end
       redis.call('ZADD', pending[prio + 1], int(arrival), id)
+      bounds = bounds or stored_bounds(policy)
+      list_in_bucket(bucket_sets, bounds, id, m and m.cost or 1, arrival)
       if m and m.deadline > 0 then redis.call('ZADD', deadlines, m.deadline_s, id) end
       redis.call('HDEL', owner, id)
       requeued = requeued + 1
@@ -69,5 +78,6 @@ end
 if requeued > 0 then
   redis.call('HINCRBY', stats, 'requeued', requeued)
   wake_consumers(marker)
+  wake_buckets(bucket_markers, bucket_count(bounds))
 end
 return {#expired, requeued}

@@ -7,8 +7,8 @@ local function wake_consumers(marker)
   redis.call('ZADD', marker, 0, 'w')
 end
 
--- Wake the idle consumers dedicated to cost buckets 1..n (--only-bucket): each bucket has
--- a marker of its own (KEYS[24..28]), so that a consumer dedicated to one bucket never
+-- Wake an idle consumer dedicated to cost bucket b (--only-bucket): each bucket has a
+-- marker of its own (KEYS[24..28]), so that a consumer dedicated to one bucket never
 -- takes the wake-up meant for another, nor for the consumers that serve every bucket.
 local function wake_bucket(bucket_markers, b)
   redis.call('ZADD', bucket_markers[b], 0, 'w')

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scheduler_core.errors import InvalidRequest
-from scheduler_core.wire import POPPED_STATES, Outcome
+from scheduler_core.wire import POPPED_STATES, Outcome, delivered_job
 
 # request id -> (outcome, encoded result envelope), as complete.lua takes them
 Answers = dict[str, tuple[Outcome, bytes]]
@@ -95,6 +95,8 @@ class Finished:
     model_us: int = 0
     answered_early: Answers = field(default_factory=dict)
     last: bool = True  # the batch's final completion: observed, its model time recorded
+    # the complete.lua call (script, keys, args), once the answers are encoded
+    call: tuple[Any, list[str], list[Any]] | None = field(default=None, repr=False)
 
 
 def parse_pop(reply: list[Any]) -> Batch | Idle | ExpireDue:
@@ -112,10 +114,9 @@ def parse_pop(reply: list[Any]) -> Batch | Idle | ExpireDue:
         raise InvalidRequest(reply[1].decode(), "rejected by pop_batch")
     items = []
     state_of, run = POPPED_STATES.get, Outcome.RUN  # an Enum lookup per item is slow
-    for i in range(4, len(reply), 9):
-        rid, env, arrival, attempts, producer, state, level, cost, requested = reply[i:i + 9]
-        items.append(Item(rid.decode(), env, int(arrival), int(attempts),
-                          producer.decode(errors="replace"),  # hand-written meta
-                          state_of(state, run), int(level), cost=int(cost),
-                          requested=int(requested)))
+    for i in range(4, len(reply), 5):
+        rid, raw, attempts, state, level = reply[i:i + 5]
+        arrival, producer, cost, requested, envelope = delivered_job(raw)
+        items.append(Item(rid.decode(), envelope, arrival, attempts, producer,
+                          state_of(state, run), level, cost=cost, requested=requested))
     return Batch(str(head), int(reply[1]), items, remaining=int(reply[3]))

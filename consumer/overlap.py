@@ -17,6 +17,10 @@ fetch (`Prefetcher.lead_s`), two helper threads take that work off the model's p
   back rather than letting results pile up in memory; it is flushed before the consumer
   exits, so a stop never drops computed results.
 
+A model faster than a fetch (a no-op, a tiny one) has nothing to hide a fetch behind;
+there the Completer alone runs each completion while the consumer pops and decodes the
+next batch, so that Redis executes complete.lua while the consumer's Python works.
+
 `Overlap` owns both: the consumer loop asks it whether a batch overlaps, and hands it the
 fetch timing, the completions and the take of the batch fetched ahead.
 
@@ -43,6 +47,9 @@ log = logging.getLogger("batchgate.consumer")
 
 FETCH_MARGIN_S = 0.0005  # added to twice the recent fetch time when timing a prefetch
 
+# Overlap.plan's answers
+MODEL, COMPLETION, ALONE = "model", "completion", "alone"
+
 
 class Overlap:
     """Decides, batch by batch, whether the next fetch and this batch's completion run
@@ -55,19 +62,23 @@ class Overlap:
         self._stopping = stopping
         self._model_s: dict[int, float] = {}  # last model time per batch size
 
-    def wanted(self, batch: Batch, size: int) -> bool:
-        """Whether `batch`, `size` of whose requests the model runs, overlaps.
+    def plan(self, batch: Batch, size: int) -> str:
+        """How `batch`, `size` of whose requests the model runs, overlaps: MODEL (fetch
+        ahead, complete beside the model), COMPLETION (the model is faster than a fetch:
+        nothing hides the fetch, so only the completion runs beside the next pop and its
+        decoding, and Redis works on one while the consumer works on the other) or ALONE.
 
         Only while a backlog waits and no stop was asked; not for a re-delivered request:
         it may crash the process, which would take a batch fetched ahead (and charge its
-        requests an attempt) with it; and not when this size last ran faster than a
-        fetch: there is nothing to hide the fetch behind, and handing work between
-        threads would cost more than it saves.
+        requests an attempt) or results not written yet with it.
         """
+        if batch.remaining <= 0 or self._stopping.is_set() \
+                or any(item.attempts != 1 for item in batch.items):
+            return ALONE
         expected = self._model_s.get(size)
-        return batch.remaining > 0 and not self._stopping.is_set() \
-            and (expected is None or expected >= self._prefetcher.lead_s) \
-            and all(item.attempts == 1 for item in batch.items)
+        if expected is None or expected >= self._prefetcher.lead_s:
+            return MODEL
+        return COMPLETION
 
     def prefetch(self, size: int) -> None:
         """Arm the next fetch to land as the model is expected to finish `size` requests."""

@@ -40,7 +40,7 @@ from consumer.batch import (
 from consumer.due_timer import DueTimer
 from consumer.lease import EXIT_MODEL_HUNG, Held, LeaseKeeper, LeaseTimes, Report
 from consumer.loader import BatchModel
-from consumer.overlap import Overlap
+from consumer.overlap import ALONE, MODEL, Overlap
 from consumer.refit import CostRefit
 from consumer.streaming import Emit, StreamWriter
 from scheduler_core.admin import ensure_policy, store_policy, unknown_requests
@@ -443,20 +443,24 @@ class Consumer:
         self.batches_done += 1
         self.requests_done += len(batch.items)
         overlap = self._overlap
-        if overlap is not None and not overlap.wanted(batch, len(runnable)):
-            overlap = None  # this batch runs alone
+        plan = overlap.plan(batch, len(runnable)) if overlap is not None else ALONE
         if runnable:
             if early:  # answer these now rather than after the model
-                self._hand_over(Finished(batch, early, last=False), overlap)
-            if overlap is not None:
+                self._hand_over(Finished(batch, early, last=False),
+                                overlap if plan != ALONE else None)
+            if plan == MODEL:
                 overlap.prefetch(len(runnable))
             done = self._run_model(batch, runnable, early)
         else:
             done = Finished(batch, early)
-        if overlap is not None:
+        if plan != ALONE:
+            # Beside the model the Completer encodes; beside a pop only the send is left
+            # to it: two threads working Python would pass the GIL back and forth.
+            if plan != MODEL:
+                self._prepare_completion(done)
             overlap.complete(done)
             self._current = None
-            return overlap.take()
+            return overlap.take()  # POP_NOW unless a fetch ahead was armed (MODEL)
         # Complete this batch and pop the next one in a single round trip, unless the
         # queue was empty at this pop: such a pop would most likely find nothing, and
         # would delay the results (Redis answers a pipeline as a whole). Then block after
@@ -529,15 +533,22 @@ class Consumer:
             except Exception:  # tracing must never stop the consumer
                 log.exception("tracing failed")
 
+    def _prepare_completion(self, job: Finished) -> tuple[Any, list[str], list[Any]]:
+        """The job's complete.lua call, made once: encode the answers and build the call
+        (the Python work of a completion; done ahead, a Completer thread only sends it)."""
+        if job.call is None:
+            outcomes = dict(job.outcomes)
+            for item, (ok, value) in zip(job.runnable, job.results, strict=True):
+                outcomes[item.id] = self._encode(item.id, ok, value)
+            if job.last and self.observer is not None:
+                self.observer.on_batch(job.batch, len(job.runnable), job.model_us,
+                                       {**job.answered_early, **outcomes})
+            sample = f"{len(job.runnable)}:{job.model_us}" if job.runnable else None
+            job.call = self._complete_call(job.batch, outcomes, sample)
+        return job.call
+
     def _write(self, job: Finished, pop_next: bool) -> list[Any] | None:
-        outcomes = dict(job.outcomes)
-        for item, (ok, value) in zip(job.runnable, job.results, strict=True):
-            outcomes[item.id] = self._encode(item.id, ok, value)
-        if job.last and self.observer is not None:
-            self.observer.on_batch(job.batch, len(job.runnable), job.model_us,
-                                   {**job.answered_early, **outcomes})
-        sample = f"{len(job.runnable)}:{job.model_us}" if job.runnable else None
-        complete = self._complete_call(job.batch, outcomes, sample)
+        complete = self._prepare_completion(job)
         pipe = ScriptPipeline(self.redis, self.config.wait_replicas, self.config.wait_timeout_ms)
         pipe.script(*complete)
         if pop_next:

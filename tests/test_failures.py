@@ -382,6 +382,31 @@ def test_sigterm_during_a_backlog_leaves_nothing_in_flight(redis_server, queue,
     assert all(n == 1 for n in executions(tmp_path).values())
 
 
+def test_sigterm_during_a_fast_backlog_writes_every_computed_result(redis_server, queue,
+                                                                    start_consumer,
+                                                                    tmp_path):
+    """A model faster than a pop: its completions are written beside the next pop
+    (consumer/overlap.py), up to two batches behind. A stop mid-backlog must still write
+    every one of them: nothing in flight, nothing re-queued, each ran request answered."""
+    url = redis_server.url
+    consumer = start(start_consumer, url, queue, "Echo", "--strategy", "dynamic",
+                     "--max-batch-size", "32", log=tmp_path)
+    with CountingProducer(url, queue) as p:
+        handles = [h for first in range(0, 20_000, 10_000)
+                   for h in p.submit_many([{"i": i} for i in range(first, first + 10_000)])]
+        wait_for(lambda: len(executions(tmp_path)) >= 2000, 30, "2,000 requests to run")
+        consumer.signal(signal.SIGTERM)
+        assert consumer.proc.wait(timeout=15) == 0
+        s = stats(redis_server, queue)
+        ran = executions(tmp_path)
+        assert (s.in_flight_batches, s.requeued) == (0, 0)
+        assert s.processed == len(ran) and sum(s.depth.values()) == 20_000 - len(ran)
+        start(start_consumer, url, queue, "Echo", log=tmp_path)  # serves the rest
+        assert [h.result(timeout=60)["echo"]["i"] for h in handles] == list(range(20_000))
+        assert p.delivered_once(handles)
+    assert all(n == 1 for n in executions(tmp_path).values())
+
+
 def test_a_batch_fetched_ahead_keeps_its_lease(shared_redis, queue, start_consumer, tmp_path):
     """A batch fetched while the model runs waits for it; with a model 2.5x longer than
     the lease, its lease must be renewed too, or a second consumer would re-queue it. (A

@@ -38,6 +38,7 @@ from scheduler_core.rules import (
     decide,
 )
 from scheduler_core.scripts import Scripts, pop_keys
+from scheduler_core.wire import delivered_job
 
 CASES = 4000
 NEAR_US = 2000  # a pipelined script call takes ~0.1-1 ms after the TIME read
@@ -255,15 +256,18 @@ def test_decide_makes_the_decisions_of_pop_batch_lua(shared_redis):
         else:
             assert int(reply[1]) == now, where
             assert isinstance(expected, Batch), where
-            items = [reply[k:k + 9] for k in range(4, len(reply), 9)]
-            got = [(x[0].decode(), x[5].decode(), int(x[6]), int(x[7])) for x in items]
+            # per request: id, jobs value, attempt, state, level
+            items = [reply[k:k + 5] for k in range(4, len(reply), 5)]
+            jobs = [delivered_job(x[1]) for x in items]  # arrival, producer, cost, requested
+            got = [(x[0].decode(), x[3].decode(), int(x[4]), job[2])
+                   for x, job in zip(items, jobs, strict=True)]
             assert got == [(p.request.id, p.state, p.level, p.request.cost)
                            for p in expected.picked], where
-            assert [int(x[8]) for x in items] == [
+            assert [job[3] for job in jobs] == [
                 r.cost if r.cost % 2 else r.cost * 3 for r in (p.request for p in
                                                              expected.picked)], where
             assert int(reply[3]) == expected.remaining, where
-            assert [int(x[3]) for x in items] == [p.request.attempts + 1
+            assert [int(x[2]) for x in items] == [p.request.attempts + 1
                                                   for p in expected.picked], where
             seen["batch"] += 1
             seen["dedicated batch"] += case.prefer < 0 and any(

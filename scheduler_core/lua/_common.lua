@@ -10,9 +10,15 @@ end
 -- An integer argument in [lo, hi] written as plain decimal digits, else nil. tonumber()
 -- alone accepts 'nan', 'inf', '1e300', '0x1f' and '1.5', which would reach a command
 -- (EX, ZADD, LIMIT) and fail half-way through a script, after some of its writes.
+-- Most arguments are one digit (priority, flags, cost 1, no deadline): those skip the
+-- pattern and tonumber()'s strtod.
+local DIGIT = {['0'] = 0, ['1'] = 1, ['2'] = 2, ['3'] = 3, ['4'] = 4, ['5'] = 5, ['6'] = 6,
+               ['7'] = 7, ['8'] = 8, ['9'] = 9}
 local function int_arg(s, lo, hi)
+  local n = DIGIT[s]
+  if n then return n >= lo and n <= hi and n or nil end
   if type(s) ~= 'string' or #s > 16 or not string.match(s, '^%-?%d+$') then return nil end
-  local n = tonumber(s)
+  n = tonumber(s)
   if n < lo or n > hi then return nil end
   return n
 end
@@ -23,8 +29,13 @@ local function valid_id(s)
   return #s >= 1 and #s <= 128 and not string.find(s, '[^%w_.%-]')
 end
 
--- Integers as exact decimal strings (tostring() would print 1.7e+15).
+-- Integers as exact decimal strings (tostring() would print 1.7e+15). '%d' where the
+-- value is a whole number Lua's long holds exactly: '%.0f' goes through the C library's
+-- floating-point printer, which costs several times more (a batch makes many of them).
 local function int(n)
+  if n == math.floor(n) and n > -9007199254740992 and n < 9007199254740992 then
+    return string.format('%d', n)
+  end
   return string.format('%.0f', n)
 end
 
@@ -39,6 +50,14 @@ end
 -- so the first '|' ends the meta and the envelope is the rest, whatever its bytes.
 local JOB_META = '^([0-2]):(%d+):(%d+):(%d+):([01]):([%w_.%-]*):?(%d*):?(%d*)|'
 
+-- tonumber() goes through strtod, which costs more than the rest of a parse: fields that
+-- are almost always '0' (deadline, attempts) or absent (cost) skip it then.
+local PRIO_OF = {['0'] = 0, ['1'] = 1, ['2'] = 2}
+local function digits_or_zero(s)
+  if s == '0' then return 0 end
+  return tonumber(s)
+end
+
 local function parse_job(raw)
   if not raw then return nil end
   local _, e, p, a, d, n, k, producer, c, r = string.find(raw, JOB_META)
@@ -47,12 +66,30 @@ local function parse_job(raw)
   end
   if c == '' then c = '1' end
   if r == '' then r = c end
+  local cost = c == '1' and 1 or tonumber(c)
   -- The digits are kept as read, so that writing the meta back formats no number.
-  return {prio = tonumber(p), arrival = tonumber(a), deadline = tonumber(d),
-          attempts = tonumber(n), keep = k == '1', producer = producer, arrival_s = a,
-          deadline_s = d, cost = tonumber(c), requested = tonumber(r), cost_s = c,
+  return {prio = PRIO_OF[p], arrival = tonumber(a), deadline = digits_or_zero(d),
+          attempts = digits_or_zero(n), keep = k == '1', producer = producer, arrival_s = a,
+          deadline_s = d, cost = cost, requested = r == c and cost or tonumber(r), cost_s = c,
           requested_s = r,
           envelope = string.sub(raw, e + 1)}
+end
+
+-- What a pop needs of a jobs value: its deadline (µs, 0 = none), attempts and cost; nil
+-- where parse_job would find no meta. parse_job's string captures and envelope copy are
+-- each a new Lua string, and over a batch those allocations cost more than the pop's
+-- Redis commands: here the arrival and producer are matched by position, and what is
+-- captured is almost always '0' or '' (strings Lua already holds).
+local POP_FIELDS = '^[0-2]:()%d+():(%d+):(%d+):[01]:[%w_.%-]*:?(%d*):?()%d*()|'
+
+local function pop_fields(raw)
+  if not raw then return nil end
+  local a0, a1, d, n, c, r0, r1 = string.match(raw, POP_FIELDS)
+  if not a0 or a1 - a0 > 17 or #d > 17 or #n > 9 or #c > 10 or r1 - r0 > 10 then
+    return nil
+  end
+  return (d == '0' and 0 or tonumber(d)), (n == '0' and 0 or tonumber(n)),
+         (c == '' and 1 or tonumber(c))
 end
 
 -- What a completion needs of a jobs value, without parse_job's table and envelope copy:
@@ -74,7 +111,7 @@ local function job_envelope(raw)
 end
 
 local function format_job(m)
-  local raw = m.prio .. ':' .. (m.arrival_s or int(m.arrival)) .. ':' ..
+  local raw = int(m.prio) .. ':' .. (m.arrival_s or int(m.arrival)) .. ':' ..
               (m.deadline_s or int(m.deadline)) .. ':' .. int(m.attempts) .. ':' ..
               (m.keep and '1:' or '0:') .. m.producer
   local cost, requested = m.cost or 1, m.requested or m.cost or 1

@@ -156,6 +156,7 @@ do
   end
 end
 local effective, fresh, seen_keys = {}, 0, {}
+local prios, deadlines_ms, costs = {}, {}, {}  -- per request, as validated: pass 2 reuses them
 local key_index = FIRST_IDEM
 for i = 0, n - 1 do
   local base = 4 + 7 * i
@@ -166,6 +167,7 @@ for i = 0, n - 1 do
   if not prio then return {-3, 'priority'} end
   if not deadline_ms then return {-3, 'deadline_ms'} end
   if not cost then return {-3, 'cost'} end
+  prios[i + 1], deadlines_ms[i + 1], costs[i + 1] = prio, deadline_ms, cost
   if ARGV[base + 6] ~= '0' and ARGV[base + 6] ~= '1' then return {-3, 'keep'} end
   if max_cost > 0 and cost > max_cost and not truncate then
     return {-4, 'cost', i, cost, max_cost}
@@ -222,8 +224,8 @@ local bucket_adds = {}  -- bucket -> {arrival, id, ...} of its new requests
 key_index = FIRST_IDEM
 for i = 0, n - 1 do
   local base = 4 + 7 * i
-  local id, prio, deadline_ms = ARGV[base], tonumber(ARGV[base + 1]), tonumber(ARGV[base + 2])
-  local requested = tonumber(ARGV[base + 5])
+  local id, prio, deadline_ms = ARGV[base], prios[i + 1], deadlines_ms[i + 1]
+  local requested = costs[i + 1]
   local cost = requested
   if max_cost > 0 and cost > max_cost then cost = max_cost end  -- truncate (checked above)
   local idem_key = nil
@@ -233,6 +235,7 @@ for i = 0, n - 1 do
   end
   if not effective[i + 1] then
     local arrival = scores.next()
+    local arrival_s = int(arrival)
     local default = timeouts.levels[prio + 1]
     if default > 0 and (deadline_ms == 0 or timeouts.override == 0) then
       deadline_ms = default
@@ -249,10 +252,10 @@ for i = 0, n - 1 do
       end
     end
     local adds = pending_adds[prio + 1]
-    adds[#adds + 1] = int(arrival)
+    adds[#adds + 1] = arrival_s
     adds[#adds + 1] = id
     job_fields[#job_fields + 1] = id
-    job_fields[#job_fields + 1] = format_job({prio = prio, arrival = arrival,
+    job_fields[#job_fields + 1] = format_job({prio = prio, arrival_s = arrival_s,
       deadline = deadline, attempts = 0, keep = ARGV[base + 6] == '1', producer = producer,
       cost = cost, requested = requested, envelope = ARGV[base + 3]})
     if idem_key then redis.call('SET', idem_key, id, 'EX', idem_ttl) end  -- free or stale
@@ -269,7 +272,7 @@ for i = 0, n - 1 do
     if #bounds > 0 then
       local b = bucket_of(bounds, cost)
       bucket_adds[b] = bucket_adds[b] or {}
-      table.insert(bucket_adds[b], int(arrival))
+      table.insert(bucket_adds[b], arrival_s)
       table.insert(bucket_adds[b], id)
     end
     depth[prio + 1] = depth[prio + 1] + 1

@@ -64,14 +64,17 @@ ARGV[3]  optional: this consumer's cost bucket, 1-based (1 = the cheapest): N > 
 ARGV[4]  optional: the max_queue_delay_ms to apply instead of the stored one (within its
          LIMITS): the delay a consumer derived under delay_mode=auto
 
-Returns  {batch_id, now_us, lease_deadline_us, remaining, then per request 9 values:
-          id, envelope (false if missing), arrival_us, attempts (this delivery, 1-based),
-          producer, state, level (0-2, or 3: from the delayed set), cost, requested}
+Returns  {batch_id, now_us, lease_deadline_us, remaining, then per request 5 values:
+          id, jobs value, attempt (this delivery, 1-based), state, level (0-2, or 3: from
+          the delayed set)}
          remaining: requests still pending after this batch (all priorities and the
          delayed ones); a
          consumer fetches its next batch while the model runs only when it is > 0
-         cost: the request's cost (capped to max_cost under over_cost=truncate);
-         requested: the cost its producer asked for (= cost unless capped)
+         jobs value: "<meta>|<envelope>" as stored (format_job), whose meta gives the
+         arrival, producer, cost (capped to max_cost under over_cost=truncate) and the
+         cost asked for: the consumer splits it (wire.delivered_job), so that this script
+         copies no envelope. A member without readable meta (written by hand) gets one
+         made here, its whole value as the envelope and every attempt used
          state: 'run' | 'expired' (deadline passed: do not run) |
                 'exhausted' (max_attempts deliveries used: dead-letter it)
          {0, wait_us}  nothing due; µs until the next request falls due or the earliest
@@ -203,8 +206,7 @@ local function read_views(rules)
   local raw = read_in_chunks('HMGET', jobs, ids)
   local gone = {}
   for i, id in ipairs(ids) do
-    local m = level_of[i] and parse_job(raw[i])
-    local cost = m and m.cost or 1
+    local cost = level_of[i] and select(3, pop_fields(raw[i])) or 1
     local b = bucket_of(rules.bounds, cost)
     if level_of[i] == nil then
       gone[#gone + 1] = id
@@ -231,30 +233,61 @@ local function head(level, n)
 end
 
 local function oldest(level)
-  local first = head(level, 1)
-  if first[1] then return tonumber(first[2]) end
-  return nil
+  return tonumber(head(level, 1)[2])
+end
+
+-- The first n of each of the given levels, {id, score, ...} per level + 1, enough to merge
+-- the n oldest of them. The fullest level's first n are read first; then of each other
+-- level only those no younger than the last of them (the n oldest overall are among
+-- these), so that Redis formats fewer scores: on Redis 7.0 printing each as text costs
+-- more than any other part of a pop.
+local function heads(count, levels, n)
+  local got = {}
+  if views then
+    for _, level in ipairs(levels) do got[level + 1] = views[level + 1] end
+    return got
+  end
+  local fullest
+  for _, level in ipairs(levels) do
+    if count[level + 1] > 0 and (not fullest or count[level + 1] > count[fullest + 1]) then
+      fullest = level
+    end
+  end
+  if not fullest then return got end
+  local first = redis.call('ZRANGE', pending[fullest + 1], 0, n - 1, 'WITHSCORES')
+  got[fullest + 1] = first
+  local bound = #first == 2 * n and first[2 * n] or '+inf'
+  for _, level in ipairs(levels) do
+    if level ~= fullest and count[level + 1] > 0 then
+      got[level + 1] = redis.call('ZRANGEBYSCORE', pending[level + 1], '-inf', bound,
+                                  'WITHSCORES', 'LIMIT', 0, n)
+    end
+  end
+  return got
 end
 
 -- The n oldest requests of the given levels, merged by arrival: each level's zset is
--- already in arrival order, so a merge of its first n (no sort, empty levels not read).
+-- already in arrival order, so a merge of their heads (no sort, empty levels not read).
 local function take(count, levels, n)
-  local lists = {}  -- per level: its items {id, score, ...} and the next one's index
+  -- per level: its items {id, score, ...}, the next one's index and score (nil at the end)
+  local lists = {}
+  local read = heads(count, levels, n)
   for _, level in ipairs(levels) do
-    if count[level + 1] > 0 then
-      lists[#lists + 1] = {level = level, at = 1, items = head(level, n)}
+    local items = read[level + 1]
+    if items and items[1] then
+      lists[#lists + 1] = {level = level, at = 1, items = items, score = tonumber(items[2])}
     end
   end
   local chosen = {}
   while #chosen < n do
-    local best, best_score
+    local best
     for _, l in ipairs(lists) do
-      local score = l.items[l.at] and tonumber(l.items[l.at + 1])
-      if score and (not best or score < best_score) then best, best_score = l, score end
+      if l.score and (not best or l.score < best.score) then best = l end
     end
     if not best then break end
-    chosen[#chosen + 1] = {id = best.items[best.at], score = best_score, level = best.level}
+    chosen[#chosen + 1] = {id = best.items[best.at], score = best.score, level = best.level}
     best.at = best.at + 2
+    best.score = tonumber(best.items[best.at + 1])
   end
   return chosen
 end
@@ -327,15 +360,22 @@ local function choose(rules, count, total, now)
                                              rules.aging
   if strategy == 'fifo' then return pick(rules, count, {0, 1, 2}, now) end
   if strategy == 'dynamic' then
-    local first = math.huge
-    for level = 0, 2 do first = math.min(first, oldest(level) or math.huge) end
+    -- The oldest request's wait is read only where the rule needs it (a backlog does not).
+    local function until_due()
+      local first = math.huge
+      for level = 0, 2 do
+        if count[level + 1] > 0 then first = math.min(first, oldest(level)) end
+      end
+      return first + delay - now
+    end
     if rules.costed then
       local chosen = pick_costed(rules, count, {0, 1, 2}, now, true)
       if chosen then return chosen end
-      return nil, {0, math.max(0, first + delay - now)}
+      return nil, {0, math.max(0, until_due())}
     end
-    if total < batch_size and now - first < delay then
-      return nil, {0, math.max(0, first + delay - now)}
+    if total < batch_size then
+      local due_in = until_due()
+      if due_in > 0 then return nil, {0, due_in} end
     end
     return take(count, {0, 1, 2}, batch_size)
   end
@@ -395,67 +435,72 @@ end
 
 -- A request delivered before whose batch never completed (its consumer crashed, hung or
 -- lost its lease) runs in a batch of its own, so a payload that kills its consumer cannot
--- drag its batch-mates to max_attempts with it. Truncates `chosen` there; returns the
--- metas of what is left (nil where unreadable), the ids read and their raw jobs values.
+-- drag its batch-mates to max_attempts with it. Truncates `chosen` there; returns what
+-- commit needs of what is left: the ids, their raw jobs values and, per request (nil where
+-- the meta is unreadable), its deadline, attempts and cost.
 local function isolate_retried(chosen)
   -- One variadic call per key rather than one per request: the script's cost is mostly
   -- the number of redis.call()s.
-  local ids, metas = {}, {}
+  local ids, deadlines_of, attempts_of, costs_of = {}, {}, {}, {}
   for i, c in ipairs(chosen) do ids[i] = c.id end
   local raw = redis.call('HMGET', jobs, unpack(ids))
   for i in ipairs(chosen) do
-    local m = parse_job(raw[i])
-    local retried = m and m.attempts > 0
+    local deadline, attempts, cost = pop_fields(raw[i])
+    local retried = attempts and attempts > 0
     if retried and i > 1 then
       for j = #chosen, i, -1 do chosen[j] = nil end
       break
     end
-    metas[i] = m
+    deadlines_of[i], attempts_of[i], costs_of[i] = deadline, attempts, cost
     if retried then
       for j = #chosen, 2, -1 do chosen[j] = nil end
       break
     end
   end
-  return metas, ids, raw
+  return {ids = ids, raw = raw, deadline = deadlines_of, attempts = attempts_of,
+          cost = costs_of}
+end
+
+-- The jobs value delivered for a member without (valid) meta, written by hand: its whole
+-- value as the envelope under a meta that has used every attempt, so that the consumer
+-- dead-letters it instead of crashing.
+local function hand_written(rules, c, raw, now)
+  local arrival = c.score
+  if arrival ~= arrival or arrival == math.huge or arrival == -math.huge then arrival = now end
+  return format_job({prio = math.min(c.level, 2), arrival = arrival, deadline = 0,
+                     attempts = rules.max_attempts, keep = false, producer = '',
+                     envelope = raw or ''})
 end
 
 -- Move `chosen` in flight under a new batch id and build the reply.
-local function commit(rules, consumer, lease_ms, chosen, metas, ids, raw, total, now)
+local function commit(rules, consumer, lease_ms, chosen, read, total, now)
   local batch_id = redis.call('INCR', seq)
   local lease_deadline = now + lease_ms * 1000
   local reply = {batch_id, int(now), int(lease_deadline), total - #chosen}
-  ids = {unpack(ids, 1, #chosen)}  -- what is left after isolate_retried
+  local ids = {unpack(read.ids, 1, #chosen)}  -- what is left after isolate_retried
   local waits, by_level, owner_fields = {}, {{}, {}, {}, {}}, {}
   for i, c in ipairs(chosen) do
     local id = c.id
     table.insert(by_level[c.level + 1], id)
-    -- A member without (valid) meta was written by hand: deliver it once (its whole jobs
-    -- value as the envelope), marked so the consumer dead-letters it instead of crashing.
-    local arrival = c.score
-    if arrival ~= arrival or arrival == math.huge or arrival == -math.huge then arrival = now end
-    local m = metas[i] or {prio = c.level, arrival = arrival, deadline = 0,
-                           attempts = rules.max_attempts, producer = '', cost = 1,
-                           requested = 1, envelope = raw[i]}
+    local value, attempts, deadline = read.raw[i], read.attempts[i], read.deadline[i]
+    if not attempts then
+      value, attempts, deadline = hand_written(rules, c, value, now), rules.max_attempts, 0
+    end
     local state = 'run'
-    if m.attempts >= rules.max_attempts then
+    if attempts >= rules.max_attempts then
       state = 'exhausted'
-    elseif m.deadline > 0 and m.deadline <= now then
+    elseif deadline > 0 and deadline <= now then
       state = 'expired'
     else
-      waits[#waits + 1] = int(now - m.arrival)
+      waits[#waits + 1] = int(now - c.score)  -- the score is the request's arrival
     end
-    -- This delivery's number; not written back: requeue_expired counts a delivery that
-    -- ended without a result, complete a dead one (a write of the whole value saved here).
-    local attempt = m.attempts + 1
     owner_fields[#owner_fields + 1] = id
     owner_fields[#owner_fields + 1] = batch_id
+    -- The delivery's number, attempts + 1, is not written back: requeue_expired counts a
+    -- delivery that ended without a result, complete a dead one (a write saved here).
     local r = #reply
-    reply[r + 1], reply[r + 2], reply[r + 3], reply[r + 4] = id, m.envelope,
-                                                            m.arrival_s or int(m.arrival),
-                                                            attempt
-    reply[r + 5], reply[r + 6], reply[r + 7] = m.producer, state, c.level
-    reply[r + 8] = m.cost_s or int(m.cost)  -- the digits as stored: no number formatted
-    reply[r + 9] = m.requested_s or int(m.requested)
+    reply[r + 1], reply[r + 2], reply[r + 3], reply[r + 4], reply[r + 5] =
+      id, value, attempts + 1, state, c.level
   end
   for level = 0, 3 do
     local members = by_level[level + 1]
@@ -466,7 +511,7 @@ local function commit(rules, consumer, lease_ms, chosen, metas, ids, raw, total,
   local by_bucket = {}  -- with cost buckets: the batch leaves its bucket's set
   if #rules.bounds > 0 then
     for i, c in ipairs(chosen) do
-      local b = bucket_of(rules.bounds, metas[i] and metas[i].cost or 1)
+      local b = bucket_of(rules.bounds, read.cost[i] or 1)
       by_bucket[b] = by_bucket[b] or {}
       table.insert(by_bucket[b], c.id)
     end
@@ -540,5 +585,4 @@ if not chosen then
 end
 chosen = drop_malformed(chosen, now)
 if #chosen == 0 then return {0, 0} end
-local metas, ids, raw = isolate_retried(chosen)
-return commit(rules, consumer, lease_ms, chosen, metas, ids, raw, total, now)
+return commit(rules, consumer, lease_ms, chosen, isolate_retried(chosen), total, now)

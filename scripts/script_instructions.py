@@ -1,0 +1,146 @@
+"""Redis' instructions per request in each stage of a no-op backlog, counted by valgrind.
+
+    python scripts/script_instructions.py [--requests 4000] [--batch 32]
+
+Wall and CPU times on a shared VM swing by a third between runs of the same code; the
+instructions redis-server executes do not (within 0.5% here), so this is the measure to
+compare two versions of the Lua scripts by. It starts `valgrind --tool=callgrind
+redis-server` on a free port, then runs the stages of `batchgate.bench.profile_stages` in
+this process: enqueue a backlog (priorities mixed 10/60/30, as the benchmark's), pop it
+with the consumer's own calls, complete every batch. Between stages it zeroes and dumps
+callgrind's counters (`callgrind_control`), and prints each stage's total over the
+requests. Needs valgrind (Debian: apt-get install valgrind).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import random
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import redis
+
+from consumer.batch import Batch, Finished, Idle
+from consumer.worker import Consumer, ConsumerConfig
+from producer.sync import Producer
+from scheduler_core.admin import ensure_policy
+
+MIX = {0: 10, 1: 60, 2: 30}  # HIGH / NORMAL / LOW, as the benchmark's workloads
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Counter:
+    """callgrind's counters of one valgrind'ed redis-server."""
+
+    def __init__(self, pid: int, out_dir: str):
+        self.pid, self.out_dir = pid, out_dir
+
+    def _control(self, flag: str) -> None:
+        subprocess.run(["callgrind_control", flag, str(self.pid)], check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def zero(self) -> None:
+        self._control("-z")
+
+    def since_zero(self) -> int:
+        """Instructions since the last zero (then zeroed again)."""
+        before = set(glob.glob(f"{self.out_dir}/cg.*"))
+        self._control("-d")
+        deadline = time.monotonic() + 30
+        while not (new := set(glob.glob(f"{self.out_dir}/cg.*")) - before):
+            if time.monotonic() > deadline:
+                raise RuntimeError("callgrind wrote no dump")
+            time.sleep(0.05)
+        dump = max(new, key=os.path.getmtime)
+        text = Path(dump).read_text(errors="replace")
+        found = re.search(r"^(?:summary|totals):\s+(\d+)", text, re.M)
+        if found is None:
+            raise RuntimeError(f"no totals in {dump}")
+        self.zero()
+        return int(found.group(1))
+
+
+def run_stages(url: str, counter: Counter, n: int, batch: int) -> None:
+    client = redis.Redis.from_url(url)
+    queue = "instructions"
+    ensure_policy(client, queue, {"strategy": "dynamic", "max_batch_size": batch})
+    consumer = Consumer(lambda payloads: payloads,
+                        ConsumerConfig(redis_url=url, queue=queue, name="counter"))
+    consumer.start()
+    producer = Producer(url, queue)
+    producer._ensure_listener = lambda: None  # type: ignore[method-assign]  # no delivery
+    rnd = random.Random(1)
+    prios = rnd.choices(list(MIX), list(MIX.values()), k=n)
+
+    def report(stage: str) -> None:
+        print(f"{stage:9s} {counter.since_zero() / n / 1000:7.1f} k instructions per request",
+              flush=True)
+
+    counter.zero()
+    for first in range(0, n, 1000):
+        for level in MIX:
+            chunk = [i for i in range(first, min(n, first + 1000)) if prios[i] == level]
+            if chunk:
+                producer.submit_many([{"i": i} for i in chunk], priority=level)
+    report("enqueue")
+    batches: list[Batch] = []
+    while sum(len(b.items) for b in batches) < n:
+        outcome = consumer._pop()
+        if isinstance(outcome, Batch):
+            batches.append(outcome)
+        elif isinstance(outcome, Idle):  # a last partial batch, due after max_queue_delay
+            time.sleep(max(outcome.due_in_ms or 0, 1) / 1000)
+    report("pop")
+    for b in batches:
+        early, runnable = consumer._prepare(b)
+        results = consumer._run_isolated([payload for _, payload in runnable])
+        consumer._finish(Finished(b, early, [item for item, _ in runnable], results, 1))
+    report("complete")
+    producer.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--requests", type=int, default=4000)
+    parser.add_argument("--batch", type=int, default=32)
+    args = parser.parse_args()
+    for tool in ("valgrind", "callgrind_control", "redis-server"):
+        if shutil.which(tool) is None:
+            sys.exit(f"{tool} is not on PATH (Debian: apt-get install valgrind)")
+    port = free_port()
+    with tempfile.TemporaryDirectory() as out_dir:
+        server = subprocess.Popen(
+            ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out_dir}/cg.%p",
+             "redis-server", "--port", str(port), "--save", "", "--appendonly", "no"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            url = f"redis://127.0.0.1:{port}/0"
+            probe = redis.Redis.from_url(url)
+            for _ in range(600):  # redis-server starts slowly under valgrind
+                try:
+                    probe.ping()
+                    break
+                except redis.ConnectionError:
+                    time.sleep(0.1)
+            run_stages(url, Counter(server.pid, out_dir), args.requests, args.batch)
+        finally:
+            server.terminate()
+            server.wait(timeout=60)
+
+
+if __name__ == "__main__":
+    main()

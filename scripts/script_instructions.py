@@ -29,10 +29,7 @@ from pathlib import Path
 
 import redis
 
-from consumer.batch import Batch, Finished, Idle
-from consumer.worker import Consumer, ConsumerConfig
-from producer.sync import Producer
-from scheduler_core.admin import ensure_policy
+from batchgate.bench.profile_stages import complete_all, drain_setup, pop_all
 
 MIX = {0: 10, 1: 60, 2: 30}  # HIGH / NORMAL / LOW, as the benchmark's workloads
 
@@ -75,16 +72,8 @@ class Counter:
 
 
 def run_stages(url: str, counter: Counter, n: int, batch: int) -> None:
-    client = redis.Redis.from_url(url)
-    queue = "instructions"
-    ensure_policy(client, queue, {"strategy": "dynamic", "max_batch_size": batch})
-    consumer = Consumer(lambda payloads: payloads,
-                        ConsumerConfig(redis_url=url, queue=queue, name="counter"))
-    consumer.start()
-    producer = Producer(url, queue)
-    producer._ensure_listener = lambda: None  # type: ignore[method-assign]  # no delivery
-    rnd = random.Random(1)
-    prios = rnd.choices(list(MIX), list(MIX.values()), k=n)
+    _, consumer, producer = drain_setup(url, "instructions", batch)
+    prios = random.Random(1).choices(list(MIX), list(MIX.values()), k=n)
 
     def report(stage: str) -> None:
         print(f"{stage:9s} {counter.since_zero() / n / 1000:7.1f} k instructions per request",
@@ -97,18 +86,9 @@ def run_stages(url: str, counter: Counter, n: int, batch: int) -> None:
             if chunk:
                 producer.submit_many([{"i": i} for i in chunk], priority=level)
     report("enqueue")
-    batches: list[Batch] = []
-    while sum(len(b.items) for b in batches) < n:
-        outcome = consumer._pop()
-        if isinstance(outcome, Batch):
-            batches.append(outcome)
-        elif isinstance(outcome, Idle):  # a last partial batch, due after max_queue_delay
-            time.sleep(max(outcome.due_in_ms or 0, 1) / 1000)
+    batches = pop_all(consumer, n)
     report("pop")
-    for b in batches:
-        early, runnable = consumer._prepare(b)
-        results = consumer._run_isolated([payload for _, payload in runnable])
-        consumer._finish(Finished(b, early, [item for item, _ in runnable], results, 1))
+    complete_all(consumer, batches)
     report("complete")
     producer.close()
 

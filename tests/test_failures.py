@@ -359,50 +359,31 @@ def test_second_sigterm_exits_promptly_and_the_sweep_recovers(redis_server, queu
     assert stats(redis_server, queue).requeued == 2
 
 
+@pytest.mark.parametrize(("sleep_ms", "batch", "count", "ran_first"),
+                         [(400, 2, 20, 4), (0, 32, 20_000, 2000)], ids=["model", "fast"])
 def test_sigterm_during_a_backlog_leaves_nothing_in_flight(redis_server, queue,
-                                                          start_consumer, tmp_path):
+                                                          start_consumer, tmp_path,
+                                                          sleep_ms, batch, count, ran_first):
     """With a backlog the consumer fetches its next batch while the model runs and writes
-    results beside the next batch (consumer/overlap.py). A stop must still run what was
-    fetched, write every computed result and leave no batch in flight for the sweep."""
+    results beside the next batch; with a model faster than a pop (fast) only the
+    completions go beside the next pop (consumer/overlap.py). A stop must still run what
+    was fetched, write every computed result and leave no batch in flight for the sweep."""
     url = redis_server.url
     consumer = start(start_consumer, url, queue, "Echo", "--strategy", "fifo",
-                     "--max-batch-size", "2", log=tmp_path, sleep_ms=400)
+                     "--max-batch-size", str(batch), log=tmp_path, sleep_ms=sleep_ms)
     with CountingProducer(url, queue) as p:
-        handles = p.submit_many([{"i": i} for i in range(20)])
-        wait_for(lambda: len(executions(tmp_path)) >= 4, 15, "the second batch to start")
+        handles = [h for first in range(0, count, 10_000) for h in p.submit_many(
+            [{"i": i} for i in range(first, min(count, first + 10_000))])]
+        wait_for(lambda: len(executions(tmp_path)) >= ran_first, 30,
+                 f"{ran_first} requests to run")
         consumer.signal(signal.SIGTERM)
         assert consumer.proc.wait(timeout=15) == 0
         s = stats(redis_server, queue)
         ran = executions(tmp_path)
         assert (s.in_flight_batches, s.requeued) == (0, 0)
-        assert s.processed == len(ran) and sum(s.depth.values()) == 20 - len(ran)
+        assert s.processed == len(ran) and sum(s.depth.values()) == count - len(ran)
         start(start_consumer, url, queue, "Echo", log=tmp_path)  # serves the rest
-        assert [h.result(timeout=20)["echo"]["i"] for h in handles] == list(range(20))
-        assert p.delivered_once(handles)
-    assert all(n == 1 for n in executions(tmp_path).values())
-
-
-def test_sigterm_during_a_fast_backlog_writes_every_computed_result(redis_server, queue,
-                                                                    start_consumer,
-                                                                    tmp_path):
-    """A model faster than a pop: its completions are written beside the next pop
-    (consumer/overlap.py), up to two batches behind. A stop mid-backlog must still write
-    every one of them: nothing in flight, nothing re-queued, each ran request answered."""
-    url = redis_server.url
-    consumer = start(start_consumer, url, queue, "Echo", "--strategy", "dynamic",
-                     "--max-batch-size", "32", log=tmp_path)
-    with CountingProducer(url, queue) as p:
-        handles = [h for first in range(0, 20_000, 10_000)
-                   for h in p.submit_many([{"i": i} for i in range(first, first + 10_000)])]
-        wait_for(lambda: len(executions(tmp_path)) >= 2000, 30, "2,000 requests to run")
-        consumer.signal(signal.SIGTERM)
-        assert consumer.proc.wait(timeout=15) == 0
-        s = stats(redis_server, queue)
-        ran = executions(tmp_path)
-        assert (s.in_flight_batches, s.requeued) == (0, 0)
-        assert s.processed == len(ran) and sum(s.depth.values()) == 20_000 - len(ran)
-        start(start_consumer, url, queue, "Echo", log=tmp_path)  # serves the rest
-        assert [h.result(timeout=60)["echo"]["i"] for h in handles] == list(range(20_000))
+        assert [h.result(timeout=60)["echo"]["i"] for h in handles] == list(range(count))
         assert p.delivered_once(handles)
     assert all(n == 1 for n in executions(tmp_path).values())
 

@@ -55,35 +55,45 @@ def timed(label: str, n: int, client: redis.Redis, step: Any) -> Any:
     return out
 
 
-def drain_profile(url: str, n: int, batch: int) -> None:
+def drain_setup(url: str, queue: str, batch: int) -> tuple[redis.Redis, Consumer, Producer]:
+    """A queue (dynamic, batches of `batch`), a started in-process Consumer with a no-op
+    model, and a Producer whose listener does not run (a caller drains its inbox)."""
     client = redis.Redis.from_url(url)
-    queue = "profile"
     ensure_policy(client, queue, {"strategy": "dynamic", "max_batch_size": batch})
     consumer = Consumer(lambda payloads: payloads,
                         ConsumerConfig(redis_url=url, queue=queue, name="profiler"))
     consumer.start()
     producer = Producer(url, queue)
-    producer._ensure_listener = lambda: None  # type: ignore[method-assign]  # step 4 drains
+    producer._ensure_listener = lambda: None  # type: ignore[method-assign]
+    return client, consumer, producer
+
+
+def pop_all(consumer: Consumer, n: int) -> list[Batch]:
+    """Pop batches with the consumer's own call until `n` requests are out."""
+    batches: list[Batch] = []
+    while sum(len(b.items) for b in batches) < n:
+        outcome = consumer._pop()
+        if isinstance(outcome, Batch):
+            batches.append(outcome)
+        elif isinstance(outcome, Idle):  # a last partial batch, due after max_queue_delay
+            time.sleep(max(outcome.due_in_ms or 0, 1) / 1000)
+    return batches
+
+
+def complete_all(consumer: Consumer, batches: list[Batch]) -> None:
+    """Decode, run the no-op model, encode and complete each batch as the consumer does."""
+    for b in batches:
+        early, runnable = consumer._prepare(b)
+        results = consumer._run_isolated([payload for _, payload in runnable])
+        consumer._finish(Finished(b, early, [item for item, _ in runnable], results, 1))
+
+
+def drain_profile(url: str, n: int, batch: int) -> None:
+    client, consumer, producer = drain_setup(url, "profile", batch)
 
     def enqueue() -> list[Any]:
         return [h for s in range(0, n, 1000)
                 for h in producer.submit_many([{"i": i} for i in range(s, min(n, s + 1000))])]
-
-    def pop() -> list[Batch]:
-        batches: list[Batch] = []
-        while sum(len(b.items) for b in batches) < n:
-            outcome = consumer._pop()
-            if isinstance(outcome, Batch):
-                batches.append(outcome)
-            elif isinstance(outcome, Idle):  # a last partial batch, due after max_queue_delay
-                time.sleep(max(outcome.due_in_ms or 0, 1) / 1000)
-        return batches
-
-    def complete(batches: list[Batch]) -> None:
-        for b in batches:
-            early, runnable = consumer._prepare(b)
-            results = consumer._run_isolated([payload for _, payload in runnable])
-            consumer._finish(Finished(b, early, [item for item, _ in runnable], results, 1))
 
     def deliver() -> int:
         inbox, got = producer.keys.inbox(producer.id), 0
@@ -95,8 +105,8 @@ def drain_profile(url: str, n: int, batch: int) -> None:
         return got
 
     handles = timed("enqueue", n, client, enqueue)
-    batches = timed("pop", n, client, pop)
-    timed("complete", n, client, lambda: complete(batches))
+    batches = timed("pop", n, client, lambda: pop_all(consumer, n))
+    timed("complete", n, client, lambda: complete_all(consumer, batches))
     timed("deliver", n, client, deliver)
     assert all(h.done() for h in handles)
     print(f"{len(batches)} batches, mean size {n / len(batches):.1f}")

@@ -24,6 +24,7 @@ from scheduler_core.errors import InvalidRequest
 from scheduler_core.options import POLICY_KNOBS
 from scheduler_core.policy import MAX_REQUEST_COST, Policy, Priority
 from scheduler_core.simulation import (  # noqa: F401 (the importable API, as before)
+    AUTO_LEAD,
     DEFAULT_FETCH,
     DEFAULT_FINISH,
     DEFAULT_OVERHEAD_MS,
@@ -184,7 +185,9 @@ def render(result: SimResult, config: SimConfig, workload: str) -> str:
         f"t(b) = {config.cost}"
         + (f" x a measured ratio ({len(config.jitter):,} samples)" if config.jitter else "")
         + f", overhead {config.overhead_ms:g} ms per batch, fetch {config.fetch}, finish "
-        f"{config.finish}, transport {config.transport_ms:g} ms per request",
+        f"{config.finish}, fetch ahead "
+        + ("2 x fetch + 0.5 ms" if config.lead_ms == AUTO_LEAD else f"{config.lead_ms:g} ms")
+        + f" early, transport {config.transport_ms:g} ms per request",
         f"policy: {p.strategy}, max_batch_size {p.max_batch_size}, max_queue_delay_ms "
         f"{p.max_queue_delay_ms}, aging_ms {p.aging_ms}" + (
             f", max_cost {p.max_cost} ({p.over_cost}), max_batch_cost {p.max_batch_cost} "
@@ -272,6 +275,10 @@ def render(result: SimResult, config: SimConfig, workload: str) -> str:
               help="Model end to result seen for a batch of b, A+B*b ms; on the consumer "
                    "only when nothing was left waiting at its pop (default: fitted to the "
                    "benchmark grid).")
+@click.option("--lead-ms", type=float, default=None,
+              help="How long before its model ends a consumer fetching ahead (a backlog "
+                   "waits) pops its next batch, ms; 0 = at the end [default: twice "
+                   "--fetch-ms of the running batch plus 0.5, as consumer/overlap.py].")
 @click.option("--transport-ms", type=float, default=DEFAULT_TRANSPORT_MS, show_default=True,
               help="Submit to enqueue, ms per request; occupies no consumer (default: "
                    "measured on the benchmark grid).")
@@ -292,7 +299,7 @@ def simulate_command(strategy: str | None, max_batch_size: int | None,
                      consumers: int, prefer_buckets: str | None, only_buckets: str | None,
                      cost_ms: str,
                      overhead_ms: float, fetch_ms: str, finish_ms: str,
-                     transport_ms: float, cost_jitter: Path | None,
+                     lead_ms: float | None, transport_ms: float, cost_jitter: Path | None,
                      seed: int, as_json: bool) -> None:
     """Predict latency per priority, throughput, batch sizes and utilisation of a queue
     policy on a workload, by a discrete-event simulation of the scheduling rules (no
@@ -309,7 +316,8 @@ def simulate_command(strategy: str | None, max_batch_size: int | None,
     config = SimConfig(policy, CostModel.parse(cost_ms), consumers, overhead_ms, transport_ms,
                        prefs, PathTime.parse(fetch_ms, "fetch_ms"),
                        PathTime.parse(finish_ms, "finish_ms"), jitter, seed,
-                       _parse_prefs(only_buckets, "only_buckets") if only_buckets else ())
+                       _parse_prefs(only_buckets, "only_buckets") if only_buckets else (),
+                       AUTO_LEAD if lead_ms is None else lead_ms)
     mix_of_costs = parse_cost_mix(cost_mix) if cost_mix is not None else None
     costs: list[int] | None = None
     if trace is not None:

@@ -7,7 +7,8 @@ fetch (`Prefetcher.lead_s`), two helper threads take that work off the model's p
 (measured in docs/benchmarks.md, "Why the consumer works the way it does"):
 
 - Prefetcher: shortly before the running batch is expected to end (its last run time for
-  that size, less the recent time a fetch takes), pops the next batch and decodes it, so
+  that size, or for the nearest size run where this one has not run yet, less twice the
+  recent time a fetch takes and 0.5 ms), pops the next batch and decodes it, so
   the model starts it as soon as it is free. Timed to the end, not the start: a batch
   popped early holds its requests, and a HIGH request arriving after that pop waits for
   it. Popped at most a fetch time early, a HIGH request waits no longer than it would
@@ -45,7 +46,9 @@ from consumer.due_timer import DueTimer
 
 log = logging.getLogger("batchgate.consumer")
 
-FETCH_MARGIN_S = 0.0005  # added to twice the recent fetch time when timing a prefetch
+# Added to twice the recent fetch time when timing a prefetch (the simulator models the
+# same lead: scheduler_core/simulation.py, PREFETCH_MARGIN_US).
+FETCH_MARGIN_S = 0.0005
 
 # Overlap.plan's answers
 MODEL, COMPLETION, ALONE = "model", "completion", "alone"
@@ -75,15 +78,24 @@ class Overlap:
         if batch.remaining <= 0 or self._stopping.is_set() \
                 or any(item.attempts != 1 for item in batch.items):
             return ALONE
-        expected = self._model_s.get(size)
-        if expected is None or expected >= self._prefetcher.lead_s:
+        if not self._model_s or self._expected_s(size) >= self._prefetcher.lead_s:
             return MODEL
         return COMPLETION
 
     def prefetch(self, size: int) -> None:
         """Arm the next fetch to land as the model is expected to finish `size` requests."""
-        expected = self._model_s.get(size, 0.0)
-        self._prefetcher.arm(time.monotonic() + max(0.0, expected - self._prefetcher.lead_s))
+        self._prefetcher.arm(time.monotonic() +
+                             max(0.0, self._expected_s(size) - self._prefetcher.lead_s))
+
+    def _expected_s(self, size: int) -> float:
+        """The model's last time for `size`; for a size not run yet, that of the nearest
+        size run (the largest below it, else the smallest above): a fetch armed at 0
+        would pop a whole model time early. 0 before any batch ran."""
+        known = self._model_s
+        if size in known or not known:
+            return known.get(size, 0.0)
+        below = [s for s in known if s < size]
+        return known[max(below)] if below else known[min(known)]
 
     def ran(self, size: int, model_s: float) -> None:
         self._model_s[size] = model_s

@@ -12,7 +12,11 @@ the model, the distributed path as consumer/overlap.py runs it:
 
 - fetch(b): pop → model start (the pop's round trip, decoding the payloads), on the
   consumer. Hidden behind the previous batch when that one was popped with requests left
-  waiting (the consumer fetched ahead): then the gap is only `overhead_ms`.
+  waiting (the consumer fetched ahead): then the gap is only `overhead_ms`. Such a
+  consumer decides its next batch `lead_ms` before its model ends, as the real one pops
+  it (by default twice fetch(b) plus 0.5 ms), and starts it when the model is free: a
+  decision made a little early sees the queue as it was then (a level just emptied by
+  another consumer's batch, say).
 - finish(b): model end → result seen (encoding, complete.lua, delivery). On the result's
   path always; on the consumer only when the batch was popped with nothing left waiting
   (no overlap: the consumer completes it before it pops again).
@@ -61,6 +65,10 @@ DEFAULT_TRANSPORT_MS = 0.5
 # A wait of 0 that is not a batch (pop_batch.lua gives one while a promotion is pending):
 # a consumer pops again after a round trip; never less than this.
 MIN_REPOLL_US = 100
+# A consumer fetching ahead pops its next batch twice its recent fetch time plus this
+# margin before its model is expected to end (consumer/overlap.py, FETCH_MARGIN_S).
+PREFETCH_MARGIN_US = 500
+AUTO_LEAD = -1.0  # SimConfig.lead_ms: derived from the fetch time, as the consumer does
 MAX_REQUESTS = 20_000_000  # about 2 GB of Python objects at the peak
 PERCENTILES = (50, 95, 99)
 _NUMBER = r"(\d+(?:\.\d*)?|\.\d+)"
@@ -184,12 +192,21 @@ class SimConfig:
     jitter_seed: int = 1
     # Each consumer's --only-bucket (1-based, 0 = every bucket), one per consumer; () = none.
     only_buckets: tuple[int, ...] = ()
+    # How long before its model ends a consumer that fetches ahead pops its next batch, ms
+    # (consumer/overlap.py arms the pop twice a fetch plus 0.5 ms early). AUTO_LEAD: twice
+    # fetch(b) of the running batch plus 0.5 ms; 0: at the end (an in-process batcher).
+    lead_ms: float = AUTO_LEAD
 
     def __post_init__(self) -> None:
         if isinstance(self.consumers, bool) or not isinstance(self.consumers, int) or \
                 not 1 <= self.consumers <= 4096:
             raise InvalidRequest("consumers", f"must be an integer in [1, 4096], got "
                                               f"{self.consumers!r}")
+        if not (isinstance(self.lead_ms, (int, float)) and
+                (self.lead_ms == AUTO_LEAD or 0 <= self.lead_ms <= 60_000)):
+            raise InvalidRequest("lead_ms", f"must be within [0, 60000] ms or {AUTO_LEAD} "
+                                            f"(twice the fetch plus 0.5 ms), got "
+                                            f"{self.lead_ms!r}")
         for name in ("overhead_ms", "transport_ms"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and 0 <= value <= 60_000):
@@ -271,6 +288,12 @@ def simulate(config: SimConfig, times: list[float], prios: list[int],
     # A consumer that popped its running batch with requests left waiting fetches the next
     # one ahead (consumer/overlap.py): free at `ahead[c]`, it pops without a fetch.
     ahead = [-1] * config.consumers
+    busy_until = [0] * config.consumers  # when its running model ends (a fetch ahead waits)
+    # Before its first batch has run a consumer knows no model time, and fetches ahead as
+    # the model starts (consumer/overlap.py); later, lead before the model's end.
+    knows_model = [False] * config.consumers
+    lead = [round(2 * f + PREFETCH_MARGIN_US) if config.lead_ms == AUTO_LEAD
+            else round(config.lead_ms * 1000) for f in fetch]
     repoll = max(overhead, MIN_REPOLL_US)
     levels = [_Level(), _Level(), _Level()]
     done = [0] * n  # when each request's result is seen (µs)
@@ -329,16 +352,20 @@ def simulate(config: SimConfig, times: list[float], prios: list[int],
                 if draw is not None:
                     model = round(model * draw(jitter))
                 idle.remove(consumer)
-                end = now + (overhead if ahead[consumer] == now else fetch[size]) + model
+                start = max(now, busy_until[consumer])
+                end = start + (overhead if ahead[consumer] == now else fetch[size]) + model
                 seen = end + finish[size] + transport
                 for p in decision.picked:
                     done[p.request.id] = seen  # type: ignore[index]
                 waiting -= size
-                if waiting:  # overlapped: completed beside the next batch
-                    ahead[consumer] = end
-                    push(free_at, (end, consumer))
+                if waiting:  # overlapped: fetches its next batch ahead, completes beside it
+                    fetch_at = max(now, end - (lead[size] if knows_model[consumer] else model))
+                    ahead[consumer], busy_until[consumer] = fetch_at, end
+                    push(free_at, (fetch_at, consumer))
                 else:  # completed on the consumer before it pops again
+                    busy_until[consumer] = end + finish[size]
                     push(free_at, (end + finish[size], consumer))
+                knows_model[consumer] = True
                 histogram[size] += 1
                 model_us += model
             else:

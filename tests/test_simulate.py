@@ -76,9 +76,11 @@ def test_priority_serves_high_first_normal_by_its_window_low_when_nothing_else_w
 
 
 def test_aging_lifts_low_out_of_a_steady_normal_load():
-    """LOW waits while NORMAL keeps the only consumer busy, until aging_ms lifts it."""
+    """LOW waits while NORMAL keeps the only consumer busy, until aging_ms lifts it. (It
+    arrives after the first batch, which the consumer fetches ahead of at once: no model
+    time known yet.)"""
     normal = [float(k) for k in range(0, 3000)]  # one NORMAL per ms, t(b) = 1 ms per item
-    times, prios = [0.5, *normal], [2, *[1] * len(normal)]
+    times, prios = [10.5, *normal], [2, *[1] * len(normal)]
     order = sorted(range(len(times)), key=lambda k: times[k])
     result = run(Strategy.PRIORITY, [times[k] for k in order], [prios[k] for k in order],
                  cost="0+1.05*b", max_batch_size=4, max_queue_delay_ms=5, aging_ms=500)
@@ -183,6 +185,27 @@ def test_a_batch_fetched_ahead_skips_the_fetch_and_finishes_beside_the_next():
     assert result.batch_histogram == {1: 1, 32: 2}
     assert result.latency_ms["all"]["p50"] == pytest.approx(first, abs=0.1)
     assert result.latency_ms["all"]["max"] == pytest.approx(second, abs=0.1)
+
+
+@pytest.mark.parametrize(("lead_ms", "low_ms", "high_ms"), [(3, 29, 22), (0, 39, 18)])
+def test_a_consumer_fetching_ahead_decides_lead_ms_before_its_model_ends(lead_ms, low_ms,
+                                                                         high_ms):
+    # HIGH at 0 runs 0-10 ms; LOW (1 ms) and HIGH (2 ms) wait. At 10 the HIGH runs with
+    # the LOW left waiting, so the consumer fetches ahead: 3 ms before that model ends it
+    # finds only the LOW and takes it, and the HIGH arriving at 18 ms waits for it (done
+    # at 40). Deciding at the end (lead 0), it takes that HIGH first and the LOW last.
+    config = SimConfig(Policy(strategy=Strategy.PRIORITY, max_batch_size=1),
+                       CostModel.parse("10"), 1, overhead_ms=0, transport_ms=0,
+                       fetch=NO_PATH, finish=NO_PATH, lead_ms=lead_ms)
+    result = simulate(config, [0.0, 0.001, 0.002, 0.018], [0, 2, 0, 0])
+    assert result.latency_ms["low"]["max"] == pytest.approx(low_ms, abs=0.01)
+    assert result.latency_ms["high"]["max"] == pytest.approx(high_ms, abs=0.01)
+
+
+def test_a_bad_lead_is_refused_naming_the_field():
+    with pytest.raises(InvalidRequest) as err:
+        SimConfig(lead_ms=-2)
+    assert err.value.field == "lead_ms"
 
 
 def test_without_a_backlog_the_consumer_finishes_before_it_pops_again():

@@ -28,6 +28,7 @@ from typing import Any
 import orjson
 
 from batchgate.simulate import (
+    AUTO_LEAD,
     DEFAULT_FETCH,
     DEFAULT_FINISH,
     DEFAULT_OVERHEAD_MS,
@@ -82,7 +83,8 @@ def compare(results: dict[str, Any], overhead_ms: float = DEFAULT_OVERHEAD_MS,
                            transport_ms if distributed else IN_PROCESS_TRANSPORT_MS,
                            fetch=fetch if distributed else none,
                            finish=finish if distributed else none,
-                           jitter=ratios, jitter_seed=workload.seed)
+                           jitter=ratios, jitter_seed=workload.seed,
+                           lead_ms=AUTO_LEAD if distributed else 0)  # no fetch ahead
         predicted = simulate(config, *workload.schedule()).to_dict()
         row: dict[str, Any] = {
             "label": run["label"], "system": spec["system"], "strategy": spec["strategy"],

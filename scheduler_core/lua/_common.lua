@@ -88,8 +88,7 @@ local function pop_fields(raw)
   if not a0 or a1 - a0 > 17 or #d > 17 or #n > 9 or #c > 10 or r1 - r0 > 10 then
     return nil
   end
-  return (d == '0' and 0 or tonumber(d)), (n == '0' and 0 or tonumber(n)),
-         (c == '' and 1 or tonumber(c))
+  return digits_or_zero(d), digits_or_zero(n), (c == '' and 1 or tonumber(c))
 end
 
 -- What a completion needs of a jobs value, without parse_job's table and envelope copy:

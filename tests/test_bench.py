@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.support import HEAVY
 
 pytest.importorskip("hdrh")
 
@@ -100,6 +101,7 @@ def test_priority_aging_promotes_waiting_requests():
 
 
 # -- the command, end to end, tiny ----------------------------------------------------
+@HEAVY
 @pytest.mark.skipif(not shutil.which("redis-server"), reason="redis-server is not on PATH")
 @pytest.mark.skipif(importlib.util.find_spec("rq") is None, reason="rq is not installed")
 def test_bench_quick_smoke(tmp_path: Path):
@@ -145,6 +147,7 @@ def test_profile_stages_smoke():
     assert "10 batches, mean size 30.0" in proc.stdout  # 9 full, the last one of 12
 
 
+@HEAVY
 @pytest.mark.skipif(not shutil.which("redis-server"), reason="redis-server is not on PATH")
 def test_load_step_smoke(tmp_path: Path):
     """batchgate/bench/load_step.py (the load step in docs/benchmarks.md) runs its three

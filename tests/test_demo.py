@@ -16,6 +16,7 @@ from typing import Any
 import orjson
 import pytest
 import redis
+from helpers.support import HEAVY
 
 from batchgate.demo import STRATEGIES, claims, percentiles, render, start_consumers, torch_threads
 from batchgate.embedded import RedisServerNotFound, embedded_redis
@@ -52,6 +53,7 @@ def check_every_request_answered(report: dict[str, Any]) -> None:
         assert sum(result["latency_ms"][p]["n"] for p in ("high", "normal", "low")) == requests
 
 
+@HEAVY
 @needs_redis
 def test_demo_embedded_shows_the_strategies_relations() -> None:
     report = demo_json("--duration", "2")
@@ -71,6 +73,7 @@ def test_demo_embedded_shows_the_strategies_relations() -> None:
     assert report["wall_s"] < 60
 
 
+@HEAVY
 @needs_redis
 @pytest.mark.timeout(240)  # over run_demo's 200 s: ~100 s on 2 busy cores, pyproject says 120
 def test_demo_with_the_real_minilm_model_shows_batchings_gain(shared_redis) -> None:

@@ -60,6 +60,8 @@ PLAN = {
 }
 MIN_TOTAL_CASES = 10_000
 CASES: dict[str, int] = {}
+# One worker runs the whole module, so that test_zz_fuzz_case_count sees every count.
+pytestmark = pytest.mark.xdist_group("fuzz")
 
 
 def fuzz(name: str) -> settings:

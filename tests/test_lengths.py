@@ -20,6 +20,8 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from helpers.support import HEAVY
+
 from batchgate import lengths  # noqa: E402
 
 BATCHGATE = shutil.which("batchgate", path=os.path.dirname(sys.executable)) or shutil.which(
@@ -121,6 +123,7 @@ def check_names(report: dict) -> list[str]:
     return [c["check"] for c in report["checks"]]
 
 
+@HEAVY
 @needs_redis
 @pytest.mark.timeout(150)
 def test_demo_scenario_lengths(tmp_path: Path) -> None:
@@ -158,6 +161,7 @@ def test_demo_lengths_refuses_an_unknown_config() -> None:
     assert "timing the generator" not in proc.stderr  # nothing ran
 
 
+@HEAVY
 @needs_redis
 @pytest.mark.timeout(150)
 def test_bench_lengths_smoke(tmp_path: Path) -> None:

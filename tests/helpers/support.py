@@ -11,12 +11,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import redis
 
 from helpers.processes import BATCHGATE  # noqa: F401 - re-exported
 from scheduler_core.admin import ensure_policy
 from scheduler_core.connection import connect
 from scheduler_core.keys import QueueKeys
+
+# The tests that run whole benchmarks or demos (several processes each, busy for 10-40 s):
+# pytest-xdist runs them one after another on one worker, beside the rest of the suite.
+HEAVY = pytest.mark.xdist_group("heavy")
 
 # A model module as a user would write one: imported by `batchgate consumer` from its
 # working directory. It logs each batch to <out>/<pid>.jsonl *before* running it, then

@@ -6,10 +6,14 @@ one and decodes its payloads, while the model idles. While more requests wait
 fetch (`Prefetcher.lead_s`), two helper threads take that work off the model's path
 (measured in docs/benchmarks.md, "Why the consumer works the way it does"):
 
-- Prefetcher: shortly before the running batch is expected to end (its last run time for
-  that size, or for the nearest size run where this one has not run yet, less twice the
-  recent time a fetch takes and 0.5 ms), pops the next batch and decodes it, so
-  the model starts it as soon as it is free. Timed to the end, not the start: a batch
+- Prefetcher: shortly before the running batch is expected to end (less twice the recent
+  time a fetch takes and 0.5 ms), pops the next batch and decodes it, so the model starts
+  it as soon as it is free. The end expected is the last run time of a batch of the same
+  shape: its size and its cost as the policy's cost_mode counts it (Σcost, or size × the
+  largest cost), so that a long generation is not timed by a short one of the same size.
+  For a shape not run yet, the time of the costliest shape run below it, scaled up by the
+  ratio of the costs (an over-estimate under a linear model: the fetch is late, never
+  early), else that of the cheapest shape above it. Timed to the end, not the start: a batch
   popped early holds its requests, and a HIGH request arriving after that pop waits for
   it. Popped at most a fetch time early, a HIGH request waits no longer than it would
   behind a batch popped at the model's end: t(max_batch) + t(1) at worst.
@@ -53,6 +57,12 @@ FETCH_MARGIN_S = 0.0005
 # Overlap.plan's answers
 MODEL, COMPLETION, ALONE = "model", "completion", "alone"
 
+# A batch's shape: (its size, its cost units as the policy's cost_mode counts them).
+Shape = tuple[int, int]
+# Shapes whose model time is kept: without costs a shape per batch size; with costs of
+# many values, a bound on the memory and on the scan for a shape not run yet.
+MAX_SHAPES = 256
+
 
 class Overlap:
     """Decides, batch by batch, whether the next fetch and this batch's completion run
@@ -63,9 +73,10 @@ class Overlap:
         self._prefetcher = Prefetcher(fetch)
         self._completer = Completer(finish)
         self._stopping = stopping
-        self._model_s: dict[int, float] = {}  # last model time per batch size
+        # last model time per shape (batch size, cost units), the newest MAX_SHAPES kept
+        self._model_s: dict[Shape, float] = {}
 
-    def plan(self, batch: Batch, size: int) -> str:
+    def plan(self, batch: Batch, shape: Shape) -> str:
         """How `batch`, `size` of whose requests the model runs, overlaps: MODEL (fetch
         ahead, complete beside the model), COMPLETION (the model is faster than a fetch:
         nothing hides the fetch, so only the completion runs beside the next pop and its
@@ -78,27 +89,36 @@ class Overlap:
         if batch.remaining <= 0 or self._stopping.is_set() \
                 or any(item.attempts != 1 for item in batch.items):
             return ALONE
-        if not self._model_s or self._expected_s(size) >= self._prefetcher.lead_s:
+        if not self._model_s or self._expected_s(shape) >= self._prefetcher.lead_s:
             return MODEL
         return COMPLETION
 
-    def prefetch(self, size: int) -> None:
-        """Arm the next fetch to land as the model is expected to finish `size` requests."""
+    def prefetch(self, shape: Shape) -> None:
+        """Arm the next fetch to land as the model is expected to finish a batch of
+        `shape`."""
         self._prefetcher.arm(time.monotonic() +
-                             max(0.0, self._expected_s(size) - self._prefetcher.lead_s))
+                             max(0.0, self._expected_s(shape) - self._prefetcher.lead_s))
 
-    def _expected_s(self, size: int) -> float:
-        """The model's last time for `size`; for a size not run yet, that of the nearest
-        size run (the largest below it, else the smallest above): a fetch armed at 0
-        would pop a whole model time early. 0 before any batch ran."""
+    def _expected_s(self, shape: Shape) -> float:
+        """The model's last time for `shape`; for a shape not run yet, see the module's
+        docstring (a fetch armed at 0 would pop a whole model time early, holding the
+        requests it pops). 0 before any batch ran."""
         known = self._model_s
-        if size in known or not known:
-            return known.get(size, 0.0)
-        below = [s for s in known if s < size]
-        return known[max(below)] if below else known[min(known)]
+        if shape in known or not known:
+            return known.get(shape, 0.0)
+        units = shape[1]
+        below = [s for s in known if s[1] <= units]
+        if below:
+            ref = max(below, key=lambda s: (s[1], s[0]))
+            return known[ref] * units / max(ref[1], 1)
+        return known[min(known, key=lambda s: (s[1], s[0]))]
 
-    def ran(self, size: int, model_s: float) -> None:
-        self._model_s[size] = model_s
+    def ran(self, shape: Shape, model_s: float) -> None:
+        known = self._model_s
+        known.pop(shape, None)  # re-inserted last: the newest shapes are kept
+        known[shape] = model_s
+        if len(known) > MAX_SHAPES:
+            del known[next(iter(known))]
 
     def complete(self, job: Finished) -> None:
         self._completer.submit(job)

@@ -40,7 +40,7 @@ from consumer.batch import (
 from consumer.due_timer import DueTimer
 from consumer.lease import EXIT_MODEL_HUNG, Held, LeaseKeeper, LeaseTimes, Report
 from consumer.loader import BatchModel
-from consumer.overlap import ALONE, MODEL, Overlap
+from consumer.overlap import ALONE, MODEL, Overlap, Shape
 from consumer.refit import CostRefit
 from consumer.streaming import Emit, StreamWriter
 from scheduler_core.admin import ensure_policy, store_policy, unknown_requests
@@ -443,14 +443,15 @@ class Consumer:
         self.batches_done += 1
         self.requests_done += len(batch.items)
         overlap = self._overlap
-        plan = overlap.plan(batch, len(runnable)) if overlap is not None else ALONE
+        shape = self._shape(runnable)
+        plan = overlap.plan(batch, shape) if overlap is not None else ALONE
         if runnable:
             if early:  # answer these now rather than after the model
                 self._hand_over(Finished(batch, early, last=False),
                                 overlap if plan != ALONE else None)
             if plan == MODEL:
-                overlap.prefetch(len(runnable))
-            done = self._run_model(batch, runnable, early)
+                overlap.prefetch(shape)
+            done = self._run_model(batch, runnable, early, shape)
         else:
             done = Finished(batch, early)
         if plan != ALONE:
@@ -473,8 +474,13 @@ class Consumer:
             return self._parse(reply)
         return POP_NOW if batch.remaining else IDLE_UNTIL_WOKEN
 
+    def _shape(self, runnable: list[tuple[Item, Any]]) -> Shape:
+        """(size, cost units) of the model's batch, by which its time is expected."""
+        costs = [item.cost for item, _ in runnable]
+        return len(costs), self.policy.batch_cost(costs) if self.policy else len(costs)
+
     def _run_model(self, batch: Batch, runnable: list[tuple[Item, Any]],
-                   answered_early: Answers) -> Finished:
+                   answered_early: Answers, shape: Shape) -> Finished:
         started = time.perf_counter()
         started_ns = time.time_ns() if self.tracer is not None else 0
         self._in_model = batch  # the lease thread's hang clock runs while this is set
@@ -494,7 +500,7 @@ class Consumer:
             self._trace_model(batch, runnable, results, started_ns)
         self.delay.record(len(runnable), model_s)
         if self._overlap is not None:
-            self._overlap.ran(len(runnable), model_s)
+            self._overlap.ran(shape, model_s)
         return Finished(batch, {}, [item for item, _ in runnable], results, int(model_s * 1e6),
                         answered_early=answered_early)
 

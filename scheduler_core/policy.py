@@ -10,6 +10,7 @@ from __future__ import annotations
 import bisect
 import enum
 import re
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -123,6 +124,13 @@ class Policy:
     allow_timeout_override: int = 1  # 1: a request's own deadline_ms replaces its default
     on_timeout: str = "reject"  # reject (DeadlineExceeded) or delay
     shards: int = 1  # physical queues (scheduler_core/shards.py); 1 = today's single queue
+
+    def batch_cost(self, costs: Sequence[int]) -> int:
+        """A batch's cost as cost_mode counts it: Σcost, or padded, its size × its largest
+        cost (what a padded tensor computes). Requests without a cost count 1 each."""
+        if not costs:
+            return 0
+        return len(costs) * max(costs) if self.cost_mode == "padded" else sum(costs)
 
     def __post_init__(self) -> None:
         try:

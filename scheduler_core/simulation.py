@@ -276,7 +276,6 @@ def simulate(config: SimConfig, times: list[float], prios: list[int],
     cost = [config.cost.us(b, b) for b in range(policy.max_batch_size + 1)]
     # Costs as enqueue.lua stores them: capped (truncate) or refused (reject) over max_cost.
     stored, refused, capped = _stored_costs(policy, costs, n)
-    padded = policy.cost_mode == "padded"
     per_cost = config.cost.per_cost_ms > 0
     pad_total = pad_waste = 0
     overhead = round(config.overhead_ms * 1000)
@@ -348,7 +347,7 @@ def simulate(config: SimConfig, times: list[float], prios: list[int],
                     pad_total += size * top
                     pad_waste += size * top - sum(batch_costs)
                     if per_cost:
-                        model = config.cost.us(size, size * top if padded else sum(batch_costs))
+                        model = config.cost.us(size, policy.batch_cost(batch_costs))
                 if draw is not None:
                     model = round(model * draw(jitter))
                 idle.remove(consumer)

@@ -7,7 +7,7 @@ import threading
 import time
 
 from consumer.batch import POP_NOW
-from consumer.overlap import Overlap
+from consumer.overlap import MAX_SHAPES, Overlap
 
 
 def overlap_recording(calls: list[float]) -> Overlap:
@@ -18,13 +18,13 @@ def overlap_recording(calls: list[float]) -> Overlap:
     return Overlap(fetch, lambda job: None, threading.Event())
 
 
-def test_a_size_not_run_yet_is_fetched_by_the_nearest_sizes_time_not_at_once():
+def test_a_size_not_run_yet_is_fetched_by_a_smaller_sizes_time_not_at_once():
     calls: list[float] = []
     overlap = overlap_recording(calls)
     try:
-        overlap.ran(4, 2.0)  # a batch of 4 took 2 s; 8 has not run
+        overlap.ran((4, 4), 2.0)  # a batch of 4 took 2 s; 8 has not run
         armed = time.monotonic()
-        overlap.prefetch(8)
+        overlap.prefetch((8, 8))
         time.sleep(0.2)
         assert calls == []  # armed for ~2 s less the lead, not fired at once
         overlap.take()  # the model ended early: fetched now
@@ -38,11 +38,49 @@ def test_before_any_batch_ran_the_fetch_ahead_is_armed_at_once():
     overlap = overlap_recording(calls)
     try:
         armed = time.monotonic()
-        overlap.prefetch(8)
+        overlap.prefetch((8, 8))
         deadline = time.monotonic() + 5
         while not calls and time.monotonic() < deadline:
             time.sleep(0.005)
         assert calls and calls[0] - armed < 1.0
         overlap.take()
+    finally:
+        overlap.close()
+
+
+def test_a_costly_batch_is_timed_by_its_cost_not_by_a_cheap_batch_of_its_size():
+    """A generation of 256 tokens after one of 16, both batches of 1: the fetch ahead is
+    not armed by the short one's time, which would pop the next batch (and hold its
+    requests) for most of the long one."""
+    calls: list[float] = []
+    overlap = overlap_recording(calls)
+    try:
+        overlap.ran((1, 16), 0.01)
+        assert overlap._expected_s((1, 256)) >= 0.01 * 16  # scaled up: late, never early
+        assert overlap._expected_s((1, 16)) == 0.01
+        overlap.ran((1, 256), 0.5)
+        assert overlap._expected_s((1, 256)) == 0.5  # each shape by its own last time
+        assert overlap._expected_s((1, 16)) == 0.01
+        assert overlap._expected_s((2, 32)) == 0.02  # the costliest below, scaled up
+        armed = time.monotonic()
+        overlap.prefetch((1, 256))
+        time.sleep(0.3)
+        assert calls == []  # not fired after the short one's 10 ms
+        overlap.take()
+        assert len(calls) == 1 and calls[0] - armed >= 0.3
+    finally:
+        overlap.close()
+
+
+def test_the_newest_shapes_are_kept():
+    overlap = overlap_recording([])
+    try:
+        for units in range(1, MAX_SHAPES + 2):
+            overlap.ran((1, units), units / 1000)
+        overlap.ran((1, 2), 0.5)  # run again: kept as the newest
+        overlap.ran((1, 10_000), 1.0)
+        assert len(overlap._model_s) == MAX_SHAPES
+        assert (1, 1) not in overlap._model_s and (1, 3) not in overlap._model_s
+        assert overlap._expected_s((1, 2)) == 0.5
     finally:
         overlap.close()

@@ -8,12 +8,15 @@ fetch (`Prefetcher.lead_s`), two helper threads take that work off the model's p
 
 - Prefetcher: shortly before the running batch is expected to end (less twice the recent
   time a fetch takes and 0.5 ms), pops the next batch and decodes it, so the model starts
-  it as soon as it is free. The end expected is the last run time of a batch of the same
-  shape: its size and its cost as the policy's cost_mode counts it (Σcost, or size × the
-  largest cost), so that a long generation is not timed by a short one of the same size.
-  For a shape not run yet, the time of the costliest shape run below it, scaled up by the
-  ratio of the costs (an over-estimate under a linear model: the fetch is late, never
-  early), else that of the cheapest shape above it. Timed to the end, not the start: a batch
+  it as soon as it is free. The end expected is the longest of the last RECENT_RUNS run
+  times of a batch of the same shape: its size and its cost as the policy's cost_mode
+  counts it (Σcost, or size × the largest cost), so that a long generation is not timed
+  by a short one of the same size. For a shape not run yet, the time of the costliest
+  shape run below it, scaled up by the ratio of the costs (an over-estimate under a
+  linear model), else that of the cheapest shape above it. Each errs late rather than
+  early: a fetch that lands late costs the model a fetch time, one that lands early holds
+  the requests it popped for the rest of the running batch, while another consumer may
+  be free. Timed to the end, not the start: a batch
   popped early holds its requests, and a HIGH request arriving after that pop waits for
   it. Popped at most a fetch time early, a HIGH request waits no longer than it would
   behind a batch popped at the model's end: t(max_batch) + t(1) at worst.
@@ -43,6 +46,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 
 from consumer.batch import POP_NOW, Batch, Finished, Next
@@ -59,9 +63,10 @@ MODEL, COMPLETION, ALONE = "model", "completion", "alone"
 
 # A batch's shape: (its size, its cost units as the policy's cost_mode counts them).
 Shape = tuple[int, int]
-# Shapes whose model time is kept: without costs a shape per batch size; with costs of
+# Shapes whose model times are kept: without costs a shape per batch size; with costs of
 # many values, a bound on the memory and on the scan for a shape not run yet.
 MAX_SHAPES = 256
+RECENT_RUNS = 4  # model times kept per shape; a fetch ahead is timed by their longest
 
 
 class Overlap:
@@ -73,8 +78,10 @@ class Overlap:
         self._prefetcher = Prefetcher(fetch)
         self._completer = Completer(finish)
         self._stopping = stopping
-        # last model time per shape (batch size, cost units), the newest MAX_SHAPES kept
+        # the longest of the recent model times per shape (batch size, cost units), and
+        # those times; the newest MAX_SHAPES shapes are kept
         self._model_s: dict[Shape, float] = {}
+        self._recent: dict[Shape, deque[float]] = {}
 
     def plan(self, batch: Batch, shape: Shape) -> str:
         """How `batch`, `size` of whose requests the model runs, overlaps: MODEL (fetch
@@ -100,9 +107,8 @@ class Overlap:
                              max(0.0, self._expected_s(shape) - self._prefetcher.lead_s))
 
     def _expected_s(self, shape: Shape) -> float:
-        """The model's last time for `shape`; for a shape not run yet, see the module's
-        docstring (a fetch armed at 0 would pop a whole model time early, holding the
-        requests it pops). 0 before any batch ran."""
+        """The model's time for `shape` (module docstring; a fetch armed at 0 would pop a
+        whole model time early). 0 before any batch ran."""
         known = self._model_s
         if shape in known or not known:
             return known.get(shape, 0.0)
@@ -114,11 +120,14 @@ class Overlap:
         return known[min(known, key=lambda s: (s[1], s[0]))]
 
     def ran(self, shape: Shape, model_s: float) -> None:
-        known = self._model_s
-        known.pop(shape, None)  # re-inserted last: the newest shapes are kept
-        known[shape] = model_s
+        known, recent = self._model_s, self._recent
+        times = recent.pop(shape, None) or deque(maxlen=RECENT_RUNS)
+        times.append(model_s)
+        known.pop(shape, None)  # both re-inserted last: the newest shapes are kept
+        known[shape], recent[shape] = max(times), times
         if len(known) > MAX_SHAPES:
-            del known[next(iter(known))]
+            oldest = next(iter(known))
+            del known[oldest], recent[oldest]
 
     def complete(self, job: Finished) -> None:
         self._completer.submit(job)

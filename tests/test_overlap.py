@@ -59,7 +59,7 @@ def test_a_costly_batch_is_timed_by_its_cost_not_by_a_cheap_batch_of_its_size():
         assert overlap._expected_s((1, 256)) >= 0.01 * 16  # scaled up: late, never early
         assert overlap._expected_s((1, 16)) == 0.01
         overlap.ran((1, 256), 0.5)
-        assert overlap._expected_s((1, 256)) == 0.5  # each shape by its own last time
+        assert overlap._expected_s((1, 256)) == 0.5  # each shape by its own times
         assert overlap._expected_s((1, 16)) == 0.01
         assert overlap._expected_s((2, 32)) == 0.02  # the costliest below, scaled up
         armed = time.monotonic()
@@ -82,5 +82,19 @@ def test_the_newest_shapes_are_kept():
         assert len(overlap._model_s) == MAX_SHAPES
         assert (1, 1) not in overlap._model_s and (1, 3) not in overlap._model_s
         assert overlap._expected_s((1, 2)) == 0.5
+    finally:
+        overlap.close()
+
+
+def test_a_shape_is_timed_by_its_longest_recent_run():
+    """A fetch ahead errs late: one timed by a quick run of a shape whose times vary would
+    pop the next batch early and hold its requests."""
+    overlap = overlap_recording([])
+    try:
+        for seconds in (0.2, 0.1, 0.12, 0.11):
+            overlap.ran((1, 256), seconds)
+        assert overlap._expected_s((1, 256)) == 0.2
+        overlap.ran((1, 256), 0.1)  # the 0.2 s run is RECENT_RUNS runs old now
+        assert overlap._expected_s((1, 256)) == 0.12
     finally:
         overlap.close()

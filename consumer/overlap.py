@@ -16,10 +16,10 @@ fetch (`Prefetcher.lead_s`), two helper threads take that work off the model's p
   linear model), else that of the cheapest shape above it. Each errs late rather than
   early: a fetch that lands late costs the model a fetch time, one that lands early holds
   the requests it popped for the rest of the running batch, while another consumer may
-  be free. Timed to the end, not the start: a batch
-  popped early holds its requests, and a HIGH request arriving after that pop waits for
-  it. Popped at most a fetch time early, a HIGH request waits no longer than it would
-  behind a batch popped at the model's end: t(max_batch) + t(1) at worst.
+  be free. For the same reason it is timed to the end, not the start: a HIGH request
+  arriving after the pop waits for the batch popped. Popped at most a fetch time early,
+  a HIGH request waits no longer than it would behind a batch popped at the model's end:
+  t(max_batch) + t(1) at worst.
 - Completer: encodes the finished batch's results and runs complete.lua while the model
   runs the next batch. At most two batches queue for it, so a slow Redis holds the model
   back rather than letting results pile up in memory; it is flushed before the consumer
@@ -84,10 +84,11 @@ class Overlap:
         self._recent: dict[Shape, deque[float]] = {}
 
     def plan(self, batch: Batch, shape: Shape) -> str:
-        """How `batch`, `size` of whose requests the model runs, overlaps: MODEL (fetch
-        ahead, complete beside the model), COMPLETION (the model is faster than a fetch:
-        nothing hides the fetch, so only the completion runs beside the next pop and its
-        decoding, and Redis works on one while the consumer works on the other) or ALONE.
+        """How `batch`, whose requests the model runs as a batch of `shape`, overlaps:
+        MODEL (fetch ahead, complete beside the model), COMPLETION (the model is faster
+        than a fetch: nothing hides the fetch, so only the completion runs beside the next
+        pop and its decoding, and Redis works on one while the consumer works on the
+        other) or ALONE.
 
         Only while a backlog waits and no stop was asked; not for a re-delivered request:
         it may crash the process, which would take a batch fetched ahead (and charge its

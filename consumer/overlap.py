@@ -78,9 +78,8 @@ class Overlap:
         self._prefetcher = Prefetcher(fetch)
         self._completer = Completer(finish)
         self._stopping = stopping
-        # the longest of the recent model times per shape (batch size, cost units), and
-        # those times; the newest MAX_SHAPES shapes are kept
-        self._model_s: dict[Shape, float] = {}
+        # the recent model times per shape (batch size, cost units); the newest
+        # MAX_SHAPES shapes are kept, in the order last run
         self._recent: dict[Shape, deque[float]] = {}
 
     def plan(self, batch: Batch, shape: Shape) -> str:
@@ -92,43 +91,43 @@ class Overlap:
 
         Only while a backlog waits and no stop was asked; not for a re-delivered request:
         it may crash the process, which would take a batch fetched ahead (and charge its
-        requests an attempt) or results not written yet with it.
+        requests an attempt) or results not written yet with it. The model counts as
+        faster than a fetch if its quickest recent run of the shape was: a run slowed by
+        the fetch's own thread (the GIL) must not keep the consumer fetching ahead.
         """
         if batch.remaining <= 0 or self._stopping.is_set() \
                 or any(item.attempts != 1 for item in batch.items):
             return ALONE
-        if not self._model_s or self._expected_s(shape) >= self._prefetcher.lead_s:
+        if not self._recent or self._expected_s(shape, min) >= self._prefetcher.lead_s:
             return MODEL
         return COMPLETION
 
     def prefetch(self, shape: Shape) -> None:
         """Arm the next fetch to land as the model is expected to finish a batch of
-        `shape`."""
+        `shape`: by the longest of its recent runs, late rather than early."""
         self._prefetcher.arm(time.monotonic() +
-                             max(0.0, self._expected_s(shape) - self._prefetcher.lead_s))
+                             max(0.0, self._expected_s(shape, max) - self._prefetcher.lead_s))
 
-    def _expected_s(self, shape: Shape) -> float:
-        """The model's time for `shape` (module docstring; a fetch armed at 0 would pop a
-        whole model time early). 0 before any batch ran."""
-        known = self._model_s
-        if shape in known or not known:
-            return known.get(shape, 0.0)
+    def _expected_s(self, shape: Shape, pick: Callable[[deque[float]], float]) -> float:
+        """The model's time for `shape`, `pick` of its recent runs (module docstring; a
+        fetch armed at 0 would pop a whole model time early). 0 before any batch ran."""
+        recent = self._recent
+        if shape in recent or not recent:
+            return pick(recent[shape]) if shape in recent else 0.0
         units = shape[1]
-        below = [s for s in known if s[1] <= units]
+        below = [s for s in recent if s[1] <= units]
         if below:
             ref = max(below, key=lambda s: (s[1], s[0]))
-            return known[ref] * units / max(ref[1], 1)
-        return known[min(known, key=lambda s: (s[1], s[0]))]
+            return pick(recent[ref]) * units / max(ref[1], 1)
+        return pick(recent[min(recent, key=lambda s: (s[1], s[0]))])
 
     def ran(self, shape: Shape, model_s: float) -> None:
-        known, recent = self._model_s, self._recent
-        times = recent.pop(shape, None) or deque(maxlen=RECENT_RUNS)
+        recent = self._recent
+        times = recent.pop(shape, None) or deque(maxlen=RECENT_RUNS)  # re-inserted last
         times.append(model_s)
-        known.pop(shape, None)  # both re-inserted last: the newest shapes are kept
-        known[shape], recent[shape] = max(times), times
-        if len(known) > MAX_SHAPES:
-            oldest = next(iter(known))
-            del known[oldest], recent[oldest]
+        recent[shape] = times
+        if len(recent) > MAX_SHAPES:
+            del recent[next(iter(recent))]
 
     def complete(self, job: Finished) -> None:
         self._completer.submit(job)

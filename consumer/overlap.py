@@ -112,8 +112,10 @@ class Overlap:
         """The model's time for `shape`, `pick` of its recent runs (module docstring; a
         fetch armed at 0 would pop a whole model time early). 0 before any batch ran."""
         recent = self._recent
-        if shape in recent or not recent:
-            return pick(recent[shape]) if shape in recent else 0.0
+        if shape in recent:
+            return pick(recent[shape])
+        if not recent:
+            return 0.0
         units = shape[1]
         below = [s for s in recent if s[1] <= units]
         if below:

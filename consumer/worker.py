@@ -443,7 +443,7 @@ class Consumer:
         self.batches_done += 1
         self.requests_done += len(batch.items)
         overlap = self._overlap
-        shape = self._shape(runnable)
+        shape = self._shape(runnable) if overlap is not None else None
         plan = overlap.plan(batch, shape) if overlap is not None else ALONE
         if runnable:
             if early:  # answer these now rather than after the model
@@ -480,7 +480,7 @@ class Consumer:
         return len(costs), self.policy.batch_cost(costs) if self.policy else len(costs)
 
     def _run_model(self, batch: Batch, runnable: list[tuple[Item, Any]],
-                   answered_early: Answers, shape: Shape) -> Finished:
+                   answered_early: Answers, shape: Shape | None) -> Finished:
         started = time.perf_counter()
         started_ns = time.time_ns() if self.tracer is not None else 0
         self._in_model = batch  # the lease thread's hang clock runs while this is set
@@ -499,7 +499,7 @@ class Consumer:
         if self.tracer is not None:
             self._trace_model(batch, runnable, results, started_ns)
         self.delay.record(len(runnable), model_s)
-        if self._overlap is not None:
+        if self._overlap is not None and shape is not None:
             self._overlap.ran(shape, model_s)
         return Finished(batch, {}, [item for item, _ in runnable], results, int(model_s * 1e6),
                         answered_early=answered_early)

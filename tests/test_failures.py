@@ -618,7 +618,8 @@ def test_the_policy_survives_redis_losing_its_data(redis_server, queue, start_co
     redis_server.restart()
     client = redis_server.client()
     assert wait_for(lambda: read_policy(client, queue), 15, "the policy again") == before
-    assert "lost its policy" in consumer.output()
+    # Its log line can reach the pipe after the policy reaches Redis.
+    assert wait_for(lambda: "lost its policy" in consumer.output(), 10, "the consumer to say")
     with Producer(url, queue) as p:
         assert p.submit({"after": "loss"}).result(timeout=15) == {"after": "loss"}
 

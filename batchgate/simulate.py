@@ -28,6 +28,7 @@ from scheduler_core.simulation import (  # noqa: F401 (the importable API, as be
     DEFAULT_FETCH,
     DEFAULT_FINISH,
     DEFAULT_OVERHEAD_MS,
+    DEFAULT_REACT_MS,
     DEFAULT_TRANSPORT_MS,
     MAX_REQUESTS,
     PathTime,
@@ -187,7 +188,8 @@ def render(result: SimResult, config: SimConfig, workload: str) -> str:
         + f", overhead {config.overhead_ms:g} ms per batch, fetch {config.fetch}, finish "
         f"{config.finish}, fetch ahead "
         + ("2 x fetch + 0.5 ms" if config.lead_ms == AUTO_LEAD else f"{config.lead_ms:g} ms")
-        + f" early, transport {config.transport_ms:g} ms per request",
+        + f" early, transport {config.transport_ms:g} ms per request, the next consumer "
+        f"{config.react_ms:g} ms after a pop",
         f"policy: {p.strategy}, max_batch_size {p.max_batch_size}, max_queue_delay_ms "
         f"{p.max_queue_delay_ms}, aging_ms {p.aging_ms}" + (
             f", max_cost {p.max_cost} ({p.over_cost}), max_batch_cost {p.max_batch_cost} "
@@ -282,6 +284,10 @@ def render(result: SimResult, config: SimConfig, workload: str) -> str:
 @click.option("--transport-ms", type=float, default=DEFAULT_TRANSPORT_MS, show_default=True,
               help="Submit to enqueue, ms per request; occupies no consumer (default: "
                    "measured on the benchmark grid).")
+@click.option("--react-ms", type=float, default=DEFAULT_REACT_MS, show_default=True,
+              help="From a pop that leaves work waiting to the next idle consumer's own pop, "
+                   "ms; 0 = at the same instant (default: fitted to the benchmark's "
+                   "priority runs).")
 @click.option("--cost-jitter", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               default=None,
               help="Measured model times, one SIZE:MODEL_US per line (a queue's "
@@ -299,8 +305,8 @@ def simulate_command(strategy: str | None, max_batch_size: int | None,
                      consumers: int, prefer_buckets: str | None, only_buckets: str | None,
                      cost_ms: str,
                      overhead_ms: float, fetch_ms: str, finish_ms: str,
-                     lead_ms: float | None, transport_ms: float, cost_jitter: Path | None,
-                     seed: int, as_json: bool) -> None:
+                     lead_ms: float | None, transport_ms: float, react_ms: float,
+                     cost_jitter: Path | None, seed: int, as_json: bool) -> None:
     """Predict latency per priority, throughput, batch sizes and utilisation of a queue
     policy on a workload, by a discrete-event simulation of the scheduling rules (no
     Redis, no model: about a million requests in seconds)."""
@@ -317,7 +323,7 @@ def simulate_command(strategy: str | None, max_batch_size: int | None,
                        prefs, PathTime.parse(fetch_ms, "fetch_ms"),
                        PathTime.parse(finish_ms, "finish_ms"), jitter, seed,
                        _parse_prefs(only_buckets, "only_buckets") if only_buckets else (),
-                       AUTO_LEAD if lead_ms is None else lead_ms)
+                       AUTO_LEAD if lead_ms is None else lead_ms, react_ms)
     mix_of_costs = parse_cost_mix(cost_mix) if cost_mix is not None else None
     costs: list[int] | None = None
     if trace is not None:

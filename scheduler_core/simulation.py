@@ -24,7 +24,10 @@ the model, the distributed path as consumer/overlap.py runs it:
 
 While every consumer is busy, requests queue. A consumer told "nothing due for W µs" sleeps
 until then or until something changes (an arrival, another consumer finishing), as a
-real one sleeps until its due timer or a wake-up.
+real one sleeps until its due timer or a wake-up. When a consumer's pop leaves work
+waiting, the next idle consumer decides `react_ms` later, not at the same instant: a real
+one is woken by that pop and pops itself a moment after, by when a new request may have
+arrived (under priority, a NORMAL arrival in that moment holds LOW back for another round).
 
 Requests may carry costs; the policy's cost settings then apply as pop_batch.lua applies
 them, requests above max_cost are refused (counted, not run) or capped
@@ -69,6 +72,9 @@ MIN_REPOLL_US = 100
 # margin before its model is expected to end (consumer/overlap.py, FETCH_MARGIN_S).
 PREFETCH_MARGIN_US = 500
 AUTO_LEAD = -1.0  # SimConfig.lead_ms: derived from the fetch time, as the consumer does
+# From one consumer's pop that leaves work waiting to the next idle consumer's decision
+# (docs/benchmarks.md, "The moment between two consumers' pops").
+DEFAULT_REACT_MS = 0.2
 MAX_REQUESTS = 20_000_000  # about 2 GB of Python objects at the peak
 PERCENTILES = (50, 95, 99)
 _NUMBER = r"(\d+(?:\.\d*)?|\.\d+)"
@@ -196,6 +202,9 @@ class SimConfig:
     # (consumer/overlap.py arms the pop twice a fetch plus 0.5 ms early). AUTO_LEAD: twice
     # fetch(b) of the running batch plus 0.5 ms; 0: at the end (an in-process batcher).
     lead_ms: float = AUTO_LEAD
+    # How long after another consumer's pop that left work waiting an idle consumer
+    # decides, ms (0: at the same instant).
+    react_ms: float = DEFAULT_REACT_MS
 
     def __post_init__(self) -> None:
         if isinstance(self.consumers, bool) or not isinstance(self.consumers, int) or \
@@ -207,7 +216,7 @@ class SimConfig:
             raise InvalidRequest("lead_ms", f"must be within [0, 60000] ms or {AUTO_LEAD} "
                                             f"(twice the fetch plus 0.5 ms), got "
                                             f"{self.lead_ms!r}")
-        for name in ("overhead_ms", "transport_ms"):
+        for name in ("overhead_ms", "transport_ms", "react_ms"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and 0 <= value <= 60_000):
                 raise InvalidRequest(name, f"must be within [0, 60000] ms, got {value!r}")
@@ -294,6 +303,7 @@ def simulate(config: SimConfig, times: list[float], prios: list[int],
     lead = [round(2 * f + PREFETCH_MARGIN_US) if config.lead_ms == AUTO_LEAD
             else round(config.lead_ms * 1000) for f in fetch]
     repoll = max(overhead, MIN_REPOLL_US)
+    react = round(config.react_ms * 1000)
     levels = [_Level(), _Level(), _Level()]
     done = [0] * n  # when each request's result is seen (µs)
     histogram = [0] * (policy.max_batch_size + 1)
@@ -367,6 +377,9 @@ def simulate(config: SimConfig, times: list[float], prios: list[int],
                 knows_model[consumer] = True
                 histogram[size] += 1
                 model_us += model
+                if react and idle and waiting:  # the others look a moment later
+                    timer = min(timer, now + react)
+                    break
             else:
                 break
     result = _result(config, arrival, prios, done, histogram, model_us,

@@ -58,6 +58,20 @@ def _add(rules, idx, prio, at):
     rules.add(inprocess.Req(idx, prio, at, None))
 
 
+def test_strategies_narrow_the_grid_and_bursty_sections_only():
+    import click
+
+    from batchgate.bench.run import build_plan, keep_strategies
+
+    plan = build_plan(False, 1.0, 2, ("grid", "bursty", "saturation"), (400.0,), 1)
+    kept = keep_strategies(plan, "priority")
+    assert {(s.section, s.system, s.strategy) for s in kept} == {
+        ("grid", "batchgate", "priority"), ("grid", "inprocess", "priority"),
+        ("bursty", "batchgate", "priority"), ("saturation", "batchgate", "dynamic")}
+    with pytest.raises(click.BadParameter, match="subset of fifo, dynamic, priority"):
+        keep_strategies(plan, "priority,lifo")
+
+
 def test_fifo_takes_oldest_across_priorities_without_waiting():
     rules = _rules("fifo", size=2)
     for i, prio in enumerate((2, 0, 1)):

@@ -37,7 +37,8 @@ NO_PATH = PathTime(0, 0)
 def run(strategy: Strategy, times_ms: list[float], prios: list[int], cost: str = "10",
         consumers: int = 1, **policy: int):
     config = SimConfig(Policy(strategy=strategy, **policy), CostModel.parse(cost), consumers,
-                       overhead_ms=0, transport_ms=0, fetch=NO_PATH, finish=NO_PATH)
+                       overhead_ms=0, transport_ms=0, fetch=NO_PATH, finish=NO_PATH,
+                       react_ms=0)
     return simulate(config, [t / 1000 for t in times_ms], prios)
 
 
@@ -73,6 +74,29 @@ def test_priority_serves_high_first_normal_by_its_window_low_when_nothing_else_w
     # NORMAL is due at 51 ms (until 61 ms) and the second LOW waits behind it (until 71 ms).
     assert ms == {"high": 18.0, "normal": 60.0, "low": 68.0}
     assert result.latency_ms["low"]["p50"] == 10.0
+
+
+@pytest.mark.parametrize(("react_ms", "low_ms"), [(0, 59), (0.2, 109.3)])
+def test_the_next_consumer_decides_react_ms_after_a_pop(react_ms, low_ms):
+    # A HIGH at 0 ms runs alone (0-10 ms), so the first consumer knows its model time and
+    # fetches ahead only at its model's end (lead 0). NORMAL at 20 ms is due at 70; LOW at
+    # 21 waits behind it; another NORMAL comes at 70.1. The first consumer pops the NORMAL
+    # at 70. Deciding at the same instant, the second finds NORMAL empty and runs the LOW
+    # (done at 80 ms). Deciding 0.2 ms later, it finds the new NORMAL: the LOW waits for
+    # that one's window and runs 0.2 ms after it is popped at 120.1 ms.
+    config = SimConfig(Policy(strategy=Strategy.PRIORITY, max_batch_size=8,
+                              max_queue_delay_ms=50, aging_ms=0),
+                       CostModel.parse("10"), 2, overhead_ms=0, transport_ms=0,
+                       fetch=NO_PATH, finish=NO_PATH, lead_ms=0, react_ms=react_ms)
+    result = simulate(config, [0.0, 0.020, 0.021, 0.0701], [0, 1, 2, 1])
+    assert result.latency_ms["low"]["max"] == pytest.approx(low_ms, abs=0.01)
+    assert result.latency_ms["normal"]["max"] == pytest.approx(60, abs=0.01)
+
+
+def test_a_bad_react_is_refused_naming_the_field():
+    with pytest.raises(InvalidRequest) as err:
+        SimConfig(react_ms=-1)
+    assert err.value.field == "react_ms"
 
 
 def test_aging_lifts_low_out_of_a_steady_normal_load():
@@ -340,6 +364,25 @@ def test_simcheck_simulates_the_benchmarks_sleep_model_runs():
     exact = compare({"runs": runs}, jitter=False)
     assert exact[0]["jitter_samples"] == 0
 
+
+
+def test_simcheck_takes_the_median_ratio_of_a_point_over_several_runs():
+    """Several results.json (other seeds): each point's median predicted/measured ratio,
+    and how many of its runs met the targets on their own."""
+    from batchgate.bench.simcheck import across, render_across
+
+    def row(seed: int, p99_predicted: float, busy: float = 0.5) -> dict[str, Any]:
+        return {"system": "batchgate", "strategy": "priority", "kind": "poisson",
+                "rate": 900.0, "seed": seed, "overloaded": False, "busy": busy,
+                "all_p50": (50.0, 50.0), "throughput_rps": (900.0, 900.0),
+                "mean_batch": (8.0, 8.0), "all_p99": (200.0, p99_predicted)}
+
+    rows = [row(1, 160.0), row(2, 200.0), row(3, 220.0), row(4, 100.0, busy=0.95)]
+    [point] = across(rows)  # the run at 95% busy is not held to the targets
+    assert (point["runs"], point["met"]) == (3, 2)
+    assert point["median_ratio"]["all_p99"] == pytest.approx(1.0)
+    assert point["median_within"] is True
+    assert "2 of 3" in render_across([point])
 
 
 def test_simcheck_fits_the_path_to_a_calibration_runs_stage_means():

@@ -668,6 +668,17 @@ def build_plan(quick: bool, scale: float, consumers: int, sections: tuple[str, .
 
 
 # -- the command ----------------------------------------------------------------------
+def keep_strategies(plan: list[RunSpec], strategies: str) -> list[RunSpec]:
+    """--strategies: the grid and bursty sections' batchgate and in-process runs of these
+    strategies only (no RQ baseline there); the other sections as planned."""
+    wanted = {s.strip() for s in strategies.split(",") if s.strip()}
+    if not wanted or wanted - {"fifo", "dynamic", "priority"}:
+        raise click.BadParameter(f"{strategies!r}: a comma-separated subset of fifo, "
+                                 "dynamic, priority", param_hint="--strategies")
+    return [s for s in plan if s.section not in ("grid", "bursty")
+            or (s.system in ("batchgate", "inprocess") and s.strategy in wanted)]
+
+
 @contextlib.contextmanager
 def redis_for_bench(url: str | None) -> Iterator[tuple[str, bool]]:
     if url:
@@ -696,6 +707,10 @@ def redis_for_bench(url: str | None) -> Iterator[tuple[str, bool]]:
               help="Comma-separated arrival rates (req/s) for the strategy grid "
                    f"[default: {','.join(map(str, QUICK_GRID))} with --quick, else "
                    f"{','.join(map(str, FULL_GRID))}].")
+@click.option("--strategies", default=None,
+              help="Comma-separated subset of fifo, dynamic, priority: the grid and bursty "
+                   "sections run only these, and without their RQ baseline [default: all, "
+                   "with RQ].")
 @click.option("--scale", type=click.FloatRange(0.01, 100), default=1.0, show_default=True,
               help="Multiply every duration and request count (0.1 for a smoke run).")
 @click.option("--seed", type=int, default=1, show_default=True,
@@ -707,8 +722,8 @@ def redis_for_bench(url: str | None) -> Iterator[tuple[str, bool]]:
               metavar="DIR",
               help="Run nothing: re-analyse DIR/results.json and rewrite its report and plots.")
 def bench_command(quick: bool, out_dir: Path | None, redis_url: str | None, consumers: int,
-                  sections: str | None, grid: str | None, scale: float, seed: int,
-                  plots: bool, report_only: Path | None) -> None:
+                  sections: str | None, grid: str | None, strategies: str | None,
+                  scale: float, seed: int, plots: bool, report_only: Path | None) -> None:
     """Benchmark fifo, dynamic and priority against RQ, an in-process batcher and the
     raw-Redis ceiling; write results.json, results.md and PNG plots."""
     try:
@@ -732,6 +747,8 @@ def bench_command(quick: bool, out_dir: Path | None, redis_url: str | None, cons
     out = (out_dir or Path("bench", "results", stamp + ("-quick" if quick else ""))).resolve()
     out.mkdir(parents=True, exist_ok=True)
     plan = build_plan(quick, scale, consumers, chosen, rates, seed)
+    if strategies is not None:
+        plan = keep_strategies(plan, strategies)
     skipped = []
     if importlib.util.find_spec("rq") is None:
         plan = [s for s in plan if s.system != "rq"]

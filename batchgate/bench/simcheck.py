@@ -1,9 +1,9 @@
 """Predicted against measured: `batchgate simulate` on the runs of a benchmark.
 
     batchgate bench --sections grid,bursty --grid 20,100,400,900,1800 --out DIR
-    python -m batchgate.bench.simcheck DIR/results.json [--overhead-ms X] [--transport-ms Y]
-        [--fetch-ms A+B*b] [--finish-ms A+B*b] [--path-from CAL/results.json]
-        [--no-jitter] [--json]
+    python -m batchgate.bench.simcheck DIR/results.json [DIR2/results.json ...]
+        [--overhead-ms X] [--transport-ms Y] [--react-ms Z] [--fetch-ms A+B*b]
+        [--finish-ms A+B*b] [--path-from CAL/results.json] [--no-jitter] [--json]
 
 For every run of results.json on the synthetic sleep model with Poisson or bursty
 arrivals (the grid and bursty sections, batchgate and in-process), it simulates the same
@@ -15,8 +15,11 @@ sleeps the consumers measured, as a queue's {bg:q}:samples:model would hold them
 in-process runs, which have no Redis between producer and batcher, the flat path they
 were validated with (IN_PROCESS_*). `--path-from` fits the path to another run on the
 same host instead (a calibration run, e.g. `--grid 20,900`: see fit_path) and prints the
-terms it found, which `batchgate simulate` takes as they are. docs/benchmarks.md ("The
-simulator against the real system") has the figures.
+terms it found, which `batchgate simulate` takes as they are. Given several results.json
+(the same bench with other seeds), it adds each point's median ratio over the runs: a
+p99 of a few seconds' requests under priority rests on a few long LOW waits, and moves
+more between seeds than the targets allow. docs/benchmarks.md ("The simulator against
+the real system") has the figures.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from batchgate.simulate import (
     DEFAULT_FETCH,
     DEFAULT_FINISH,
     DEFAULT_OVERHEAD_MS,
+    DEFAULT_REACT_MS,
     DEFAULT_TRANSPORT_MS,
     CostModel,
     PathTime,
@@ -64,7 +68,8 @@ def samples_of(measured: dict[str, Any]) -> list[tuple[int, float]]:
 
 def compare(results: dict[str, Any], overhead_ms: float = DEFAULT_OVERHEAD_MS,
             transport_ms: float = DEFAULT_TRANSPORT_MS, fetch: PathTime = DEFAULT_FETCH,
-            finish: PathTime = DEFAULT_FINISH, jitter: bool = True) -> list[dict[str, Any]]:
+            finish: PathTime = DEFAULT_FINISH, jitter: bool = True,
+            react_ms: float = DEFAULT_REACT_MS) -> list[dict[str, Any]]:
     rows = []
     none = PathTime(0, 0)
     for run in results["runs"]:
@@ -84,11 +89,12 @@ def compare(results: dict[str, Any], overhead_ms: float = DEFAULT_OVERHEAD_MS,
                            fetch=fetch if distributed else none,
                            finish=finish if distributed else none,
                            jitter=ratios, jitter_seed=workload.seed,
-                           lead_ms=AUTO_LEAD if distributed else 0)  # no fetch ahead
+                           lead_ms=AUTO_LEAD if distributed else 0,  # no fetch ahead
+                           react_ms=react_ms)
         predicted = simulate(config, *workload.schedule()).to_dict()
         row: dict[str, Any] = {
             "label": run["label"], "system": spec["system"], "strategy": spec["strategy"],
-            "rate": workload.rate, "kind": workload.kind,
+            "rate": workload.rate, "kind": workload.kind, "seed": workload.seed,
             "overloaded": measured.get("overloaded"), "jitter_samples": len(ratios),
             "busy": measured.get("busy_fraction"),
             "throughput_rps": (measured["throughput_rps"], predicted["throughput_rps"]),
@@ -184,11 +190,53 @@ def render(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def across(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per point (system, strategy, arrivals, λ) of runs under MAX_BUSY: the median over
+    the runs of each figure's predicted/measured ratio, and how many runs met the targets."""
+    points: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for row in rows:
+        if within(row) is not None:
+            key = (row["system"], row["strategy"], row["kind"], row["rate"])
+            points.setdefault(key, []).append(row)
+    out = []
+    for (system, strategy, kind, rate), runs in points.items():
+        medians = {}
+        for figure in TOLERANCE:
+            ratios = sorted(r for row in runs if (r := ratio(row[figure])) is not None)
+            n = len(ratios)
+            medians[figure] = None if not n else \
+                ratios[n // 2] if n % 2 else (ratios[n // 2 - 1] + ratios[n // 2]) / 2
+        out.append({"system": system, "strategy": strategy, "kind": kind, "rate": rate,
+                    "runs": len(runs), "met": sum(bool(within(row)) for row in runs),
+                    "median_ratio": medians,
+                    "median_within": all(m is not None and abs(m - 1) <= TOLERANCE[f]
+                                         for f, m in medians.items())})
+    return out
+
+
+def render_across(points: list[dict[str, Any]]) -> str:
+    cols = list(TOLERANCE)
+    lines = ["| point | runs met | " + " | ".join(f"{c} median ×" for c in cols) +
+             " | medians within |", "|" + "---|" * (len(cols) + 3)]
+    for p in points:
+        cells = [f"{m:.2f}" if (m := p["median_ratio"][c]) is not None else "–" for c in cols]
+        lines.append(f"| {p['system']} {p['strategy']} {p['kind']} λ={p['rate']:g} | "
+                     f"{p['met']} of {p['runs']} | " + " | ".join(cells) +
+                     f" | {'yes' if p['median_within'] else 'no'} |")
+    for system in sorted({p["system"] for p in points}):
+        mine = [p for p in points if p["system"] == system]
+        lines.append(f"{system}: {sum(p['median_within'] for p in mine)} of {len(mine)} points "
+                     "within the targets by their median ratio over the runs")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("results", type=Path, help="results.json of a batchgate bench run")
+    parser.add_argument("results", type=Path, nargs="+",
+                        help="results.json of a batchgate bench run (several: other seeds)")
     parser.add_argument("--overhead-ms", type=float, default=DEFAULT_OVERHEAD_MS)
     parser.add_argument("--transport-ms", type=float, default=DEFAULT_TRANSPORT_MS)
+    parser.add_argument("--react-ms", type=float, default=DEFAULT_REACT_MS)
     parser.add_argument("--fetch-ms", default=str(DEFAULT_FETCH).removesuffix(" ms"))
     parser.add_argument("--finish-ms", default=str(DEFAULT_FINISH).removesuffix(" ms"))
     parser.add_argument("--path-from", type=Path, metavar="RESULTS",
@@ -207,13 +255,24 @@ def main() -> None:
         path = (f"path fitted to {args.path_from}: --transport-ms {transport_ms:g} "
                 f"--fetch-ms {str(fetch).removesuffix(' ms')} "
                 f"--finish-ms {str(finish).removesuffix(' ms')}")
-    rows = compare(orjson.loads(args.results.read_bytes()), args.overhead_ms, transport_ms,
-                   fetch, finish, not args.no_jitter)
+    per_file = [compare(orjson.loads(results.read_bytes()), args.overhead_ms, transport_ms,
+                        fetch, finish, not args.no_jitter, args.react_ms)
+                for results in args.results]
+    rows = [row for rows in per_file for row in rows]
+    points = across(rows) if len(per_file) > 1 else None
     if args.json:
-        print(orjson.dumps({"path": path, "rows": rows} if path else rows,
-                           option=orjson.OPT_INDENT_2).decode())
+        if path or points is not None:
+            print(orjson.dumps({"path": path, "rows": rows, "across": points},
+                               option=orjson.OPT_INDENT_2).decode())
+        else:
+            print(orjson.dumps(rows, option=orjson.OPT_INDENT_2).decode())
     else:
-        print(render(rows) + (f"\n{path}" if path else ""))
+        text = "\n\n".join(f"{results}\n\n{render(rows)}" if points is not None
+                           else render(rows)
+                           for results, rows in zip(args.results, per_file, strict=True))
+        if points is not None:
+            text += f"\n\nacross the {len(per_file)} runs\n\n{render_across(points)}"
+        print(text + (f"\n{path}" if path else ""))
 
 
 if __name__ == "__main__":

@@ -55,6 +55,7 @@ from producer.sync import Producer
 from scheduler_core.admin import store_policy
 from scheduler_core.errors import BatchgateError
 from scheduler_core.keys import QueueKeys
+from scheduler_core.policy import Strategy
 from scheduler_core.wire import Result
 
 SUBMIT_CHUNK = 10_000  # Producer.submit_many's limit per call
@@ -671,10 +672,11 @@ def build_plan(quick: bool, scale: float, consumers: int, sections: tuple[str, .
 def keep_strategies(plan: list[RunSpec], strategies: str) -> list[RunSpec]:
     """--strategies: the grid and bursty sections' batchgate and in-process runs of these
     strategies only (no RQ baseline there); the other sections as planned."""
+    known = [str(s) for s in Strategy]
     wanted = {s.strip() for s in strategies.split(",") if s.strip()}
-    if not wanted or wanted - {"fifo", "dynamic", "priority"}:
-        raise click.BadParameter(f"{strategies!r}: a comma-separated subset of fifo, "
-                                 "dynamic, priority", param_hint="--strategies")
+    if not wanted or wanted - set(known):
+        raise click.BadParameter(f"{strategies!r}: a comma-separated subset of "
+                                 f"{', '.join(known)}", param_hint="--strategies")
     return [s for s in plan if s.section not in ("grid", "bursty")
             or (s.system in ("batchgate", "inprocess") and s.strategy in wanted)]
 

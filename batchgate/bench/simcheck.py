@@ -25,6 +25,7 @@ the real system") has the figures.
 from __future__ import annotations
 
 import argparse
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -202,10 +203,8 @@ def across(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for (system, strategy, kind, rate), runs in points.items():
         medians = {}
         for figure in TOLERANCE:
-            ratios = sorted(r for row in runs if (r := ratio(row[figure])) is not None)
-            n = len(ratios)
-            medians[figure] = None if not n else \
-                ratios[n // 2] if n % 2 else (ratios[n // 2 - 1] + ratios[n // 2]) / 2
+            ratios = [r for row in runs if (r := ratio(row[figure])) is not None]
+            medians[figure] = statistics.median(ratios) if ratios else None
         out.append({"system": system, "strategy": strategy, "kind": kind, "rate": rate,
                     "runs": len(runs), "met": sum(bool(within(row)) for row in runs),
                     "median_ratio": medians,
@@ -267,10 +266,11 @@ def main() -> None:
         else:
             print(orjson.dumps(rows, option=orjson.OPT_INDENT_2).decode())
     else:
-        text = "\n\n".join(f"{results}\n\n{render(rows)}" if points is not None
-                           else render(rows)
-                           for results, rows in zip(args.results, per_file, strict=True))
-        if points is not None:
+        if points is None:
+            text = render(rows)
+        else:
+            text = "\n\n".join(f"{results}\n\n{render(mine)}" for results, mine
+                               in zip(args.results, per_file, strict=True))
             text += f"\n\nacross the {len(per_file)} runs\n\n{render_across(points)}"
         print(text + (f"\n{path}" if path else ""))
 

@@ -37,6 +37,7 @@ from scheduler_core.simulation import (  # noqa: F401 (the importable API, as be
     _Level,
     draw_costs,
     jitter_ratios,
+    path_offsets,
     simulate,
 )
 from scheduler_core.simulation import ModelTime as CostModel
@@ -168,6 +169,29 @@ def read_model_samples(path: Path) -> list[tuple[int, float]]:
     return out
 
 
+def read_path_samples(path: Path) -> list[float]:
+    """Measured path times, ms, one per line (a bench run's `path_samples_ms`: intended
+    arrival -> enqueue plus model end -> result seen, per request). Blank lines are
+    skipped."""
+    out: list[float] = []
+    with path.open() as f:
+        for number, line in enumerate(f, 1):
+            text = line.strip()
+            if not text:
+                continue
+            try:
+                ms = float(text)
+            except ValueError:
+                ms = -1.0
+            if not 0 <= ms <= 60_000:
+                raise InvalidRequest("path_spread", f"{path}:{number}: {text!r} is not a time "
+                                                    "in ms within [0, 60000]")
+            out.append(ms)
+            if len(out) > MAX_REQUESTS:
+                raise InvalidRequest("path_spread", f"more than {MAX_REQUESTS:,} samples")
+    return out
+
+
 # -- the command --------------------------------------------------------------------------
 def _policy_option(flag: str) -> Any:
     """The same option, help and limits as `batchgate policy set` has."""
@@ -188,8 +212,10 @@ def render(result: SimResult, config: SimConfig, workload: str) -> str:
         + f", overhead {config.overhead_ms:g} ms per batch, fetch {config.fetch}, finish "
         f"{config.finish}, fetch ahead "
         + ("2 x fetch + 0.5 ms" if config.lead_ms == AUTO_LEAD else f"{config.lead_ms:g} ms")
-        + f" early, transport {config.transport_ms:g} ms per request, the next consumer "
-        f"{config.react_ms:g} ms after a pop",
+        + f" early, transport {config.transport_ms:g} ms per request"
+        + (f" (path spread from {len(config.path_spread):,} samples)"
+           if config.path_spread else "")
+        + f", the next consumer {config.react_ms:g} ms after a pop",
         f"policy: {p.strategy}, max_batch_size {p.max_batch_size}, max_queue_delay_ms "
         f"{p.max_queue_delay_ms}, aging_ms {p.aging_ms}" + (
             f", max_cost {p.max_cost} ({p.over_cost}), max_batch_cost {p.max_batch_cost} "
@@ -293,6 +319,12 @@ def render(result: SimResult, config: SimConfig, workload: str) -> str:
               help="Measured model times, one SIZE:MODEL_US per line (a queue's "
                    "{bg:q}:samples:model list): each batch's t(b) is multiplied by one of "
                    "their ratios to their own A+B*b fit, drawn with --seed [default: none].")
+@click.option("--path-samples", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              default=None,
+              help="Measured path times, ms, one per line (a bench run's path_samples_ms): "
+                   "each request's result is seen later or earlier by one of their "
+                   "differences from their mean, drawn with --seed: the path's spread, "
+                   "which its constant terms leave out [default: none].")
 @click.option("--seed", type=int, default=1, show_default=True,
               help="Random seed of the arrivals (that of batchgate bench gives its requests).")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
@@ -306,7 +338,8 @@ def simulate_command(strategy: str | None, max_batch_size: int | None,
                      cost_ms: str,
                      overhead_ms: float, fetch_ms: str, finish_ms: str,
                      lead_ms: float | None, transport_ms: float, react_ms: float,
-                     cost_jitter: Path | None, seed: int, as_json: bool) -> None:
+                     cost_jitter: Path | None, path_samples: Path | None, seed: int,
+                     as_json: bool) -> None:
     """Predict latency per priority, throughput, batch sizes and utilisation of a queue
     policy on a workload, by a discrete-event simulation of the scheduling rules (no
     Redis, no model: about a million requests in seconds)."""
@@ -323,7 +356,8 @@ def simulate_command(strategy: str | None, max_batch_size: int | None,
                        prefs, PathTime.parse(fetch_ms, "fetch_ms"),
                        PathTime.parse(finish_ms, "finish_ms"), jitter, seed,
                        _parse_prefs(only_buckets, "only_buckets") if only_buckets else (),
-                       AUTO_LEAD if lead_ms is None else lead_ms, react_ms)
+                       AUTO_LEAD if lead_ms is None else lead_ms, react_ms,
+                       path_offsets(read_path_samples(path_samples)) if path_samples else ())
     mix_of_costs = parse_cost_mix(cost_mix) if cost_mix is not None else None
     costs: list[int] | None = None
     if trace is not None:

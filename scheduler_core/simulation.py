@@ -22,6 +22,9 @@ the model, the distributed path as consumer/overlap.py runs it:
   (no overlap: the consumer completes it before it pops again).
 - transport: submit → enqueue, per request, on no consumer.
 
+These are constants; `path_spread` adds the path's measured spread: each result is seen
+later or earlier by an offset drawn from measured path times (path_offsets).
+
 While every consumer is busy, requests queue. A consumer told "nothing due for W µs" sleeps
 until then or until something changes (an arrival, another consumer finishing), as a
 real one sleeps until its due timer or a wake-up. When a consumer's pop leaves work
@@ -159,6 +162,15 @@ DEFAULT_FETCH = PathTime(0.45, 0.05, "fetch_ms")
 DEFAULT_FINISH = PathTime(1.2, 0.06, "finish_ms")
 
 
+def path_offsets(samples: Sequence[float]) -> tuple[float, ...]:
+    """Measured path times, ms (per request: intended arrival -> enqueue plus model end ->
+    result seen), as offsets from their mean: SimConfig.path_spread."""
+    if len(samples) < 2:
+        raise InvalidRequest("path_spread", f"{len(samples)} path samples; at least 2 needed")
+    mean = sum(samples) / len(samples)
+    return tuple(round(s - mean, 3) for s in samples)
+
+
 def jitter_ratios(samples: Sequence[tuple[int, float]]) -> tuple[float, ...]:
     """Each measured model call's time over the least-squares line A + B·b through all of
     them (the fit the consumers' live refit makes): (batch size, ms) pairs in, ratios out.
@@ -205,6 +217,10 @@ class SimConfig:
     # How long after another consumer's pop that left work waiting an idle consumer
     # decides, ms (0: at the same instant).
     react_ms: float = DEFAULT_REACT_MS
+    # Offsets from the path's mean, ms (path_offsets): each request's result is seen one
+    # of them (drawn with jitter_seed) later or earlier than the constant path gives. The
+    # path's spread (a host's stalls), which its means alone leave out. () = none.
+    path_spread: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.consumers, bool) or not isinstance(self.consumers, int) or \
@@ -222,6 +238,9 @@ class SimConfig:
                 raise InvalidRequest(name, f"must be within [0, 60000] ms, got {value!r}")
         if not all(isinstance(r, (int, float)) and 0 < r <= 1000 for r in self.jitter):
             raise InvalidRequest("cost_jitter", "every ratio must be within (0, 1000]")
+        if not all(isinstance(d, (int, float)) and abs(d) <= 60_000 for d in self.path_spread):
+            raise InvalidRequest("path_spread", "every offset must be within [-60000, 60000] "
+                                                "ms")
         for name in ("fetch", "finish"):
             if not isinstance(getattr(self, name), PathTime):
                 raise InvalidRequest(name, f"must be a PathTime, got {getattr(self, name)!r}")
@@ -293,6 +312,8 @@ def simulate(config: SimConfig, times: list[float], prios: list[int],
     finish = [config.finish.us(b) for b in range(policy.max_batch_size + 1)]
     jitter = config.jitter
     draw = random.Random(f"jitter-{config.jitter_seed}").choice if jitter else None
+    spread = [round(d * 1000) for d in config.path_spread]
+    offset = random.Random(f"path-{config.jitter_seed}").choice if spread else None
     # A consumer that popped its running batch with requests left waiting fetches the next
     # one ahead (consumer/overlap.py): free at `ahead[c]`, it pops without a fetch.
     ahead = [-1] * config.consumers
@@ -365,7 +386,8 @@ def simulate(config: SimConfig, times: list[float], prios: list[int],
                 end = start + (overhead if ahead[consumer] == now else fetch[size]) + model
                 seen = end + finish[size] + transport
                 for p in decision.picked:
-                    done[p.request.id] = seen  # type: ignore[index]
+                    done[p.request.id] = (  # type: ignore[index]
+                        seen if offset is None else max(end, seen + offset(spread)))
                 waiting -= size
                 if waiting:  # overlapped: fetches its next batch ahead, completes beside it
                     fetch_at = max(now, end - (lead[size] if knows_model[consumer] else model))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from batchgate.simulate import (
     _Level,
     jitter_ratios,
     parse_mix,
+    path_offsets,
     poisson_arrivals,
     read_model_samples,
     read_trace,
@@ -282,6 +284,29 @@ def test_jitter_is_seeded_widens_p99_and_keeps_throughput():
     assert sim((1.0,)).latency_ms == exact.latency_ms  # a ratio of 1 changes nothing
 
 
+def test_the_paths_spread_offsets_each_result_and_keeps_the_mean():
+    # Lone requests, 5 ms model, a 2 ms constant path: one in ten is seen 9 ms late, the
+    # others 1 ms early (mean offset 0): p50 drops by 1 ms and p99 rises by 9.
+    offsets = path_offsets([1.0] * 9 + [11.0])
+    assert offsets == pytest.approx((-1,) * 9 + (9,))
+    config = SimConfig(Policy(strategy=Strategy.FIFO), CostModel.parse("5"), 1,
+                       overhead_ms=0, transport_ms=2, fetch=NO_PATH, finish=NO_PATH,
+                       path_spread=offsets)
+    times = [k * 0.05 for k in range(2000)]
+    spread = simulate(config, times, [1] * len(times))
+    plain = simulate(replace(config, path_spread=()), times, [1] * len(times))
+    assert plain.latency_ms["all"]["p99"] == 7
+    assert spread.latency_ms["all"]["p50"] == 6 and spread.latency_ms["all"]["p99"] == 16
+    assert spread.throughput_rps == pytest.approx(plain.throughput_rps, rel=0.01)
+    assert simulate(config, times, [1] * len(times)).latency_ms == spread.latency_ms
+    with pytest.raises(InvalidRequest) as info:
+        SimConfig(path_spread=(1.0, 70_000.0))
+    assert info.value.field == "path_spread"
+    with pytest.raises(InvalidRequest) as info:
+        path_offsets([3.0])
+    assert info.value.field == "path_spread"
+
+
 def test_the_command_takes_the_path_and_a_jitter_file(tmp_path: Path):
     samples = tmp_path / "samples.txt"
     samples.write_text("".join(f"{b}:{round((5 + 0.5 * b) * 1000 * r)}\n"
@@ -299,6 +324,17 @@ def test_the_command_takes_the_path_and_a_jitter_file(tmp_path: Path):
         plain["latency_ms"]["all"]["p50"]
     text = CliRunner().invoke(main, args[:-1] + ["--cost-jitter", str(samples)]).output
     assert "x a measured ratio (12 samples)" in text and "fetch 0.45+0.05*b ms" in text
+    path = tmp_path / "path.txt"
+    path.write_text("2.0\n2.0\n\n2.5\n30\n")
+    spread = CliRunner().invoke(main, args + ["--path-samples", str(path)])
+    assert spread.exit_code == 0, spread.output
+    assert json.loads(spread.output)["latency_ms"]["all"]["p99"] > \
+        plain["latency_ms"]["all"]["p99"]
+    text = CliRunner().invoke(main, args[:-1] + ["--path-samples", str(path)]).output
+    assert "path spread from 4 samples" in text
+    path.write_text("2.0\nslow\n")
+    bad = CliRunner().invoke(main, args + ["--path-samples", str(path)])
+    assert bad.exit_code == 2 and "path_spread" in bad.output and "path.txt:2" in bad.output
     samples.write_text("32\n")
     bad = CliRunner().invoke(main, args + ["--cost-jitter", str(samples)])
     assert bad.exit_code == 2 and "cost_jitter" in bad.output
@@ -363,7 +399,40 @@ def test_simcheck_simulates_the_benchmarks_sleep_model_runs():
     assert "λ=200" in render(rows) and "runs under 90% busy" in render(rows)
     exact = compare({"runs": runs}, jitter=False)
     assert exact[0]["jitter_samples"] == 0
+    # a calibration's spread at the nearest rate offsets each result as simulate's would
+    offsets = (-1.0,) * 9 + (9.0,)
+    spread = compare({"runs": runs}, spreads={20: (0.0,), 150: offsets})
+    expected = simulate(SimConfig(Policy.build("dynamic", aging_ms=1000), CostModel(5, 0.5),
+                                  2, jitter=ratios, jitter_seed=3, path_spread=offsets),
+                        *workload.schedule())
+    assert spread[0]["all_p99"] == (60.0, expected.latency_ms["all"]["p99"])
 
+
+
+def test_simcheck_fits_the_path_to_several_calibration_files(tmp_path: Path, monkeypatch,
+                                                            capsys):
+    from batchgate.bench import simcheck
+
+    def cal(name: str, batch: float, rate: float, path: list[float]) -> Path:
+        stages = {"submit_to_enqueue": {"mean": 0.4}, "pop_to_model": {"mean": 0.5 + batch / 10},
+                  "model_to_seen": {"mean": 1.0}}
+        run = {"spec": {"system": "batchgate", "workload": {"rate": rate}}, "summary": {
+            "batch_mean": batch, "overloaded": False, "stages_ms": stages,
+            "generator_lag_ms": {"mean": 0.1}, "path_samples_ms": path}}
+        file = tmp_path / name
+        file.write_bytes(json.dumps({"runs": [run]}).encode())
+        return file
+
+    light, heavy = cal("light.json", 1, 20, [2.0, 3.0, 7.0]), cal("heavy.json", 31, 900, [4, 6])
+    grid = tmp_path / "grid.json"
+    grid.write_text('{"runs": []}')
+    monkeypatch.setattr("sys.argv", ["simcheck", str(grid), "--path-from", str(light),
+                                     str(heavy)])
+    simcheck.main()
+    out = capsys.readouterr().out
+    assert (f"path fitted to {light}, {heavy}: --transport-ms 0.5 --fetch-ms 0.5+0.1*b "
+            "--finish-ms 1+0*b;") in out
+    assert "spread from the path samples at λ 20 (3), 900 (2)" in out
 
 
 def test_simcheck_takes_the_median_ratio_of_a_point_over_several_runs():
@@ -386,23 +455,31 @@ def test_simcheck_takes_the_median_ratio_of_a_point_over_several_runs():
 
 
 def test_simcheck_fits_the_path_to_a_calibration_runs_stage_means():
-    """--path-from: transport is the median of the kept-up batchgate runs' submit→enqueue
-    means; fetch and finish are the least-squares line of their stage means over mean
-    batch size (overloaded and other systems' runs left out)."""
-    from batchgate.bench.simcheck import fit_path
+    """--path-from: transport is the median of the kept-up batchgate runs' intended
+    arrival→enqueue means; fetch and finish are the least-squares line of their stage
+    means over mean batch size; the spread is each run's path samples about that run's
+    own mean, kept per arrival rate (overloaded and other systems' runs left out); a
+    run is simulated with the spread of the nearest rate."""
+    from batchgate.bench.simcheck import fit_path, nearest
 
     def run(system: str, batch: float, fetch: float, finish: float, transport: float,
-            overloaded: bool = False) -> dict[str, Any]:
-        stages = {"submit_to_enqueue": {"mean": transport}, "pop_to_model": {"mean": fetch},
-                  "model_to_seen": {"mean": finish}}
-        return {"spec": {"system": system}, "summary": {
-            "batch_mean": batch, "overloaded": overloaded, "stages_ms": stages}}
+            overloaded: bool = False, path: tuple[float, ...] = (), rate: float = 20
+            ) -> dict[str, Any]:
+        stages = {"submit_to_enqueue": {"mean": transport - 0.1},
+                  "pop_to_model": {"mean": fetch}, "model_to_seen": {"mean": finish}}
+        return {"spec": {"system": system, "workload": {"rate": rate}}, "summary": {
+            "batch_mean": batch, "overloaded": overloaded, "stages_ms": stages,
+            "generator_lag_ms": {"mean": 0.1}, "path_samples_ms": list(path)}}
 
-    runs = [run("batchgate", 1, 0.31, 0.47, 0.5), run("batchgate", 11, 0.41, 0.67, 0.2),
-            run("batchgate", 31, 0.61, 1.07, 0.3), run("batchgate", 31, 9, 9, 9, True),
-            run("rq", 1, 5, 5, 5)]
-    transport, fetch, finish = fit_path({"runs": runs})
+    runs = [run("batchgate", 1, 0.31, 0.47, 0.5, path=(1, 1, 4)),
+            run("batchgate", 11, 0.41, 0.67, 0.2, path=(10, 12), rate=900),
+            run("batchgate", 31, 0.61, 1.07, 0.3), run("batchgate", 31, 9, 9, 9, True, (99, 1)),
+            run("rq", 1, 5, 5, 5, path=(50, 1))]
+    transport, fetch, finish, spread = fit_path({"runs": runs})
     assert transport == 0.3
+    assert spread == {20: (-1, -1, 2), 900: (-1, 1)}
+    assert nearest(spread, 100) == (-1, -1, 2) and nearest(spread, 500) == (-1, 1)
+    assert nearest({}, 100) == ()
     assert (fetch.base_ms, fetch.per_item_ms) == (0.3, 0.01)
     assert (finish.base_ms, finish.per_item_ms) == (0.45, 0.02)
     with pytest.raises(SystemExit, match="two batch sizes"):

@@ -3,7 +3,8 @@
     batchgate bench --sections grid,bursty --grid 20,100,400,900,1800 --out DIR
     python -m batchgate.bench.simcheck DIR/results.json [DIR2/results.json ...]
         [--overhead-ms X] [--transport-ms Y] [--react-ms Z] [--fetch-ms A+B*b]
-        [--finish-ms A+B*b] [--path-from CAL/results.json] [--no-jitter] [--json]
+        [--finish-ms A+B*b] [--path-from CAL/results.json ... [--no-path-spread]]
+        [--no-jitter] [--json]
 
 For every run of results.json on the synthetic sleep model with Poisson or bursty
 arrivals (the grid and bursty sections, batchgate and in-process), it simulates the same
@@ -13,9 +14,12 @@ Each run's simulation is given that run's own model-time samples as `--cost-jitt
 sleeps the consumers measured, as a queue's {bg:q}:samples:model would hold them) unless
 --no-jitter. batchgate runs get the distributed path (the options, by default simulate's);
 in-process runs, which have no Redis between producer and batcher, the flat path they
-were validated with (IN_PROCESS_*). `--path-from` fits the path to another run on the
-same host instead (a calibration run, e.g. `--grid 20,900`: see fit_path) and prints the
-terms it found, which `batchgate simulate` takes as they are. Given several results.json
+were validated with (IN_PROCESS_*). `--path-from` fits the path to other runs on the
+same host instead (a calibration run, e.g. `--grid 20,900`: see fit_path): transport,
+fetch and finish, and the path's spread per arrival rate
+(each run simulated with the spread of the nearest rate; --no-path-spread leaves it
+out). It prints the terms it found, which `batchgate simulate` takes as they are
+(the spread as `--path-samples`, a run's path_samples_ms). Given several results.json
 (the same bench with other seeds), it adds each point's median ratio over the runs: a
 p99 of a few seconds' requests under priority rests on a few long LOW waits, and moves
 more between seeds than the targets allow. docs/benchmarks.md ("The simulator against
@@ -25,9 +29,10 @@ the real system") has the figures.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 
@@ -42,6 +47,7 @@ from batchgate.simulate import (
     PathTime,
     SimConfig,
     jitter_ratios,
+    path_offsets,
     simulate,
 )
 from batchgate.workload import Workload
@@ -70,7 +76,8 @@ def samples_of(measured: dict[str, Any]) -> list[tuple[int, float]]:
 def compare(results: dict[str, Any], overhead_ms: float = DEFAULT_OVERHEAD_MS,
             transport_ms: float = DEFAULT_TRANSPORT_MS, fetch: PathTime = DEFAULT_FETCH,
             finish: PathTime = DEFAULT_FINISH, jitter: bool = True,
-            react_ms: float = DEFAULT_REACT_MS) -> list[dict[str, Any]]:
+            react_ms: float = DEFAULT_REACT_MS,
+            spreads: dict[float, tuple[float, ...]] | None = None) -> list[dict[str, Any]]:
     rows = []
     none = PathTime(0, 0)
     for run in results["runs"]:
@@ -91,7 +98,8 @@ def compare(results: dict[str, Any], overhead_ms: float = DEFAULT_OVERHEAD_MS,
                            finish=finish if distributed else none,
                            jitter=ratios, jitter_seed=workload.seed,
                            lead_ms=AUTO_LEAD if distributed else 0,  # no fetch ahead
-                           react_ms=react_ms)
+                           react_ms=react_ms,
+                           path_spread=nearest(spreads, workload.rate) if distributed else ())
         predicted = simulate(config, *workload.schedule()).to_dict()
         row: dict[str, Any] = {
             "label": run["label"], "system": spec["system"], "strategy": spec["strategy"],
@@ -108,15 +116,27 @@ def compare(results: dict[str, Any], overhead_ms: float = DEFAULT_OVERHEAD_MS,
     return rows
 
 
-def fit_path(results: dict[str, Any]) -> tuple[float, PathTime, PathTime]:
-    """transport_ms, fetch(b) and finish(b) from the stage timings of a bench run's
-    batchgate runs that kept up: transport is the median of their submit → enqueue means;
-    fetch and finish are least-squares A + B·b over (mean batch, the stage's mean) of
-    pop → model start and model end → result seen. Means, not p50s: the path is one
-    number per request in the simulation, and a sum of stages keeps the stages' means,
-    not their p50s."""
+class HostPath(NamedTuple):
+    """The path around the model as fit_path measures it on one host."""
+
+    transport_ms: float
+    fetch: PathTime
+    finish: PathTime
+    spreads: dict[float, tuple[float, ...]]  # arrival rate -> path_offsets
+
+
+def fit_path(results: dict[str, Any]) -> HostPath:
+    """The path from the stage timings of a bench run's batchgate runs. Of the runs that
+    kept up: transport is the median of their intended arrival → enqueue means; fetch and
+    finish are least-squares A + B·b over (mean batch, the stage's mean) of pop → model
+    start and model end → result seen. Means, not p50s: the path is one number per request
+    in the simulation, and a sum of stages keeps the stages' means, not their p50s. The
+    spread at a rate is the path samples of the runs at that rate, each as offsets from
+    its own run's mean (a run's mean moves with its batch size; a loaded host's stalls
+    grow with the load)."""
     points: dict[str, list[tuple[float, float]]] = {"pop_to_model": [], "model_to_seen": []}
     transport = []
+    spreads: dict[float, list[float]] = {}
     for run in results["runs"]:
         measured = run.get("summary")
         if run["spec"]["system"] != "batchgate" or not measured or measured.get("overloaded"):
@@ -124,7 +144,11 @@ def fit_path(results: dict[str, Any]) -> tuple[float, PathTime, PathTime]:
         stages = measured.get("stages_ms") or {}
         if not all(stages.get(k) for k in (*points, "submit_to_enqueue")):
             continue
-        transport.append(stages["submit_to_enqueue"]["mean"])
+        transport.append(stages["submit_to_enqueue"]["mean"]
+                         + measured["generator_lag_ms"]["mean"])
+        if len(measured.get("path_samples_ms") or ()) >= 2:
+            spreads.setdefault(run["spec"]["workload"]["rate"], []).extend(
+                path_offsets(measured["path_samples_ms"]))
         for stage, rows in points.items():
             rows.append((measured["batch_mean"], stages[stage]["mean"]))
     if len(transport) < 2 or len({b for b, _ in points["pop_to_model"]}) < 2:
@@ -139,8 +163,17 @@ def fit_path(results: dict[str, Any]) -> tuple[float, PathTime, PathTime]:
         slope = max(0.0, slope)
         return PathTime(round(max(0.0, my - slope * mb), 3), round(slope, 4), name)
 
-    return (round(sorted(transport)[len(transport) // 2], 3),
-            line(points["pop_to_model"], "fetch_ms"), line(points["model_to_seen"], "finish_ms"))
+    return HostPath(round(statistics.median(transport), 3),
+                    line(points["pop_to_model"], "fetch_ms"),
+                    line(points["model_to_seen"], "finish_ms"),
+                    {rate: tuple(offsets) for rate, offsets in sorted(spreads.items())})
+
+
+def nearest(spreads: dict[float, tuple[float, ...]] | None, rate: float) -> tuple[float, ...]:
+    """The spread measured at the calibration rate nearest to `rate` (by ratio)."""
+    if not spreads:
+        return ()
+    return spreads[min(spreads, key=lambda r: abs(math.log(r / rate)))]
 
 
 def ratio(pair: tuple[float | None, float | None]) -> float | None:
@@ -238,24 +271,31 @@ def main() -> None:
     parser.add_argument("--react-ms", type=float, default=DEFAULT_REACT_MS)
     parser.add_argument("--fetch-ms", default=str(DEFAULT_FETCH).removesuffix(" ms"))
     parser.add_argument("--finish-ms", default=str(DEFAULT_FINISH).removesuffix(" ms"))
-    parser.add_argument("--path-from", type=Path, metavar="RESULTS",
-                        help="fit --transport-ms, --fetch-ms and --finish-ms to this bench "
-                             "run's stage timings (a calibration run on the same host)")
+    parser.add_argument("--path-from", type=Path, metavar="RESULTS", nargs="+",
+                        help="fit --transport-ms, --fetch-ms, --finish-ms and the path's spread "
+                             "to these bench runs' stage timings (calibration runs on the same "
+                             "host)")
+    parser.add_argument("--no-path-spread", action="store_true",
+                        help="with --path-from: the path's means only, not its spread")
     parser.add_argument("--no-jitter", action="store_true",
                         help="simulate each run's t(b) exactly, without its model samples")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    transport_ms = args.transport_ms
     fetch = PathTime.parse(args.fetch_ms, "fetch_ms")
     finish = PathTime.parse(args.finish_ms, "finish_ms")
-    path = ""
+    transport_ms, path, spreads = args.transport_ms, "", {}
     if args.path_from:
-        transport_ms, fetch, finish = fit_path(orjson.loads(args.path_from.read_bytes()))
-        path = (f"path fitted to {args.path_from}: --transport-ms {transport_ms:g} "
-                f"--fetch-ms {str(fetch).removesuffix(' ms')} "
-                f"--finish-ms {str(finish).removesuffix(' ms')}")
+        runs = [run for cal in args.path_from for run in orjson.loads(cal.read_bytes())["runs"]]
+        transport_ms, fetch, finish, spreads = fit_path({"runs": runs})
+        if args.no_path_spread:
+            spreads = {}
+        path = (f"path fitted to {', '.join(map(str, args.path_from))}: --transport-ms "
+                f"{transport_ms:g} --fetch-ms "
+                f"{str(fetch).removesuffix(' ms')} --finish-ms "
+                f"{str(finish).removesuffix(' ms')}; spread from the path samples at λ "
+                + (", ".join(f"{r:g} ({len(o):,})" for r, o in spreads.items()) or "none"))
     per_file = [compare(orjson.loads(results.read_bytes()), args.overhead_ms, transport_ms,
-                        fetch, finish, not args.no_jitter, args.react_ms)
+                        fetch, finish, not args.no_jitter, args.react_ms, spreads)
                 for results in args.results]
     rows = [row for rows in per_file for row in rows]
     points = across(rows) if len(per_file) > 1 else None

@@ -112,6 +112,12 @@ def summarize(rec: dict[str, list[Any]], spec: Any, cpu: dict[str, float]) -> di
     }
     out["generator_lag_ms"] = _ms([rec["t_submit"][i] - rec["t_sched"][i] for i in range(n)
                                    if rec["t_submit"][i] is not None])
+    # Per request, the path outside the queue and the model that no consumer waits on:
+    # intended arrival -> enqueue plus model end -> result seen, ms (every k-th, at most
+    # 10,000): what simcheck --path-from gives the simulator as its path's spread.
+    path = [round((rec["t_enq"][i] - rec["t_sched"][i] + seen[i] - rec["t1"][i]) * 1000, 3)
+            for i in done if rec["t_enq"][i] is not None and rec["t1"][i] is not None]
+    out["path_samples_ms"] = path[::-(-len(path) // 10_000)] if path else []
 
     batches: dict[tuple[Any, Any], tuple[int, float]] = {}
     for i in done:

@@ -144,7 +144,7 @@ def run_strategy(client: redis.Redis, redis_url: str, queue: str,
     def stamp(result: Result) -> None:
         arrived[result.id] = time.perf_counter()
 
-    with Producer(redis_url, queue, on_result=stamp) as producer:
+    with Producer(redis_url, queue, on_result=stamp).connect() as producer:
         pacer = threading.Thread(target=pace, args=(producer, arrivals, sent, errors),
                                  name="batchgate-demo-pacer", daemon=True)
         pacer.start()

@@ -274,7 +274,7 @@ def _replay(url: str, queue: str, times: list[float], costs: list[int],
     def stamp(result: Result) -> None:
         arrived[result.id] = time.perf_counter()
 
-    with Producer(url, queue, on_result=stamp) as producer:
+    with Producer(url, queue, on_result=stamp).connect() as producer:
         start = time.perf_counter() + 0.1
 
         def pace() -> None:

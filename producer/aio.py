@@ -213,6 +213,23 @@ class AsyncProducer(ProducerBase[AsyncHandle]):
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
+    async def connect(self) -> AsyncProducer:
+        """Do now what the first submit would otherwise do on its request's time: connect,
+        check the Redis version, load the enqueue script and start the result listener.
+        Call it at startup so that the first request after a deploy is not the slow one.
+        Returns the producer."""
+        if self._closed:
+            raise RuntimeError("producer is closed")
+        await require_redis_version_async(self._redis)
+        await self._redis.script_load(self._scripts.enqueue.script)
+        self._ensure_listener()
+        return self
+
+    def _ensure_listener(self) -> None:
+        if self._listener is None:
+            self._listener_redis = dedicated(self._redis)
+            self._listener = asyncio.get_running_loop().create_task(self._listen())
+
     async def _submit(self, payloads: Iterable[Any], priority: Any, deadline_ms: Any,
                       idempotency_keys: list[str | None] | None,
                       cost: Any = 1, store_result: Any = False) -> list[AsyncHandle]:
@@ -224,9 +241,7 @@ class AsyncProducer(ProducerBase[AsyncHandle]):
         loop = asyncio.get_running_loop()
         try:
             await require_redis_version_async(self._redis)  # once per client: BLMPOP needs 7
-            if self._listener is None:
-                self._listener_redis = dedicated(self._redis)
-                self._listener = loop.create_task(self._listen())
+            self._ensure_listener()
             ids = await self._enqueue(submission, loop)
         except BaseException:
             self._forget(submission.requests)

@@ -261,6 +261,18 @@ class Producer(ProducerBase[Handle]):
         self._timer_cond = threading.Condition()
 
     # -- public API -----------------------------------------------------------------
+    def connect(self) -> Producer:
+        """Do now what the first submit would otherwise do on its request's time: connect,
+        check the Redis version, load the enqueue script and start the result listener.
+        Call it at startup so that the first request after a deploy is not the slow one.
+        Returns the producer."""
+        if self._closed.is_set():
+            raise RuntimeError("producer is closed")
+        require_redis_version(self._redis)
+        self._redis.script_load(self._scripts.enqueue.script)
+        self._ensure_listener()
+        return self
+
     def submit(self, payload: Any, priority: Priority | int | str = Priority.NORMAL,
                deadline_ms: float | None = None, idempotency_key: str | None = None,
                cost: int = 1, store_result: bool = False) -> Handle:

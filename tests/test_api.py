@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -25,6 +26,7 @@ from producer import (
 )
 from scheduler_core.admin import queue_stats
 from scheduler_core.keys import QueueKeys
+from scheduler_core.scripts import Scripts
 
 # -- deadlines -----------------------------------------------------------------------
 
@@ -288,6 +290,39 @@ def test_async_producer_round_trip(shared_redis, queue, start_consumer):
             assert stored is not None and stored.value == {"a": 1}
             with pytest.raises(InvalidRequest, match="priority"):
                 await p.submit({}, priority="urgent")
+
+    asyncio.run(main())
+
+
+def test_connect_does_the_first_submits_setup_ahead(redis_server, queue, start_consumer):
+    """connect(), sync and asyncio: the enqueue script is loaded and the result listener
+    runs before any request (so the first request does not pay for them); submits then
+    work as before, and a closed producer refuses it."""
+    client = redis_server.client()
+    client.script_flush()  # every node's cache, where the server is a cluster
+    sha = Scripts(client).enqueue.sha
+
+    def listeners() -> int:
+        return sum(t.name.startswith("batchgate-listener-") for t in threading.enumerate())
+
+    before = listeners()
+    start_consumer(redis_server.url, queue, "--model", "consumer.models:noop")
+    with Producer(redis_server.url, queue) as p:
+        assert p.connect() is p
+        assert client.script_exists(sha) == [True]
+        assert listeners() == before + 1
+        assert p.submit({"a": 1}).result(timeout=10) == {"a": 1}
+    with pytest.raises(RuntimeError, match="closed"):
+        p.connect()
+
+    async def main() -> None:
+        client.script_flush()
+        async with AsyncProducer(redis_server.url, queue) as ap:
+            assert await ap.connect() is ap
+            assert client.script_exists(sha) == [True]
+            assert await (await ap.submit({"b": 2})).result(timeout=10) == {"b": 2}
+        with pytest.raises(RuntimeError, match="closed"):
+            await ap.connect()
 
     asyncio.run(main())
 

@@ -19,6 +19,7 @@ from helpers.support import configure, queue_pattern, snapshot
 from test_api import BAD_SUBMITS
 from test_api import test_async_cancel_and_deadline as async_cancel_and_deadline
 from test_api import test_async_producer_round_trip as async_round_trip
+from test_api import test_connect_does_the_first_submits_setup_ahead as connect_ahead
 from test_api import test_deadline_passed_while_waiting_is_not_run as deadline_while_waiting
 from test_distributed import (
     test_many_consumers_answer_every_request_exactly_once as exactly_once,
@@ -59,6 +60,10 @@ def test_crash_recovery_after_sigkill(topology, queue, start_consumer, tmp_path)
 
 def test_async_producer(topology, queue, start_consumer) -> None:
     async_round_trip(topology, queue, start_consumer)
+
+
+def test_connect(topology, queue, start_consumer) -> None:
+    connect_ahead(topology, queue, start_consumer)
 
 
 def test_streaming(topology, queue, start_consumer) -> None:

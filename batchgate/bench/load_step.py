@@ -111,7 +111,7 @@ def run_mode(url: str, mode: str, times: list[float], slo_ms: int, out: Path) ->
                             arrival_rate(reader, keys, window_s=2)))
         reader.close()
 
-    producer = Producer(url, queue, on_result=on_result)
+    producer = Producer(url, queue, on_result=on_result).connect()
     base = time.perf_counter() + 0.2
     sampler = threading.Thread(target=sample, args=(base,), daemon=True)
     sampler.start()

@@ -194,7 +194,7 @@ class BatchgateDriver(Driver):
 
     def begin(self) -> None:
         self.seen: list[tuple[float, Result]] = []
-        self.producer = Producer(self.ctx.redis_url, self.queue, on_result=self._stamp)
+        self.producer = Producer(self.ctx.redis_url, self.queue, on_result=self._stamp).connect()
         self.index: dict[str, int] = {}
 
     def _stamp(self, result: Result) -> None:

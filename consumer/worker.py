@@ -210,6 +210,8 @@ class Consumer:
             register_queue(self.redis, self.config.queue)
         self.delay.follow(self.policy)
         self.delay.step(force=True)  # the first pop already applies a derived delay
+        self.scripts.preload("pop_batch", "complete", "extend_lease", "requeue_expired",
+                             "expire_due")
         return self.policy
 
     def stop(self) -> None:

@@ -140,6 +140,12 @@ class ShardedProducer:
     def shards(self) -> int:
         return len(self.producers)
 
+    def connect(self) -> ShardedProducer:
+        """Producer.connect() for every shard's producer; returns this producer."""
+        for producer in self.producers:
+            producer.connect()
+        return self
+
     def refresh(self, force: bool = False) -> int:
         """Re-read the shard count (if SHARDS_REFRESH_S has passed, or `force`); the
         count now placed on."""
@@ -298,6 +304,13 @@ class AsyncShardedProducer:
     async def open(self) -> AsyncShardedProducer:
         if self._placer is None:
             await self.refresh(force=True)
+        return self
+
+    async def connect(self) -> AsyncShardedProducer:
+        """open(), then AsyncProducer.connect() for every shard's producer."""
+        await self.open()
+        for producer in self.producers:
+            await producer.connect()
         return self
 
     async def refresh(self, force: bool = False) -> int:

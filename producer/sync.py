@@ -269,7 +269,7 @@ class Producer(ProducerBase[Handle]):
         if self._closed.is_set():
             raise RuntimeError("producer is closed")
         require_redis_version(self._redis)
-        self._redis.script_load(self._scripts.enqueue.script)
+        self._scripts.preload("enqueue")
         self._ensure_listener()
         return self
 

@@ -16,7 +16,14 @@ from scheduler_core.errors import InvalidRequest
 from scheduler_core.keys import QueueKeys
 from scheduler_core.policy import MAX_REQUEST_COST, Priority
 from scheduler_core.scripts import NewRequest
-from scheduler_core.wire import CANCELLED, DEADLINE, DEFAULT_MAX_PAYLOAD_BYTES, encode_error
+from scheduler_core.tracing import current_trace
+from scheduler_core.wire import (
+    CANCELLED,
+    DEADLINE,
+    DEFAULT_MAX_PAYLOAD_BYTES,
+    encode_error,
+    encode_request,
+)
 
 MAX_DEADLINE_MS = 86_400_000  # 24 h
 MAX_BATCH_SUBMIT = 10_000  # requests per submit_many call (one atomic script call)
@@ -114,9 +121,6 @@ class ProducerConfig:
 def build_requests(config: ProducerConfig, payloads: Iterable[Any], priority: Any,
                    deadline_ms: Any, idempotency_keys: list[str | None] | None = None,
                    cost: Any = 1, store_result: Any = False) -> list[NewRequest]:
-    from scheduler_core.tracing import current_trace
-    from scheduler_core.wire import encode_request
-
     level = int(Priority.parse(priority))
     deadline = check_deadline(deadline_ms)
     payloads = list(payloads)

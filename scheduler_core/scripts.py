@@ -147,12 +147,19 @@ class Scripts:
     bulk_lease_release: Any
 
     def __init__(self, client: Any):
+        self.client = client
         reloading = {Script: ReloadingScript, AsyncScript: AsyncReloadingScript}
         for name in SCRIPT_NAMES:
             script = client.register_script(source(name))
             if type(script) in reloading:  # redis-py's (a client's own kind is kept as is)
                 script = reloading[type(script)](client, script.script)
             setattr(self, name.replace("/", "_"), script)
+
+    def preload(self, *names: str) -> None:
+        """SCRIPT LOAD these now (a sync client), so that a script's first call, on a
+        request's time, is not a NOSCRIPT, a load and a second call."""
+        for name in names:
+            self.client.script_load(getattr(self, name).script)
 
 
 class ScriptPipeline:

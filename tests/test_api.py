@@ -327,6 +327,23 @@ def test_connect_does_the_first_submits_setup_ahead(redis_server, queue, start_c
     asyncio.run(main())
 
 
+def test_consumer_loads_its_scripts_before_the_first_batch(redis_server, queue,
+                                                           start_consumer):
+    """A started consumer has loaded the scripts of its loop (pop, complete, lease, the
+    sweeps) before any request arrives, so that the first batch's completion is not a
+    NOSCRIPT, a load and a second call on its requests' time."""
+    client = redis_server.client()
+    client.script_flush()
+    scripts = Scripts(client)
+    loop = [scripts.pop_batch, scripts.complete, scripts.extend_lease,
+            scripts.requeue_expired, scripts.expire_due]
+    assert client.script_exists(*(s.sha for s in loop)) == [False] * len(loop)
+    start_consumer(redis_server.url, queue, "--model", "consumer.models:noop")
+    assert client.script_exists(*(s.sha for s in loop)) == [True] * len(loop)
+    with Producer(redis_server.url, queue) as p:
+        assert p.submit({"a": 1}).result(timeout=10) == {"a": 1}
+
+
 def test_async_cancel_and_deadline(shared_redis, queue):
     configure(shared_redis.url, queue, strategy="priority")  # no consumer runs
 

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import zlib
 
@@ -370,6 +371,34 @@ def test_async_sharded_producer_round_trip(shared_redis, queue, start_consumer, 
 
     asyncio.run(main())
     assert queue_stats(shared_redis.client(), queue).processed == 12
+
+
+def test_sharded_producers_connect_every_shard_ahead(shared_redis, queue, start_consumer,
+                                                     tmp_path):
+    """connect() sets up each shard's producer before traffic (its result listener, the
+    enqueue script), sync and asyncio; submits then work as before."""
+    url = shared_redis.url
+    configure(url, queue, shards=S, strategy="fifo")
+    RecordingModel(tmp_path).start(start_consumer, url, queue)
+
+    def listeners() -> int:
+        return sum(t.name.startswith("batchgate-listener-") for t in threading.enumerate())
+
+    before = listeners()
+    with ShardedProducer(url, queue) as p:
+        assert p.connect() is p
+        assert listeners() == before + S
+        assert [p.submit({"i": i}).result(timeout=30) for i in range(S)] == \
+            [{"i": i} for i in range(S)]
+
+    async def main() -> None:
+        async with AsyncShardedProducer(url, queue) as ap:
+            assert await ap.connect() is ap
+            assert ap.shards == S
+            assert all(shard._listener is not None for shard in ap.producers)
+            assert await (await ap.submit({"b": 2})).result(timeout=30) == {"b": 2}
+
+    asyncio.run(main())
 
 
 def test_exporter_sums_a_sharded_queue(shared_redis, queue):

@@ -133,9 +133,10 @@ class Gateway:
         self.scripts = Scripts(self.redis)
 
     async def open(self) -> None:
-        """Read the queue's shard count; with Redis down, leave it to the first request."""
+        """Read the queue's shard count and connect its producers (AsyncProducer.connect);
+        with Redis down, leave it to the first request."""
         try:
-            await self.sharded.open()
+            await self.sharded.connect()
         except (redis.RedisError, OSError) as exc:
             log.warning("gateway: cannot read queue %r's shard count yet (%s); reading it "
                         "on the first request", self.keys.queue, str(exc) or type(exc).__name__)

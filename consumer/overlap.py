@@ -131,6 +131,13 @@ class Overlap:
         if len(recent) > MAX_SHAPES:
             del recent[next(iter(recent))]
 
+    def fetch_here(self) -> Next:
+        """Fetch on the consumer's own thread (no fetch ahead was armed), timed like a
+        fetch ahead: whether to fetch ahead goes by the recent fetch time, which only
+        fetches made ahead would otherwise measure, so one slow fetch ahead could turn
+        fetching ahead off for good."""
+        return self._prefetcher.fetch_timed()
+
     def complete(self, job: Finished) -> None:
         self._completer.submit(job)
 
@@ -217,6 +224,19 @@ class Prefetcher:
     def close(self) -> None:
         self._timer.close()
 
+    def fetch_timed(self) -> Next:
+        """Fetch on the caller's thread; a fetch that brought a batch counts towards the
+        recent fetch time."""
+        started = time.perf_counter()
+        outcome = self._fetch()
+        if isinstance(outcome, Batch):
+            with self._cond:
+                self._timed(time.perf_counter() - started)
+        return outcome
+
+    def _timed(self, took: float) -> None:
+        self._fetch_s = took if not self._fetch_s else 0.8 * self._fetch_s + 0.2 * took
+
     def _run(self) -> None:
         with self._cond:
             self._state = "fetching"
@@ -228,7 +248,7 @@ class Prefetcher:
             result = (False, exc)
         took = time.perf_counter() - started
         with self._cond:
-            self._fetch_s = took if not self._fetch_s else 0.8 * self._fetch_s + 0.2 * took
+            self._timed(took)
             self._result, self._state = result, "done"
             self._cond.notify_all()
 

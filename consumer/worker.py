@@ -247,6 +247,8 @@ class Consumer:
                         next_step = self._process(step)
                     elif isinstance(step, Idle):
                         next_step = self._idle(step)
+                    elif self._overlap is not None:
+                        next_step = self._overlap.fetch_here()  # pop + decode, timed
                     else:
                         next_step = self._pop()
                     backoff.succeeded()

@@ -6,8 +6,9 @@ from __future__ import annotations
 import threading
 import time
 
-from consumer.batch import POP_NOW
-from consumer.overlap import MAX_SHAPES, Overlap
+from consumer.batch import POP_NOW, Batch, Item
+from consumer.overlap import COMPLETION, MAX_SHAPES, MODEL, Overlap
+from scheduler_core.wire import Outcome
 
 
 def overlap_recording(calls: list[float]) -> Overlap:
@@ -99,5 +100,34 @@ def test_a_shape_is_timed_by_its_longest_recent_run():
         assert overlap._expected_s((1, 256), min) == 0.1
         overlap.ran((1, 256), 0.1)  # the 0.2 s run is RECENT_RUNS runs old now
         assert overlap._expected_s((1, 256), max) == 0.12
+    finally:
+        overlap.close()
+
+
+def test_the_consumers_own_fetches_are_timed_so_one_slow_fetch_ahead_is_not_final():
+    """One slow fetch ahead (a GC pause, a busy Redis) makes the recent fetch time longer
+    than the model, so the consumer stops fetching ahead and pops on its own thread. Those
+    pops are timed too: once they are quick again, fetching ahead resumes."""
+    item = Item(id="r", envelope=b"", arrival_us=0, attempts=1, producer="p", state=Outcome.RUN,
+                level=1)
+    batch = Batch(id="b", popped_us=0, items=[item], remaining=10)
+    slow = [True]
+
+    def fetch():
+        if slow[0]:
+            time.sleep(0.05)
+        return batch
+
+    overlap = Overlap(fetch, lambda job: None, threading.Event())
+    try:
+        overlap.ran((1, 1), 0.01)  # the model takes 10 ms
+        assert overlap.plan(batch, (1, 1)) == MODEL
+        overlap.prefetch((1, 1))
+        assert overlap.take() is batch  # that fetch ahead took 50 ms
+        assert overlap.plan(batch, (1, 1)) == COMPLETION  # slower than the model
+        slow[0] = False
+        for _ in range(30):
+            assert overlap.fetch_here() is batch
+        assert overlap.plan(batch, (1, 1)) == MODEL
     finally:
         overlap.close()

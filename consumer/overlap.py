@@ -26,11 +26,14 @@ fetch (`Prefetcher.lead_s`), two helper threads take that work off the model's p
   exits, so a stop never drops computed results.
 
 A model faster than a fetch (a no-op, a tiny one) has nothing to hide a fetch behind;
-there the Completer alone runs each completion while the consumer pops and decodes the
-next batch, so that Redis executes complete.lua while the consumer's Python works.
+there the consumer sends the next pop before the model runs and reads its reply after
+encoding the results (`SentFetch`), while the Completer runs the completion: Redis pops
+and completes while the consumer's Python works, with no second thread decoding. Only
+while every recent run of the batch's shape was faster than a fetch: the batch popped so
+waits for no more than that run and its encoding.
 
-`Overlap` owns both: the consumer loop asks it whether a batch overlaps, and hands it the
-fetch timing, the completions and the take of the batch fetched ahead.
+`Overlap` owns them: the consumer loop asks it whether a batch overlaps, and hands it the
+fetch timing, the completions, the pop sent ahead and the take of the batch fetched.
 
 A consumer killed (SIGKILL, OOM, a crashing payload) loses what it holds as before, now up
 to three batches: the running one, one fetched ahead (its requests were charged the
@@ -42,12 +45,14 @@ not charge its neighbours in the queue an attempt each time.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from consumer.batch import POP_NOW, Batch, Finished, Next
 from consumer.due_timer import DueTimer
@@ -69,15 +74,26 @@ MAX_SHAPES = 256
 RECENT_RUNS = 4  # model times kept per shape; a fetch ahead is timed by their longest
 
 
+@dataclass(frozen=True)
+class SentFetch:
+    """A pop sent to Redis, not read yet: `ready()` says whether its reply has arrived,
+    `receive()` reads, parses and decodes it."""
+    ready: Callable[[], bool]
+    receive: Callable[[], Next]
+
+
 class Overlap:
     """Decides, batch by batch, whether the next fetch and this batch's completion run
-    beside the model, and runs them there (one Prefetcher, one Completer)."""
+    beside the model, and runs them there (one Prefetcher, one Completer, or a pop sent
+    ahead)."""
 
     def __init__(self, fetch: Callable[[], Next], finish: Callable[[Finished], object],
-                 stopping: threading.Event):
+                 stopping: threading.Event, send: Callable[[], SentFetch] | None = None):
         self._prefetcher = Prefetcher(fetch)
         self._completer = Completer(finish)
         self._stopping = stopping
+        self._send = send
+        self._sent: tuple[float, SentFetch] | None = None  # (when sent, the pop)
         # the recent model times per shape (batch size, cost units); the newest
         # MAX_SHAPES shapes are kept, in the order last run
         self._recent: dict[Shape, deque[float]] = {}
@@ -85,9 +101,9 @@ class Overlap:
     def plan(self, batch: Batch, shape: Shape) -> str:
         """How `batch`, whose requests the model runs as a batch of `shape`, overlaps:
         MODEL (fetch ahead, complete beside the model), COMPLETION (the model is faster
-        than a fetch: nothing hides the fetch, so only the completion runs beside the next
-        pop and its decoding, and Redis works on one while the consumer works on the
-        other) or ALONE.
+        than a fetch: nothing hides the fetch, so the next pop is sent before the model
+        and read after the encoding, the completion runs beside them, and Redis works
+        while the consumer's Python does) or ALONE.
 
         Only while a backlog waits and no stop was asked; not for a re-delivered request:
         it may crash the process, which would take a batch fetched ahead (and charge its
@@ -131,6 +147,13 @@ class Overlap:
         if len(recent) > MAX_SHAPES:
             del recent[next(iter(recent))]
 
+    def send_fetch(self, shape: Shape) -> None:
+        """Send the next pop now, before the model runs a batch of `shape` (COMPLETION),
+        if every recent run of it was faster than a fetch: the batch popped then waits at
+        most about a fetch time (and the encoding) for the model. take() reads it."""
+        if self._send is not None and self._expected_s(shape, max) < self._prefetcher.lead_s:
+            self._sent = (time.perf_counter(), self._send())
+
     def fetch_here(self) -> Next:
         """Fetch on the consumer's own thread (no fetch ahead was armed), timed like a
         fetch ahead: whether to fetch ahead goes by the recent fetch time, which only
@@ -141,9 +164,24 @@ class Overlap:
     def complete(self, job: Finished) -> None:
         self._completer.submit(job)
 
+    def _receive(self) -> Next:
+        """Read the pop sent ahead. Its time since sending is the fetch's when the reply
+        had not arrived yet; otherwise only a bound (the consumer worked meanwhile),
+        which may lower the recent fetch time but not raise it."""
+        assert self._sent is not None
+        sent_at, sent = self._sent
+        self._sent = None
+        waited = not sent.ready()
+        outcome = sent.receive()
+        if isinstance(outcome, Batch):
+            self._prefetcher.sent_took(time.perf_counter() - sent_at, exact=waited)
+        return outcome
+
     def take(self) -> Next:
         """The next step fetched ahead, fetched now if its time has not come (called off
-        if a stop was asked); POP_NOW if no fetch was armed."""
+        if a stop was asked), or the pop sent ahead; POP_NOW if neither."""
+        if self._sent is not None:
+            return self._receive()
         got = self._prefetcher.take(fetch_now=not self._stopping.is_set())
         if got is None:
             return POP_NOW
@@ -153,8 +191,13 @@ class Overlap:
         return value
 
     def salvage(self) -> Next:
-        """After an error: a batch already fetched ahead (it holds our requests), else
-        POP_NOW; a fetch not started yet is called off."""
+        """After an error: a batch already fetched ahead or sent for (it holds our
+        requests), else POP_NOW; a fetch not started yet is called off."""
+        if self._sent is not None:
+            with contextlib.suppress(Exception):  # a broken connection: its lease lapses
+                if isinstance(got := self._receive(), Batch):
+                    return got
+            return POP_NOW
         got = self._prefetcher.take(fetch_now=False)
         if got is not None and got[0] and isinstance(got[1], Batch):
             return got[1]
@@ -233,6 +276,13 @@ class Prefetcher:
             with self._cond:
                 self._timed(time.perf_counter() - started)
         return outcome
+
+    def sent_took(self, took: float, exact: bool) -> None:
+        """A pop sent ahead took `took` from sending to its decoded batch: the fetch time
+        if `exact`, else at most that."""
+        with self._cond:
+            if exact or (self._fetch_s and took < self._fetch_s):
+                self._timed(took)
 
     def _timed(self, took: float) -> None:
         self._fetch_s = took if not self._fetch_s else 0.8 * self._fetch_s + 0.2 * took

@@ -40,7 +40,7 @@ from consumer.batch import (
 from consumer.due_timer import DueTimer
 from consumer.lease import EXIT_MODEL_HUNG, Held, LeaseKeeper, LeaseTimes, Report
 from consumer.loader import BatchModel
-from consumer.overlap import ALONE, MODEL, Overlap, Shape
+from consumer.overlap import ALONE, COMPLETION, MODEL, Overlap, SentFetch, Shape
 from consumer.refit import CostRefit
 from consumer.streaming import Emit, StreamWriter
 from scheduler_core.admin import ensure_policy, store_policy, unknown_requests
@@ -53,6 +53,7 @@ from scheduler_core.registry import register_queue
 from scheduler_core.scripts import (
     ScriptPipeline,
     Scripts,
+    SentScript,
     complete_keys,
     pop_keys,
     requeue_keys,
@@ -270,7 +271,8 @@ class Consumer:
         if self.policy is None:
             self.start()
         if self.config.overlap:
-            self._overlap = Overlap(self._fetch, self._finish, self.stopping)
+            self._overlap = Overlap(self._fetch, self._finish, self.stopping,
+                                    send=self._send_fetch)
         held = Held(lambda: self._current, lambda: self._in_model)
         if self._overlap is not None:
             held = replace(held, fetched=self._overlap.fetched,
@@ -329,7 +331,15 @@ class Consumer:
 
     def _fetch(self) -> Next:
         """The prefetcher's job: pop, and decode the payloads while the model runs."""
-        outcome = self._pop()
+        return self._decoded(self._pop())
+
+    def _send_fetch(self) -> SentFetch:
+        """The next pop sent now, read and decoded later: Redis pops while this thread
+        works on the batch before."""
+        sent = SentScript(self.redis, *self._pop_call())
+        return SentFetch(sent.ready, lambda: self._decoded(self._parse(sent.reply())))
+
+    def _decoded(self, outcome: Next) -> Next:
         if isinstance(outcome, Batch):
             outcome.prepared = self._prepare(outcome)
         return outcome
@@ -455,6 +465,8 @@ class Consumer:
                                 overlap if plan != ALONE else None)
             if plan == MODEL:
                 overlap.prefetch(shape)
+            elif plan == COMPLETION:
+                overlap.send_fetch(shape)
             done = self._run_model(batch, runnable, early, shape)
         else:
             done = Finished(batch, early)

@@ -162,6 +162,56 @@ class Scripts:
             self.client.script_load(getattr(self, name).script)
 
 
+class SentScript:
+    """One script call sent now, its reply read later on the connection held meanwhile:
+    Redis runs the script while the caller's thread works on, with no helper thread (a
+    sync client; on a cluster, sent to the primary serving the first key's slot)."""
+
+    def __init__(self, client: Any, script: Any, keys: list[str], args: list[Any]):
+        self.client, self.call = client, (script, keys, args)
+        self.target = slot_owner(client, keys[0])
+        self.conn: Any = self.target.connection_pool.get_connection()
+        try:
+            self.conn.send_command("EVALSHA", script.sha, len(keys), *keys, *args)
+        except BaseException:
+            self._release(broken=True)
+            raise
+
+    def ready(self) -> bool:
+        """Whether the reply has arrived (a broken connection counts: reply() raises)."""
+        try:
+            return self.conn is None or bool(self.conn.can_read(timeout=0))
+        except (redis.RedisError, OSError):
+            return True
+
+    def reply(self) -> Any:
+        """The script's reply, or its error raised. After NOSCRIPT (the script cache was
+        flushed: nothing ran) the script is loaded and called again."""
+        try:
+            reply = self.target.parse_response(self.conn, "EVALSHA")
+        except NoScriptError:
+            self._release()
+            script, keys, args = self.call
+            return script(keys=keys, args=args, client=self.target)
+        except redis.ResponseError as exc:  # a whole error reply: the connection is sound
+            self._release()
+            refresh_topology(self.client, exc)
+            raise
+        except BaseException:
+            self._release(broken=True)
+            raise
+        self._release()
+        return reply
+
+    def _release(self, broken: bool = False) -> None:
+        if self.conn is None:
+            return
+        if broken:  # a reply may be half read: never hand the connection on as it is
+            self.conn.disconnect()
+        self.target.connection_pool.release(self.conn)
+        self.conn = None
+
+
 class ScriptPipeline:
     """Script calls (and plain commands) sent in one round trip.
 

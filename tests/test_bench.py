@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -198,3 +199,22 @@ def test_shard_scaling_smoke(tmp_path: Path):
     assert len(rows[1]["redis_cpu_us_per_request"]) == 2  # two primaries, one shard each
     assert all(v > 0 for r in rows for v in r["redis_cpu_us_per_request"].values())
     assert "| 2 | 600 |" in proc.stdout
+
+
+@HEAVY
+def test_drain_pinned_smoke(tmp_path: Path):
+    """batchgate/bench/drain_pinned.py (docs/benchmarks.md's capacity per shard with Redis
+    on a core of its own) drains a small no-op backlog with a CLI consumer and the raw
+    ceiling's worker, Redis pinned to one CPU and the clients to the other; it checks the
+    harness, not the numbers."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("drain_pinned needs two CPUs")
+    out = tmp_path / "rows.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "batchgate.bench.drain_pinned", "--requests", "2000",
+         "--rounds", "1", "--json", str(out)], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = json.loads(out.read_text())
+    assert row["batchgate"]["req_per_s"] > 0 and row["raw"]["req_per_s"] > 0
+    assert row["ratio"] == round(row["batchgate"]["req_per_s"] / row["raw"]["req_per_s"], 3)
+    assert "| 1 |" in proc.stdout and "median ratio" in proc.stdout

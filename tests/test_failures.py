@@ -430,6 +430,30 @@ def test_a_crash_re_runs_the_batch_fetched_ahead_too(redis_server, queue, start_
     assert (s.processed, s.requeued, s.in_flight_batches) == (8, requeued, 0)
 
 
+def test_a_crash_with_a_fast_model_re_runs_the_pop_sent_ahead(redis_server, queue,
+                                                              start_consumer, tmp_path):
+    """With a model faster than a pop and a backlog, the consumer sends its next pop before
+    the model runs and reads it after (consumer/overlap.py): a SIGKILL then loses up to
+    three batches (running, sent for, being written). Their leases lapse, another consumer
+    runs them, and every request is answered exactly once."""
+    url = redis_server.url
+    count = 20_000
+    consumer = start(start_consumer, url, queue, "Echo", "--strategy", "fifo",
+                     "--max-batch-size", "32", "--lease-ms", "500", log=tmp_path, sleep_ms=0)
+    with CountingProducer(url, queue) as p:
+        handles = [h for first in range(0, count, 10_000) for h in p.submit_many(
+            [{"i": i} for i in range(first, first + 10_000)])]
+        wait_for(lambda: len(executions(tmp_path)) >= 2000, 30, "2000 requests to run")
+        consumer.signal(signal.SIGKILL)
+        consumer.proc.wait(timeout=5)
+        start(start_consumer, url, queue, "Echo", log=tmp_path, sleep_ms=0)
+        assert [h.result(timeout=60)["echo"]["i"] for h in handles] == list(range(count))
+        assert p.delivered_once(handles)
+    s = stats(redis_server, queue)
+    assert (s.processed, s.in_flight_batches) == (count, 0)
+    assert s.requeued <= 3 * 32
+
+
 # -- cancellation -----------------------------------------------------------------------
 def test_cancel_waiting_running_and_finished(redis_server, queue, start_consumer, tmp_path):
     start(start_consumer, redis_server.url, queue, "Echo", "--strategy", "fifo", log=tmp_path,

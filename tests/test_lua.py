@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import re
+import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,7 @@ from scheduler_core.scripts import (
     AsyncReloadingScript,
     ReloadingScript,
     Scripts,
+    SentScript,
     cancel_keys,
     complete_keys,
     configure_keys,
@@ -182,3 +185,33 @@ def test_a_script_that_meets_noscript_after_its_load_is_loaded_again(redis_serve
         finally:
             await aclient.aclose()
     assert asyncio.run(run()) == 9
+
+
+
+def test_a_sent_script_runs_before_its_reply_is_read(redis_server):
+    """SentScript: Redis runs the call as soon as it is sent (the caller reads the reply
+    later); a NOSCRIPT (the cache flushed) loads the script and calls again; a server lost
+    before the read raises, and the client's pool then serves sound connections."""
+    client = redis_server.client()
+    script = ReloadingScript(client, "redis.call('SET', KEYS[1], ARGV[1]) return ARGV[1]")
+    client.script_load(script.script)
+    sent = SentScript(client, script, ["k"], ["1"])
+    deadline = time.monotonic() + 5
+    while client.get("k") is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert client.get("k") == b"1"  # ran, not read yet
+    assert sent.ready()
+    assert sent.reply() == b"1"
+
+    client.script_flush()
+    assert SentScript(client, script, ["k"], ["2"]).reply() == b"2"
+    assert client.get("k") == b"2"
+
+    redis_server.proc.send_signal(signal.SIGSTOP)  # the call is sent, never run
+    lost = SentScript(client, script, ["k"], ["3"])
+    assert not lost.ready()
+    redis_server.kill()
+    with pytest.raises(redis.ConnectionError):
+        lost.reply()
+    redis_server.start()
+    assert client.set("k", "4") and client.get("k") == b"4"

@@ -122,11 +122,11 @@ if #gone > 0 then redis.call('HDEL', jobs, unpack(gone)) end
 if #counted > 0 then call_in_chunks('HSET', jobs, counted) end  -- 2 values per request
 
 local remaining = 0
-local members = batch_members(batches, batch_id)
+local listed = redis.call('HGET', batches, batch_id)
 -- The usual case, every request of the batch answered in this call, needs no owner
 -- lookup: the accepted ids are distinct members of the batch.
-if #members > accepted then
-  for _, holder in ipairs(redis.call('HMGET', owner, unpack(members))) do
+if select(2, split_members(listed, true)) > accepted then
+  for _, holder in ipairs(redis.call('HMGET', owner, unpack((split_members(listed))))) do
     if holder == batch_id then remaining = remaining + 1 end
   end
 end

@@ -36,11 +36,13 @@ waits for no more than that run and its encoding.
 fetch timing, the completions, the pop sent ahead and the take of the batch fetched.
 
 A consumer killed (SIGKILL, OOM, a crashing payload) loses what it holds as before, now up
-to three batches: the running one, one fetched ahead (its requests were charged the
-delivery attempt) and one whose results were not written yet. Their leases lapse and they
-run again (at-least-once, as always). A batch holding a re-delivered request - the one
-that may be crashing consumers - runs without overlap, so a poison payload's crashes do
-not charge its neighbours in the queue an attempt each time.
+to five batches: the running one, one fetched ahead or sent for (its requests were charged
+the delivery attempt) and up to three whose results were not written yet (one being
+written, two waiting for the Completer while Redis is slower than the model). Their
+leases lapse and they run again (at-least-once, as always). A batch holding a
+re-delivered request - the one that may be crashing consumers - runs without overlap, so
+a poison payload's crashes do not charge its neighbours in the queue an attempt each
+time.
 """
 
 from __future__ import annotations

@@ -434,12 +434,13 @@ def test_a_crash_with_a_fast_model_re_runs_the_pop_sent_ahead(redis_server, queu
                                                               start_consumer, tmp_path):
     """With a model faster than a pop and a backlog, the consumer sends its next pop before
     the model runs and reads it after (consumer/overlap.py): a SIGKILL then loses up to
-    three batches (running, sent for, being written). Their leases lapse, another consumer
-    runs them, and every request is answered exactly once."""
+    five batches (running or blocked handing its results over, sent for, up to three
+    being written). Their leases lapse, another consumer runs them, and every request is
+    answered exactly once."""
     url = redis_server.url
     count = 20_000
     consumer = start(start_consumer, url, queue, "Echo", "--strategy", "fifo",
-                     "--max-batch-size", "32", "--lease-ms", "500", log=tmp_path, sleep_ms=0)
+                     "--max-batch-size", "32", "--lease-ms", "2000", log=tmp_path, sleep_ms=0)
     with CountingProducer(url, queue) as p:
         handles = [h for first in range(0, count, 10_000) for h in p.submit_many(
             [{"i": i} for i in range(first, first + 10_000)])]
@@ -451,7 +452,7 @@ def test_a_crash_with_a_fast_model_re_runs_the_pop_sent_ahead(redis_server, queu
         assert p.delivered_once(handles)
     s = stats(redis_server, queue)
     assert (s.processed, s.in_flight_batches) == (count, 0)
-    assert s.requeued <= 3 * 32
+    assert s.requeued <= 5 * 32
 
 
 # -- cancellation -----------------------------------------------------------------------

@@ -176,7 +176,7 @@ class Overlap:
         waited = not sent.ready()
         outcome = sent.receive()
         if isinstance(outcome, Batch):
-            self._prefetcher.sent_took(time.perf_counter() - sent_at, exact=waited)
+            self._prefetcher.record(time.perf_counter() - sent_at, exact=waited)
         return outcome
 
     def take(self) -> Next:
@@ -275,13 +275,12 @@ class Prefetcher:
         started = time.perf_counter()
         outcome = self._fetch()
         if isinstance(outcome, Batch):
-            with self._cond:
-                self._timed(time.perf_counter() - started)
+            self.record(time.perf_counter() - started)
         return outcome
 
-    def sent_took(self, took: float, exact: bool) -> None:
-        """A pop sent ahead took `took` from sending to its decoded batch: the fetch time
-        if `exact`, else at most that."""
+    def record(self, took: float, exact: bool = True) -> None:
+        """A fetch took `took`, from its start to its decoded batch (`exact`), or at most
+        that (a pop sent ahead whose reply was waiting: the caller worked meanwhile)."""
         with self._cond:
             if exact or (self._fetch_s and took < self._fetch_s):
                 self._timed(took)

@@ -31,6 +31,7 @@ from typing import Any
 import redis
 
 from batchgate.bench.run import worker_env
+from batchgate.bench.shard_scaling import CHUNK, cpu_s
 from batchgate.bench.workers.gate import READY_LINE
 from batchgate.demo import batchgate_argv
 from batchgate.embedded import embedded_redis
@@ -40,13 +41,7 @@ from scheduler_core.admin import ensure_policy
 from scheduler_core.keys import QueueKeys
 
 REDIS_CPU, CLIENT_CPU = 0, 1
-CHUNK = 10_000  # submit_many's limit per call
 POLICY = {"strategy": "dynamic", "max_batch_size": 32, "max_queue_delay_ms": 0}
-
-
-def cpu_s(client: redis.Redis) -> float:
-    info = client.info("cpu")
-    return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
 
 
 def drain(client: redis.Redis, done: Callable[[], int], total: int,

@@ -1,4 +1,4 @@
-"""Aging, the priority strategy's headline promise (README "Strategies", docs/scheduling.md
+"""Aging, the priority strategy's headline promise (docs/strategies.md, docs/scheduling.md
 "The priority rules, exactly"), checked against pop_batch.lua on a real Redis with a real
 `batchgate consumer` while a producer keeps HIGH requests waiting all the time:
 

@@ -206,7 +206,7 @@ def test_stats_json(shared_redis, queue, start_consumer):
 
 
 def test_device_works_with_every_built_in_model(shared_redis, queue, start_consumer):
-    """The README's and docs/deploy.md's `--device cpu` command lines, with the default
+    """docs/configuration.md's and docs/deploy.md's `--device cpu` command lines, with the default
     model and the other built-ins."""
     start_consumer(shared_redis.url, queue, "--device", "cpu")  # consumer.models:synthetic
     start_consumer(shared_redis.url, queue, "--model", "consumer.models:noop",
@@ -265,7 +265,7 @@ def test_policy_set_applies_the_new_strategys_batch_size_and_show_prints_numbers
     configure(url, queue, strategy="dynamic", max_batch_size=64, max_queue_delay_ms=20)
     to_fifo = policy_cli(url, queue, "set", "--strategy", "fifo")
     assert to_fifo.returncode == 0, to_fifo.stderr
-    assert json.loads(to_fifo.stdout)["max_batch_size"] == 1  # fifo's default, as README says
+    assert json.loads(to_fifo.stdout)["max_batch_size"] == 1  # fifo's default, as docs/configuration.md says
     assert "max_batch_size: 64 -> 1" in to_fifo.stderr
     back = json.loads(policy_cli(url, queue, "set", "--strategy", "priority").stdout)
     assert back["max_batch_size"] == 32 and back["max_queue_delay_ms"] == 20  # others kept

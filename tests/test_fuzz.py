@@ -158,7 +158,7 @@ def test_fuzz_payload_encoding(batch):
         assert decode_request(data) == normalise(payload)
 
 
-# -- what the README documents, written out independently of the code --------------------
+# -- what the docs document, written out independently of the code ----------------------
 def is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 

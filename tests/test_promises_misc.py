@@ -1,4 +1,4 @@
-"""Smaller promises of README and docs/guarantees.md, each on a real Redis: QueueFull
+"""Smaller promises of docs/producer.md and docs/guarantees.md, each on a real Redis: QueueFull
 without a retry hint when nothing completed, `unix://` URLs, idempotency keys expiring
 after idempotency_ttl_s, the 10,000-request cap of submit_many, dead-letter retry/purge
 beyond the script's 1,000 ids per call, pruning of hour-silent consumers, and an enqueue
@@ -207,7 +207,7 @@ def test_latency_sample_lists_stay_bounded(shared_redis, queue, start_consumer):
 def test_loops_sharing_an_outage_log_it_once_when_it_starts_and_once_when_it_ends(caplog):
     """A consumer's main loop and its completions being retried share one Outage: the
     first loop to fail logs it, the last one through logs its end, and the next outage is
-    logged again (README, failure modes: logged once when it starts, once when it ends)."""
+    logged again (docs/failure-modes.md: logged once when it starts, once when it ends)."""
     caplog.set_level(logging.WARNING, logger="batchgate")
     outage = Outage("consumer c")
     main_loop = Backoff(outage=outage)

@@ -1,4 +1,4 @@
-"""Every documented range (README "Configuration", "Producer API"; docs/guarantees.md "Bad
+"""Every documented range (docs/configuration.md, docs/producer.md; docs/guarantees.md "Bad
 input", "Size limits"), pinned at each bound and one past it, through the public entry
 points: `Policy.build` and `batchgate policy set`, `ConsumerConfig` and `batchgate
 consumer`, `Producer(...)` and `submit`. Out of range: an InvalidRequest whose field and
@@ -21,7 +21,7 @@ from scheduler_core.errors import InvalidPolicy
 from scheduler_core.keys import QueueKeys
 from scheduler_core.policy import LIMITS, Policy
 
-# The README's tables, copied by hand: the code must agree with what users read.
+# The tables of docs/configuration.md, copied by hand: the code must agree with what users read.
 POLICY_RANGES = {
     "max_batch_size": (1, 4096),
     "max_queue_delay_ms": (0, 600_000),

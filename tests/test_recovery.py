@@ -1,4 +1,4 @@
-"""Crash recovery (README "Failure modes", docs/guarantees.md "Consumer crash"), with
+"""Crash recovery (docs/failure-modes.md, docs/guarantees.md "Consumer crash"), with
 consumers SIGKILLed mid-batch: the lease lapses, the requests go back to the head of
 their level (arrival time kept) ahead of newer arrivals, a re-queued request can be
 cancelled, and recovery takes about lease_ms + one sweep interval."""

@@ -1,4 +1,4 @@
-"""Redis refusing writes (README "Failure modes"): MISCONF (a snapshot could not be
+"""Redis refusing writes (docs/failure-modes.md): MISCONF (a snapshot could not be
 written), READONLY (a replica, as after a failover), LOADING (a restart reading its
 dataset), OOM (maxmemory under noeviction). A producer's submit raises Redis' error,
 which names the cause, and writes nothing; a consumer waits with backoff, logs the outage

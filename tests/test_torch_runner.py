@@ -1,4 +1,4 @@
-"""The torch runner's tail-latency controls (README "Tail latency", docs/scheduling.md
+"""The torch runner's tail-latency controls (docs/strategies.md "Tail latency", docs/scheduling.md
 "Where tail latency comes from"): the 512-token cap, padding to the batch's own longest
 input, the warm-up before traffic, `consumer.models:tiny_text`, MiniLM's 256-token
 truncation, and the batch-model contract (a wrong number of results fails the batch with

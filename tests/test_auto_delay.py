@@ -16,7 +16,7 @@ from batchgate.cli import main as cli
 from consumer.auto_delay import DelayKeeper
 from consumer.batch import Batch, Item
 from producer import Priority, Producer
-from scheduler_core.admin import queue_stats, read_policy
+from scheduler_core.admin import read_policy
 from scheduler_core.auto_delay import (
     BUSY,
     HEADROOM,
@@ -31,6 +31,7 @@ from scheduler_core.auto_delay import (
 from scheduler_core.errors import InvalidPolicy
 from scheduler_core.keys import QueueKeys
 from scheduler_core.load import arrival_rate, rate_from
+from scheduler_core.ops.stats import queue_stats
 from scheduler_core.policy import Policy
 from scheduler_core.scripts import Scripts, configure_keys
 from scheduler_core.wire import Outcome

@@ -1,6 +1,6 @@
 """`batchgate simulate`: a queue's latency and throughput predicted before deploying it.
 
-The simulator itself is scheduler_core.ops.simulation (consumers plan with it too); this
+The simulator itself is scheduler_core.ops.simulation (the planner uses it too); this
 module gives it its arrivals (Poisson, bursty, or a trace file), request costs (a cost
 mix, `--cost-mix 16:80,256:20`, or a trace's "cost" field) and the command.
 

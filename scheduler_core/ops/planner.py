@@ -1,7 +1,7 @@
 """The planner: which policy and how many consumers meet a latency target (P99) at a load.
 
 `batchgate plan` searches strategy × max_batch_size × max_queue_delay_ms × consumers;
-`recommended_consumers` (stats, consumer metrics) asks only how many consumers the
+`recommended_consumers` (stats, the exporter) asks only how many consumers the
 queue's current policy needs. Both answer with the simulator (scheduler_core.ops.simulation)
 on a short Poisson workload, the same for every candidate (common random numbers, so
 candidates are compared on the same requests).

@@ -79,9 +79,9 @@ AUTO = "auto"
 
 
 def is_auto(value: object) -> bool:
-    """Whether a given max_queue_delay_ms (flag, environment, Policy.build) asks for
-    delay_mode auto: the string "auto" in any case, spaces around ignored. The one place
-    that reads the word; every command and Policy.build ask it."""
+    """Whether a given max_queue_delay_ms asks for delay_mode auto: the string "auto" in
+    any case, spaces around ignored. The one place that reads the word (the flag's type,
+    Policy.build and differences, `policy set`, `simulate`)."""
     return isinstance(value, str) and value.strip().lower() == AUTO
 
 

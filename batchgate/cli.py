@@ -16,14 +16,14 @@ import redis
 
 from scheduler_core.compat import connect_checked
 from scheduler_core.errors import BatchgateError, InvalidRequest
-from scheduler_core.options import (
+from scheduler_core.ops.options import (
     env_option,
     policy_options,
     policy_values,
     queue_option,
     redis_url_option,
 )
-from scheduler_core.policy import AUTO, Policy, Strategy
+from scheduler_core.policy import Policy, Strategy, delay_fields
 
 LAZY_COMMANDS = {
     "consumer": "consumer.cli:consumer_command",
@@ -84,7 +84,8 @@ def main(log_level: str) -> None:
 def stats_command(redis_url: str, queue: str, slo_p99_ms: float | None, as_json: bool) -> None:
     """Depth per priority, in-flight, consumers alive, throughput counters, latencies, and
     recommended_consumers (the planner's count for the measured arrival rate)."""
-    from scheduler_core.admin import queue_stats, scaling_signal
+    from scheduler_core.ops.scaling import scaling_signal
+    from scheduler_core.ops.stats import queue_stats
 
     client = connect_checked(redis_url)
     stats = queue_stats(client, queue).to_dict()
@@ -137,10 +138,7 @@ def policy_set(redis_url: str, queue: str, **kwargs: Any) -> None:
             and Strategy(values["strategy"]) is not current.strategy):
         del merged["max_batch_size"]  # Policy.build supplies the new strategy's default
     if "max_queue_delay_ms" in values:  # a number means fixed; "auto" keeps the stored one
-        delay = values.pop("max_queue_delay_ms")
-        values["delay_mode"] = AUTO if delay == AUTO else "fixed"
-        if delay != AUTO:
-            values["max_queue_delay_ms"] = delay
+        values.update(delay_fields(values.pop("max_queue_delay_ms")))
     merged.update(values)
     stored = store_policy(client, queue, Policy.build(**merged), replace=True)
     with contextlib.suppress(redis.ResponseError):  # an ACL limited to the queue's keys

@@ -9,7 +9,7 @@ import orjson
 
 from scheduler_core.compat import connect_checked
 from scheduler_core.deadletter import list_dead, purge, retry
-from scheduler_core.options import queue_option, redis_url_option
+from scheduler_core.ops.options import queue_option, redis_url_option
 
 
 def _options(func: Any) -> Any:

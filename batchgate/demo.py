@@ -47,11 +47,11 @@ from batchgate.embedded import embedded_redis
 from batchgate.processes import ChildProcess, wait_all_ready
 from batchgate.workload import MIX, MODELS, PRIORITIES, Workload
 from producer.sync import Handle, Producer
-from scheduler_core.admin import queue_stats
 from scheduler_core.compat import usable_cores
 from scheduler_core.connection import connect
 from scheduler_core.errors import RequestFailed
 from scheduler_core.keys import QueueKeys
+from scheduler_core.ops.stats import queue_stats
 from scheduler_core.registry import QUEUES_KEY, forget_queues
 from scheduler_core.wire import Result
 

@@ -4,7 +4,7 @@ No consumer needs to run, so an autoscaler (KEDA, an HPA on external metrics) ca
 consumers from zero; and each queue is reported once, however many consumers serve it.
 The queues come from the registry (scheduler_core/registry.py) or from --queue. Every
 scrape reads Redis afresh: the registry, then one MULTI per queue (a consistent snapshot
-of that queue, with Redis' TIME; scheduler_core/reading.py), for at most --max-queues
+of that queue, with Redis' TIME; scheduler_core/ops/reading.py), for at most --max-queues
 queues and the newest --samples latency samples of each. Metric names: docs/observability.md.
 """
 
@@ -20,18 +20,17 @@ from typing import Any
 import click
 import redis
 
-from scheduler_core.admin import scaling_signal
 from scheduler_core.errors import InvalidRequest
-from scheduler_core.keys import QUEUE_NAME, validate_queue_name
-from scheduler_core.options import env_option, redis_url_option
-from scheduler_core.policy import LIMITS, Policy, Priority
-from scheduler_core.reading import (
-    CONSUMER_ALIVE_S,
+from scheduler_core.keys import CONSUMER_ALIVE_S, QUEUE_NAME, validate_queue_name
+from scheduler_core.ops.options import env_option, redis_url_option
+from scheduler_core.ops.reading import (
     SAMPLES_READ,
     QueueReading,
     quantile,
     read_queue,
 )
+from scheduler_core.ops.scaling import scaling_signal
+from scheduler_core.policy import LIMITS, Policy, Priority
 from scheduler_core.registry import known_queues
 
 log = logging.getLogger("batchgate.exporter")
@@ -217,7 +216,7 @@ class QueueCollector:
             return None
 
     def add_scaling(self, families: Families, queue: str) -> None:
-        """Arrival rate and recommended consumers (scheduler_core.admin.scaling_signal; the
+        """Arrival rate and recommended consumers (scheduler_core.ops.scaling; the
         planner caches its answers per rate band, policy and cost model)."""
         try:
             families.add_scaling(queue, scaling_signal(self.client, queue))

@@ -21,7 +21,7 @@ Before the runs, the generator is timed in this process at a few (batch size, ne
 shapes; the arrival rate is set from those times for the wanted load (load = rate ×
 mean t(1, cost) / consumers: the share of the consumers' time the requests would take
 one by one), and two cost models are fitted for the simulator
-(scheduler_core.simulation): t = A + B·b·max cost (what `batchgate simulate --cost-ms
+(scheduler_core.ops.simulation): t = A + B·b·max cost (what `batchgate simulate --cost-ms
 A+B*c` takes under cost_mode padded) and t = A + S·max cost + B·b·max cost (a per-step
 term: each generated token is one forward pass whatever the batch size). Each
 configuration is simulated on the same arrivals with both, and with a third, "live",
@@ -53,8 +53,8 @@ from batchgate.processes import ChildProcess, wait_all_ready
 from producer.sync import Producer
 from scheduler_core.cost_model import fit
 from scheduler_core.errors import RequestFailed
+from scheduler_core.ops.simulation import ModelTime, SimConfig, simulate
 from scheduler_core.policy import Policy
-from scheduler_core.simulation import ModelTime, SimConfig, simulate
 from scheduler_core.wire import Result
 
 SHORT, LONG, LONG_SHARE = 16, 256, 0.2

@@ -1,5 +1,5 @@
 """`batchgate plan`: the cheapest policy and consumer count that meet a P99 target at a
-load, found with the simulator (scheduler_core.planner does the search)."""
+load, found with the simulator (scheduler_core.ops.planner does the search)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from scheduler_core.compat import connect_checked
 from scheduler_core.cost_model import read_cost_model
 from scheduler_core.errors import InvalidRequest
 from scheduler_core.keys import QueueKeys
-from scheduler_core.options import redis_url_option
-from scheduler_core.planner import (
+from scheduler_core.ops.options import redis_url_option
+from scheduler_core.ops.planner import (
     DEFAULT_REQUESTS,
     Costs,
     Load,
@@ -25,8 +25,8 @@ from scheduler_core.planner import (
     Target,
     plan,
 )
+from scheduler_core.ops.simulation import DEFAULT_OVERHEAD_MS, DEFAULT_TRANSPORT_MS, mean_cost
 from scheduler_core.policy import Policy
-from scheduler_core.simulation import DEFAULT_OVERHEAD_MS, DEFAULT_TRANSPORT_MS, mean_cost
 
 
 def _policy_line(option: Option) -> str:

@@ -22,7 +22,7 @@ from scheduler_core.compat import connect_checked
 from scheduler_core.cost_model import CostModel, Fit, fit, write_cost_model
 from scheduler_core.errors import InvalidRequest
 from scheduler_core.keys import QueueKeys
-from scheduler_core.options import redis_url_option
+from scheduler_core.ops.options import redis_url_option
 from scheduler_core.policy import LIMITS
 
 # One payload every built-in model takes: synthetic and noop ignore it, tiny_text reads

@@ -1,6 +1,6 @@
 """`batchgate simulate`: a queue's latency and throughput predicted before deploying it.
 
-The simulator itself is scheduler_core.simulation (consumers plan with it too); this
+The simulator itself is scheduler_core.ops.simulation (the planner uses it too); this
 module gives it its arrivals (Poisson, bursty, or a trace file), request costs (a cost
 mix, `--cost-mix 16:80,256:20`, or a trace's "cost" field) and the command.
 
@@ -21,9 +21,8 @@ import orjson
 
 from batchgate.workload import MIX, PRIORITIES, Workload
 from scheduler_core.errors import InvalidRequest
-from scheduler_core.options import POLICY_KNOBS
-from scheduler_core.policy import MAX_REQUEST_COST, Policy, Priority
-from scheduler_core.simulation import (  # noqa: F401 (the importable API, as before)
+from scheduler_core.ops.options import POLICY_KNOBS
+from scheduler_core.ops.simulation import (  # noqa: F401 (the importable API, as before)
     AUTO_LEAD,
     DEFAULT_FETCH,
     DEFAULT_FINISH,
@@ -40,7 +39,8 @@ from scheduler_core.simulation import (  # noqa: F401 (the importable API, as be
     path_offsets,
     simulate,
 )
-from scheduler_core.simulation import ModelTime as CostModel
+from scheduler_core.ops.simulation import ModelTime as CostModel
+from scheduler_core.policy import MAX_REQUEST_COST, Policy, Priority, is_auto
 
 Arrivals = tuple[list[float], list[int]]  # (offsets in s, sorted; priorities 0-2)
 _COST_MIX = re.compile(r"^\s*(\d+)\s*:\s*(\d+(?:\.\d*)?)\s*$")
@@ -343,7 +343,7 @@ def simulate_command(strategy: str | None, max_batch_size: int | None,
     """Predict latency per priority, throughput, batch sizes and utilisation of a queue
     policy on a workload, by a discrete-event simulation of the scheduling rules (no
     Redis, no model: about a million requests in seconds)."""
-    if max_queue_delay_ms == "auto":  # the option is policy set's, which also takes auto
+    if is_auto(max_queue_delay_ms):  # the option is policy set's, which also takes auto
         raise click.BadParameter("auto is not simulated: give the delay in ms",
                                  param_hint="--max-queue-delay-ms")
     policy = Policy.build(strategy, max_batch_size=max_batch_size,

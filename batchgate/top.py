@@ -1,5 +1,5 @@
 """`batchgate top`: every queue's figures, live in the terminal (rich), like
-`rq info --interval`. The figures come from scheduler_core/snapshot.py, as the
+`rq info --interval`. The figures come from scheduler_core/ops/snapshot.py, as the
 dashboard's do."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Any
 import click
 
 from scheduler_core.compat import connect_checked
-from scheduler_core.options import env_option, redis_url_option
-from scheduler_core.snapshot import Rates, snapshot_all
+from scheduler_core.ops.options import env_option, redis_url_option
+from scheduler_core.ops.snapshot import Rates, snapshot_all
 
 
 def _ms(value: float | None) -> str:

@@ -28,7 +28,6 @@ from typing import Any
 import redis
 
 from consumer.batch import Batch
-from scheduler_core.admin import CONSUMER_ALIVE_S
 from scheduler_core.auto_delay import (
     MIN_GAIN,
     STATS_AT_US,
@@ -41,7 +40,7 @@ from scheduler_core.auto_delay import (
     read_cost_model,
 )
 from scheduler_core.connection import slot_owner
-from scheduler_core.keys import QueueKeys
+from scheduler_core.keys import CONSUMER_ALIVE_S, QueueKeys
 from scheduler_core.load import rate_from
 from scheduler_core.policy import Policy, Strategy
 

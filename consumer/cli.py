@@ -17,7 +17,7 @@ from consumer.sharded import ShardedConsumer
 from consumer.supervisor import supervise, supervisor_options, wants_supervisor
 from consumer.worker import EXIT_SHARDS_CHANGED, Consumer, ConsumerConfig
 from scheduler_core.compat import require_redis_version, usable_cores
-from scheduler_core.options import (
+from scheduler_core.ops.options import (
     env_option,
     policy_options,
     policy_values,

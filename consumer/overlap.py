@@ -62,7 +62,7 @@ from consumer.due_timer import DueTimer
 log = logging.getLogger("batchgate.consumer")
 
 # Added to twice the recent fetch time when timing a prefetch (the simulator models the
-# same lead: scheduler_core/simulation.py, PREFETCH_MARGIN_US).
+# same lead: scheduler_core/ops/simulation.py, PREFETCH_MARGIN_US).
 FETCH_MARGIN_S = 0.0005
 
 # Overlap.plan's answers

@@ -39,7 +39,7 @@ from typing import Any
 import click
 
 from scheduler_core.compat import usable_cores
-from scheduler_core.options import env_option
+from scheduler_core.ops.options import env_option
 
 log = logging.getLogger("batchgate.supervisor")
 
@@ -287,7 +287,7 @@ def supervise(ctx: click.Context) -> int:
     from scheduler_core.admin import ensure_policy
     from scheduler_core.compat import connect_checked
     from scheduler_core.keys import QueueKeys
-    from scheduler_core.options import policy_values
+    from scheduler_core.ops.options import policy_values
 
     commands = child_commands(ctx)
     # A policy conflict (or an old Redis) would make every child exit at once: report it

@@ -7,7 +7,7 @@ import orjson
 
 from producer.sharded import ShardedProducer
 from scheduler_core.errors import InvalidRequest, RequestFailed
-from scheduler_core.options import queue_option, redis_url_option, wait_replicas_options
+from scheduler_core.ops.options import queue_option, redis_url_option, wait_replicas_options
 
 
 @click.command("submit")

@@ -1,6 +1,9 @@
-"""Shared core of batchgate: key schema, wire format, policy and the Lua scripts.
+"""The protocol batchgate's producer and consumer share: key schema, wire format, policy,
+the strategy rules and the Lua scripts.
 
-`producer` and `consumer` both build on this package and never on each other.
+`producer` and `consumer` both build on this package and never on each other. The
+operator tooling (stats, snapshots, the simulator and planner, click options) is the
+subpackage `scheduler_core.ops`, which this package never imports.
 """
 
 from scheduler_core.errors import (

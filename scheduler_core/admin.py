@@ -1,24 +1,22 @@
-"""Queue administration shared by the CLI, the gateway and the consumer: policy,
-statistics, and where a request is."""
+"""Queue administration on the protocol's side, shared by the CLI, the gateway and the
+consumer: a queue's policy (store, read, ensure) and where a request is. Statistics are
+the tooling's (scheduler_core/ops/stats.py)."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import redis
 import redis.asyncio
 
-from scheduler_core.auto_delay import STATS_AT_US, STATS_DELAY_US
 from scheduler_core.connection import (
     refresh_topology_async,
     slot_owner_async,
 )
 from scheduler_core.errors import InvalidPolicy, PolicyConflict
 from scheduler_core.keys import QueueKeys
-from scheduler_core.load import rate_from
-from scheduler_core.policy import LIMITS, Policy, Priority
-from scheduler_core.reading import CONSUMER_ALIVE_S, quantile, read_queue
+from scheduler_core.policy import Policy
 from scheduler_core.scripts import Scripts, configure_keys
 from scheduler_core.shards import (
     physical_queues,
@@ -102,150 +100,6 @@ def ensure_policy(client: redis.Redis, queue: str, requested: dict[str, Any]) ->
             f"it for all with `batchgate policy set --queue {queue} ...`"
         )
     return stored
-
-
-@dataclass
-class QueueStats:
-    queue: str
-    policy: dict[str, Any] | None
-    depth: dict[str, int]
-    in_flight_requests: int
-    in_flight_batches: int
-    oldest_wait_ms: float | None
-    consumers_alive: int
-    processed: int
-    failed: int
-    requeued: int
-    cancelled: int
-    expired: int
-    dead_letters: int
-    batches: int
-    mean_batch_size: float | None
-    queue_wait_ms: dict[str, float | None]
-    end_to_end_ms: dict[str, float | None]
-    model_ms: dict[str, float | None]  # per batch
-    delayed: int = 0  # waiting past their deadline (on_timeout = delay), run when idle
-    past_deadline: int = 0  # waiting past their deadline, about to be expired
-    # requests/s enqueued over the last 10 complete seconds (enqueue.lua's counts)
-    arrival_rate_rps: float = 0.0
-    # the max_queue_delay_ms pop_batch applies: the stored one, or under
-    # max_queue_delay_ms=auto the one a consumer derived within CONSUMER_ALIVE_S (None
-    # when no consumer did)
-    max_queue_delay_ms_in_use: float | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def _percentiles(samples_us: list[int]) -> dict[str, float | None]:
-    """p50 and p99 (ms) of sorted samples (µs): nearest rank over the capped window of
-    recent samples."""
-    if not samples_us:
-        return {"p50": None, "p99": None, "samples": 0}
-    return {"p50": quantile(samples_us, 0.50) / 1000, "p99": quantile(samples_us, 0.99) / 1000,
-            "samples": len(samples_us)}
-
-
-def queue_stats(client: redis.Redis, queue: str) -> QueueStats:
-    """The queue's statistics; a sharded queue's (policy field `shards` > 1) summed over
-    its shards: counts added, oldest wait the oldest, percentiles over all samples."""
-    r = read_queue(client, queue)
-    counters = r.counters
-    batches = counters.get("batches", 0)
-    stored = Policy.from_redis(r.policy) if r.policy else None
-    return QueueStats(
-        queue=queue,
-        policy=stored.to_dict() if stored else None,
-        depth={p.name.lower(): n for p, n in zip(Priority, r.depth, strict=True)},
-        in_flight_requests=r.owned,
-        in_flight_batches=r.batches_in_flight,
-        oldest_wait_ms=(r.now_us - min(r.oldest_us)) / 1000 if r.oldest_us else None,
-        consumers_alive=r.consumers_alive,
-        processed=counters.get("processed", 0),
-        failed=counters.get("failed", 0),
-        requeued=counters.get("requeued", 0),
-        cancelled=counters.get("cancelled", 0),
-        expired=counters.get("expired", 0),
-        dead_letters=r.dead,
-        batches=batches,
-        mean_batch_size=counters.get("batched_requests", 0) / batches if batches else None,
-        queue_wait_ms=_percentiles(r.waits),
-        end_to_end_ms=_percentiles(r.e2e),
-        model_ms=_percentiles(r.model),
-        delayed=r.delayed,
-        past_deadline=r.past_deadline,
-        arrival_rate_rps=rate_from(r.arrivals, r.now_us // 1_000_000),
-        max_queue_delay_ms_in_use=_delay_in_use(stored, counters,
-                                                r.now_us - CONSUMER_ALIVE_S * 1_000_000),
-    )
-
-
-def _delay_in_use(policy: Policy | None, counters: dict[str, int],
-                  alive_after: float) -> float | None:
-    if policy is None:
-        return None
-    if not policy.auto_delay:
-        return policy.max_queue_delay_ms
-    if counters.get(STATS_AT_US, 0) < alive_after:
-        return None
-    return counters.get(STATS_DELAY_US, 0) / 1000
-
-
-# -- an autoscaling signal -------------------------------------------------------------
-def slo_of(raw_policy: dict[Any, Any]) -> float | None:
-    """The policy hash's `slo_p99_ms` field, if it holds a positive number."""
-    for key, value in raw_policy.items():
-        if (key.decode() if isinstance(key, bytes) else key) == "slo_p99_ms":
-            try:
-                slo = float(value)
-            except ValueError:
-                return None
-            return slo if 0 < slo <= 86_400_000 else None
-    return None
-
-
-def scaling_signal(client: redis.Redis, queue: str,
-                   slo_p99_ms: float | None = None) -> dict[str, Any]:
-    """What `recommended_consumers` rests on, and its value: the measured arrival rate
-    (scheduler_core.load), the target (`slo_p99_ms` given, else the policy's field), the
-    stored cost model, and the planner's consumer count for the queue's current policy
-    (scheduler_core.planner.recommended_consumers). None where an input is missing: no
-    policy, no target, or no cost model yet."""
-    from scheduler_core.cost_model import read_cost_model
-    from scheduler_core.load import DEFAULT_WINDOW_S, arrival_rate
-    from scheduler_core.planner import Costs, Target, recommended_consumers
-    from scheduler_core.simulation import ModelTime
-
-    keys = QueueKeys(queue)
-    raw = client.hgetall(keys.policy)
-    slo = slo_p99_ms if slo_p99_ms is not None else slo_of(raw)
-    shards = [QueueKeys(name) for name in physical_queues(client, queue)]
-    rate = sum(arrival_rate(client, shard) for shard in shards)  # a sharded queue's: all
-    model = read_cost_model(client, keys)
-    out: dict[str, Any] = {"arrival_rate_rps": rate, "arrival_window_s": DEFAULT_WINDOW_S,
-                           "slo_p99_ms": slo,
-                           "cost_model": model.to_dict() if model is not None else None,
-                           "recommended_consumers": None}
-    if raw and slo is not None and model is not None:
-        pipe = client.pipeline(transaction=False)
-        for shard in shards:
-            for key in shard.pending_all:
-                pipe.zcard(key)
-            pipe.hlen(shard.owner)
-        waiting = sum(pipe.execute())
-        try:
-            policy = Policy.from_redis(raw)
-        except (ValueError, InvalidPolicy):
-            return out  # a policy this version cannot simulate
-        if policy.auto_delay:  # simulate the delay the consumers derived last
-            used_us = int(client.hget(keys.stats, STATS_DELAY_US) or 0)
-            policy = replace(policy, delay_mode="fixed",
-                             max_queue_delay_ms=min(round(used_us / 1000),
-                                                    LIMITS["max_queue_delay_ms"][1]))
-        costs = Costs(ModelTime(model.base_ms, model.per_item_ms))
-        out["recommended_consumers"] = recommended_consumers(rate, policy, Target(slo), costs,
-                                                             waiting)
-    return out
 
 
 # -- where a request is ----------------------------------------------------------------
@@ -338,3 +192,4 @@ async def shard_state_async(client: redis.asyncio.Redis, keys: QueueKeys,
     except redis.RedisError as exc:
         await refresh_topology_async(client, exc)
         raise
+

@@ -89,6 +89,9 @@ from scheduler_core.policy import MAX_COST_BUCKETS
 QUEUE_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 MAX_QUEUE_NAME = 128
 _SHARD_INDEX = re.compile(r"[1-9][0-9]{0,2}")
+# A consumer whose last heartbeat in `{bg:q}:consumers` is older than this counts as gone
+# (it heartbeats at least every second while running).
+CONSUMER_ALIVE_S = 5.0
 
 # The queue's shared keys, as every script receives them (KEYS[1..33], this order) and
 # names them at the top of its body (`local pending_high = KEYS[2]`; the per-bucket keys

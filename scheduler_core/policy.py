@@ -78,6 +78,22 @@ DELAY_MODES = ("fixed", "auto")
 AUTO = "auto"
 
 
+def is_auto(value: object) -> bool:
+    """Whether a given max_queue_delay_ms asks for delay_mode auto: the string "auto" in
+    any case, spaces around ignored. The one place that reads the word (the flag's type,
+    Policy.build and differences, `policy set`, `simulate`)."""
+    return isinstance(value, str) and value.strip().lower() == AUTO
+
+
+def delay_fields(delay: int | str) -> dict[str, int | str]:
+    """The policy fields a given max_queue_delay_ms sets: "auto" sets delay_mode auto and
+    leaves the fixed delay as stored (kept for a switch back); a number sets delay_mode
+    fixed with that delay."""
+    if is_auto(delay):
+        return {"delay_mode": AUTO}
+    return {"delay_mode": "fixed", "max_queue_delay_ms": delay}
+
+
 # A request's cost (Producer.submit(cost=...)): an integer in the user's own unit.
 MAX_REQUEST_COST = 1_000_000_000
 # The policy's string settings and the values each may take (configure.lua checks them too).
@@ -180,11 +196,8 @@ class Policy:
             raise
         values = {k: v for k, v in overrides.items() if v is not None}
         delay = values.get("max_queue_delay_ms")
-        if isinstance(delay, str) and delay.strip().lower() == AUTO:
-            del values["max_queue_delay_ms"]
-            values["delay_mode"] = AUTO
-        elif delay is not None and "delay_mode" not in values:
-            values["delay_mode"] = "fixed"
+        if delay is not None and (is_auto(delay) or "delay_mode" not in values):
+            values.update(delay_fields(values.pop("max_queue_delay_ms")))
         if strat is Strategy.FIFO:
             values.setdefault("max_batch_size", DEFAULT_FIFO_BATCH_SIZE)
         return cls(strategy=strat, **values)
@@ -231,7 +244,7 @@ class Policy:
                 want = format_buckets(want)
             elif name == "max_queue_delay_ms" and want is not None:
                 # "auto" asks for delay_mode auto; a number, for that fixed delay
-                if isinstance(want, str) and want.strip().lower() == AUTO:
+                if is_auto(want):
                     have, want = self.delay_mode, AUTO
                 elif self.auto_delay:
                     have = AUTO

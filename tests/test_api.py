@@ -24,8 +24,8 @@ from producer import (
     RequestCancelled,
     RequestFailed,
 )
-from scheduler_core.admin import queue_stats
 from scheduler_core.keys import QueueKeys
+from scheduler_core.ops.stats import queue_stats
 from scheduler_core.scripts import Scripts
 
 # -- deadlines -----------------------------------------------------------------------

@@ -16,7 +16,7 @@ from batchgate.cli import main as cli
 from consumer.auto_delay import DelayKeeper
 from consumer.batch import Batch, Item
 from producer import Priority, Producer
-from scheduler_core.admin import queue_stats, read_policy
+from scheduler_core.admin import read_policy
 from scheduler_core.auto_delay import (
     BUSY,
     HEADROOM,
@@ -31,7 +31,9 @@ from scheduler_core.auto_delay import (
 from scheduler_core.errors import InvalidPolicy
 from scheduler_core.keys import QueueKeys
 from scheduler_core.load import arrival_rate, rate_from
-from scheduler_core.policy import Policy
+from scheduler_core.ops.options import DelayType
+from scheduler_core.ops.stats import queue_stats
+from scheduler_core.policy import AUTO, Policy
 from scheduler_core.scripts import Scripts, configure_keys
 from scheduler_core.wire import Outcome
 
@@ -47,6 +49,24 @@ def test_auto_needs_a_p99_target_named_with_its_limit():
     with pytest.raises(InvalidPolicy) as info:
         Policy(delay_mode="sometimes")
     assert info.value.field == "delay_mode" and "fixed or auto" in str(info.value)
+
+
+@pytest.mark.parametrize("spelled", ["auto", " AUTO ", "Auto"])
+def test_every_reader_takes_auto_the_same_way(spelled):
+    """The flag, Policy.build, Policy.differences and `simulate` read "auto" alike."""
+    assert DelayType().convert(spelled, None, None) == AUTO
+    policy = Policy.build("dynamic", max_queue_delay_ms=spelled, slo_p99_ms=60)
+    assert (policy.delay_mode, policy.max_queue_delay_ms) == ("auto", 50)  # fixed one kept
+    assert policy.differences({"max_queue_delay_ms": spelled}) == {}
+    assert policy.differences({"max_queue_delay_ms": 50}) == {"max_queue_delay_ms":
+                                                                 ("auto", 50)}
+    assert Policy.build(**policy.to_dict()) == policy  # a stored delay_mode stays
+    fixed = Policy.build("dynamic", max_queue_delay_ms=20)
+    assert (fixed.delay_mode, fixed.max_queue_delay_ms) == ("fixed", 20)
+    assert fixed.differences({"max_queue_delay_ms": spelled}) == {"max_queue_delay_ms":
+                                                                    ("fixed", "auto")}
+    done = CliRunner().invoke(cli, ["simulate", "--max-queue-delay-ms", spelled])
+    assert done.exit_code == 2 and "auto is not simulated" in done.output, done.output
 
 
 def test_policy_set_auto_and_back_writes_nothing_on_bad_input(shared_redis, queue):

@@ -17,9 +17,9 @@ from scheduler_core.admin import store_policy
 from scheduler_core.cost_model import CostModel, write_cost_model
 from scheduler_core.keys import QueueKeys
 from scheduler_core.load import arrival_rate
-from scheduler_core.planner import Costs, Load, Target, consumers_for
+from scheduler_core.ops.planner import Costs, Load, Target, consumers_for
+from scheduler_core.ops.simulation import ModelTime
 from scheduler_core.policy import Policy, Strategy
-from scheduler_core.simulation import ModelTime
 
 POLICY = Policy(strategy=Strategy.DYNAMIC, max_batch_size=32, max_queue_delay_ms=10)
 

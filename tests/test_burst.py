@@ -17,8 +17,8 @@ from helpers.servers import ServerProcess, gateway_factory
 from helpers.support import configure
 
 from producer import AsyncProducer, DeadlineExceeded, Producer, QueueFull, RequestFailed
-from scheduler_core.admin import queue_stats
 from scheduler_core.connection import DEFAULT_MAX_CONNECTIONS
+from scheduler_core.ops.stats import queue_stats
 
 NOOP = ["--model", "consumer.models:noop", "--strategy", "dynamic", "--max-batch-size", "256",
         "--max-queue-delay-ms", "2"]

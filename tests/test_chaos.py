@@ -19,8 +19,8 @@ import redis
 from helpers.failure_support import CountingProducer, executions, start, wait_for
 from helpers.processes import RedisServer
 
-from scheduler_core.admin import queue_stats
 from scheduler_core.keys import QueueKeys
+from scheduler_core.ops.stats import queue_stats
 from scheduler_core.scripts import NewRequest, Scripts, enqueue_call, enqueue_reply
 from scheduler_core.wire import encode_request
 

@@ -13,8 +13,9 @@ from helpers.processes import BATCHGATE
 from helpers.support import RecordingModel, configure, queue_pattern, snapshot, wait_for
 
 from producer import Producer
-from scheduler_core.admin import queue_stats, read_policy
+from scheduler_core.admin import read_policy
 from scheduler_core.keys import QueueKeys
+from scheduler_core.ops.stats import queue_stats
 
 
 def batchgate(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:

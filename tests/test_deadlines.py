@@ -20,10 +20,11 @@ from helpers.processes import BATCHGATE
 from helpers.support import RecordingModel, configure, wait_for
 
 from producer import AsyncProducer, DeadlineExceeded, Priority, Producer
-from scheduler_core.admin import queue_stats, request_state
+from scheduler_core.admin import request_state
 from scheduler_core.deadlines import expire_due
 from scheduler_core.errors import InvalidPolicy
 from scheduler_core.keys import QueueKeys
+from scheduler_core.ops.stats import queue_stats
 from scheduler_core.policy import Policy
 from scheduler_core.scripts import NewRequest, Scripts, enqueue_call, enqueue_reply
 from scheduler_core.wire import DEADLINE, encode_request

@@ -13,8 +13,8 @@ from helpers.support import RecordingModel, configure, snapshot, wait_for
 
 from consumer.batch import Batch, parse_pop
 from producer import Producer, RequestFailed
-from scheduler_core.admin import queue_stats
 from scheduler_core.keys import QueueKeys
+from scheduler_core.ops.stats import queue_stats
 from scheduler_core.scripts import (
     Scripts,
     complete_keys,

@@ -20,7 +20,7 @@ from helpers.processes import free_port  # noqa: E402
 from helpers.servers import ServerProcess  # noqa: E402
 from helpers.support import configure  # noqa: E402
 
-from scheduler_core.admin import queue_stats  # noqa: E402
+from scheduler_core.ops.stats import queue_stats  # noqa: E402
 
 
 def app_env(redis_url: str, queue: str) -> dict[str, str]:

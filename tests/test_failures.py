@@ -21,9 +21,10 @@ from helpers.support import alive, configure, started
 
 from batchgate.cli import main as cli
 from producer import Producer, QueueFull, RequestCancelled, RequestFailed
-from scheduler_core.admin import queue_stats, read_policy
+from scheduler_core.admin import read_policy
 from scheduler_core.deadletter import list_dead
 from scheduler_core.keys import QueueKeys
+from scheduler_core.ops.stats import queue_stats
 
 
 def stats(server, queue):

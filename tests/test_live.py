@@ -1,4 +1,4 @@
-"""The queue registry, the per-queue snapshot (scheduler_core.snapshot) and `batchgate top`,
+"""The queue registry, the per-queue snapshot (scheduler_core.ops.snapshot) and `batchgate top`,
 against a real Redis with real consumers."""
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from batchgate.cli import main as cli
 from producer import AsyncProducer, Producer
 from scheduler_core import registry
 from scheduler_core.keys import QueueKeys
+from scheduler_core.ops.snapshot import Rates, queue_snapshot
 from scheduler_core.registry import QUEUES_KEY, known_queues, register_queue
-from scheduler_core.snapshot import Rates, queue_snapshot
 
 
 def test_consumers_producers_and_policy_set_register_their_queue(redis_server, queue,

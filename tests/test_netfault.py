@@ -18,7 +18,7 @@ from helpers.support import RecordingModel, configure, wait_for
 
 from batchgate.netns import ConsumerHost, unavailable_reason
 from producer import Producer
-from scheduler_core.admin import queue_stats
+from scheduler_core.ops.stats import queue_stats
 
 REASON = unavailable_reason()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"no network namespaces: {REASON}")

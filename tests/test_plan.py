@@ -12,9 +12,9 @@ from batchgate.cli import main
 from scheduler_core.admin import read_policy
 from scheduler_core.cost_model import CostModel, write_cost_model
 from scheduler_core.keys import QueueKeys
-from scheduler_core.planner import Costs, Load, Target, consumers_for
+from scheduler_core.ops.planner import Costs, Load, Target, consumers_for
+from scheduler_core.ops.simulation import ModelTime
 from scheduler_core.policy import Policy, Strategy
-from scheduler_core.simulation import ModelTime
 
 
 def plan(*args: str) -> dict:

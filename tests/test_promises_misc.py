@@ -20,10 +20,10 @@ from helpers.support import configure, queue_pattern, snapshot, wait_for
 
 from batchgate.cli import main as cli
 from producer import AsyncProducer, InvalidRequest, Producer, QueueFull
-from scheduler_core.admin import queue_stats
 from scheduler_core.connection import Backoff, Outage
 from scheduler_core.deadletter import MAX_IDS_PER_CALL
 from scheduler_core.keys import QueueKeys
+from scheduler_core.ops.stats import queue_stats
 from scheduler_core.scripts import NewRequest, Scripts, enqueue_call, enqueue_reply
 from scheduler_core.wire import encode_error, encode_request
 

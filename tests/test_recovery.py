@@ -12,8 +12,8 @@ import pytest
 from helpers.support import RecordingModel, configure, wait_for
 
 from producer import Producer, RequestCancelled
-from scheduler_core.admin import queue_stats
 from scheduler_core.keys import QueueKeys
+from scheduler_core.ops.stats import queue_stats
 from scheduler_core.scripts import Scripts, requeue_keys
 
 

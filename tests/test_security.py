@@ -21,8 +21,8 @@ from helpers.support import queue_pattern, snapshot
 from redis.exceptions import NoPermissionError
 
 from producer import InvalidRequest, Producer, RequestFailed
-from scheduler_core.admin import queue_stats
 from scheduler_core.keys import QueueKeys
+from scheduler_core.ops.stats import queue_stats
 from scheduler_core.registry import known_queues
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,7 +69,7 @@ for fn in ("loads", "dumps", "load", "dump"):
 
 from consumer.worker import Consumer, ConsumerConfig
 from producer import Producer
-from scheduler_core.admin import queue_stats
+from scheduler_core.ops.stats import queue_stats
 
 url, queue = sys.argv[1], sys.argv[2]
 consumer = Consumer(lambda payloads: [{"echo": p} for p in payloads],

@@ -26,11 +26,12 @@ from producer import (
     RequestFailed,
     ShardedProducer,
 )
-from scheduler_core.admin import queue_stats, read_policy, request_state
+from scheduler_core.admin import read_policy, request_state
 from scheduler_core.deadletter import list_dead
 from scheduler_core.keys import QueueKeys
+from scheduler_core.ops.snapshot import queue_snapshot
+from scheduler_core.ops.stats import queue_stats
 from scheduler_core.shards import shard_name
-from scheduler_core.snapshot import queue_snapshot
 from scheduler_core.wire import CANCELLED
 
 S = 3
@@ -402,7 +403,7 @@ def test_sharded_producers_connect_every_shard_ahead(shared_redis, queue, start_
 
 
 def test_exporter_sums_a_sharded_queue(shared_redis, queue):
-    from scheduler_core.reading import read_queue
+    from scheduler_core.ops.reading import read_queue
 
     url, client = shared_redis.url, shared_redis.client()
     configure(url, queue, shards=S)

@@ -11,7 +11,7 @@ import redis
 from helpers.support import RecordingModel, configure, wait_for, wait_samples_ms
 
 from producer import Priority, Producer
-from scheduler_core.admin import queue_stats
+from scheduler_core.ops.stats import queue_stats
 
 # -- dynamic -------------------------------------------------------------------------
 

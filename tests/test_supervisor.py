@@ -17,9 +17,9 @@ from batchgate.cli import main
 from consumer.cli import consumer_command
 from consumer.supervisor import Supervisor, child_commands, parse_devices
 from producer import Priority, Producer
-from scheduler_core.admin import queue_stats
 from scheduler_core.compat import usable_cores
 from scheduler_core.keys import QueueKeys
+from scheduler_core.ops.stats import queue_stats
 
 
 def test_replicas_restart_a_killed_child_and_stop_on_sigterm(shared_redis, queue,

@@ -26,9 +26,9 @@ from scheduler_core.admin import read_policy, store_policy
 from scheduler_core.deadletter import purge, retry
 from scheduler_core.errors import BatchgateError, InvalidRequest
 from scheduler_core.keys import validate_queue_name
+from scheduler_core.ops.snapshot import Rates, snapshot_all
 from scheduler_core.policy import LIMITS, Policy, Strategy
 from scheduler_core.registry import register_queue
-from scheduler_core.snapshot import Rates, snapshot_all
 
 STATIC = Path(__file__).parent / "static"
 MAX_IDS = 1000  # dead-letter ids per action call

@@ -7,7 +7,7 @@ import click
 
 from scheduler_core.compat import connect_checked
 from scheduler_core.keys import validate_queue_name
-from scheduler_core.options import env_option, redis_url_option
+from scheduler_core.ops.options import env_option, redis_url_option
 
 
 @click.command("dashboard")

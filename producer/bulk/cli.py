@@ -24,7 +24,7 @@ from producer.bulk.engine import (
 )
 from producer.bulk.state import BulkState, StateStore
 from scheduler_core.compat import connect_checked
-from scheduler_core.options import env_option, queue_option, redis_url_option
+from scheduler_core.ops.options import env_option, queue_option, redis_url_option
 
 WORKER_HINT = "rq worker -w rq.worker.SimpleWorker --url {url} {queue}"
 

@@ -71,7 +71,7 @@ from producer.gateway.schemas import (
 )
 from producer.sharded import AsyncShardedProducer
 from producer.validation import ProducerConfig, cancel_envelope
-from scheduler_core.admin import QueueStats, queue_stats, shard_state_async
+from scheduler_core.admin import shard_state_async
 from scheduler_core.connection import (
     DEFAULT_REDIS_URL,
     connect,
@@ -81,6 +81,7 @@ from scheduler_core.connection import (
 )
 from scheduler_core.deadlines import expire_due_async
 from scheduler_core.keys import QueueKeys
+from scheduler_core.ops.stats import QueueStats, queue_stats
 from scheduler_core.scripts import Scripts, cancel_keys
 from scheduler_core.wire import DEFAULT_MAX_PAYLOAD_BYTES, decode_result, split_job
 
@@ -129,7 +130,7 @@ class Gateway:
                                             wait_replicas=wait_replicas,
                                             wait_timeout_ms=wait_timeout_ms)
         self.result_ttl_s = ProducerConfig(queue).result_ttl_s  # the producers' (defaults)
-        self.sync_redis = connect(redis_url)  # for admin.queue_stats, run in a thread
+        self.sync_redis = connect(redis_url)  # for queue_stats, run in a thread
         self.scripts = Scripts(self.redis)
 
     async def open(self) -> None:

@@ -19,7 +19,7 @@ from producer.gateway.guard import (
     REQUEST_TIMEOUT_ENV,
 )
 from scheduler_core.compat import connect_checked
-from scheduler_core.options import queue_option, redis_url_option, wait_replicas_options
+from scheduler_core.ops.options import queue_option, redis_url_option, wait_replicas_options
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000

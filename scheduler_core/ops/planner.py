@@ -1,8 +1,8 @@
 """The planner: which policy and how many consumers meet a latency target (P99) at a load.
 
 `batchgate plan` searches strategy × max_batch_size × max_queue_delay_ms × consumers;
-`recommended_consumers` (stats, consumer metrics) asks only how many consumers the
-queue's current policy needs. Both answer with the simulator (scheduler_core.simulation)
+`recommended_consumers` (stats, the exporter) asks only how many consumers the
+queue's current policy needs. Both answer with the simulator (scheduler_core.ops.simulation)
 on a short Poisson workload, the same for every candidate (common random numbers, so
 candidates are compared on the same requests).
 
@@ -28,8 +28,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from scheduler_core.errors import InvalidRequest
-from scheduler_core.policy import LIMITS, Policy, Strategy
-from scheduler_core.simulation import (
+from scheduler_core.ops.simulation import (
     DEFAULT_OVERHEAD_MS,
     DEFAULT_TRANSPORT_MS,
     MIX,
@@ -40,6 +39,7 @@ from scheduler_core.simulation import (
     poisson,
     simulate,
 )
+from scheduler_core.policy import LIMITS, Policy, Strategy
 
 MAX_BUSY = 0.95
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)

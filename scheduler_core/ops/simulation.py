@@ -1,6 +1,6 @@
 """The simulator behind `batchgate simulate` and `batchgate plan`: a queue's latency and
-throughput predicted before deploying it (it lives in scheduler_core so that consumers can
-plan too: `recommended_consumers`).
+throughput predicted before deploying it; the planner (scheduler_core/ops/planner.py)
+answers `recommended_consumers` with it too.
 
 A discrete-event simulation of N consumers on one queue. Requests arrive (offsets and
 priorities given); whenever a consumer is free it pops at once, and the batch is whatever

@@ -8,7 +8,7 @@ from typing import Any
 import click
 
 from scheduler_core.connection import DEFAULT_REDIS_URL
-from scheduler_core.policy import AUTO, CHOICES, LIMITS, MAX_COST_BUCKETS, Strategy
+from scheduler_core.policy import AUTO, CHOICES, LIMITS, MAX_COST_BUCKETS, Strategy, is_auto
 
 
 def env_option(*decls: str, envvar: str, help: str, **kwargs: Any) -> Callable[[Any], Any]:
@@ -56,11 +56,10 @@ class DelayType(click.ParamType):
     def convert(self, value: Any, param: Any, ctx: Any) -> int | str:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        text = str(value).strip().lower()
-        if text == AUTO:
+        if is_auto(value):
             return AUTO
         try:
-            return int(text)
+            return int(str(value).strip())
         except ValueError:
             self.fail(f"{value!r} is neither a whole number of ms nor 'auto'", param, ctx)
 

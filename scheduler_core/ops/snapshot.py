@@ -1,5 +1,5 @@
 """What the dashboard, `batchgate top` and the exporter show of a queue, read from Redis
-alone: `queue_snapshot` gathers one queue's figures (admin.queue_stats plus consumers,
+alone: `queue_snapshot` gathers one queue's figures (stats.queue_stats plus consumers,
 batch sizes, dead letters and recent failures); `Rates` turns successive snapshots into
 per-second rates (Redis keeps counters, not rates).
 """
@@ -12,10 +12,10 @@ from typing import Any
 import orjson
 import redis
 
-from scheduler_core.admin import queue_stats
 from scheduler_core.connection import slot_owner
 from scheduler_core.deadletter import list_dead
 from scheduler_core.keys import QueueKeys
+from scheduler_core.ops.stats import queue_stats
 from scheduler_core.registry import known_queues
 from scheduler_core.shards import physical_queues
 

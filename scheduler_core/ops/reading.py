@@ -11,10 +11,9 @@ import redis
 
 from scheduler_core.auto_delay import STATS_AT_US, STATS_DELAY_US
 from scheduler_core.connection import refresh_topology, slot_owner
-from scheduler_core.keys import QueueKeys
+from scheduler_core.keys import CONSUMER_ALIVE_S, QueueKeys
 from scheduler_core.shards import physical_queues
 
-CONSUMER_ALIVE_S = 5.0  # a consumer heartbeats at least every second while running
 SAMPLES_READ = 10_000  # the sample lists hold this many, plus up to 500 between trims
 
 

@@ -1,0 +1,102 @@
+"""Queue statistics, read from Redis alone: what `batchgate stats`, the gateway's /stats
+and the live views show of a queue."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import redis
+
+from scheduler_core.auto_delay import STATS_AT_US, STATS_DELAY_US
+from scheduler_core.keys import CONSUMER_ALIVE_S
+from scheduler_core.load import rate_from
+from scheduler_core.ops.reading import quantile, read_queue
+from scheduler_core.policy import Policy, Priority
+
+
+@dataclass
+class QueueStats:
+    queue: str
+    policy: dict[str, Any] | None
+    depth: dict[str, int]
+    in_flight_requests: int
+    in_flight_batches: int
+    oldest_wait_ms: float | None
+    consumers_alive: int
+    processed: int
+    failed: int
+    requeued: int
+    cancelled: int
+    expired: int
+    dead_letters: int
+    batches: int
+    mean_batch_size: float | None
+    queue_wait_ms: dict[str, float | None]
+    end_to_end_ms: dict[str, float | None]
+    model_ms: dict[str, float | None]  # per batch
+    delayed: int = 0  # waiting past their deadline (on_timeout = delay), run when idle
+    past_deadline: int = 0  # waiting past their deadline, about to be expired
+    # requests/s enqueued over the last 10 complete seconds (enqueue.lua's counts)
+    arrival_rate_rps: float = 0.0
+    # the max_queue_delay_ms pop_batch applies: the stored one, or under
+    # max_queue_delay_ms=auto the one a consumer derived within CONSUMER_ALIVE_S (None
+    # when no consumer did)
+    max_queue_delay_ms_in_use: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _percentiles(samples_us: list[int]) -> dict[str, float | None]:
+    """p50 and p99 (ms) of sorted samples (µs): nearest rank over the capped window of
+    recent samples."""
+    if not samples_us:
+        return {"p50": None, "p99": None, "samples": 0}
+    return {"p50": quantile(samples_us, 0.50) / 1000, "p99": quantile(samples_us, 0.99) / 1000,
+            "samples": len(samples_us)}
+
+
+def queue_stats(client: redis.Redis, queue: str) -> QueueStats:
+    """The queue's statistics; a sharded queue's (policy field `shards` > 1) summed over
+    its shards: counts added, oldest wait the oldest, percentiles over all samples."""
+    r = read_queue(client, queue)
+    counters = r.counters
+    batches = counters.get("batches", 0)
+    stored = Policy.from_redis(r.policy) if r.policy else None
+    return QueueStats(
+        queue=queue,
+        policy=stored.to_dict() if stored else None,
+        depth={p.name.lower(): n for p, n in zip(Priority, r.depth, strict=True)},
+        in_flight_requests=r.owned,
+        in_flight_batches=r.batches_in_flight,
+        oldest_wait_ms=(r.now_us - min(r.oldest_us)) / 1000 if r.oldest_us else None,
+        consumers_alive=r.consumers_alive,
+        processed=counters.get("processed", 0),
+        failed=counters.get("failed", 0),
+        requeued=counters.get("requeued", 0),
+        cancelled=counters.get("cancelled", 0),
+        expired=counters.get("expired", 0),
+        dead_letters=r.dead,
+        batches=batches,
+        mean_batch_size=counters.get("batched_requests", 0) / batches if batches else None,
+        queue_wait_ms=_percentiles(r.waits),
+        end_to_end_ms=_percentiles(r.e2e),
+        model_ms=_percentiles(r.model),
+        delayed=r.delayed,
+        past_deadline=r.past_deadline,
+        arrival_rate_rps=rate_from(r.arrivals, r.now_us // 1_000_000),
+        max_queue_delay_ms_in_use=_delay_in_use(stored, counters,
+                                                r.now_us - CONSUMER_ALIVE_S * 1_000_000),
+    )
+
+
+def _delay_in_use(policy: Policy | None, counters: dict[str, int],
+                  alive_after: float) -> float | None:
+    if policy is None:
+        return None
+    if not policy.auto_delay:
+        return policy.max_queue_delay_ms
+    if counters.get(STATS_AT_US, 0) < alive_after:
+        return None
+    return counters.get(STATS_DELAY_US, 0) / 1000

@@ -80,6 +80,7 @@ class Consumer:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._lock = threading.Lock()
+        self._ran = False  # run() was called (a consumer runs once)
         self._running = False
 
     @property
@@ -161,9 +162,9 @@ class Consumer:
         """Serve the queue until stop() (from another thread or a signal handler):
         blocking. Prepares first if prepare() was not called. A consumer runs once."""
         with self._lock:
-            if self._running:
-                raise RuntimeError(f"consumer {self.name} is already running")
-            self._running = True
+            if self._ran:
+                raise RuntimeError(f"consumer {self.name} runs once: make a new Consumer")
+            self._ran = self._running = True
         try:
             self.prepare()
             assert self.loop is not None

@@ -90,10 +90,10 @@ class ConsumerConfig:
             raise TypeError(f"unknown consumer setting {', '.join(unknown)}; the settings "
                             f"are {', '.join(sorted(known | set(KNOBS)))}")
         base = base or cls()
-        policy = {**base.policy, **{k: v for k, v in settings.items()
-                                    if k in KNOBS and v is not None}}
-        return replace(base, policy=policy,
-                       **{k: v for k, v in settings.items() if k in known and k != "policy"})
+        policy = {**base.policy, **(settings.pop("policy", None) or {}),
+                  **{k: v for k, v in settings.items() if k in KNOBS and v is not None}}
+        return replace(base, policy=policy, **{k: v for k, v in settings.items()
+                                               if k in known})
 
     def __post_init__(self) -> None:
         QueueKeys(self.queue)

@@ -163,6 +163,19 @@ def test_with_consumer_serves_inside_the_block(redis_server):
     assert stats.consumers_alive == 0 and stats.policy["strategy"] == "priority"
 
 
+def test_metrics_into_the_callers_registry(shared_redis, queue, inprocess_consumer):
+    prometheus = pytest.importorskip("prometheus_client")
+    registry = prometheus.CollectorRegistry()
+    inprocess_consumer(lambda payloads: payloads, redis_url=shared_redis.url, queue=queue,
+                       metrics_registry=registry, policy={"strategy": "fifo"})
+    with Producer(shared_redis.url, queue) as p:
+        assert [p.submit(i).result(timeout=30) for i in range(3)] == [0, 1, 2]
+    labels = {"queue": queue, "outcome": "ok"}
+    assert registry.get_sample_value("batchgate_consumer_requests_total", labels) == 3
+    assert registry.get_sample_value("batchgate_consumer_batch_size_count",
+                                     {"queue": queue}) == 3  # fifo: one by one
+
+
 def test_a_model_that_cannot_load_fails_start_naming_the_keyword(shared_redis, queue):
     consumer = Consumer("consumer.models:synthetic", redis_url=shared_redis.url,
                         queue=queue, model_args={"colour": 1})

@@ -48,10 +48,12 @@ def _parameters(factory: Any) -> list[str] | None:
     return [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
 
-def load_model(spec: str, kwargs: dict[str, Any] | None = None,
-               flags: dict[str, str] | None = None) -> BatchModel:
-    """The batch model `spec` names, built with `kwargs`. `flags` maps each keyword to the
-    option the user typed for it (`--device`, `--model-arg`), so errors name that."""
+def load_model(model: str | Any, kwargs: dict[str, Any] | None = None,
+               flags: dict[str, str] | None = None, field: str = "--model") -> BatchModel:
+    """The batch model `model` names (a MODULE:ATTR spec) or is (a model, or a factory of
+    one), built with `kwargs`. Errors name the spec `field` and each keyword as `flags`
+    maps it (the option the user typed for it: `--device`, `--model-arg`; or Consumer's
+    keywords)."""
     kwargs = kwargs or {}
     flags = flags or {}
 
@@ -59,39 +61,48 @@ def load_model(spec: str, kwargs: dict[str, Any] | None = None,
         return " / ".join(sorted({flags.get(n, "--model-arg") for n in names})) \
             or "--model-arg"
 
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise InvalidRequest("--model", f"{spec!r} is not of the form MODULE:ATTR")
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        target: Any = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise InvalidRequest("--model", f"cannot import module {module_name!r}: {exc}") \
-            from exc
-    for part in attr.split("."):
-        try:
-            target = getattr(target, part)
-        except AttributeError:
-            raise InvalidRequest("--model", f"module {module_name!r} has no {attr!r}") \
-                from None
+    if isinstance(model, str):
+        label, target = model, _resolve(model, field)
+    else:
+        label, target = getattr(model, "__qualname__", None) or repr(model)[:80], model
     if _is_factory(target):
         takes = _parameters(target)
         unknown = sorted(set(kwargs) - set(takes)) if takes is not None else []
         if unknown:
-            raise InvalidRequest(flag_of(unknown), f"{spec} takes no argument "
+            raise InvalidRequest(flag_of(unknown), f"{label} takes no argument "
                                  f"{', '.join(unknown)} (it takes: "
                                  f"{', '.join(takes) or 'nothing'})")
         try:
             target = target(**kwargs)
         except TypeError as exc:
-            raise InvalidRequest(flag_of(kwargs), f"{spec} rejected {sorted(kwargs)}: "
+            raise InvalidRequest(flag_of(kwargs), f"{label} rejected {sorted(kwargs)}: "
                                                   f"{exc}") from exc
     elif kwargs:
-        raise InvalidRequest(flag_of(kwargs), f"{spec} is a model, not a factory: it takes "
-                                              "no --model-arg or --device")
+        raise InvalidRequest(flag_of(kwargs), f"{label} is a model, not a factory: it takes "
+                                              f"no argument ({', '.join(sorted(kwargs))} "
+                                              "given)")
     if not callable(target):
-        raise InvalidRequest("--model", f"{spec} resolved to {type(target).__name__}, which "
-                                        "is not callable with a batch")
+        raise InvalidRequest(field, f"{label} resolved to {type(target).__name__}, which "
+                                    "is not callable with a batch")
     return target
 
+
+def _resolve(spec: str, field: str) -> Any:
+    """The object `spec` (MODULE:ATTR) names."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise InvalidRequest(field, f"{spec!r} is not of the form MODULE:ATTR")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        target: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise InvalidRequest(field, f"cannot import module {module_name!r}: {exc}") \
+            from exc
+    for part in attr.split("."):
+        try:
+            target = getattr(target, part)
+        except AttributeError:
+            raise InvalidRequest(field, f"module {module_name!r} has no {attr!r}") \
+                from None
+    return target

@@ -1,5 +1,6 @@
 """Prometheus metrics of one consumer: `batchgate consumer --metrics-port PORT` serves
-them at http://HOST:PORT/metrics (needs `prometheus_client`, the `metrics` extra).
+them at http://HOST:PORT/metrics (needs `prometheus_client`, the `metrics` extra);
+`Consumer(..., metrics_registry=R)` records them into the registry R.
 
 | metric                                      | type      | labels                      |
 |---------------------------------------------|-----------|-----------------------------|
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from typing import Any
 
 import redis
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
@@ -33,7 +35,6 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from consumer.batch import Answers, Batch
-from consumer.worker import Consumer
 from scheduler_core.policy import Priority
 from scheduler_core.wire import Outcome
 
@@ -68,7 +69,7 @@ class RedisUpCollector(Collector):
 class DelayCollector(Collector):
     """The delay this consumer applies (the queue's arrival rate is the exporter's)."""
 
-    def __init__(self, consumer: Consumer):
+    def __init__(self, consumer: Any):  # a Worker or ShardedConsumer
         self.consumer = consumer
 
     def collect(self) -> Iterator[Metric]:
@@ -120,11 +121,9 @@ class ConsumerMetrics:
             log.exception("metrics observer failed")
 
 
-def serve_metrics(consumer: Consumer, port: int, host: str = "0.0.0.0") -> ConsumerMetrics:
-    """Attach metrics to `consumer` and serve them on http://host:port/metrics."""
-    metrics = ConsumerMetrics(consumer.config.queue, consumer.redis)
-    metrics.registry.register(DelayCollector(consumer))
-    start_http_server(port, addr=host, registry=metrics.registry)
-    consumer.observer = metrics
+def serve_metrics(registry: CollectorRegistry, port: int, host: str = "0.0.0.0") -> Any:
+    """Serve `registry` on http://host:port/metrics from a thread; the server (its
+    shutdown() stops it)."""
+    server, _thread = start_http_server(port, addr=host, registry=registry)
     log.info("metrics on http://%s:%d/metrics", host, port)
-    return metrics
+    return server

@@ -1,6 +1,6 @@
 """One consumer process serving every shard of a sharded queue (docs/scaling.md).
 
-Each shard is a complete queue with its own Consumer (consumer/worker.py: its lease
+Each shard is a complete queue with its own Worker (consumer/worker.py: its lease
 thread, sweep, derived delay, due times), all sharing one model, one connection pool and
 one stop event; this loop decides which shard each batch comes from:
 
@@ -34,9 +34,10 @@ from typing import Any
 import redis
 
 from consumer.batch import Batch, Idle
+from consumer.config import ConsumerConfig
 from consumer.due_timer import DueTimer
 from consumer.loader import BatchModel
-from consumer.worker import IDLE_BLOCK_S, Consumer, ConsumerConfig, check_eviction_policy
+from consumer.worker import IDLE_BLOCK_S, Worker, check_eviction_policy
 from scheduler_core.admin import ensure_policy
 from scheduler_core.connection import Backoff, Outage, connect, dedicated
 from scheduler_core.policy import Policy, Strategy
@@ -47,53 +48,22 @@ log = logging.getLogger("batchgate.consumer")
 
 
 class ShardedConsumer:
-    """The CLI's consumer when the queue's policy has `shards` > 1. Same surface as
-    Consumer where the CLI uses it (start, run, stop, stopping, model, tracer, info)."""
+    """The loop of a consumer of a queue whose policy has `shards` > 1. Same surface as
+    Worker where consumer/api.py uses it (prepare, run, stop, stopping, policy, delay)."""
 
     def __init__(self, model: BatchModel, config: ConsumerConfig,
-                 client: redis.Redis | None = None):
+                 client: redis.Redis | None = None, *, tracer: Any = None,
+                 observer: Any = None):
         self.config = config
         self.redis = client or connect(config.redis_url)
         self.stopping = threading.Event()
-        self.info: dict[str, str] = {}
         self.outage = Outage(f"consumer {config.name}")  # shared by every shard's loops
-        self.shards: list[Consumer] = []
+        self.shards: list[Worker] = []
         self.policy: Policy | None = None
-        self._model = model
-        self._tracer: Any = None
+        self.model, self.tracer, self.observer = model, tracer, observer
         self._next = 0  # round-robin start among shards without HIGH
         self._due_timer: DueTimer | None = None
         self._wakers: _Wakers | None = None
-
-    # -- what the CLI sets after start() ------------------------------------------------
-    @property
-    def model(self) -> BatchModel:
-        return self._model
-
-    @model.setter
-    def model(self, model: BatchModel) -> None:
-        self._model = model
-        for shard in self.shards:
-            shard.model = model
-
-    @property
-    def tracer(self) -> Any:
-        return self._tracer
-
-    @tracer.setter
-    def tracer(self, tracer: Any) -> None:
-        self._tracer = tracer
-        for shard in self.shards:
-            shard.tracer = tracer
-
-    @property
-    def observer(self) -> Any:
-        return self.shards[0].observer if self.shards else None
-
-    @observer.setter
-    def observer(self, observer: Any) -> None:
-        for shard in self.shards:
-            shard.observer = observer
 
     @property
     def shards_changed(self) -> bool:
@@ -104,22 +74,23 @@ class ShardedConsumer:
         return self.shards[0].delay
 
     # -- lifecycle ------------------------------------------------------------------
-    def start(self) -> Policy:
+    def prepare(self) -> Policy:
         """Settle the logical queue's policy (which every shard's mirrors), then one
-        Consumer per shard."""
+        Worker per shard."""
         self.policy = ensure_policy(self.redis, self.config.queue, self.config.policy)
         check_eviction_policy(self.redis)
         self.shards = []
         for index in range(self.policy.shards):
             config = replace(self.config, queue=shard_name(self.config.queue, index),
                              overlap=False, policy=self.config.policy if index == 0 else {})
-            shard = Consumer(self._model, config, client=self.redis)
+            shard = Worker(self.model, config, client=self.redis, tracer=self.tracer,
+                           observer=self.observer)
             shard.stopping = self.stopping
-            shard.info = self.info
+            if self.shards:
+                shard.info = self.shards[0].info  # one heartbeat entry's details for all
             shard.outage = self.outage
-            shard.tracer = self._tracer
             shard.pop_after_complete = False
-            shard.start()
+            shard.prepare()
             self.shards.append(shard)
         return self.policy
 
@@ -128,7 +99,7 @@ class ShardedConsumer:
 
     def run(self) -> None:
         if self.policy is None:
-            self.start()
+            self.prepare()
         with contextlib.ExitStack() as stack:
             for shard in self.shards:
                 stack.enter_context(shard.services())
@@ -151,7 +122,7 @@ class ShardedConsumer:
                             self._idle(picked)
                         backoff.succeeded()
                     except redis.RedisError as exc:
-                        # As Consumer.run: wait it out; an abandoned batch keeps no lease,
+                        # As Worker.run: wait it out; an abandoned batch keeps no lease,
                         # so a sweep re-queues it.
                         for shard in self.shards:
                             shard._current = None
@@ -187,7 +158,7 @@ class ShardedConsumer:
         first = [i for _, i in with_high]
         return first + [i for i in rest if high[i] is None], len(first)
 
-    def _pick(self) -> tuple[Consumer, Batch] | Idle | None:
+    def _pick(self) -> tuple[Worker, Batch] | Idle | None:
         """A popped batch and its shard; else Idle until the earliest due time of a shard
         (None: pop again at once). Shards holding nothing are not popped."""
         policy = self.shards[0].policy  # followed by shard 0's lease thread
@@ -218,7 +189,7 @@ class ShardedConsumer:
     def _idle(self, idle: Idle) -> None:
         """Block until an arrival on any shard or the earliest due time. On one Redis,
         one BZPOPMIN over every shard's marker and shard 0's wake key (its due timer,
-        as Consumer._idle); on a cluster, where one BZPOPMIN takes keys of one slot
+        as Worker._idle); on a cluster, where one BZPOPMIN takes keys of one slot
         only, a thread per shard blocks on its marker (_Wakers)."""
         wait_s = IDLE_BLOCK_S if idle.due_in_ms is None else \
             min(IDLE_BLOCK_S, idle.due_in_ms / 1000)
@@ -244,7 +215,7 @@ class _Wakers:
     """Cluster only: one thread per shard blocks on that shard's marker (on a client of
     its own) while the loop is idle, and wakes the loop."""
 
-    def __init__(self, client: Any, shards: list[Consumer], stopping: threading.Event):
+    def __init__(self, client: Any, shards: list[Worker], stopping: threading.Event):
         self._idle = threading.Event()
         self._woken = threading.Event()
         self._stopping = stopping

@@ -45,6 +45,9 @@ log = logging.getLogger("batchgate.supervisor")
 
 USAGE_ERROR = 2
 SUPERVISOR_OPTIONS = ("replicas", "devices", "stop_timeout")
+# The options of a supervisor only: an in-process consumer (consumer/api.py) has no
+# keyword for them (it is one consumer; stop_timeout is its stop()'s wait).
+SUPERVISOR_ONLY = ("replicas", "devices")
 PER_CHILD_OPTIONS = ("device", "name", "metrics_port", "torch_threads")
 # Children are plain consumers: the variables that would make each one a supervisor too
 # are not passed on.
@@ -63,12 +66,13 @@ def supervisor_options(func: Any) -> Any:
                    metavar="cuda:0,cuda:1|all",
                    help="Supervise one consumer per device (x --replicas); `all` = every "
                         "CUDA device torch sees."),
-        env_option("--stop-timeout", envvar="BATCHGATE_STOP_TIMEOUT",
-                   type=click.FloatRange(0), default=30.0, show_default=True,
-                   help="Supervisor: seconds children get to finish after SIGTERM."),
-        env_option("--metrics-port", envvar="BATCHGATE_METRICS_PORT",
-                   type=click.IntRange(1, 65535), default=None,
-                   help="Serve Prometheus metrics on this port at /metrics (needs "
+        env_option("--stop-timeout", envvar="BATCHGATE_STOP_TIMEOUT", type=float,
+                   default=30.0, show_default=True,
+                   help="Supervisor: seconds children get to finish after SIGTERM, "
+                        "0-86400."),
+        env_option("--metrics-port", envvar="BATCHGATE_METRICS_PORT", type=int,
+                   default=None,
+                   help="1-65535: serve Prometheus metrics on this port at /metrics (needs "
                         "prometheus_client); supervised consumers use PORT, PORT+1, ..."),
     ]
     for option in reversed(options):

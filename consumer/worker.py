@@ -15,10 +15,9 @@ import os
 import socket
 import threading
 import time
-import uuid
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import fields, replace
 from typing import Any
 
 import redis
@@ -37,6 +36,7 @@ from consumer.batch import (
     Next,
     parse_pop,
 )
+from consumer.config import ConsumerConfig
 from consumer.due_timer import DueTimer
 from consumer.lease import EXIT_MODEL_HUNG, Held, LeaseKeeper, LeaseTimes, Report
 from consumer.loader import BatchModel
@@ -44,11 +44,11 @@ from consumer.overlap import ALONE, COMPLETION, MODEL, Overlap, SentFetch, Shape
 from consumer.refit import CostRefit
 from consumer.streaming import Emit, StreamWriter
 from scheduler_core.admin import ensure_policy, store_policy, unknown_requests
-from scheduler_core.connection import DEFAULT_REDIS_URL, Backoff, Outage, connect
+from scheduler_core.connection import Backoff, Outage, connect
 from scheduler_core.deadlines import expire_due
 from scheduler_core.errors import InvalidRequest, NotReplicated
 from scheduler_core.keys import QueueKeys
-from scheduler_core.policy import MAX_COST_BUCKETS, Policy
+from scheduler_core.policy import Policy
 from scheduler_core.registry import register_queue
 from scheduler_core.scripts import (
     ScriptPipeline,
@@ -60,7 +60,6 @@ from scheduler_core.scripts import (
 )
 from scheduler_core.wire import (
     DEADLINE,
-    DEFAULT_MAX_RESULT_BYTES,
     Outcome,
     decode_request,
     decode_request_traced,
@@ -83,80 +82,15 @@ COMPLETION_RETRIED = (redis.ConnectionError, redis.TimeoutError,
 RUN, OK, FAILED = Outcome.RUN, Outcome.OK, Outcome.FAILED
 
 
-@dataclass(frozen=True)
-class ConsumerConfig:
-    redis_url: str = DEFAULT_REDIS_URL
-    queue: str = "default"
-    lease_ms: int = 10_000  # a batch not renewed for this long is re-queued
-    # A batch the model runs longer than this is deemed hung: its lease is no longer
-    # renewed, the batch fetched ahead is given back, and lease_ms later, unless the model
-    # returned, the process exits with EXIT_MODEL_HUNG (a stuck thread cannot be
-    # interrupted; a supervisor starts a fresh process). 0 = never.
-    max_batch_ms: int = 0
-    max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES
-    # While a backlog waits, fetch the next batch and write the last one's results beside
-    # the model (consumer/overlap.py). Off: one batch at a time, nothing held ahead.
-    overlap: bool = True
-    # Every this many seconds, refit the queue's stored cost model from the live model
-    # samples (consumer/refit.py). 0 = never.
-    cost_refit_s: float = 5.0
-    # Policy values given explicitly (None = adopt the queue's stored policy or default).
-    policy: dict[str, Any] = field(default_factory=dict)
-    name: str = ""
-    # The cost bucket this consumer serves first when it is due (1-based; 0 = none):
-    # docs/scheduling.md, "Requests of different cost".
-    prefer_bucket: int = 0
-    # The cost bucket this consumer serves alone (1-based; 0 = every bucket): a consumer
-    # dedicated to it, which never takes another bucket's requests.
-    only_bucket: int = 0
-    # Acknowledge a completion only once this many replicas confirm it (WAIT); until
-    # then it is offered again. wait_timeout_ms bounds each WAIT.
-    wait_replicas: int = 0
-    wait_timeout_ms: int = 1000
+class Worker:
+    """The loop of one consumer (consumer/api.py's Consumer runs it; consumer/sharded.py
+    runs one per shard). `observer`, if given, is called once per batch as
+    on_batch(batch, ran, model_us, outcomes) (e.g. consumer.metrics.ConsumerMetrics) and
+    must not raise; `tracer` (consumer.tracing.BatchTracer) records each batch's spans."""
 
-    def __post_init__(self) -> None:
-        QueueKeys(self.queue)
-        for knob, low, high in (("wait_replicas", 0, 64), ("wait_timeout_ms", 1, 60_000)):
-            value = getattr(self, knob)
-            if isinstance(value, bool) or not isinstance(value, int) \
-                    or not low <= value <= high:
-                raise InvalidRequest(knob, f"{value!r} is outside [{low}, {high}]")
-        if isinstance(self.lease_ms, bool) or not isinstance(self.lease_ms, int) \
-                or not 100 <= self.lease_ms <= 86_400_000:
-            raise InvalidRequest("lease_ms", f"{self.lease_ms!r} is outside [100, 86400000]")
-        if isinstance(self.max_batch_ms, bool) or not isinstance(self.max_batch_ms, int) \
-                or not (self.max_batch_ms == 0 or 100 <= self.max_batch_ms <= 86_400_000):
-            raise InvalidRequest("max_batch_ms",
-                                 f"{self.max_batch_ms!r}: use 0 (off) or [100, 86400000]")
-        if isinstance(self.max_result_bytes, bool) or not isinstance(self.max_result_bytes, int) \
-                or not 16 <= self.max_result_bytes <= 512 << 20:
-            raise InvalidRequest("max_result_bytes",
-                                 f"{self.max_result_bytes!r} is outside [16, {512 << 20}]")
-        if not isinstance(self.overlap, bool):
-            raise InvalidRequest("overlap", f"{self.overlap!r} is not true or false")
-        if isinstance(self.cost_refit_s, bool) \
-                or not isinstance(self.cost_refit_s, (int, float)) \
-                or not (self.cost_refit_s == 0 or 0.1 <= self.cost_refit_s <= 86_400):
-            raise InvalidRequest("cost_refit_s",
-                                 f"{self.cost_refit_s!r}: use 0 (off) or [0.1, 86400] s")
-        for knob in ("prefer_bucket", "only_bucket"):
-            value = getattr(self, knob)
-            if isinstance(value, bool) or not isinstance(value, int) \
-                    or not 0 <= value <= MAX_COST_BUCKETS + 1:
-                raise InvalidRequest(knob, f"{value!r} is outside [0, {MAX_COST_BUCKETS + 1}]")
-        if self.prefer_bucket and self.only_bucket:
-            raise InvalidRequest("only_bucket", "a consumer dedicated to a bucket prefers no "
-                                                "other: give prefer_bucket or only_bucket")
-        if not self.name:
-            object.__setattr__(self, "name", f"{socket.gethostname()}:{os.getpid()}:"
-                                             f"{uuid.uuid4().hex[:6]}")
-        if "|" in self.name:
-            raise InvalidRequest("name", "must not contain '|'")
-
-
-class Consumer:
     def __init__(self, model: BatchModel, config: ConsumerConfig | None = None,
-                 client: redis.Redis | None = None):
+                 client: redis.Redis | None = None, *, tracer: Any = None,
+                 observer: Any = None):
         self.model = model
         self.config = config or ConsumerConfig()
         self.keys = QueueKeys(self.config.queue)
@@ -171,21 +105,19 @@ class Consumer:
         self._due_timer: DueTimer | None = None  # made by the first idle wait
         self.batches_done = 0
         self.requests_done = 0
-        # What the lease thread publishes for dashboards (`{bg:q}:consumer:<name>`); the
-        # CLI adds "device". Failed requests wait in `failures` for its next tick.
+        # What the lease thread publishes for dashboards (`{bg:q}:consumer:<name>`).
+        # Failed requests wait in `failures` for its next tick.
         self.info: dict[str, str] = {"host": socket.gethostname(), "pid": str(os.getpid()),
-                                     "device": "", "started_ms": str(int(time.time() * 1000))}
+                                     "device": self.config.device or "",
+                                     "started_ms": str(int(time.time() * 1000))}
         self.failures: deque[dict[str, Any]] = deque(maxlen=100)
         # Under max_queue_delay_ms=auto, the delay derived about once a second.
         self.delay = DelayKeeper(self.redis, self.keys)
         # A Redis outage as this consumer's loops meet it: the main loop and completions
         # being retried log it once between them.
-        self.outage = Outage(f"consumer {config.name}")
-        # Optional: called once per batch as on_batch(batch, ran, model_us, outcomes), e.g.
-        # consumer.metrics.ConsumerMetrics. It must not raise.
-        self.observer: Any = None
-        # Optional: consumer.tracing.BatchTracer, which records each batch's spans.
-        self.tracer: Any = None
+        self.outage = Outage(f"consumer {self.config.name}")
+        self.observer = observer
+        self.tracer = tracer
         # Pop the next batch in the completion's round trip (off under consumer/sharded.py,
         # which picks the shard of each batch itself).
         self.pop_after_complete = True
@@ -193,8 +125,7 @@ class Consumer:
 
     @property
     def _model_takes_costs(self) -> bool:
-        """Whether the model opted into the costs (`accepts_costs = True`): a property, as
-        the CLI sets `model` after construction."""
+        """Whether the model opted into the costs (`accepts_costs = True`)."""
         return bool(getattr(self.model, "accepts_costs", False))
 
     @property
@@ -203,7 +134,7 @@ class Consumer:
         return bool(getattr(self.model, "streams", False))
 
     # -- lifecycle ------------------------------------------------------------------
-    def start(self) -> Policy:
+    def prepare(self) -> Policy:
         """Check Redis and settle the queue's policy (PolicyConflict if ours differs)."""
         self.policy = ensure_policy(self.redis, self.config.queue, self.config.policy)
         check_eviction_policy(self.redis)
@@ -269,7 +200,7 @@ class Consumer:
         the caller runs it; on leaving, whatever was computed is written and this consumer
         leaves the queue's consumer list. consumer/sharded.py runs one per shard."""
         if self.policy is None:
-            self.start()
+            self.prepare()
         if self.config.overlap:
             self._overlap = Overlap(self._fetch, self._finish, self.stopping,
                                     send=self._send_fetch)

@@ -105,6 +105,10 @@ CHOICES: dict[str, tuple[str, ...]] = {
     # when nothing else waits (docs/scheduling.md, "Deadlines")
     "on_timeout": ("reject", "delay"),
 }
+# The values a consumer (its flags, Consumer's keywords) or `policy set` may give;
+# delay_mode follows max_queue_delay_ms ("auto" or a number).
+KNOBS = ("strategy", *LIMITS, *(name for name in CHOICES if name != "delay_mode"),
+         "cost_buckets")
 _DIGITS = re.compile(r"[0-9]{1,10}")
 MAX_COST_BUCKETS = 4  # boundaries in cost_buckets: at most 5 buckets
 

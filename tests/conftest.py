@@ -10,6 +10,8 @@ import pytest
 from helpers.processes import ConsumerProcess, RedisServer
 from helpers.topology import TopologyServer
 
+from consumer import Consumer
+
 
 @pytest.fixture(scope="session")
 def shared_redis() -> Iterator[RedisServer]:
@@ -68,6 +70,25 @@ def start_consumer() -> Iterator:
     yield start
     for proc in started:
         proc.close()
+
+
+@pytest.fixture
+def inprocess_consumer() -> Iterator:
+    """inprocess_consumer(model, redis_url=..., queue=..., **settings) -> a started
+    Consumer: the real loop on a thread of the test process, built through the public
+    API (`model` and `settings` as Consumer takes them). Stopped at teardown. For what
+    does not depend on process boundaries; crashes, signals and the CLI need
+    start_consumer."""
+    started: list[Consumer] = []
+
+    def start(model: object, **settings: object) -> Consumer:
+        consumer = Consumer(model, **settings)  # type: ignore[arg-type]
+        started.append(consumer)
+        return consumer.start()
+
+    yield start
+    for consumer in started:
+        consumer.stop()
 
 
 @pytest.fixture(autouse=True)

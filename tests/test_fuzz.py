@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from batchgate.cli import main as cli
-from consumer.worker import Batch, Consumer, ConsumerConfig
+from consumer.worker import Batch, ConsumerConfig, Worker
 from producer import InvalidRequest, Priority, Producer
 from producer.validation import check_deadline, check_idempotency_key, check_timeout
 from scheduler_core.errors import InvalidPolicy
@@ -621,7 +621,7 @@ def test_fuzz_hand_written_entries_are_dead_lettered_not_fatal(debug_redis):
     beside one real request: the consumer dead-letters (or, if by chance valid, runs) each,
     never crashes, and keeps serving."""
     r = debug_redis.client()
-    consumer = Consumer(lambda payloads: payloads, ConsumerConfig(
+    consumer = Worker(lambda payloads: payloads, ConsumerConfig(
         redis_url=debug_redis.url, queue="fz", policy={"strategy": "fifo",
                                                        "max_batch_size": 4}))
     junk = st.none() | st.binary(max_size=12) | st.sampled_from(
@@ -638,7 +638,7 @@ def test_fuzz_hand_written_entries_are_dead_lettered_not_fatal(debug_redis):
     def check(batch):
         count("hand_written", len(batch))
         r.flushdb()
-        consumer.start()
+        consumer.prepare()
         pipe = r.pipeline(transaction=False)
         ids = {}
         for rid, level, score, meta, envelope in batch:

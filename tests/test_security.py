@@ -67,22 +67,17 @@ for fn in ("loads", "dumps", "load", "dump"):
         return _real(*a, **k)
     setattr(marshal, fn, spy)
 
-from consumer.worker import Consumer, ConsumerConfig
+from consumer import Consumer
 from producer import Producer
 from scheduler_core.ops.stats import queue_stats
 
 url, queue = sys.argv[1], sys.argv[2]
-consumer = Consumer(lambda payloads: [{"echo": p} for p in payloads],
-                    ConsumerConfig(redis_url=url, queue=queue, policy={"strategy": "fifo"}))
-consumer.start()
-worker = threading.Thread(target=consumer.run)
-worker.start()
-with Producer(url, queue) as p:
-    payload = {"nested": [1, 2.5, "three", None, True, {"k": "v"}]}
-    assert p.submit(payload).result(timeout=15) == {"echo": payload}
-    queue_stats(p._redis, queue)
-consumer.stop()
-worker.join()
+with Consumer(lambda payloads: [{"echo": p} for p in payloads], redis_url=url,
+              queue=queue, strategy="fifo"):
+    with Producer(url, queue) as p:
+        payload = {"nested": [1, 2.5, "three", None, True, {"k": "v"}]}
+        assert p.submit(payload).result(timeout=15) == {"echo": payload}
+        queue_stats(p._redis, queue)
 mine = [c for c in callers if any(f"/{pkg}/" in c for pkg in ("scheduler_core", "producer",
                                                                  "consumer"))]
 assert not mine, mine

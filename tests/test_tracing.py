@@ -7,7 +7,6 @@ import asyncio
 import os
 import subprocess
 import sys
-import threading
 import time
 from datetime import datetime
 from pathlib import Path
@@ -18,9 +17,8 @@ import pytest
 import redis
 from helpers.support import wait_for
 
+from consumer import Consumer
 from consumer.models import synthetic
-from consumer.tracing import BatchTracer
-from consumer.worker import Consumer, ConsumerConfig
 from producer import AsyncProducer, Priority, Producer
 from scheduler_core.errors import InvalidRequest
 from scheduler_core.keys import QueueKeys
@@ -102,17 +100,9 @@ def test_consumer_spans_in_process(shared_redis, queue):
             second = producer.submit({"i": 2})
         untraced = producer.submit({"i": 3})
         time.sleep(0.2)  # every request waits at least this long: no consumer yet
-        consumer = Consumer(synthetic(base_ms=1, per_item_ms=0),
-                            ConsumerConfig(redis_url=shared_redis.url, queue=queue))
-        consumer.tracer = BatchTracer(queue, tracer)
-        consumer.start()
-        runner = threading.Thread(target=consumer.run, daemon=True)
-        runner.start()
-        try:
+        with Consumer(synthetic(base_ms=1, per_item_ms=0), redis_url=shared_redis.url,
+                      queue=queue, tracer=tracer):
             assert [h.result(timeout=30) for h in (first, second, untraced)]
-        finally:
-            consumer.stop()
-            runner.join(30)
 
     finished = {s.name: [] for s in spans.get_finished_spans()}
     for s in spans.get_finished_spans():

@@ -28,7 +28,8 @@ import redis
 
 from batchgate.embedded import embedded_redis
 from consumer.batch import Batch, Finished, Idle
-from consumer.worker import Consumer, ConsumerConfig
+from consumer.config import ConsumerConfig
+from consumer.worker import Worker
 from producer.sync import Producer
 from scheduler_core.admin import ensure_policy
 
@@ -55,20 +56,20 @@ def timed(label: str, n: int, client: redis.Redis, step: Any) -> Any:
     return out
 
 
-def drain_setup(url: str, queue: str, batch: int) -> tuple[redis.Redis, Consumer, Producer]:
-    """A queue (dynamic, batches of `batch`), a started in-process Consumer with a no-op
+def drain_setup(url: str, queue: str, batch: int) -> tuple[redis.Redis, Worker, Producer]:
+    """A queue (dynamic, batches of `batch`), a prepared in-process Worker with a no-op
     model, and a Producer whose listener does not run (a caller drains its inbox)."""
     client = redis.Redis.from_url(url)
     ensure_policy(client, queue, {"strategy": "dynamic", "max_batch_size": batch})
-    consumer = Consumer(lambda payloads: payloads,
-                        ConsumerConfig(redis_url=url, queue=queue, name="profiler"))
-    consumer.start()
+    consumer = Worker(lambda payloads: payloads,
+                      ConsumerConfig(redis_url=url, queue=queue, name="profiler"))
+    consumer.prepare()
     producer = Producer(url, queue)
     producer._ensure_listener = lambda: None  # type: ignore[method-assign]
     return client, consumer, producer
 
 
-def pop_all(consumer: Consumer, n: int) -> list[Batch]:
+def pop_all(consumer: Worker, n: int) -> list[Batch]:
     """Pop batches with the consumer's own call until `n` requests are out."""
     batches: list[Batch] = []
     while sum(len(b.items) for b in batches) < n:
@@ -80,7 +81,7 @@ def pop_all(consumer: Consumer, n: int) -> list[Batch]:
     return batches
 
 
-def complete_all(consumer: Consumer, batches: list[Batch]) -> None:
+def complete_all(consumer: Worker, batches: list[Batch]) -> None:
     """Decode, run the no-op model, encode and complete each batch as the consumer does."""
     for b in batches:
         early, runnable = consumer._prepare(b)

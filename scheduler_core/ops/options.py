@@ -25,21 +25,23 @@ queue_option = env_option(
     help="Queue name (1-128 of A-Z a-z 0-9 _ . : -).")
 
 
-def wait_replicas_options(acknowledged: str) -> Callable[[Any], Any]:
+def wait_replicas_options(acknowledged: str, ranged: bool = True) -> Callable[[Any], Any]:
     """--wait-replicas and --wait-timeout-ms (Redis WAIT after each write), for a command
-    whose writes are `acknowledged` (what its help says happens to them)."""
+    whose writes are `acknowledged` (what its help says happens to them). Without
+    `ranged`, the command's own settings check the ranges (0-64, 1-60000)."""
     def decorate(func: Any) -> Any:
         func = env_option(
-            "--wait-replicas", envvar="BATCHGATE_WAIT_REPLICAS", type=click.IntRange(0, 64),
-            default=0, show_default=True,
+            "--wait-replicas", envvar="BATCHGATE_WAIT_REPLICAS",
+            type=click.IntRange(0, 64) if ranged else int, default=0, show_default=True,
             help=f"{acknowledged} only once this many replicas have them (Redis WAIT, on "
                  "the connection that wrote them), so that a failover cannot lose them. "
-                 "0 = as soon as the primary has them.")(func)
+                 "0 = as soon as the primary has them." + ("" if ranged else " 0-64."))(func)
         return env_option(
             "--wait-timeout-ms", envvar="BATCHGATE_WAIT_TIMEOUT_MS",
-            type=click.IntRange(1, 60_000), default=1000, show_default=True,
+            type=click.IntRange(1, 60_000) if ranged else int, default=1000,
+            show_default=True,
             help="ms: how long each WAIT of --wait-replicas waits before the write is "
-                 "sent again.")(func)
+                 "sent again." + ("" if ranged else " 1-60000."))(func)
     return decorate
 
 

@@ -1,11 +1,11 @@
 """One batchgate consumer process for `batchgate bench`.
 
-It runs `consumer.worker.Consumer` exactly as `batchgate consumer` does (same loop, same
+It runs `consumer.worker.Worker` (the loop) exactly as `batchgate consumer` does (same loop, same
 scripts, the queue's stored policy), with one addition: the model is wrapped so that each
 result carries the timestamps of its batch, which the benchmark reads back at the
 producer. Per request it returns {"r": <model result>, "s": "enqueue_us,pop_us,model_start_us,
 model_end_us,batch_size,pid"} (one string, so that the stamps add little to result
-encoding); enqueue and pop are Redis TIME from the batch in hand (`Consumer._current`),
+encoding); enqueue and pop are Redis TIME from the batch in hand (`Worker._current`),
 the model times come from time.time(). All clocks are
 the same host clock, so the stamps compare across processes.
 
@@ -24,12 +24,13 @@ import orjson
 
 from batchgate.bench.workers.gate import guard_parent, ready_then_wait
 from consumer.cli import freeze_startup_heap
+from consumer.config import ConsumerConfig
 from consumer.loader import load_model
-from consumer.worker import Consumer, ConsumerConfig
+from consumer.worker import Worker
 
 
 class Stamped:
-    def __init__(self, inner: Any, consumer: Consumer):
+    def __init__(self, inner: Any, consumer: Worker | None = None):
         self.inner = inner
         self.consumer = consumer
         self.pid = os.getpid()
@@ -59,11 +60,11 @@ def main() -> None:
     parser.add_argument("--go", required=True, help="start-gate list key")
     args = parser.parse_args()
     guard_parent()
-    consumer = Consumer(model=lambda payloads: payloads,
-                        config=ConsumerConfig(redis_url=args.redis_url, queue=args.queue,
-                                              name=args.name))
-    consumer.start()  # adopts the policy the benchmark stored for this queue
-    consumer.model = Stamped(load_model(args.model, orjson.loads(args.model_args)), consumer)
+    model = Stamped(load_model(args.model, orjson.loads(args.model_args)))
+    consumer = Worker(model, ConsumerConfig(redis_url=args.redis_url, queue=args.queue,
+                                            name=args.name))
+    model.consumer = consumer  # whose batch in hand the stamps read
+    consumer.prepare()  # adopts the policy the benchmark stored for this queue
     freeze_startup_heap()  # as `batchgate consumer` does
     ready_then_wait(args.redis_url, args.go)
     consumer.run()

@@ -266,7 +266,7 @@ def test_policy_set_applies_the_new_strategys_batch_size_and_show_prints_numbers
     configure(url, queue, strategy="dynamic", max_batch_size=64, max_queue_delay_ms=20)
     to_fifo = policy_cli(url, queue, "set", "--strategy", "fifo")
     assert to_fifo.returncode == 0, to_fifo.stderr
-    assert json.loads(to_fifo.stdout)["max_batch_size"] == 1  # fifo's default, as docs/configuration.md says
+    assert json.loads(to_fifo.stdout)["max_batch_size"] == 1  # fifo's default (docs)
     assert "max_batch_size: 64 -> 1" in to_fifo.stderr
     back = json.loads(policy_cli(url, queue, "set", "--strategy", "priority").stdout)
     assert back["max_batch_size"] == 32 and back["max_queue_delay_ms"] == 20  # others kept

@@ -21,7 +21,7 @@ from consumer.config import FLOAT_RANGES, INT_RANGES, OFF_OR_RANGES
 from consumer.supervisor import SUPERVISOR_ONLY
 from consumer.worker import Worker
 from producer import Producer
-from scheduler_core.admin import queue_stats
+from scheduler_core.ops.stats import queue_stats
 from scheduler_core.errors import InvalidRequest
 from scheduler_core.policy import KNOBS, LIMITS
 

@@ -37,10 +37,12 @@ def ago(seconds: float) -> str:
 
 
 def busy(snap: dict[str, Any]) -> bool:
-    """Something waits or runs, or requests came or went since the last refresh."""
+    """Something waits or runs, requests came or went over the rates' window, or dead
+    letters wait for a look; otherwise the queue is idle (the dashboard folds it)."""
     rates = snap.get("rates") or {}
     return bool(sum(snap["depth"].values()) or snap["in_flight_requests"]
-                or rates.get("arrived_per_s") or rates.get("completed_per_s"))
+                or rates.get("arrived_per_s") or rates.get("completed_per_s")
+                or snap["dead_letters"])
 
 
 def busy_first(snaps: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -54,6 +56,12 @@ def delay_text(snap: dict[str, Any]) -> str:
 
 def policy_text(snap: dict[str, Any]) -> str:
     return describe_policy(snap["policy"], snap["max_queue_delay_ms_in_use"])
+
+
+def for_people(snap: dict[str, Any]) -> dict[str, Any]:
+    """Add what the dashboard shows as words: "busy", "policy_text", "delay_text"."""
+    snap.update(busy=busy(snap), policy_text=policy_text(snap), delay_text=delay_text(snap))
+    return snap
 
 
 def sparkline(batch_sizes: dict[str, int], width: int = 16) -> str:

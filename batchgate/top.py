@@ -10,15 +10,14 @@ from typing import Any
 
 import click
 
-from batchgate.present import NONE, ago, busy_first, delay_text, ms, sparkline
+from batchgate.present import NONE, WIDTH, ago, busy_first, delay_text, ms, sparkline
 from scheduler_core.compat import connect_checked
 from scheduler_core.options import env_option, redis_url_option
 from scheduler_core.snapshot import Rates, snapshot_all
 
-
 TEXT_COLUMNS = {"strategy", "delay in use", "batch sizes (newest 1,000)", "consumer", "host",
                 "device", "batch"}
-QUEUE_WIDTH = 24
+QUEUE_WIDTH = 20
 
 
 def _count(value: int) -> str:
@@ -29,14 +28,15 @@ def _rate(rates: dict[str, Any] | None, name: str) -> str:
     return NONE if not rates else f"{rates[name]:.1f}"
 
 
-def _table(*columns: str) -> Any:
+def _table(queue_width: int, *columns: str) -> Any:
     from rich.table import Table
 
     table = Table(box=None, padding=(0, 1), header_style="bold", pad_edge=False)
-    for i, name in enumerate(columns):
-        table.add_column(name, justify="left" if i == 0 or name in TEXT_COLUMNS else "right",
-                         no_wrap=True, overflow="ellipsis",
-                         max_width=QUEUE_WIDTH if i == 0 else None)
+    table.add_column("queue", no_wrap=True, overflow="ellipsis", min_width=queue_width,
+                     max_width=QUEUE_WIDTH)
+    for name in columns:
+        table.add_column(name, justify="left" if name in TEXT_COLUMNS else "right",
+                         no_wrap=True, overflow="ellipsis")
     return table
 
 
@@ -51,9 +51,10 @@ def render(snaps: list[dict[str, Any]], height: int | None = None) -> Any:
         return Text("no queues registered yet (a consumer, a producer's first submit or "
                     "`batchgate policy set` registers one)")
     snaps = busy_first(snaps)
-    figures = _table("queue", "waiting h/n/l", "in flight", "arrived/s", "done/s",
+    names = min(QUEUE_WIDTH, max(len(s["queue"]) for s in snaps))
+    figures = _table(names, "waiting h/n/l", "in flight", "arrived/s", "done/s",
                      "wait p99", "e2e p99", "consumers", "dead")
-    policies = _table("queue", "strategy", "max batch", "delay in use",
+    policies = _table(names, "strategy", "max batch", "delay in use",
                       "batch sizes (newest 1,000)")
     for s in snaps:
         depth = s["depth"]
@@ -69,11 +70,11 @@ def render(snaps: list[dict[str, Any]], height: int | None = None) -> Any:
     parts: list[Any] = [figures, Text(""), policies]
     used = 2 * (len(snaps) + 1) + 1
     rows = [(s["queue"], c) for s in snaps for c in s["consumers"]]
-    room = len(rows) if height is None else max(0, height - used - 3)  # blank, head, more
-    if rows and room > 0:
-        consumers = _table("queue", "consumer", "host", "device", "heartbeat", "batch",
+    room = len(rows) if height is None else height - used - 2  # a blank line, the header
+    shown = rows if len(rows) <= room else rows[:max(0, room - 1)]  # and "... more"
+    if shown:
+        consumers = _table(names, "consumer", "host", "device", "heartbeat", "batch",
                            "batches/s")
-        shown = rows if len(rows) <= room else rows[:room - 1]
         for queue, c in shown:
             per_s = c.get("batches_per_s")
             consumers.add_row(queue, c["name"], c["host"], c["device"] or NONE,
@@ -81,10 +82,10 @@ def render(snaps: list[dict[str, Any]], height: int | None = None) -> Any:
                               NONE if per_s is None else f"{per_s:.1f}")
         parts += [Text(""), consumers]
         used += 2 + len(shown)
-        if len(shown) < len(rows):
-            parts.append(Text(f"... and {len(rows) - len(shown)} more consumers",
-                              style="dim"))
-            used += 1
+    if len(shown) < len(rows):
+        parts.append(Text(f"... and {len(rows) - len(shown)} more consumers (a taller "
+                          "terminal lists them)", style="dim"))
+        used += 1
     failures = sorted(((f.get("at_ms", 0), s["queue"], f) for s in snaps
                        for f in s["recent_failures"][:3]), key=lambda x: x[0], reverse=True)
     room = 3 if height is None else min(3, height - used - 1)
@@ -122,6 +123,8 @@ def top_command(redis_url: str, queues: tuple[str, ...], interval: float,
     only = list(queues) or None
 
     console = Console()
+    if not console.is_terminal:  # to a file or a pipe: as wide as a terminal's WIDTH
+        console = Console(width=max(WIDTH, console.width))
 
     def frame() -> Any:  # in place: as many lines as the terminal has
         return render([rates.update(s) for s in snapshot_all(client, only)],

@@ -104,7 +104,7 @@ def _cost_model(model: dict[str, Any] | None, now_s: float) -> str:
 def _recommended(stats: dict[str, Any]) -> str:
     n = stats.get("recommended_consumers")
     if n is not None:
-        return (f"{n} consumers (SLO {stats['slo_p99_ms']:g} ms at "
+        return (f"{n} consumer{'' if n == 1 else 's'} (SLO {stats['slo_p99_ms']:g} ms at "
                 f"{per_s(stats['arrival_rate_rps'])})")
     if stats.get("slo_p99_ms") is None:
         return f"{NONE} (needs a P99 target: --slo-p99-ms, or the policy's slo_p99_ms)"

@@ -242,7 +242,7 @@ def test_stats_prints_an_aligned_table_with_units(shared_redis, queue, start_con
     assert re.fullmatch(r"t\(b\) = \d+\.\d\d ms \+ 0\.\d{3} ms × b \((profile|live), "
                         r"[\d,]+ batches, r² [\d.]+, updated \d+ s ago\)",
                         rows["cost model"]), done.stdout
-    assert re.fullmatch(r"\d+ consumers \(SLO 250 ms at \d+\.\d req/s\)",
+    assert re.fullmatch(r"\d+ consumers? \(SLO 250 ms at \d+\.\d req/s\)",
                         rows["recommended"]), done.stdout
     # For people: no Python reprs, no None, no float noise, no epoch microseconds.
     for raw in ("None", "{", "Policy(", "Strategy.", "updated_us"):

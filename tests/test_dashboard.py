@@ -374,7 +374,7 @@ def test_the_page_is_complete_without_the_live_feed(shared_redis, queue, dashboa
             sync_api.expect(folded.locator("[data-f='delay_text']")).to_have_text("50 ms")
             # Every chart: a y label and an x label with units, and the range of each.
             for chart, y, x, ends in (
-                    (".depth-chart", "requests waiting", "time (s)", ("−120 s", "now")),
+                    (".depth-chart", "requests waiting", "time (s)", ("−30 s", "now")),
                     (".size-chart", "batches", "batch size (requests)", ("1", "4"))):
                 plot = folded.locator(".plot", has=page.locator(chart))
                 sync_api.expect(plot.locator(".y-label")).to_have_text(y)

@@ -146,12 +146,14 @@ function replaceIfChanged(card, key, container, rows, build) {
   container.replaceChildren(...rows.map(build));
 }
 
-// Depth over the last HISTORY updates: x is time (seconds before the newest point), y
-// requests waiting, from 0 to a round number at or above the highest.
+// Depth over the last HISTORY updates: x is time (seconds before the newest point: what
+// the page has seen, at least 30 s), y requests waiting, from 0 to a round number at or
+// above the highest.
 function drawDepth(card, points) {
   const chart = card.querySelector(".depth-chart");
-  const windowS = HISTORY * state.config.interval_s;
   const now = points[points.length - 1][0];
+  const seen = Math.ceil((now - points[0][0]) / 30) * 30;
+  const windowS = Math.min(HISTORY * state.config.interval_s, Math.max(30, seen));
   const top = ceiling(Math.max(...points.map((p) => Math.max(p[1], p[2], p[3]))));
   const lines = [0, 1, 2].map((prio) => {
     const coords = points.map((p) =>
@@ -221,7 +223,8 @@ function render(snap) {
   card.querySelector(".consumers").hidden = !snap.consumers.length;
   card.querySelector(".dead-total").textContent = `(${snap.dead.total})`;
   card.querySelector(".dead").hidden = !snap.dead.total;
-  card.querySelector(".failure-total").textContent = `(${snap.recent_failures.length})`;
+  card.querySelector(".failure-total").textContent =
+    `(${Math.min(FAILURES_SHOWN, snap.recent_failures.length)})`;
   replaceIfChanged(card, "dead", card.querySelector(".dead tbody"),
     snap.dead.shown.map((d) => [d.id, `${d.error_type}: ${d.message}`, fmt(d.attempts),
                                 d.payload_preview || ""]),

@@ -13,8 +13,8 @@ A throw-away redis-server and five queues:
 - reports, thumbnails, audio: registered, nothing waiting (folded on the page).
 
 After 25 s of load it writes OUT_DIR/dashboard.png (the whole page, 1200 px wide), then
-prints `batchgate top --iterations 2` at 100 columns. Needs Debian's chromium (/usr/bin/chromium) and playwright
-(the dev extra); no browser is downloaded.
+prints `batchgate top --iterations 2` at 100 columns. Needs Debian's chromium
+(/usr/bin/chromium) and playwright (the dev extra); no browser is downloaded.
 """
 
 from __future__ import annotations

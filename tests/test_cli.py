@@ -217,8 +217,7 @@ def test_stats_prints_an_aligned_table_with_units(shared_redis, queue, start_con
                    "--model-arg", "base_ms=3", "--strategy", "priority",
                    "--max-batch-size", "8")
     with Producer(shared_redis.url, queue) as p:
-        for h in p.submit_many([{"n": i} for i in range(20)]):
-            h.result(timeout=30)
+        assert all(h.result(timeout=30) for h in p.submit_many([{"n": i} for i in range(20)]))
     # As `batchgate profile --store` leaves it (a consumer's refit may replace it later).
     write_cost_model(shared_redis.client(), QueueKeys(queue),
                      CostModel(2100, 400, 0.98, 120, "profile"))

@@ -155,8 +155,11 @@ function drawDepth(card, points) {
   const seen = Math.ceil((now - points[0][0]) / 30) * 30;
   const windowS = Math.min(HISTORY * state.config.interval_s, Math.max(30, seen));
   const top = ceiling(Math.max(...points.map((p) => Math.max(p[1], p[2], p[3]))));
+  // One reading (a page just served): a short level line, not an invisible point.
+  const drawn = points.length > 1 ? points
+    : [[now - 2 * state.config.interval_s, ...points[0].slice(1)], points[0]];
   const lines = [0, 1, 2].map((prio) => {
-    const coords = points.map((p) =>
+    const coords = drawn.map((p) =>
       `${400 * (1 - (now - p[0]) / windowS)},${119 - (p[prio + 1] / top) * 114}`);
     return svg("polyline", { points: coords.join(" "), fill: "none",
                              stroke: COLORS[prio], "stroke-width": 2,
@@ -281,6 +284,10 @@ async function start() {
   // The snapshot served with the page: drawn before the live feed's first event.
   const first = JSON.parse(document.getElementById("snapshot").textContent);
   if (first) update(first);
+  if (first && !first.error) {
+    setStatus(`as served · ${new Date(first.at * 1000).toLocaleTimeString()} · ` +
+              "connecting to the live feed…");
+  }
   document.getElementById("mode").textContent = state.config.actions
     ? "actions allowed with the token" : "read-only";
   document.getElementById("token-box").hidden = !state.config.actions;

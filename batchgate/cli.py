@@ -93,8 +93,9 @@ def stats_command(redis_url: str, queue: str, slo_p99_ms: float | None, as_json:
     if as_json:
         click.echo(orjson.dumps(stats, option=orjson.OPT_INDENT_2).decode())
         return
-    for key, value in stats.items():
-        click.echo(f"{key:>21}: {value}")
+    from batchgate.present import stats_table
+
+    click.echo("\n".join(stats_table(stats)))
 
 
 @main.group("policy")

@@ -30,6 +30,7 @@ from scheduler_core.ops.reading import (
     read_queue,
 )
 from scheduler_core.ops.scaling import scaling_signal
+from scheduler_core.ops.stats import delay_in_use
 from scheduler_core.policy import LIMITS, Policy, Priority
 from scheduler_core.registry import known_queues
 
@@ -135,6 +136,11 @@ class Families:
         self.recommended = gauge("batchgate_recommended_consumers",
                                  "Consumers the planner says the queue's policy needs to meet "
                                  "its slo_p99_ms at the measured arrival rate.", labels=q)
+        self.delay = gauge("batchgate_queue_max_queue_delay_seconds_in_use",
+                           "The max_queue_delay_ms pop_batch applies, in seconds: the policy's "
+                           "(delay_mode fixed) or the one the consumers derived (auto; absent "
+                           f"when none did in the last {CONSUMER_ALIVE_S:g} s).",
+                           labels=["queue", "delay_mode"])
         self.policy = {knob: gauge(name, f"Policy knob {knob}" + (" (in seconds)." if div > 1
                                                                  else "."), labels=q)
                        for knob, (name, div) in POLICY_GAUGES.items()}
@@ -161,6 +167,10 @@ class Families:
                     family.add_metric([queue, f"{q:g}"], quantile(values, q) / 1e6)
         if policy is not None:
             self.policy_info.add_metric([queue, policy.strategy.value], 1)
+            in_use = delay_in_use(policy, r.counters,
+                                  r.now_us - CONSUMER_ALIVE_S * 1_000_000)
+            if in_use is not None:
+                self.delay.add_metric([queue, policy.delay_mode], in_use / 1000)
             for knob, (_, div) in POLICY_GAUGES.items():
                 self.policy[knob].add_metric([queue], getattr(policy, knob) / div)
 
@@ -172,7 +182,7 @@ class Families:
     def all(self) -> Iterator[Any]:
         yield from (self.depth, self.oldest, self.in_flight, self.in_flight_batches,
                     self.consumers, self.dead, self.requests, *self.others.values(), self.wait,
-                    self.e2e, self.model, self.samples, self.policy_info,
+                    self.e2e, self.model, self.samples, self.policy_info, self.delay,
                     *self.policy.values(), self.arrival_rate, self.recommended)
 
 

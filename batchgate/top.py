@@ -10,79 +10,92 @@ from typing import Any
 
 import click
 
+from batchgate.present import NONE, WIDTH, ago, busy_first, delay_text, ms, sparkline
 from scheduler_core.compat import connect_checked
 from scheduler_core.ops.options import env_option, redis_url_option
 from scheduler_core.ops.snapshot import Rates, snapshot_all
 
+TEXT_COLUMNS = {"strategy", "delay in use", "batch sizes (newest 1,000)", "consumer", "host",
+                "device", "batch"}
+QUEUE_WIDTH = 20
 
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1f}"
+
+def _count(value: int) -> str:
+    return f"{value:,}"
 
 
 def _rate(rates: dict[str, Any] | None, name: str) -> str:
-    return "-" if not rates else f"{rates[name]:.1f}"
+    return NONE if not rates else f"{rates[name]:.1f}"
 
 
-def render(snaps: list[dict[str, Any]]) -> Any:
-    """A rich renderable of the snapshots (one panel per queue)."""
-    from rich.console import Group
-    from rich.markup import escape
-    from rich.panel import Panel
+def _table(queue_width: int, *columns: str) -> Any:
     from rich.table import Table
+
+    table = Table(box=None, padding=(0, 1), header_style="bold", pad_edge=False)
+    table.add_column("queue", no_wrap=True, overflow="ellipsis", min_width=queue_width,
+                     max_width=QUEUE_WIDTH)
+    for name in columns:
+        table.add_column(name, justify="left" if name in TEXT_COLUMNS else "right",
+                         no_wrap=True, overflow="ellipsis")
+    return table
+
+
+def render(snaps: list[dict[str, Any]], height: int | None = None) -> Any:
+    """A rich renderable of the snapshots, busy queues first: one row per queue (figures),
+    one per queue (policy, delay in use, batch sizes), then the consumers and the newest
+    failures as far as `height` lines allow (None: all of them)."""
+    from rich.console import Group
     from rich.text import Text
 
     if not snaps:
         return Text("no queues registered yet (a consumer, a producer's first submit or "
                     "`batchgate policy set` registers one)")
-    panels = []
+    snaps = busy_first(snaps)
+    names = min(QUEUE_WIDTH, max(len(s["queue"]) for s in snaps))
+    figures = _table(names, "waiting h/n/l", "in flight", "arrived/s", "done/s",
+                     "wait p99", "e2e p99", "consumers", "dead")
+    policies = _table(names, "strategy", "max batch", "delay in use",
+                      "batch sizes (newest 1,000)")
     for s in snaps:
-        policy = s["policy"] or {}
-        head = Table.grid(padding=(0, 2))
-        for _ in range(8):
-            head.add_column(justify="right")
         depth = s["depth"]
-        head.add_row("high", str(depth["high"]), "normal", str(depth["normal"]),
-                     "low", str(depth["low"]), "in flight", str(s["in_flight_requests"]))
-        head.add_row("arrived/s", _rate(s["rates"], "arrived_per_s"),
-                     "completed/s", _rate(s["rates"], "completed_per_s"),
-                     "batches/s", _rate(s["rates"], "batches_per_s"),
-                     "dead", str(s["dead_letters"]))
-        head.add_row("wait p50", _ms(s["queue_wait_ms"]["p50"]),
-                     "wait p99", _ms(s["queue_wait_ms"]["p99"]),
-                     "e2e p50", _ms(s["end_to_end_ms"]["p50"]),
-                     "e2e p99", _ms(s["end_to_end_ms"]["p99"]))
-        parts: list[Any] = [head]
-        if s["batch_sizes"]:
-            most = max(s["batch_sizes"].values())
-            bars = Table.grid(padding=(0, 1))
-            bars.add_column(justify="right")
-            bars.add_column()
-            bars.add_column(justify="right")
-            for size, n in s["batch_sizes"].items():
-                bars.add_row(f"size {size}", "#" * max(1, round(30 * n / most)), str(n))
-            parts += [Text("batch sizes (newest batches)", style="bold"), bars]
-        if s["consumers"]:
-            table = Table("consumer", "host", "device", "heartbeat", "batch", "batches/s",
-                          expand=False, box=None, header_style="bold")
-            for c in s["consumers"]:
-                per_s = c.get("batches_per_s")
-                table.add_row(c["name"], c["host"], c["device"] or "-",
-                              f"{c['heartbeat_age_s']:.1f}s ago", c["batch"] or "-",
-                              "-" if per_s is None else f"{per_s:.1f}")
-            parts.append(table)
-        else:
-            parts.append(Text("no consumers", style="yellow"))
-        for failure in s["recent_failures"][:3]:
-            parts.append(Text(f"failed {failure.get('id')}: {failure.get('type')}: "
-                              f"{failure.get('message')}", style="red"))
-        title = (f"{s['queue']}  [{policy.get('strategy', 'no policy')}"
-                 + (f", batch<={policy['max_batch_size']}, delay "
-                    f"{policy['max_queue_delay_ms']} ms" if policy else "") + "]")
-        if s["adaptive_delay"]:
-            title += "  adaptive " + ", ".join(f"{k}={v}" for k, v in
-                                               s["adaptive_delay"].items())
-        panels.append(Panel(Group(*parts), title=escape(title), title_align="left"))
-    return Group(*panels)
+        figures.add_row(s["queue"], f"{depth['high']}/{depth['normal']}/{depth['low']}",
+                        _count(s["in_flight_requests"]), _rate(s["rates"], "arrived_per_s"),
+                        _rate(s["rates"], "completed_per_s"), ms(s["queue_wait_ms"]["p99"]),
+                        ms(s["end_to_end_ms"]["p99"]), _count(s["consumers_alive"]),
+                        _count(s["dead_letters"]))
+        policy = s["policy"] or {}
+        policies.add_row(s["queue"], str(policy.get("strategy", "no policy")),
+                         str(policy.get("max_batch_size", NONE)), delay_text(s),
+                         sparkline(s["batch_sizes"]))
+    parts: list[Any] = [figures, Text(""), policies]
+    used = 2 * (len(snaps) + 1) + 1
+    rows = [(s["queue"], c) for s in snaps for c in s["consumers"]]
+    room = len(rows) if height is None else height - used - 2  # a blank line, the header
+    shown = rows if len(rows) <= room else rows[:max(0, room - 1)]  # and "... more"
+    if shown:
+        consumers = _table(names, "consumer", "host", "device", "heartbeat", "batch",
+                           "batches/s")
+        for queue, c in shown:
+            per_s = c.get("batches_per_s")
+            consumers.add_row(queue, c["name"], c["host"], c["device"] or NONE,
+                              ago(c["heartbeat_age_s"]), c["batch"] or "idle",
+                              NONE if per_s is None else f"{per_s:.1f}")
+        parts += [Text(""), consumers]
+        used += 2 + len(shown)
+    if len(shown) < len(rows):
+        parts.append(Text(f"... and {len(rows) - len(shown)} more consumers (a taller "
+                          "terminal lists them)", style="dim"))
+        used += 1
+    failures = sorted(((f.get("at_ms", 0), s["queue"], f) for s in snaps
+                       for f in s["recent_failures"][:3]), key=lambda x: x[0], reverse=True)
+    room = 3 if height is None else min(3, height - used - 1)
+    if failures and room > 0:
+        parts.append(Text(""))
+        for _, queue, f in failures[:room]:
+            parts.append(Text(f"failed {queue} {f.get('id')}: {f.get('type')}: "
+                              f"{f.get('message')}", style="red", no_wrap=True,
+                              overflow="ellipsis"))
+    return Group(*parts)
 
 
 @click.command("top")
@@ -109,10 +122,14 @@ def top_command(redis_url: str, queues: tuple[str, ...], interval: float,
     rates = Rates()
     only = list(queues) or None
 
-    def frame() -> Any:
-        return render([rates.update(s) for s in snapshot_all(client, only)])
-
     console = Console()
+    if not console.is_terminal:  # to a file or a pipe: as wide as a terminal's WIDTH
+        console = Console(width=max(WIDTH, console.width))
+
+    def frame() -> Any:  # in place: as many lines as the terminal has
+        return render([rates.update(s) for s in snapshot_all(client, only)],
+                      console.height if console.is_terminal else None)
+
     if once:
         iterations = 1
     # Ctrl-C / SIGTERM set a flag that the loop checks between refreshes: a

@@ -40,7 +40,7 @@ from consumer.loader import BatchModel
 from consumer.worker import IDLE_BLOCK_S, Worker, check_eviction_policy
 from scheduler_core.admin import ensure_policy
 from scheduler_core.connection import Backoff, Outage, connect, dedicated
-from scheduler_core.policy import Policy, Strategy
+from scheduler_core.policy import Policy, Strategy, describe_policy
 from scheduler_core.scripts import ScriptPipeline
 from scheduler_core.shards import shard_name
 
@@ -107,7 +107,8 @@ class ShardedConsumer:
                 self._wakers = stack.enter_context(_Wakers(self.redis, self.shards,
                                                            self.stopping))
             log.info("consumer %s serving queue %r over %d shards with %s", self.config.name,
-                     self.config.queue, len(self.shards), self.policy)
+                     self.config.queue, len(self.shards),
+                     describe_policy(self.policy, self.shards[0].delay.delay_ms))
             backoff = Backoff(outage=self.outage)
             try:
                 while not self.stopping.is_set():

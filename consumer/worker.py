@@ -48,7 +48,7 @@ from scheduler_core.connection import Backoff, Outage, connect
 from scheduler_core.deadlines import expire_due
 from scheduler_core.errors import InvalidRequest, NotReplicated
 from scheduler_core.keys import QueueKeys
-from scheduler_core.policy import Policy
+from scheduler_core.policy import Policy, describe_policy
 from scheduler_core.registry import register_queue
 from scheduler_core.scripts import (
     ScriptPipeline,
@@ -166,7 +166,7 @@ class Worker:
         with self.services():
             backoff = Backoff(outage=self.outage)
             log.info("consumer %s serving queue %r with %s", self.config.name,
-                     self.config.queue, self.policy)
+                     self.config.queue, describe_policy(self.policy, self.delay.delay_ms))
             next_step: Next = POP_NOW
             # A batch already popped (it rode in with the last completion, or was
             # prefetched) is run even if a stop arrived meanwhile, rather than stranded

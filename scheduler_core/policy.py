@@ -10,7 +10,7 @@ from __future__ import annotations
 import bisect
 import enum
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -281,6 +281,52 @@ def format_buckets(value: object) -> str:
         raise InvalidPolicy("cost_buckets", f"{len(bounds)} boundaries, over the limit of "
                                             f"{MAX_COST_BUCKETS}")
     return ",".join(str(b) for b in bounds)
+
+
+# -- for people: the policy in the CLI's own words ------------------------------------
+def _ms(value: float) -> str:
+    return f"{round(value, 1):g} ms"
+
+
+def describe_delay(policy: Policy | Mapping[str, Any] | None,
+                   in_use_ms: float | None = None) -> str:
+    """The max_queue_delay_ms a queue's consumers apply, for people: "50 ms", or under
+    max_queue_delay_ms=auto the one in use and the target, "auto → 63 ms, SLO 100 ms"
+    (in_use_ms None: no consumer has derived one lately). `batchgate stats`, `top`, the
+    dashboard and the consumer's start-up line all say it this way."""
+    if policy is None:
+        return "no policy yet"
+    values = policy.to_dict() if isinstance(policy, Policy) else policy
+    if values.get("delay_mode") != AUTO:
+        return _ms(values["max_queue_delay_ms"])
+    used = "not derived yet (no live consumer)" if in_use_ms is None else _ms(in_use_ms)
+    return f"auto → {used}, SLO {_ms(values['slo_p99_ms'])}"
+
+
+def describe_policy(policy: Policy | Mapping[str, Any] | None,
+                    in_use_ms: float | None = None) -> str:
+    """The policy as the flags that set it: strategy, max_batch_size and the delay
+    always, every other knob where it differs from its default, e.g. "strategy=priority
+    max_batch_size=8 max_queue_delay_ms=auto (→ 63 ms, SLO 100 ms) aging_ms=0"."""
+    if policy is None:
+        return "no policy yet"
+    values = policy.to_dict() if isinstance(policy, Policy) else dict(policy)
+    auto = values.get("delay_mode") == AUTO
+    if auto:
+        derived = "" if in_use_ms is None else f"→ {_ms(in_use_ms)}, "
+        delay = f"auto ({derived}SLO {_ms(values['slo_p99_ms'])})"
+    else:
+        delay = str(values["max_queue_delay_ms"])
+    words = [f"strategy={values['strategy']}", f"max_batch_size={values['max_batch_size']}",
+             f"max_queue_delay_ms={delay}"]
+    shown = {"strategy", "max_batch_size", "max_queue_delay_ms", "delay_mode"}
+    if auto:
+        shown.add("slo_p99_ms")
+    for field in fields(Policy):
+        value = values.get(field.name, field.default)
+        if field.name not in shown and value != field.default:
+            words.append(f"{field.name}={value}")
+    return " ".join(words)
 
 
 def _text(value: bytes | str) -> str:

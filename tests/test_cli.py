@@ -5,6 +5,7 @@ conflicts, model arguments and environment variables, `submit`, `result`, `polic
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 
@@ -14,6 +15,7 @@ from helpers.support import RecordingModel, configure, queue_pattern, snapshot, 
 
 from producer import Producer
 from scheduler_core.admin import read_policy
+from scheduler_core.cost_model import CostModel, write_cost_model
 from scheduler_core.keys import QueueKeys
 from scheduler_core.ops.stats import queue_stats
 
@@ -201,6 +203,65 @@ def test_stats_json(shared_redis, queue, start_consumer):
         assert 0 <= latency["p50"] <= latency["p99"]
     assert stats["model_ms"]["samples"] == stats["batches"]  # one per batch
     assert 0 <= stats["model_ms"]["p50"] <= stats["model_ms"]["p99"]
+
+
+STATS_JSON_FIELDS = {  # `stats --json` is for scripts: these stay as they are
+    "queue", "policy", "depth", "in_flight_requests", "in_flight_batches", "oldest_wait_ms",
+    "consumers_alive", "processed", "failed", "requeued", "cancelled", "expired",
+    "dead_letters", "batches", "mean_batch_size", "queue_wait_ms", "end_to_end_ms",
+    "model_ms", "delayed", "past_deadline", "arrival_rate_rps", "max_queue_delay_ms_in_use",
+    "arrival_window_s", "slo_p99_ms", "cost_model", "recommended_consumers"}
+
+
+def test_stats_prints_an_aligned_table_with_units(shared_redis, queue, start_consumer):
+    start_consumer(shared_redis.url, queue, "--model", "consumer.models:synthetic",
+                   "--model-arg", "base_ms=3", "--strategy", "priority",
+                   "--max-batch-size", "8")
+    with Producer(shared_redis.url, queue) as p:
+        assert all(h.result(timeout=30) for h in p.submit_many([{"n": i} for i in range(20)]))
+    # As `batchgate profile --store` leaves it (a consumer's refit may replace it later).
+    write_cost_model(shared_redis.client(), QueueKeys(queue),
+                     CostModel(2100, 400, 0.98, 120, "profile"))
+    done = batchgate("stats", "--redis-url", shared_redis.url, "--queue", queue,
+                     "--slo-p99-ms", "250")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 100, done.stdout
+    rows = {line[:17].strip(): line[17:] for line in lines if line[:17].strip()}
+    # One label column, every value starting in the same column.
+    latency = ["latency", "queue wait", "end to end", "model per batch"]
+    assert all(line[16] == " " and line[17] != " " for line in lines
+               if line[:17].strip() not in ("", *latency)), done.stdout
+    assert len({len(rows[label]) for label in latency}) == 1  # right-aligned columns
+    assert rows["policy"] == "strategy=priority max_batch_size=8 max_queue_delay_ms=50"
+    assert rows["delay in use"] == "50 ms"
+    assert rows["consumers alive"] == "1"
+    assert rows["answered"].startswith("20 processed, 0 failed")
+    assert rows["arrival rate"].endswith("req/s (last 10 s)")
+    assert re.fullmatch(r"\s+\d+\.\d ms\s+\d+\.\d ms\s+20", rows["end to end"]), done.stdout
+    assert re.fullmatch(r"t\(b\) = \d+\.\d\d ms \+ 0\.\d{3} ms × b \((profile|live), "
+                        r"[\d,]+ batches, r² [\d.]+, updated \d+ s ago\)",
+                        rows["cost model"]), done.stdout
+    assert re.fullmatch(r"\d+ consumers? \(SLO 250 ms at \d+\.\d req/s\)",
+                        rows["recommended"]), done.stdout
+    # For people: no Python reprs, no None, no float noise, no epoch microseconds.
+    for raw in ("None", "{", "Policy(", "Strategy.", "updated_us"):
+        assert raw not in done.stdout, raw
+    assert not re.search(r"\d\.\d{4,}|\d{13,}", done.stdout), done.stdout
+    machine = stats_json(shared_redis.url, queue)
+    assert set(machine) == STATS_JSON_FIELDS  # --json keeps the machine form
+
+
+def test_the_start_up_line_names_the_policy_in_the_clis_words(shared_redis, queue,
+                                                              start_consumer):
+    proc = start_consumer(shared_redis.url, queue, "--model", "consumer.models:noop",
+                          "--strategy", "priority", "--max-batch-size", "8",
+                          "--max-queue-delay-ms", "auto", "--slo-p99-ms", "100")
+    wait_for(lambda: "serving queue" in proc.output(), 15, "the start-up line")
+    line = next(x for x in proc.output().splitlines() if "serving queue" in x)
+    assert re.search(r"with strategy=priority max_batch_size=8 max_queue_delay_ms=auto "
+                     r"\(→ \d+(\.\d)? ms, SLO 100 ms\)$", line), line
+    assert "Policy(" not in proc.output() and "<Strategy" not in proc.output()
 
 
 # -- models: --device, --model-arg, env vars, torch threads ---------------------------

@@ -21,8 +21,8 @@ from consumer.config import FLOAT_RANGES, INT_RANGES, OFF_OR_RANGES
 from consumer.supervisor import SUPERVISOR_ONLY
 from consumer.worker import Worker
 from producer import Producer
-from scheduler_core.ops.stats import queue_stats
 from scheduler_core.errors import InvalidRequest
+from scheduler_core.ops.stats import queue_stats
 from scheduler_core.policy import KNOBS, LIMITS
 
 IDLE_STOP_S = 1.0  # an idle loop blocks at most IDLE_BLOCK_S (1 s) before it sees a stop

@@ -4,6 +4,7 @@ headless Chromium (Debian's, driven by Playwright) with a real consumer."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import time
 from collections.abc import Iterator
@@ -19,6 +20,7 @@ from helpers.support import wait_for
 
 from producer import Producer
 from scheduler_core.keys import QueueKeys
+from scheduler_core.registry import register_queue
 from scheduler_core.wire import format_job, split_job
 
 pytest.importorskip("fastapi")
@@ -171,6 +173,9 @@ def test_the_page_shows_depth_live_and_retries_a_dead_letter(shared_redis, queue
             card = page.locator(f"section.queue[data-queue='{queue}']")
             normal = card.locator("[data-f='depth.normal']")
             sync_api.expect(normal).to_have_text("1", timeout=10_000)  # the one to die
+            # Unfolded by a click on its title: it stays so when the queue turns idle.
+            card.locator("h2").click()
+            sync_api.expect(card).to_have_class(re.compile(r"\bopen\b"))
 
             # Submitted with no consumer: the page shows the depth rise, without reload.
             with Producer(shared_redis.url, queue) as producer:
@@ -224,8 +229,8 @@ def test_the_page_shows_depth_live_and_retries_a_dead_letter(shared_redis, queue
             card.locator(".policy-edit summary").click()
             card.locator(".policy-form input[name='max_batch_size']").fill("8")
             card.locator(".policy-form button[type='submit']").click()
-            sync_api.expect(card.locator(".policy-line")).to_contain_text("batch ≤ 8",
-                                                                          timeout=10_000)
+            sync_api.expect(card.locator(".policy-line")).to_contain_text(
+                "max_batch_size=8", timeout=10_000)
             assert questions[-1] == f"Change the policy of queue {queue}?"
         finally:
             browser.close()
@@ -289,5 +294,93 @@ def test_the_page_under_a_prefix_is_read_only_without_a_token(shared_redis, queu
             # Everything the page loaded came from under the prefix, nothing from elsewhere.
             assert requested and all(u.startswith(server.url + "/bg/") for u in requested), \
                 requested
+        finally:
+            browser.close()
+
+
+def served_snapshot(html: str) -> dict:
+    found = re.search(r'<script id="snapshot" type="application/json">(.*?)</script>', html)
+    assert found, html
+    return orjson.loads(found.group(1))
+
+
+def test_the_page_comes_with_the_snapshot_busy_queues_first(shared_redis, queue,
+                                                            dashboards):
+    """The page as served holds the current snapshot (nothing to wait for), busy queues
+    first; what the data holds cannot end the script it rides in."""
+    idle, busy = queue + "-a", queue + "-b"
+    register_queue(shared_redis.client(), idle)
+    with Producer(shared_redis.url, busy) as producer:
+        producer.submit({"text": "waits"})
+    message = "</script><script>alert(1)</script>"  # as a model's exception may say
+    shared_redis.client().lpush(QueueKeys(busy).failures, orjson.dumps(
+        {"id": "x", "type": "ValueError", "message": message, "at_ms": 1}))
+    server = dashboards(shared_redis.url, "--queue", idle, "--queue", busy)
+    html = httpx.get(server.url + "/").text
+    snap = served_snapshot(html)
+    assert [(q["queue"], q["busy"]) for q in snap["queues"]] == [(busy, True), (idle, False)]
+    assert snap["queues"][0]["depth"]["normal"] == 1
+    assert snap["queues"][0]["policy_text"] == "no policy yet"
+    assert snap["queues"][0]["recent_failures"][0]["message"] == message
+    assert html.count("</script>") == 2  # the page's own two scripts, nothing more
+    assert [q["queue"] for q in httpx.get(server.url + "/api/snapshot").json()["queues"]] == \
+        [busy, idle]
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed (apt-get install "
+                    "chromium; CI installs it): the browser test needs a real browser")
+def test_the_page_is_complete_without_the_live_feed(shared_redis, queue, dashboards,
+                                                    start_consumer):
+    """With the live feed blocked, the page still shows every queue's figures and charts
+    (from the snapshot it was served with): busy first, idle folded to its title until a
+    click, each chart's axes labelled with their units."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    idle, busy = queue + "-a", queue + "-b"
+    start_consumer(shared_redis.url, idle, "--model", "consumer.models:noop",
+                   "--max-batch-size", "4")
+    with Producer(shared_redis.url, idle) as producer:
+        assert all(h.result(timeout=30) for h in producer.submit_many(
+            [{"i": i} for i in range(6)]))
+    with Producer(shared_redis.url, busy) as producer:
+        producer.submit_many([{"i": i} for i in range(3)], priority="high")
+    server = dashboards(shared_redis.url, "--queue", idle, "--queue", busy)
+    time.sleep(6)  # past the rates' window: the idle queue's batches are behind it
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM,
+                                     args=["--no-sandbox", "--disable-gpu"])
+        try:
+            page = browser.new_page(viewport={"width": 1200, "height": 900})
+            blocked: list[str] = []
+            page.route("**/events", lambda route: (blocked.append(route.request.url),
+                                                   route.abort()))
+            page.goto(server.url + "/")
+            cards = page.locator("section.queue")
+            sync_api.expect(cards).to_have_count(2, timeout=10_000)
+            assert [cards.nth(i).get_attribute("data-queue") for i in range(2)] == \
+                [busy, idle]
+            first = page.locator(f"section.queue[data-queue='{busy}']")
+            sync_api.expect(first.locator("[data-f='depth.high']")).to_have_text("3")
+            assert blocked  # the live feed never answered: all of it came with the page
+            # The idle queue: its title only, until a click unfolds it.
+            folded = page.locator(f"section.queue[data-queue='{idle}']")
+            sync_api.expect(folded).to_have_class(re.compile(r"\bfolded\b"))
+            assert folded.locator("h2").is_visible()
+            assert not folded.locator(".figures").is_visible()
+            sync_api.expect(folded.locator(".idle-note")).to_have_text("idle")
+            folded.locator("h2").click()
+            assert folded.locator(".figures").is_visible()
+            sync_api.expect(folded.locator(".policy-line")).to_have_text(
+                "strategy=priority max_batch_size=4 max_queue_delay_ms=50")
+            sync_api.expect(folded.locator("[data-f='delay_text']")).to_have_text("50 ms")
+            # Every chart: a y label and an x label with units, and the range of each.
+            for chart, y, x, ends in (
+                    (".depth-chart", "requests waiting", "time (s)", ("−30 s", "now")),
+                    (".size-chart", "batches", "batch size (requests)", ("1", "4"))):
+                plot = folded.locator(".plot", has=page.locator(chart))
+                sync_api.expect(plot.locator(".y-label")).to_have_text(y)
+                sync_api.expect(plot.locator(".x-label")).to_have_text(x)
+                sync_api.expect(plot.locator(".x-left")).to_have_text(ends[0])
+                sync_api.expect(plot.locator(".x-right")).to_have_text(ends[1])
+                assert re.fullmatch(r"[\d,]+", plot.locator(".y-top").inner_text())
         finally:
             browser.close()

@@ -93,6 +93,9 @@ def test_depth_from_redis_alone_then_counters_move_with_a_consumer(
     assert value(served, "batchgate_queue_policy_info", queue=queue, strategy="priority") == 1
     assert value(served, "batchgate_queue_policy_max_batch_size", queue=queue) == 32
     assert value(served, "batchgate_queue_policy_max_queue_delay_seconds", queue=queue) == 0.05
+    # The delay in use, with its mode: a fixed one is the policy's (auto: test_live.py).
+    assert value(served, "batchgate_queue_max_queue_delay_seconds_in_use", queue=queue,
+                 delay_mode="fixed") == 0.05
     assert value(served, "batchgate_queue_dead_letters", -1, queue=queue) == 0
 
 

@@ -4,11 +4,13 @@ against a real Redis with real consumers."""
 from __future__ import annotations
 
 import asyncio
+import io
 import os
 import re
 import subprocess
 import time
 
+import orjson
 import pytest
 from click.testing import CliRunner
 from helpers.processes import BATCHGATE
@@ -123,14 +125,17 @@ def test_top_shows_a_busy_queue_and_exits(redis_server, queue, start_consumer):
                              capture_output=True, text=True, timeout=60,
                              env={**os.environ, "COLUMNS": "120"})
     assert out.returncode == 0, out.stderr
-    frames = out.stdout.split(queue)
-    assert len(frames) == 3, out.stdout  # two refreshes, one panel each
+    frames = out.stdout.split("waiting h/n/l")
+    assert len(frames) == 3, out.stdout  # two refreshes
     first, second = frames[1], frames[2]
-    assert "priority, batch<=2" in first
-    assert re.search(r"arrived/s\s+-", first) and re.search(r"arrived/s\s+\d", second)
-    low = [int(line.split("low")[1].split()[0]) for line in (first, second)]
-    assert low[0] > 0 and low[1] <= low[0]
-    assert "completed/s" in second and "size 2" in second and "batches/s" in second
+    rows = [next(line for line in frame.splitlines() if line.startswith(queue + " "))
+            for frame in (first, second)]  # the queue's figures row, in each
+    # waiting h/n/l, in flight, arrived/s, done/s, ...: the first refresh has no rates yet.
+    low = [int(row.split()[1].split("/")[2]) for row in rows]
+    assert low[0] > 0 and low[1] <= low[0], rows
+    assert rows[0].split()[3] == "-" and re.fullmatch(r"\d+\.\d", rows[1].split()[3]), rows
+    assert re.search(rf"{queue}\s+priority\s+2\s+50 ms\s+1 [▁-█ ]+ 2", second), second
+    assert "batches/s" in second and "heartbeat" in second
     # --queue filters; an unknown queue shows empty figures rather than failing.
     out = CliRunner().invoke(cli, ["top", "--redis-url", redis_server.url, "--once",
                                    "--queue", queue + "-other"])
@@ -218,3 +223,108 @@ def test_a_lean_snapshot_skips_the_lists(redis_server, queue):
     assert full["adaptive_delay"] == {}
     client.hset(QueueKeys(queue).stats, "adaptive_delay_us", 1234)
     assert queue_snapshot(client, queue)["adaptive_delay"] == {"adaptive_delay_us": 1234}
+
+
+def test_top_fits_100_by_40_with_5_queues_busy_first(redis_server, start_consumer):
+    """Five queues, four of them served, one idle, one with a failure: top's frame fits
+    a 100 x 40 terminal, busy queues first; in a shorter one the consumers are cut with a
+    line saying how many more."""
+    from rich.console import Console
+
+    from batchgate.top import render
+
+    client = redis_server.client()
+    names = ["a-idle", "b-waiting", "c-served", "d-served", "e-embeddings"]
+    register_queue(client, names[0])
+    for name in names[2:]:
+        start_consumer(redis_server.url, name, "--model", "consumer.models:synthetic",
+                       "--model-arg", "base_ms=5", "--max-batch-size", "4")
+    start_consumer(redis_server.url, names[2], "--model", "consumer.models:noop")
+    with Producer(redis_server.url, names[1]) as producer:
+        producer.submit_many([{"i": i} for i in range(5)])  # nobody serves it: it waits
+    for name in names[2:]:
+        with Producer(redis_server.url, name) as producer:
+            assert all(h.result(timeout=30) for h in producer.submit_many(
+                [{"i": i} for i in range(9)]))
+    with Producer(redis_server.url, names[3]) as producer, \
+            pytest.raises(Exception, match="synthetic failure"):
+        producer.submit({"fail": True}).result(timeout=30)
+    wait_for(lambda: queue_snapshot(client, names[3])["recent_failures"], 10, "the failure")
+    rates = Rates()
+    snaps = [rates.update(queue_snapshot(client, name)) for name in names]
+
+    def frame(height: int | None) -> list[str]:
+        console = Console(width=100, height=40, record=True, file=io.StringIO())
+        console.print(render([dict(s) for s in snaps], height))
+        return console.export_text().splitlines()
+
+    lines = frame(40)
+    assert len(lines) <= 40 and max(len(line) for line in lines) <= 100, "\n".join(lines)
+    # Requests wait on b-waiting only: it comes first, then the idle ones by name.
+    assert [line.split()[0] for line in lines[1:6]] == [names[1], names[0], *names[2:]]
+    assert any(line.split()[:2] == ["queue", "consumer"] for line in lines)
+    assert any("synthetic failure" in line for line in lines), "\n".join(lines)
+    short = frame(18)
+    assert len(short) <= 18, "\n".join(short)
+    assert re.search(r"\.\.\. and \d+ more consumers", "\n".join(short)), "\n".join(short)
+
+
+def test_the_auto_delay_in_use_reads_the_same_in_stats_top_dashboard_and_exporter(
+        redis_server, queue):
+    """Under max_queue_delay_ms=auto, the delay the consumers derived (63 ms here, as a
+    consumer publishes it in {bg:q}:stats about once a second), not the stored fixed one
+    (50 ms), with its target: worded by one function in `stats`, `top` and the dashboard,
+    and a gauge with a delay_mode label in the exporter."""
+    from fastapi.testclient import TestClient
+    from prometheus_client import generate_latest
+    from rich.console import Console
+
+    from batchgate.dashboard.app import create_app
+    from batchgate.exporter import ExporterConfig, build_registry
+    from batchgate.top import render
+    from scheduler_core.auto_delay import STATS_AT_US, STATS_DELAY_US
+
+    client = redis_server.client()
+    done = CliRunner().invoke(cli, ["policy", "set", "--redis-url", redis_server.url,
+                                    "--queue", queue, "--max-queue-delay-ms", "auto",
+                                    "--slo-p99-ms", "100"])
+    assert done.exit_code == 0, done.output
+
+    def publish() -> None:  # what a live consumer's DelayKeeper writes
+        now_s, now_us = client.time()
+        client.hset(QueueKeys(queue).stats, mapping={
+            STATS_DELAY_US: 63_000, STATS_AT_US: now_s * 1_000_000 + now_us})
+
+    wording = "auto → 63 ms, SLO 100 ms"
+    publish()
+    stats = CliRunner().invoke(cli, ["stats", "--redis-url", redis_server.url, "--queue",
+                                     queue])
+    assert f"delay in use     {wording}\n" in stats.output, stats.output
+    assert "max_queue_delay_ms=auto (→ 63 ms, SLO 100 ms)" in stats.output
+
+    publish()
+    console = Console(width=100, record=True, file=io.StringIO())
+    console.print(render([Rates().update(queue_snapshot(client, queue))]))
+    assert wording in console.export_text(), console.export_text()
+
+    publish()
+    with TestClient(create_app(client, only=[queue])) as page:
+        html = page.get("/").text
+    served = orjson.loads(re.search(r'<script id="snapshot" type="application/json">'
+                                    r"(.*?)</script>", html).group(1))
+    [snap] = served["queues"]
+    assert snap["delay_text"] == wording
+    assert "max_queue_delay_ms=auto (→ 63 ms, SLO 100 ms)" in snap["policy_text"]
+
+    publish()
+    metrics = generate_latest(build_registry(client, ExporterConfig((queue,)))).decode()
+    assert (f'batchgate_queue_max_queue_delay_seconds_in_use{{delay_mode="auto",'
+            f'queue="{queue}"}} 0.063') in metrics, metrics
+    # No consumer derived one lately: said so, not a stale or a made-up figure.
+    client.hset(QueueKeys(queue).stats, STATS_AT_US, 0)
+    stats = CliRunner().invoke(cli, ["stats", "--redis-url", redis_server.url, "--queue",
+                                     queue])
+    assert "delay in use     auto → not derived yet (no live consumer), SLO 100 ms" in \
+        stats.output, stats.output
+    metrics = generate_latest(build_registry(client, ExporterConfig((queue,)))).decode()
+    assert "batchgate_queue_max_queue_delay_seconds_in_use{" not in metrics

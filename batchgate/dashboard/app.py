@@ -18,10 +18,11 @@ from typing import Any
 import orjson
 import redis
 from fastapi import FastAPI, Request
-from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
 
+from batchgate.present import busy_first, for_people
 from scheduler_core.admin import read_policy, store_policy
 from scheduler_core.deadletter import purge, retry
 from scheduler_core.errors import BatchgateError, InvalidRequest
@@ -32,6 +33,8 @@ from scheduler_core.registry import register_queue
 
 STATIC = Path(__file__).parent / "static"
 MAX_IDS = 1000  # dead-letter ids per action call
+# In index.html: where the snapshot goes when the page is served.
+SNAPSHOT_SLOT = '<script id="snapshot" type="application/json">null</script>'
 
 
 class Feed:
@@ -47,7 +50,8 @@ class Feed:
 
     def _read(self) -> bytes:
         try:
-            snaps = [self._rates.update(s) for s in snapshot_all(self._client, self._only)]
+            snaps = busy_first([for_people(self._rates.update(s))
+                                for s in snapshot_all(self._client, self._only)])
         except redis.RedisError as exc:  # the page says so, and keeps what it shows
             return orjson.dumps({"error": f"cannot read Redis: {exc}", "at": time.time()})
         return orjson.dumps({"queues": snaps, "at": time.time()})
@@ -83,9 +87,16 @@ def create_app(client: redis.Redis, token: str | None = None, interval_s: float 
         response = await call_next(request)
         return response
 
+    page = (STATIC / "index.html").read_text()
+
     @app.get("/", include_in_schema=False)
-    async def index() -> FileResponse:
-        return FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-cache"})
+    async def index() -> HTMLResponse:
+        # The current snapshot rides in the page, so it is complete at once, before the
+        # live feed's first event. "<" escaped: nothing in the data can close the script.
+        snapshot = (await feed.latest()).replace(b"<", b"\\u003c").decode()
+        filled = SNAPSHOT_SLOT.replace("null", snapshot)
+        return HTMLResponse(page.replace(SNAPSHOT_SLOT, filled, 1),
+                            headers={"Cache-Control": "no-cache"})
 
     @app.get("/api/config")
     async def config() -> dict[str, Any]:

@@ -86,13 +86,14 @@ def queue_stats(client: redis.Redis, queue: str) -> QueueStats:
         delayed=r.delayed,
         past_deadline=r.past_deadline,
         arrival_rate_rps=rate_from(r.arrivals, r.now_us // 1_000_000),
-        max_queue_delay_ms_in_use=_delay_in_use(stored, counters,
+        max_queue_delay_ms_in_use=delay_in_use(stored, counters,
                                                 r.now_us - CONSUMER_ALIVE_S * 1_000_000),
     )
 
 
-def _delay_in_use(policy: Policy | None, counters: dict[str, int],
-                  alive_after: float) -> float | None:
+def delay_in_use(policy: Policy | None, counters: dict[str, int],
+                 alive_after: float) -> float | None:
+    """The max_queue_delay_ms pop_batch applies (QueueStats.max_queue_delay_ms_in_use)."""
     if policy is None:
         return None
     if not policy.auto_delay:

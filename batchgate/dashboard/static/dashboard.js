@@ -1,5 +1,6 @@
-// batchgate dashboard: renders the server's snapshots (server-sent events on "events").
-// Every URL is relative, so the page works under any path prefix. No external code.
+// batchgate dashboard: renders the snapshot served in the page (<script id="snapshot">),
+// then the server's updates (server-sent events on "events"). Every URL is relative, so
+// the page works under any path prefix. No external code.
 "use strict";
 
 const HISTORY = 240; // depth points kept per queue (2 minutes at the default 0.5 s)
@@ -28,10 +29,26 @@ function pick(obj, path) {
   return path.split(".").reduce((o, k) => (o == null ? null : o[k]), obj);
 }
 
-function fmt(v) {
+function fmt(v, unit) {
   if (v == null) return "–";
+  if (unit === "ms") return v < 1000 ? `${v.toFixed(1)} ms` : `${(v / 1000).toFixed(2)} s`;
+  if (unit === "/s") return `${v.toFixed(1)}/s`;
   if (typeof v === "number" && !Number.isInteger(v)) return v.toFixed(1);
+  if (typeof v === "number") return v.toLocaleString("en");
   return String(v);
+}
+
+// A round number at or above `v`, for the top of a y axis: 1, 2, 5, 10, 20, 50…
+function ceiling(v) {
+  const step = 10 ** Math.floor(Math.log10(Math.max(1, v)));
+  return [1, 2, 5, 10].map((m) => m * step).find((top) => top >= v);
+}
+
+function axes(chart, yTop, xLeft, xRight) {
+  const plot = chart.closest(".plot");
+  plot.querySelector(".y-top").textContent = yTop;
+  if (xLeft != null) plot.querySelector(".x-left").textContent = xLeft;
+  if (xRight != null) plot.querySelector(".x-right").textContent = xRight;
 }
 
 function token() {
@@ -85,6 +102,13 @@ function policyForm(card, queue) {
   });
 }
 
+// Folded: idle, and not unfolded by a click on its title.
+function fold(card) {
+  const folded = card.classList.contains("idle") && !card.classList.contains("open");
+  card.classList.toggle("folded", folded);
+  card.querySelector(".fold").textContent = folded ? "▸ " : "▾ ";
+}
+
 function cardFor(queue) {
   let card = state.cards.get(queue);
   if (card) return card;
@@ -92,6 +116,12 @@ function cardFor(queue) {
   card.dataset.queue = queue;
   card.id = `queue-${queue}`;
   card.querySelector(".name").textContent = queue;
+  // An idle queue is folded to its title line; a click on the title unfolds it (and
+  // keeps it so), or folds it back.
+  card.querySelector("h2").addEventListener("click", () => {
+    card.classList.toggle("open");
+    fold(card);
+  });
   if (state.config.actions) {
     for (const node of card.querySelectorAll(".action")) node.hidden = false;
     card.querySelector(".retry-all").addEventListener("click", () =>
@@ -116,64 +146,69 @@ function replaceIfChanged(card, key, container, rows, build) {
   container.replaceChildren(...rows.map(build));
 }
 
+// Depth over the last HISTORY updates: x is time (seconds before the newest point: what
+// the page has seen, at least 30 s), y requests waiting, from 0 to a round number at or
+// above the highest.
 function drawDepth(card, points) {
   const chart = card.querySelector(".depth-chart");
-  const most = Math.max(1, ...points.map((p) => Math.max(...p)));
+  const now = points[points.length - 1][0];
+  const seen = Math.ceil((now - points[0][0]) / 30) * 30;
+  const windowS = Math.min(HISTORY * state.config.interval_s, Math.max(30, seen));
+  const top = ceiling(Math.max(...points.map((p) => Math.max(p[1], p[2], p[3]))));
+  // One reading (a page just served): a short level line, not an invisible point.
+  const drawn = points.length > 1 ? points
+    : [[now - 2 * state.config.interval_s, ...points[0].slice(1)], points[0]];
   const lines = [0, 1, 2].map((prio) => {
-    const coords = points.map((p, i) =>
-      `${(i / (Math.max(points.length, 60) - 1)) * 400},${118 - (p[prio] / most) * 110}`);
+    const coords = drawn.map((p) =>
+      `${400 * (1 - (now - p[0]) / windowS)},${119 - (p[prio + 1] / top) * 114}`);
     return svg("polyline", { points: coords.join(" "), fill: "none",
                              stroke: COLORS[prio], "stroke-width": 2,
                              "vector-effect": "non-scaling-stroke" });
   });
-  const label = svg("text", { x: 4, y: 12, class: "axis" });
-  label.textContent = `max ${most}`;
-  chart.replaceChildren(...lines, label);
+  chart.replaceChildren(...lines);
+  axes(chart, top.toLocaleString("en"), `−${Math.round(windowS)} s`);
 }
 
 function drawSizes(card, sizes) {
   const chart = card.querySelector(".size-chart");
   const entries = Object.entries(sizes).map(([s, n]) => [Number(s), n]);
+  chart.closest(".plot").classList.toggle("empty", !entries.length);
   if (!entries.length) {
-    const t = svg("text", { x: 4, y: 60, class: "axis" });
-    t.textContent = "no batches yet";
-    chart.replaceChildren(t);
+    chart.replaceChildren();
+    axes(chart, "", "", "");
     return;
   }
+  // x: batch size 1 to the largest seen (one bar each); y: batches of that size.
   const largest = Math.max(...entries.map((e) => e[0]));
-  const most = Math.max(...entries.map((e) => e[1]));
+  const top = ceiling(Math.max(...entries.map((e) => e[1])));
   const width = 400 / largest;
   const bars = entries.map(([size, n]) => {
-    const h = (n / most) * 104;
-    const bar = svg("rect", { x: (size - 1) * width + 0.5, y: 106 - h,
+    const h = (n / top) * 114;
+    const bar = svg("rect", { x: (size - 1) * width + 0.5, y: 120 - h,
                               width: Math.max(1, width - 1), height: h, class: "bar" });
     const tip = svg("title", {});
     tip.textContent = `size ${size}: ${n} batches`;
     bar.append(tip);
     return bar;
   });
-  const label = svg("text", { x: 396, y: 118, class: "axis", "text-anchor": "end" });
-  label.textContent = `1…${largest}`;
-  chart.replaceChildren(...bars, label);
+  chart.replaceChildren(...bars);
+  axes(chart, top.toLocaleString("en"), "1", String(largest));
 }
 
 function render(snap) {
   const card = cardFor(snap.queue);
   const p = snap.policy;
-  card.querySelector(".policy-line").textContent = p
-    ? `${p.strategy}, batch ≤ ${p.max_batch_size}, delay ${p.max_queue_delay_ms} ms, ` +
-      `aging ${p.aging_ms} ms, max attempts ${p.max_attempts}`
-    : "no policy yet";
+  card.querySelector(".policy-line").textContent = snap.policy_text; // the CLI's words
+  card.classList.toggle("idle", !snap.busy);
+  fold(card);
   for (const node of card.querySelectorAll("[data-f]")) {
-    node.textContent = fmt(pick(snap, node.dataset.f));
+    node.textContent = fmt(pick(snap, node.dataset.f), node.dataset.unit);
   }
-  const adaptive = card.querySelector(".adaptive");
-  const delay = Object.entries(snap.adaptive_delay || {});
-  adaptive.hidden = !delay.length;
-  adaptive.textContent = delay.map(([k, v]) => `${k}: ${v}`).join(", ");
 
   const history = state.history.get(snap.queue) || [];
-  history.push([snap.depth.high, snap.depth.normal, snap.depth.low]);
+  if (!history.length || history[history.length - 1][0] < snap.time_s) {
+    history.push([snap.time_s, snap.depth.high, snap.depth.normal, snap.depth.low]);
+  }
   if (history.length > HISTORY) history.shift();
   state.history.set(snap.queue, history);
   drawDepth(card, history);
@@ -186,7 +221,13 @@ function render(snap) {
       fmt(c.batches_per_s)]),
     (row) => el("tr", {}, ...row.map((v) => el("td", { title: v }, v))));
 
+  // Counts in the headings; a table with no rows is not drawn.
+  card.querySelector(".consumer-total").textContent = `(${snap.consumers.length})`;
+  card.querySelector(".consumers").hidden = !snap.consumers.length;
   card.querySelector(".dead-total").textContent = `(${snap.dead.total})`;
+  card.querySelector(".dead").hidden = !snap.dead.total;
+  card.querySelector(".failure-total").textContent =
+    `(${Math.min(FAILURES_SHOWN, snap.recent_failures.length)})`;
   replaceIfChanged(card, "dead", card.querySelector(".dead tbody"),
     snap.dead.shown.map((d) => [d.id, `${d.error_type}: ${d.message}`, fmt(d.attempts),
                                 d.payload_preview || ""]),
@@ -240,6 +281,13 @@ function update(data) {
 
 async function start() {
   state.config = await (await fetch("api/config")).json();
+  // The snapshot served with the page: drawn before the live feed's first event.
+  const first = JSON.parse(document.getElementById("snapshot").textContent);
+  if (first) update(first);
+  if (first && !first.error) {
+    setStatus(`as served · ${new Date(first.at * 1000).toLocaleTimeString()} · ` +
+              "connecting to the live feed…");
+  }
   document.getElementById("mode").textContent = state.config.actions
     ? "actions allowed with the token" : "read-only";
   document.getElementById("token-box").hidden = !state.config.actions;

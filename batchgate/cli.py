@@ -29,7 +29,7 @@ LAZY_COMMANDS = {
     "consumer": "consumer.cli:consumer_command",
     "submit": "producer.cli:submit_command",
     "demo": "batchgate.demo:demo_command",
-    "bench": "batchgate.bench.run:bench_command",
+    "bench": "bench.run:bench_command",
     "bulk": "producer.bulk.cli:bulk_group",
     "dead-letter": "batchgate.deadletter_cli:dead_letter_group",
     "gateway": "producer.gateway.cli:gateway_command",

@@ -25,7 +25,6 @@ requests through one bucket and through cost buckets.
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
 import signal
 import sys
@@ -44,7 +43,7 @@ import orjson
 import redis
 
 from batchgate.embedded import embedded_redis
-from batchgate.processes import ChildProcess, wait_all_ready
+from batchgate.processes import ChildProcess, batchgate_argv, wait_all_ready
 from batchgate.workload import MIX, MODELS, PRIORITIES, Workload
 from producer.sync import Handle, Producer
 from scheduler_core.admin import queue_stats
@@ -94,12 +93,6 @@ def pace(producer: Producer, arrivals: list[Arrival], sent: list[Sent],
 
 
 # -- consumers -----------------------------------------------------------------------
-def batchgate_argv() -> list[str]:
-    """The `batchgate` installed next to this Python, else the same CLI via `-m`."""
-    script = shutil.which("batchgate", path=os.path.dirname(sys.executable))
-    return [script] if script else [sys.executable, "-m", "batchgate.cli"]
-
-
 def torch_threads(consumers: int) -> int:
     """Each consumer's share of the cores: without a cap every torch consumer takes them
     all, they fight, and the measurements show the fight rather than the strategies."""

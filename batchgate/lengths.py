@@ -1,5 +1,5 @@
 """The lengths scenario (issue 16 §6) that `batchgate demo --scenario lengths` and
-`python -m batchgate.bench.lengths` run: requests of two lengths through the generator
+`python -m bench.lengths` run: requests of two lengths through the generator
 model, one configuration of the queue after the other, measured and simulated.
 
 80% of the requests ask for 16 new tokens (cost 16), 20% for 256 (cost 256), Poisson, the
@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from batchgate.processes import ChildProcess, wait_all_ready
+from batchgate.processes import ChildProcess, batchgate_argv, wait_all_ready
 from producer.sync import Producer
 from scheduler_core.cost_model import fit
 from scheduler_core.errors import RequestFailed
@@ -223,8 +223,6 @@ def rate_for(load: float, consumers: int, prof: dict[str, Any]) -> float:
 # -- one configuration on the real system ------------------------------------------------
 def consumer_argv(url: str, queue: str, config: Config, index: int,
                   threads: int) -> list[str]:
-    from batchgate.demo import batchgate_argv
-
     model_args = [a for k, v in MODEL_ARGS.items() for a in ("--model-arg", f"{k}={v}")]
     prefer = config.prefer[index] if index < len(config.prefer) else 0
     only = config.only[index] if index < len(config.only) else 0

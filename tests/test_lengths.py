@@ -1,5 +1,5 @@
 """The lengths scenario (issue 16 §6): `batchgate demo --scenario lengths` and
-`python -m batchgate.bench.lengths`, end to end at a tiny size with real consumer
+`python -m bench.lengths`, end to end at a tiny size with real consumer
 processes and a real redis-server. They check what the scenario promises structurally
 (buckets never mixed, the cap applied, every request answered, the report written), not
 the timing figures: those are in docs/benchmarks.md."""
@@ -167,7 +167,7 @@ def test_demo_lengths_refuses_an_unknown_config() -> None:
 def test_bench_lengths_smoke(tmp_path: Path) -> None:
     """The harness, not the numbers: three configurations, 1.5 s each."""
     proc = subprocess.run(
-        [sys.executable, "-m", "batchgate.bench.lengths", "--quick", "--duration-s", "1.5",
+        [sys.executable, "-m", "bench.lengths", "--quick", "--duration-s", "1.5",
          "--configs", ",".join(BENCH_CONFIGS), "--rate", RATE, "--seed", SEED,
          "--out", str(tmp_path)],
         # a hang guard: beside the rest of the suite on 2 cores this takes up to ~2 min

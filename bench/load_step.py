@@ -1,7 +1,7 @@
 """A load step: max_queue_delay_ms=auto against fixed delays, side by side in one run.
 
-    python -m batchgate.bench.load_step                      # 4 phases of 30 s per mode
-    python -m batchgate.bench.load_step --phase-s 8 --out /tmp/step
+    python -m bench.load_step                      # 4 phases of 30 s per mode
+    python -m bench.load_step --phase-s 8 --out /tmp/step
 
 The arrival rate steps through --rates (default 20 -> 300 -> 1,200 -> 20 requests/s,
 Poisson, --phase-s each, the same seeded arrivals for every mode). One `batchgate

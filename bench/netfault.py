@@ -1,7 +1,7 @@
 """How round-trip time between consumer hosts and Redis moves latency and throughput,
 measured beside `batchgate simulate` given the same RTT.
 
-    sudo python -m batchgate.bench.netfault [--rtt-ms 0,1,10] [--loss-pct 1,5]
+    sudo python -m bench.netfault [--rtt-ms 0,1,10] [--loss-pct 1,5]
                                             [--requests 4000]
 
 Two consumers (`consumers.models:synthetic`, 5 + 0.5·b ms per batch; dynamic, batches of
@@ -41,8 +41,8 @@ from pathlib import Path
 from typing import Any
 
 from batchgate.embedded import EmbeddedRedis
-from batchgate.netns import ConsumerHost, DelayProxy, NetemUnavailable, unavailable_reason
 from batchgate.processes import ChildProcess
+from bench.netns import ConsumerHost, DelayProxy, NetemUnavailable, unavailable_reason
 from producer import Producer
 
 POLICY = ["--strategy", "dynamic", "--max-batch-size", "32", "--max-queue-delay-ms", "0"]

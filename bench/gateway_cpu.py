@@ -1,8 +1,8 @@
 """The gateway's CPU per request on its hot paths, this tree against a baseline commit,
 side by side in one run:
 
-    python -m batchgate.bench.gateway_cpu                       # baseline main
-    python -m batchgate.bench.gateway_cpu --baseline HEAD~3 --workers 2 --repeat 3
+    python -m bench.gateway_cpu                       # baseline main
+    python -m bench.gateway_cpu --baseline HEAD~3 --workers 2 --repeat 3
 
 For each tree, one `batchgate gateway --workers W` (its `producer` and `scheduler_core`
 from that tree: the baseline from `git archive BASELINE`) serves, in turn, wrk with
@@ -36,7 +36,7 @@ import urllib.request
 from io import BytesIO
 from pathlib import Path
 
-from batchgate.bench.gateway_load import CONSUMER, _healthy, _wait, tree_cpu_s
+from bench.common import NOOP_CONSUMER, http_healthy, tree_cpu_s, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 KINDS = {  # as gateway_load.py's wrk script
@@ -110,12 +110,12 @@ def main(argv: list[str] | None = None) -> None:
                      **trees}
         queue = "gwcpu"
         consumer = ChildProcess([sys.executable, "-m", "batchgate.cli", "consumer",
-                                 "--redis-url", url, "--queue", queue, *CONSUMER],
+                                 "--redis-url", url, "--queue", queue, *NOOP_CONSUMER],
                                 Path(tmp) / "consumer.log", b"ready on queue")
         children = [consumer]
         gateways: dict[str, tuple[str, int]] = {}
         try:
-            _wait(consumer.ready, "consumer")
+            wait_until(consumer.ready, "consumer")
             for i, (name, tree) in enumerate(trees.items()):
                 port = free_port()
                 env = {**os.environ, "PYTHONPATH": os.pathsep.join(
@@ -127,7 +127,8 @@ def main(argv: list[str] | None = None) -> None:
                 children.append(gateway)
                 base = f"http://127.0.0.1:{port}"
                 gateways[name] = (base, gateway.proc.pid)
-                _wait(lambda b=base, g=gateway: g.ready() and _healthy(b), f"gateway {name}")
+                wait_until(lambda b=base, g=gateway: g.ready() and http_healthy(b),
+                           f"gateway {name}")
             time.sleep(1)  # every worker up, not only the first
             scripts = {}
             for kind, (method, body) in KINDS.items():

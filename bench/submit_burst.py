@@ -1,8 +1,8 @@
 """Submits per second from ONE producer at growing concurrency, this tree against a
 baseline commit, side by side in one run:
 
-    python -m batchgate.bench.submit_burst                      # baseline 4212324
-    python -m batchgate.bench.submit_burst --baseline HEAD~3 --concurrency 1,10,100
+    python -m bench.submit_burst                      # baseline 4212324
+    python -m bench.submit_burst --baseline HEAD~3 --concurrency 1,10,100
 
 For each producer (`AsyncProducer`: tasks; `Producer`: threads) and each concurrency N,
 N workers submit one small request after another for `--duration` seconds; the table

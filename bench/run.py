@@ -1,4 +1,4 @@
-"""`batchgate bench`: batchgate's strategies against each other, RQ, an in-process batcher
+"""`python -m bench.run`: batchgate's strategies against each other, RQ, an in-process batcher
 and the raw-Redis limit, in one run, on one machine, against one Redis.
 
 What it runs (docs/benchmarks.md has the results and how to read them):
@@ -18,7 +18,7 @@ What it runs (docs/benchmarks.md has the results and how to read them):
 - output: results.json, results.md and PNG plots (`plots.py`) in --out.
 
 The producer side of every system runs in this process; consumers and workers are child
-processes (`python -m batchgate.bench.workers.NAME`): an installed package is enough.
+processes (`python -m bench.workers.NAME`): an installed package is enough.
 Without --redis-url it starts a private
 redis-server and kills it at the end; with one it only creates keys containing its run id
 and deletes them when done.
@@ -47,10 +47,11 @@ import click
 import orjson
 import redis
 
-from batchgate.bench.spec import RunSpec, empty_record
-from batchgate.bench.workers.gate import READY_LINE
 from batchgate.processes import ChildProcess, wait_all_ready
 from batchgate.workload import MODELS, PRIORITIES, Workload
+from bench.common import worker_env
+from bench.spec import RunSpec, empty_record
+from bench.workers.gate import READY_LINE
 from producer.sync import Producer
 from scheduler_core.admin import store_policy
 from scheduler_core.errors import BatchgateError
@@ -63,17 +64,10 @@ READY_TIMEOUT_S = 90.0
 
 
 # -- child processes ------------------------------------------------------------------
-def worker_env() -> dict[str, str]:
-    env = dict(os.environ)
-    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
-        env[var] = "1"  # one thread per worker: the host's cores are shared by everything
-    return env
-
-
 def start_workers(specs: list[tuple[str, list[str]]], log_dir: Path,
                   tag: str) -> list[ChildProcess]:
-    """`python -m batchgate.bench.workers.NAME ARGS` per spec; returns once all are ready."""
-    children = [ChildProcess([sys.executable, "-m", f"batchgate.bench.workers.{name}", *args],
+    """`python -m bench.workers.NAME ARGS` per spec; returns once all are ready."""
+    children = [ChildProcess([sys.executable, "-m", f"bench.workers.{name}", *args],
                              log_dir / f"{tag}-{i}.log", READY_LINE, env=worker_env())
                 for i, (name, args) in enumerate(specs)]
     try:
@@ -287,7 +281,7 @@ class RQDriver(InboxDriver):
             groups: dict[int, list[Any]] = {}
             for i in idx[s:s + 1000]:
                 groups.setdefault(prios[i], []).append(Queue.prepare_data(
-                    "batchgate.bench.workers.rq_jobs.infer", args=(i, payloads[i], self.inbox),
+                    "bench.workers.rq_jobs.infer", args=(i, payloads[i], self.inbox),
                     job_id=f"{self.prefix}-{self.runs}-{i}", result_ttl=600))
             for prio, jobs in groups.items():
                 self.queues[prio].enqueue_many(jobs, pipeline=pipe)
@@ -422,7 +416,7 @@ def execute(ctx: Context, pool: DriverPool, spec: RunSpec) -> dict[str, Any]:
 
 def finish(spec: RunSpec, rec: dict[str, list[Any]], cpu: dict[str, float],
            complete: bool) -> dict[str, Any]:
-    from batchgate.bench.stats import summarize
+    from bench.stats import summarize
 
     summary = summarize(rec, spec, cpu)
     summary["all_answered"] = complete
@@ -438,11 +432,11 @@ def spec_dict(spec: RunSpec) -> dict[str, Any]:
 
 
 def run_inprocess(ctx: Context, specs: list[RunSpec]) -> list[dict[str, Any]]:
-    """Every in-process run of a section, in one child process (batchgate.bench.inprocess)."""
+    """Every in-process run of a section, in one child process (bench.inprocess)."""
     name = ctx.name("inproc")
     out = ctx.out / "logs" / f"{name}.json"
     log = ctx.out / "logs" / f"{name}.log"
-    cmd = [sys.executable, "-m", "batchgate.bench.inprocess", "--specs",
+    cmd = [sys.executable, "-m", "bench.inprocess", "--specs",
            orjson.dumps([asdict(s) for s in specs]).decode(), "--out", str(out)]
     budget = sum(s.workload.duration_s + s.grace_s + 60 for s in specs)
     with log.open("wb") as err:
@@ -520,7 +514,7 @@ def measure_ping(ctx: Context, count: int, gap_s: float = 0.0) -> dict[str, floa
     """PING round trips from this process (redis-py, as the producer), back to back or
     one every `gap_s` (so that client and server are idle in between, as at light load).
     """
-    from batchgate.bench.stats import hdr_summary, new_hist
+    from bench.stats import hdr_summary, new_hist
 
     client = redis.Redis.from_url(ctx.redis_url)
     hist = new_hist()
@@ -729,7 +723,7 @@ def bench_command(quick: bool, out_dir: Path | None, redis_url: str | None, cons
     """Benchmark fifo, dynamic and priority against RQ, an in-process batcher and the
     raw-Redis ceiling; write results.json, results.md and PNG plots."""
     try:
-        import batchgate.bench.stats  # noqa: F401  (hdrhistogram)
+        import bench.stats  # noqa: F401  (hdrhistogram)
     except ImportError as exc:
         raise click.ClickException(f"{exc}: install the benchmark's dependencies with "
                                    "pip install -e '.[bench]'") from None
@@ -764,8 +758,8 @@ def bench_command(quick: bool, out_dir: Path | None, redis_url: str | None, cons
         plots = False
         skipped.append("plots (matplotlib is not installed)")
     for what in skipped:
-        click.echo(f"batchgate bench: skipping the {what}", err=True)
-    command = "batchgate bench " + shlex.join(sys.argv[2:] if len(sys.argv) > 1 else [])
+        click.echo(f"python -m bench.run: skipping the {what}", err=True)
+    command = "python -m bench.run " + shlex.join(sys.argv[2:] if len(sys.argv) > 1 else [])
     started = time.monotonic()
     with redis_for_bench(redis_url) as (url, private):
         ctx = Context(url, out, uuid.uuid4().hex[:6])
@@ -775,7 +769,7 @@ def bench_command(quick: bool, out_dir: Path | None, redis_url: str | None, cons
             "skipped": skipped,
             "machine": machine_info(ctx), "load_before": list(os.getloadavg()),
             "busy_before": busy_processes()}
-        click.echo(f"batchgate bench: {len(plan)} runs, results in {out}", err=True)
+        click.echo(f"python -m bench.run: {len(plan)} runs, results in {out}", err=True)
         pings = 500 if quick else 2000
         meta["ping_us"] = measure_ping(ctx, pings)
         meta["ping_paced_us"] = measure_ping(ctx, max(50, int(pings * min(1.0, scale)) // 10),
@@ -807,7 +801,7 @@ def bench_command(quick: bool, out_dir: Path | None, redis_url: str | None, cons
 
 
 def write_report(results: dict[str, Any], out: Path, plots: bool) -> None:
-    from batchgate.bench.stats import analyse, render_markdown
+    from bench.stats import analyse, render_markdown
 
     results["analysis"] = analyse(results)
     (out / "results.json").write_bytes(orjson.dumps(results, option=orjson.OPT_INDENT_2))
@@ -819,6 +813,6 @@ def write_report(results: dict[str, Any], out: Path, plots: bool) -> None:
 
 
 def make_plots(results: dict[str, Any], out: Path) -> list[str]:
-    from batchgate.bench.plots import make_all
+    from bench.plots import make_all
 
     return make_all(results, out)

@@ -1,8 +1,8 @@
 """Requests of two lengths (issue 16 §6): one bucket against cost buckets, --prefer-bucket
 and --max-cost, on the generator model, measured and simulated side by side in one run.
 
-    python -m batchgate.bench.lengths                      # 4 configurations x 60 s
-    python -m batchgate.bench.lengths --quick --out /tmp/lengths
+    python -m bench.lengths                      # 4 configurations x 60 s
+    python -m bench.lengths --quick --out /tmp/lengths
 
 The scenario (batchgate/lengths.py): 80% of the requests ask for 16 new tokens, 20% for
 256, Poisson at --load (0.6: the requests would take 60% of the consumers' time one by
@@ -34,7 +34,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from batchgate.bench.plots import _save
+    from bench.plots import _save
 
     names = list(report["configs"])
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))

@@ -1,6 +1,6 @@
 """What a failover costs: accepted requests lost, results delivered twice.
 
-    python -m batchgate.bench.failover --mode cluster|sentinel [--wait-replicas 1]
+    python -m bench.failover --mode cluster|sentinel [--wait-replicas 1]
 
 Starts a throw-away 6-node Redis Cluster (or 1 primary, 2 replicas, 3 sentinels), two
 `batchgate consumer` processes and one Producer submitting --requests requests at
@@ -42,7 +42,7 @@ from typing import Any
 import redis
 
 from batchgate.processes import ChildProcess
-from batchgate.topology import EmbeddedCluster, EmbeddedSentinel
+from bench.topology import EmbeddedCluster, EmbeddedSentinel
 from producer import Producer, RequestFailed
 from scheduler_core.errors import BatchgateError
 from scheduler_core.keys import QueueKeys

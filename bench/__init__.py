@@ -1,0 +1,1 @@
+"""`python -m bench.run`: the benchmark harness, its statistics, plots and worker processes."""

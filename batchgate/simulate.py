@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import re
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -201,7 +202,7 @@ def _policy_option(flag: str) -> Any:
 
 def render(result: SimResult, config: SimConfig, workload: str) -> str:
     p = config.policy
-    lines = [
+    prose = [
         f"{result.requests:,} requests ({workload}), {config.consumers} consumer(s)"
         + (f" preferring buckets {','.join(map(str, config.prefer_buckets))}"
            if config.prefer_buckets else "")
@@ -221,6 +222,9 @@ def render(result: SimResult, config: SimConfig, workload: str) -> str:
             f", max_cost {p.max_cost} ({p.over_cost}), max_batch_cost {p.max_batch_cost} "
             f"({p.cost_mode}), cost_buckets {p.cost_buckets or '-'}"
             if result.latency_by_cost else ""),
+    ]
+    # The description wraps at 100 columns, as the tables below fit them.
+    lines = [*(textwrap.fill(line, 100, subsequent_indent="  ") for line in prose),
         "",
         f"throughput {result.throughput_rps:,.1f} req/s   mean batch {result.mean_batch}   "
         f"utilisation {result.utilisation:.1%}   ({result.batches:,} batches over "

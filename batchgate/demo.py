@@ -56,7 +56,7 @@ from producer.sync import Handle, Producer
 from scheduler_core.admin import queue_stats
 from scheduler_core.compat import usable_cores
 from scheduler_core.connection import connect
-from scheduler_core.errors import RequestFailed
+from scheduler_core.errors import InvalidRequest, RequestFailed
 from scheduler_core.keys import QueueKeys
 from scheduler_core.registry import QUEUES_KEY, forget_queues
 from scheduler_core.wire import Result
@@ -351,16 +351,16 @@ def render(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def require_extra(what: str) -> None:
-    """Exit 2 naming the extra to install when `what` (a model or scenario) needs one
+def require_extra(option: str, what: str) -> None:
+    """Exit 2 naming the extra to install when `what` (the value of `option`) needs one
     that is missing; nothing has started yet."""
     if what not in NEEDS:
         return
     extra, modules = NEEDS[what]
     missing = [m for m in modules if importlib.util.find_spec(m) is None]
     if missing:
-        raise click.UsageError(f"{what} needs the `{extra}` extra ({', '.join(missing)} "
-                               f"not installed): {install_hint(extra)}")
+        raise InvalidRequest(option, f"{what} needs the `{extra}` extra ({', '.join(missing)} "
+                                     f"not installed): {install_hint(extra)}")
 
 
 def claim_checks(report: dict[str, Any]) -> list[dict[str, Any]]:
@@ -454,7 +454,10 @@ def demo_command(redis_url: str | None, scenario: str, model: str, duration: flo
     if threading.current_thread() is threading.main_thread():
         # Stopped from outside: unwind like Ctrl-C, so consumers and redis-server go too.
         signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
-    require_extra("lengths" if scenario == "lengths" else model)
+    if scenario == "lengths":
+        require_extra("--scenario", scenario)
+    else:
+        require_extra("--model", model)
     if scenario == "lengths":
         lengths_demo(redis_url, duration, rate, consumers, seed, keep_queues, as_json,
                      started, configs, profile_repeats, threads, strict)

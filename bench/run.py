@@ -48,6 +48,7 @@ import orjson
 import redis
 
 from batchgate.processes import ChildProcess, wait_all_ready
+from batchgate.verdict import check_lines, missed
 from batchgate.workload import MODELS, PRIORITIES, Workload
 from bench.common import worker_env
 from bench.spec import RunSpec, empty_record
@@ -687,6 +688,7 @@ def redis_for_bench(url: str | None) -> Iterator[tuple[str, bool]]:
 
 
 @click.command("bench")
+@click.option("--strict", is_flag=True, help="Exit 1 when any target is missed.")
 @click.option("--quick", is_flag=True, help="A small plan that runs in under 2 minutes.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
               help="Where results.json, results.md and the plots go "
@@ -717,8 +719,8 @@ def redis_for_bench(url: str | None) -> Iterator[tuple[str, bool]]:
 @click.option("--report-only", type=click.Path(exists=True, file_okay=False, path_type=Path),
               metavar="DIR",
               help="Run nothing: re-analyse DIR/results.json and rewrite its report and plots.")
-def bench_command(quick: bool, out_dir: Path | None, redis_url: str | None, consumers: int,
-                  sections: str | None, grid: str | None, strategies: str | None,
+def bench_command(strict: bool, quick: bool, out_dir: Path | None, redis_url: str | None,
+                  consumers: int, sections: str | None, grid: str | None, strategies: str | None,
                   scale: float, seed: int, plots: bool, report_only: Path | None) -> None:
     """Benchmark fifo, dynamic and priority against RQ, an in-process batcher and the
     raw-Redis ceiling; write results.json, results.md and PNG plots."""
@@ -781,7 +783,7 @@ def bench_command(quick: bool, out_dir: Path | None, redis_url: str | None, cons
             loads.append(result["loadavg"])
             s = result["summary"]
             lat = s["latency_ms"]["all"]
-            click.echo(f"[{k:>2}/{total}] {result['label']:<58} {s['throughput_rps']:>9.1f} "
+            click.echo(f"[{k:>2}/{total}] {result['label']:<40} {s['throughput_rps']:>9.1f} "
                        f"req/s  p50 {lat['p50']}  p99 {lat['p99']} ms  ({took:.1f}s)", err=True)
 
         failed: list[dict[str, Any]] = []
@@ -794,22 +796,34 @@ def bench_command(quick: bool, out_dir: Path | None, redis_url: str | None, cons
         ctx.client.close()
     meta["elapsed_s"] = round(time.monotonic() - started, 1)
     results = {"meta": meta, "runs": runs, "failed": failed}
-    write_report(results, out, plots)
+    checks = write_report(results, out, plots)
     if failed:
         raise click.ClickException(f"{len(failed)} of {len(plan)} runs failed (see "
                                    f"{out / 'results.md'} and {out / 'logs'})")
+    if strict and missed(checks):
+        sys.exit(1)
 
 
-def write_report(results: dict[str, Any], out: Path, plots: bool) -> None:
+def write_report(results: dict[str, Any], out: Path, plots: bool) -> list[dict[str, Any]]:
+    """results.json, results.md (the tables) and the plots in `out`; prints each target
+    met or missed and the summary line, and returns them as checks."""
     from bench.stats import analyse, render_markdown
 
     results["analysis"] = analyse(results)
+    # The host's load as the run ended (a re-analysis keeps the run's, not today's).
+    meta = results["meta"]
+    results["host"] = {"load_1m": round(meta["load_after"][0], 2),
+                       "cores": meta["machine"]["cores"]}
     (out / "results.json").write_bytes(orjson.dumps(results, option=orjson.OPT_INDENT_2))
     images = make_plots(results, out) if plots else []
     (out / "results.md").write_text(render_markdown(results, images))
-    click.echo((out / "results.md").read_text())
-    click.echo(f"wrote {out / 'results.json'}, {out / 'results.md'}"
-               + (f" and {len(images)} plots" if images else ""), err=True)
+    checks = [{"check": t["target"], "ok": t["met"],
+               "value": f"{t['measured']} (goal: {t['goal']})"}
+              for t in results["analysis"]["targets"] if t["need"] and t["met"] is not None]
+    click.echo("\n".join(check_lines(checks, results["host"])))
+    click.echo(f"the tables: {out / 'results.md'}; every figure: {out / 'results.json'}"
+               + (f"; {len(images)} plots" if images else ""))
+    return checks
 
 
 def make_plots(results: dict[str, Any], out: Path) -> list[str]:

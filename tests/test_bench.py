@@ -122,12 +122,19 @@ def test_priority_aging_promotes_waiting_requests():
 def test_bench_quick_smoke(tmp_path: Path):
     out = tmp_path / "bench"
     proc = subprocess.run(
-        [sys.executable, "-m", "batchgate.cli", "bench", "--quick", "--scale", "0.1",
+        [sys.executable, "-m", "bench.run", "--quick", "--scale", "0.1",
          "--consumers", "1", "--grid", "100", "--sections", "light,throughput,grid",
-         "--out", str(out)],
+         "--out", str(out), "--strict"],
         capture_output=True, text=True, timeout=110)
-    assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
+    targets = [t for t in results["analysis"]["targets"] if t["need"] and t["met"] is not None]
+    missed = [t for t in targets if not t["met"]]
+    assert proc.returncode == (1 if missed else 0), proc.stderr[-3000:]  # --strict
+    lines = proc.stdout.splitlines()
+    assert f"summary: {len(targets) - len(missed)} of {len(targets)} checks met" in (
+        lines[-2].split(" (host load")[0])
+    assert sum(line.startswith("- MISS: ") for line in lines) == len(missed)
+    assert all("host load" in line for line in lines if line.startswith("- MISS: "))
     systems = {(r["spec"]["section"], r["spec"]["system"]) for r in results["runs"]}
     for section in ("light", "throughput"):
         for system in ("batchgate", "raw", "rq", "inprocess"):

@@ -74,10 +74,11 @@ def main(log_level: str) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-@main.command("bench", hidden=True, add_help_option=False,
+@main.command("bench", hidden=True,
               context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
 def bench_moved() -> None:
-    """The developer benchmark left the package: say where it went (exit 2)."""
+    """Not installed: the developer benchmark runs from a checkout as `python -m
+    bench.run` (docs/benchmarks.md). Says so and exits 2."""
     click.echo(
         "Error: `batchgate bench` (batchgate against RQ and raw Redis on synthetic models, a "
         "developer benchmark) is not installed with the package: from a checkout, run "

@@ -376,16 +376,31 @@ def fmt(value: float | None, spec: str = ".0f") -> str:
     return "-" if value is None else format(value, spec)
 
 
+def describe(report: dict[str, Any]) -> list[str]:
+    """The workload, the consumers and the model, in a few lines."""
+    w = report["workload"]
+    return [
+        f"{w['requests']} requests ({w['short']} x {w['short_cost']} tokens, {w['long']} x "
+        f"{w['long_cost']}), Poisson {w['rate']:g} req/s for {w['duration_s']:g} s = load "
+        f"{w['load']:.2f}",
+        f"{report['consumers']} consumer(s) per configuration, {report['torch_threads']} torch "
+        "thread(s) each",
+        "generator " + " ".join(f"{k}={v}" for k, v in report["model_args"].items())]
+
+
+def verdicts(report: dict[str, Any]) -> list[str]:
+    """Any request not answered, each check, and the summary line."""
+    missing = {n: r["unanswered"] + r["failed"] for n, r in report["configs"].items()
+               if r["unanswered"] or r["failed"]}
+    lines = [f"\nNOT ANSWERED: {missing}"] if missing else []
+    return [*lines, "", *check_lines(report["checks"], report["host"])]
+
+
 def render(report: dict[str, Any]) -> str:
     """The workload, one table row per configuration (under 100 columns: the batches'
     costs and the profile are in --json), the checks and their summary."""
-    w = report["workload"]
     lines = [
-        f"{w['requests']} requests ({w['short']} x {w['short_cost']} tokens, {w['long']} x "
-        f"{w['long_cost']}), Poisson {w['rate']:g} req/s for {w['duration_s']:g} s = load "
-        f"{w['load']:.2f}; {report['consumers']} consumer(s), {report['torch_threads']} torch "
-        "thread(s) each",
-        "generator " + " ".join(f"{k}={v}" for k, v in report["model_args"].items()),
+        *describe(report),
         "",
         f"{'config':<18} {'short p50/p99':>14} {'long p50/p99':>14} {'req/s':>7} "
         f"{'batches':>7} {'mean':>5} {'padding':>8}",
@@ -397,12 +412,4 @@ def render(report: dict[str, Any]) -> str:
             f"{fmt(lg['p50']) + '/' + fmt(lg['p99']):>14} {fmt(r['throughput_rps'], '.1f'):>7} "
             f"{r['batches']:>7} {fmt(r['mean_batch'], '.2f'):>5} {r['padding_waste']:>8.1%}")
     lines.append(f"{'':<18} {'(ms)':>14} {'(ms)':>14}")
-    missing = {n: r["unanswered"] + r["failed"] for n, r in report["configs"].items()
-               if r["unanswered"] or r["failed"]}
-    if missing:
-        lines.append(f"\nNOT ANSWERED: {missing}")
-    lines.append("")
-    lines += check_lines(report["checks"], report["host"])
-    return "\n".join(lines)
-
-
+    return "\n".join([*lines, *verdicts(report)])

@@ -31,7 +31,7 @@ import orjson
 from batchgate import lengths
 from batchgate.embedded import embedded_redis
 from batchgate.lengths import CONFIG_NAMES, LONG, SHORT, Config, fmt, run_scenario
-from batchgate.verdict import check_lines, missed
+from batchgate.verdict import missed
 from scheduler_core.cost_model import fit
 from scheduler_core.policy import Policy
 from scheduler_core.simulation import ModelTime, SimConfig, simulate
@@ -198,13 +198,9 @@ def sim_checks(results: dict[str, Any]) -> list[dict[str, Any]]:
 def render(report: dict[str, Any]) -> str:
     """results.md: a markdown table per configuration (the measurements and each
     prediction beside them), the fits, and the checks."""
-    w, prof = report["workload"], report["profile"]
+    prof = report["profile"]
     lines = [
-        f"{w['requests']} requests ({w['short']} x {w['short_cost']} tokens, {w['long']} x "
-        f"{w['long_cost']}), Poisson {w['rate']:g} req/s for {w['duration_s']:g} s = load "
-        f"{w['load']:.2f}; {report['consumers']} consumer(s), {report['torch_threads']} "
-        f"torch thread(s) each; generator "
-        + " ".join(f"{k}={v}" for k, v in report["model_args"].items()),
+        *lengths.describe(report),
         f"fits: t = {prof['padded']['base_ms']:.3g} + {prof['padded']['per_cost_ms']:.3g}"
         f"·b·max ms (r² {prof['padded']['r2']:.2f}); t = {prof['step']['base_ms']:.3g} + "
         f"{prof['step']['per_step_ms']:.3g}·max + {prof['step']['per_cost_ms']:.3g}·b·max ms",
@@ -233,13 +229,7 @@ def render(report: dict[str, Any]) -> str:
             f"{fmt(r['throughput_rps'], '.1f')} | {r['batches']} ({fmt(r['mean_batch'], '.2f')})"
             f" | {r['padding_waste']:.1%} | {fmt(r['model_time_vs_fit'], '.2f')} | "
             + " | ".join(sims) + " |")
-    missing = {n: r["unanswered"] + r["failed"] for n, r in report["configs"].items()
-               if r["unanswered"] or r["failed"]}
-    if missing:
-        lines.append(f"\nNOT ANSWERED: {missing}")
-    lines.append("")
-    lines += check_lines(report["checks"], report["host"])
-    return "\n".join(lines)
+    return "\n".join([*lines, *lengths.verdicts(report)])
 
 
 

@@ -29,7 +29,9 @@ from pathlib import Path
 
 import redis
 
-from bench.profile_stages import complete_all, drain_setup, pop_all
+# bench/ is the checkout's, not installed: found from the repository root.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.profile_stages import complete_all, drain_setup, pop_all  # noqa: E402
 
 MIX = {0: 10, 1: 60, 2: 30}  # HIGH / NORMAL / LOW, as the benchmark's workloads
 

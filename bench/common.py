@@ -4,9 +4,12 @@ process tree and of a redis-server, readiness waits, and saving a figure."""
 from __future__ import annotations
 
 import os
+import subprocess
+import tarfile
 import time
 import urllib.request
 from collections.abc import Callable
+from io import BytesIO
 from pathlib import Path
 from typing import Any
 
@@ -83,3 +86,13 @@ def save_figure(fig: Any, out: Path, name: str) -> str:
     except (ImportError, OSError):
         pass
     return name
+
+
+def baseline_tree(ref: str, into: Path) -> Path:
+    """producer/ and scheduler_core/ of git ref `ref` of this checkout, extracted in
+    `into` (a baseline to measure this tree against)."""
+    data = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "producer",
+                           "scheduler_core"], check=True, capture_output=True).stdout
+    with tarfile.open(fileobj=BytesIO(data)) as tar:
+        tar.extractall(into, filter="data")
+    return into

@@ -29,16 +29,20 @@ import resource
 import shutil
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 import urllib.request
-from io import BytesIO
 from pathlib import Path
 
-from bench.common import NOOP_CONSUMER, http_healthy, tree_cpu_s, wait_until
+from bench.common import (
+    NOOP_CONSUMER,
+    ROOT,
+    baseline_tree,
+    http_healthy,
+    tree_cpu_s,
+    wait_until,
+)
 
-ROOT = Path(__file__).resolve().parents[2]
 KINDS = {  # as gateway_load.py's wrk script
     "submit": ("POST", '{"payload": {"text": "hello", "n": 1}}'),
     "wait": ("POST", '{"payload": {"text": "hello", "n": 1}, "wait": true, "timeout_s": 60}'),
@@ -73,14 +77,6 @@ def measure(base: str, path: str, script: Path, connections: int, duration: floa
     non2xx = int(bad[1].split()[0]) if len(bad) > 1 else 0
     return {"requests": total, "non2xx": non2xx, "cpu_us": cpu / total * 1e6,
             "wrk_cpu_us": wrk_cpu / total * 1e6}
-
-
-def baseline_tree(ref: str, into: Path) -> Path:
-    data = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "producer",
-                           "scheduler_core"], check=True, capture_output=True).stdout
-    with tarfile.open(fileobj=BytesIO(data)) as tar:
-        tar.extractall(into, filter="data")
-    return into
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -544,5 +544,5 @@ def lengths_demo(redis_url: str | None, duration: float, rate: float | None, con
     report = {"scenario": "lengths", "redis": where,
               "queues_kept": bool(redis_url and keep_queues), **report,
               "wall_s": round(time.perf_counter() - started, 2)}
-    finish(report, "batchgate demo --scenario lengths: " + lengths.render(report)
+    finish(report, "batchgate demo --scenario lengths\n" + lengths.render(report)
            + f"\n\n({where}; finished in {report['wall_s']:.1f} s)", as_json, strict)

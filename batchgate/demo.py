@@ -317,7 +317,8 @@ def render(report: dict[str, Any]) -> str:
     w = report["workload"]
     lines = [
         f"batchgate demo: {w['requests']} requests per strategy, Poisson {w['rate']:g} req/s "
-        f"for {w['duration_s']:g} s (HIGH/NORMAL/LOW = 10/60/30%), model {w['model']}"
+        f"for {w['duration_s']:g} s (HIGH/NORMAL/LOW = 10/60/30%)",
+        f"model {w['model']}"
         + (f" t(b) = {w['base_ms']:g} + {w['per_item_ms']:g} x b ms" if w["model"] ==
            "synthetic" else "")
         + f", {report['consumers']} consumer(s) per strategy ({report['torch_threads']} "

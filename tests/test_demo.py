@@ -231,6 +231,7 @@ def test_claims_flag_what_was_not_measured() -> None:
     assert "summary: 1 of 3 checks met (host load 3.2 on 2 core(s))" in lines
     rows = table_rows(text)
     assert len(rows) == 4 and max(map(len, rows)) <= 100
+    assert all(len(line) <= 100 for line in lines if not line.startswith("["))  # prose aside
     with pytest.raises(SystemExit) as exited:  # --strict
         finish(report, text, as_json=False, strict=True)
     assert exited.value.code == 1

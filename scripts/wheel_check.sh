@@ -57,7 +57,7 @@ if "torch" in sys.modules or importlib.util.find_spec("torch") is not None:
     sys.exit("wheel_check: the base install has torch")
 print(f"wheel_check: import producer ok ({producer.__file__}), no torch")
 EOF
-"$bg" demo --duration 1 --consumers 1 --rate 40 >"$tmp/demo.txt" \
+"$bg" demo --duration 1 --consumers 1 --rate 40 >"$tmp/demo.txt" 2>&1 \
   || { cat "$tmp/demo.txt"; fail "batchgate demo failed"; }
 grep -q '^summary: ' "$tmp/demo.txt" || { cat "$tmp/demo.txt"; fail "no summary line"; }
 "$bg" simulate --strategy dynamic --rate 200 --duration-s 2 --cost-ms '5+0.5*b' >/dev/null

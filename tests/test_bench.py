@@ -177,9 +177,12 @@ def test_load_step_smoke(tmp_path: Path):
     checks the harness, not the numbers)."""
     proc = subprocess.run(
         [sys.executable, "-m", "bench.load_step", "--phase-s", "1", "--rates",
-         "20,200", "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+         "20,200", "--out", str(tmp_path), "--strict"], capture_output=True, text=True,
+        timeout=120)
     results = json.loads((tmp_path / "results.json").read_text())
+    met = sum(c["ok"] for c in results["checks"])
+    assert proc.returncode == (0 if met == len(results["checks"]) else 1), proc.stderr[-3000:]
+    assert f"summary: {met} of {len(results['checks'])} checks met" in proc.stdout
     assert set(results["table"]) == {"fixed-5", "fixed-50", "auto"}
     for rows in results["table"].values():
         assert [r["rate"] for r in rows] == [20, 200]

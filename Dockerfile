@@ -13,7 +13,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 WORKDIR /app
 RUN useradd --create-home --uid 10001 batchgate \
     && mkdir /data && chown batchgate /data
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md LICENSE ./
 COPY scheduler_core ./scheduler_core
 COPY producer ./producer
 COPY consumer ./consumer

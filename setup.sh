@@ -8,7 +8,9 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 PYTHON=${PYTHON:-python3}
-EXTRAS=torch,rq,gateway,dashboard,metrics,otel,bench,dev
+# generate and minilm: `batchgate demo --scenario lengths` and the real models
+# (consumer.models:generator, :minilm) run after setup, on the CPU torch below.
+EXTRAS=torch,generate,minilm,rq,gateway,dashboard,metrics,otel,bench,dev
 
 if [ -n "${VIRTUAL_ENV:-}" ]; then
   venv=$VIRTUAL_ENV

@@ -14,6 +14,7 @@ import click
 import orjson
 import redis
 
+from scheduler_core import __version__
 from scheduler_core.compat import connect_checked
 from scheduler_core.errors import BatchgateError, InvalidRequest
 from scheduler_core.ops.options import (
@@ -29,7 +30,6 @@ LAZY_COMMANDS = {
     "consumer": "consumer.cli:consumer_command",
     "submit": "producer.cli:submit_command",
     "demo": "batchgate.demo:demo_command",
-    "bench": "batchgate.bench.run:bench_command",
     "bulk": "producer.bulk.cli:bulk_group",
     "dead-letter": "batchgate.deadletter_cli:dead_letter_group",
     "gateway": "producer.gateway.cli:gateway_command",
@@ -64,6 +64,7 @@ class LazyGroup(click.Group):
 
 
 @click.group(cls=LazyGroup)
+@click.version_option(__version__, prog_name="batchgate")
 @env_option("--log-level", envvar="BATCHGATE_LOG_LEVEL", default="INFO", show_default=True,
             type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
             help="Log messages of this level and above, to stderr.")
@@ -71,6 +72,19 @@ def main(log_level: str) -> None:
     """batchgate: a Redis-backed request scheduler for model inference."""
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+@main.command("bench", hidden=True,
+              context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+def bench_moved() -> None:
+    """Not installed: the developer benchmark runs from a checkout as `python -m
+    bench.run` (docs/benchmarks.md). Says so and exits 2."""
+    click.echo(
+        "Error: `batchgate bench` (batchgate against RQ and raw Redis on synthetic models, a "
+        "developer benchmark) is not installed with the package: from a checkout, run "
+        "`python -m bench.run` (docs/benchmarks.md). To time your own model: "
+        "`batchgate profile --model MODULE:ATTR`.", err=True)
+    sys.exit(2)
 
 
 @main.command("stats")

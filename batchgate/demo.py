@@ -20,12 +20,15 @@ exactly those queues' keys when it is done (`--keep-queues` leaves them for
 
 `--scenario lengths` runs batchgate/lengths.py instead: short and long generation
 requests through one bucket and through cost buckets.
+
+A model or scenario whose extra is not installed is refused before anything starts, with
+the pip command that installs it (exit 2). The output ends with one summary line of the
+checks met; a missed one names the host's load beside it; `--strict` exits 1 on any.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
 import signal
 import sys
@@ -44,12 +47,14 @@ import orjson
 import redis
 
 from batchgate.embedded import embedded_redis
-from batchgate.processes import ChildProcess, wait_all_ready
+from batchgate.processes import ChildProcess, batchgate_argv, wait_all_ready
+from batchgate.verdict import host_load, load_text, missed, summary
 from batchgate.workload import MIX, MODELS, PRIORITIES, Workload
+from consumer.loader import MODEL_EXTRAS, install_hint, not_installed
 from producer.sync import Handle, Producer
 from scheduler_core.compat import usable_cores
 from scheduler_core.connection import connect
-from scheduler_core.errors import RequestFailed
+from scheduler_core.errors import InvalidRequest, RequestFailed
 from scheduler_core.keys import QueueKeys
 from scheduler_core.ops.stats import queue_stats
 from scheduler_core.registry import QUEUES_KEY, forget_queues
@@ -94,12 +99,6 @@ def pace(producer: Producer, arrivals: list[Arrival], sent: list[Sent],
 
 
 # -- consumers -----------------------------------------------------------------------
-def batchgate_argv() -> list[str]:
-    """The `batchgate` installed next to this Python, else the same CLI via `-m`."""
-    script = shutil.which("batchgate", path=os.path.dirname(sys.executable))
-    return [script] if script else [sys.executable, "-m", "batchgate.cli"]
-
-
 def torch_threads(consumers: int) -> int:
     """Each consumer's share of the cores: without a cap every torch consumer takes them
     all, they fight, and the measurements show the fight rather than the strategies."""
@@ -318,7 +317,8 @@ def render(report: dict[str, Any]) -> str:
     w = report["workload"]
     lines = [
         f"batchgate demo: {w['requests']} requests per strategy, Poisson {w['rate']:g} req/s "
-        f"for {w['duration_s']:g} s (HIGH/NORMAL/LOW = 10/60/30%), model {w['model']}"
+        f"for {w['duration_s']:g} s (HIGH/NORMAL/LOW = 10/60/30%)",
+        f"model {w['model']}"
         + (f" t(b) = {w['base_ms']:g} + {w['per_item_ms']:g} x b ms" if w["model"] ==
            "synthetic" else "")
         + f", {report['consumers']} consumer(s) per strategy ({report['torch_threads']} "
@@ -339,10 +339,33 @@ def render(report: dict[str, Any]) -> str:
         claim = report["claims"][name]
         line = f"[{'ok ' if claim['holds'] else '!! '}] {name}: {claim['text']}"
         if not claim["holds"]:  # say which part of the claim this run did not show
-            line += " NOT MEASURED: " + "; ".join(claim["missed"]) + "."
+            line += (" NOT MEASURED: " + "; ".join(claim["missed"])
+                     + f" ({load_text(report['host'])}).")
         lines.append(line)
+    lines.append(summary(report["checks"], report["host"]))
     lines.append(f"\n({report['redis']}; finished in {report['wall_s']:.1f} s)")
     return "\n".join(lines)
+
+
+def require_extra(option: str, what: str, extra: str | None) -> None:
+    """Exit 2 naming `extra` when `what` (the value of `option`) needs it and it is not
+    installed; nothing has started yet."""
+    missing = not_installed(extra) if extra else []
+    if missing:
+        raise InvalidRequest(option, f"{what} needs the `{extra}` extra ({', '.join(missing)} "
+                                     f"not installed): {install_hint(extra)}")
+
+
+def claim_checks(report: dict[str, Any]) -> list[dict[str, Any]]:
+    return [{"check": name, "ok": claim["holds"]} for name, claim in report["claims"].items()]
+
+
+def finish(report: dict[str, Any], text: str, as_json: bool, strict: bool) -> None:
+    """Print the report; with `strict`, exit 1 when a check was missed."""
+    click.echo(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode() if as_json
+               else text)
+    if strict and missed(report["checks"]):
+        raise SystemExit(1)
 
 
 @contextlib.contextmanager
@@ -409,10 +432,13 @@ def delete_queues(client: redis.Redis, prefix: str) -> int:
               help="torch threads of each consumer (and of the lengths profile) [default: "
                    "the cores / --consumers].")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
+@click.option("--strict", is_flag=True,
+              help="Exit 1 when any check is missed (the summary line counts them).")
 def demo_command(redis_url: str | None, scenario: str, model: str, duration: float,
                  rate: float | None, consumers: int, base_ms: float, per_item_ms: float,
                  device: str | None, seed: int, keep_queues: bool, configs: str | None,
-                 profile_repeats: int, threads: int | None, as_json: bool) -> None:
+                 profile_repeats: int, threads: int | None, as_json: bool,
+                 strict: bool) -> None:
     """Run one mixed HIGH/NORMAL/LOW workload through fifo, dynamic and priority and
     compare throughput, p50/p99 latency per priority and batch size (under a minute);
     or, with --scenario lengths, short and long generation requests through one bucket
@@ -422,8 +448,12 @@ def demo_command(redis_url: str | None, scenario: str, model: str, duration: flo
         # Stopped from outside: unwind like Ctrl-C, so consumers and redis-server go too.
         signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
     if scenario == "lengths":
+        require_extra("--scenario", scenario, "generate")
+    else:
+        require_extra("--model", model, MODEL_EXTRAS.get(MODELS[model][0]))
+    if scenario == "lengths":
         lengths_demo(redis_url, duration, rate, consumers, seed, keep_queues, as_json,
-                     started, configs, profile_repeats, threads)
+                     started, configs, profile_repeats, threads, strict)
         return
     if configs is not None:
         raise click.UsageError("--configs applies to --scenario lengths only")
@@ -474,26 +504,22 @@ def demo_command(redis_url: str | None, scenario: str, model: str, duration: flo
         "queues_kept": bool(redis_url and keep_queues),
         "strategies": results,
         "claims": claims(results, rate, consumers),
+        "host": host_load(),
         "wall_s": round(time.perf_counter() - started, 2),
     }
-    if as_json:
-        click.echo(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode())
-    else:
-        click.echo(render(report))
+    report["checks"] = claim_checks(report)
+    finish(report, render(report), as_json, strict)
 
 
 def lengths_demo(redis_url: str | None, duration: float, rate: float | None, consumers: int,
                  seed: int, keep_queues: bool, as_json: bool, started: float,
                  configs: str | None = None, profile_repeats: int = 2,
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, strict: bool = False) -> None:
     """--scenario lengths (batchgate/lengths.py): every configuration (or those of
     `configs`, comma-separated) on a queue `demo-<random>-<config>`, the report with each
     batch's costs."""
-    try:
-        from batchgate import lengths
-    except ImportError as exc:  # pragma: no cover - the generate extra is missing
-        raise click.UsageError(f"--scenario lengths needs the `generate` extra: {exc}") \
-            from None
+    from batchgate import lengths
+
     chosen = lengths.CONFIG_NAMES
     if configs is not None:
         chosen = tuple(c.strip() for c in configs.split(",") if c.strip())
@@ -519,8 +545,5 @@ def lengths_demo(redis_url: str | None, duration: float, rate: float | None, con
     report = {"scenario": "lengths", "redis": where,
               "queues_kept": bool(redis_url and keep_queues), **report,
               "wall_s": round(time.perf_counter() - started, 2)}
-    if as_json:
-        click.echo(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode())
-    else:
-        click.echo("batchgate demo --scenario lengths: " + lengths.render(report)
-                   + f"\n\n({where}; finished in {report['wall_s']:.1f} s)")
+    finish(report, "batchgate demo --scenario lengths\n" + lengths.render(report)
+           + f"\n\n({where}; finished in {report['wall_s']:.1f} s)", as_json, strict)

@@ -65,9 +65,9 @@ def render(out: dict[str, Any], answer: Plan, target: Target) -> str:
                   f"closest reachable: {closest}, with {best.consumers} consumer(s), "
                   f"{_policy_line(best)}"]
     lines += [f"predicted: throughput {r.throughput_rps:,.1f} req/s, mean batch "
-              f"{r.mean_batch}, utilisation {r.utilisation:.1%}, p99 all {_p99(best, 'all')} "
-              f"ms, high {_p99(best, 'high')}, normal {_p99(best, 'normal')}, low "
-              f"{_p99(best, 'low')}"]
+              f"{r.mean_batch}, utilisation {r.utilisation:.1%},",
+              f"  p99 all {_p99(best, 'all')} ms, high {_p99(best, 'high')}, normal "
+              f"{_p99(best, 'normal')}, low {_p99(best, 'low')}"]
     if answer.runners_up:
         lines += ["", "runners-up (as many consumers):",
                   f"{'strategy':>10}{'batch':>7}{'delay ms':>10}{'p99 ms':>9}{'HIGH p99':>10}"

@@ -7,14 +7,22 @@ from __future__ import annotations
 import contextlib
 import os
 import shlex
+import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 from scheduler_core.errors import BatchgateError
 
 STOP_TIMEOUT_S = 15.0
+
+
+def batchgate_argv() -> list[str]:
+    """The `batchgate` installed next to this Python, else the same CLI via `-m`."""
+    script = shutil.which("batchgate", path=os.path.dirname(sys.executable))
+    return [script] if script else [sys.executable, "-m", "batchgate.cli"]
 
 
 class ChildProcess:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import re
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +50,7 @@ _COST_MIX = re.compile(r"^\s*(\d+)\s*:\s*(\d+(?:\.\d*)?)\s*$")
 # -- arrivals -----------------------------------------------------------------------------
 def poisson_arrivals(rate: float, duration_s: float, mix: tuple[float, ...] = MIX,
                      seed: int = 1, bursty: bool = False) -> Arrivals:
-    """batchgate bench's workload generator (same seed, same requests): Poisson at `rate`
+    """python -m bench.run's workload generator (same seed, same requests): Poisson at `rate`
     for `duration_s`; bursty adds 50 requests within 100 ms every 2 s."""
     if not (isinstance(rate, (int, float)) and 0 < rate <= 10_000_000):
         raise InvalidRequest("rate", f"must be within (0, 10000000] requests/s, got {rate!r}")
@@ -201,7 +202,7 @@ def _policy_option(flag: str) -> Any:
 
 def render(result: SimResult, config: SimConfig, workload: str) -> str:
     p = config.policy
-    lines = [
+    prose = [
         f"{result.requests:,} requests ({workload}), {config.consumers} consumer(s)"
         + (f" preferring buckets {','.join(map(str, config.prefer_buckets))}"
            if config.prefer_buckets else "")
@@ -221,6 +222,9 @@ def render(result: SimResult, config: SimConfig, workload: str) -> str:
             f", max_cost {p.max_cost} ({p.over_cost}), max_batch_cost {p.max_batch_cost} "
             f"({p.cost_mode}), cost_buckets {p.cost_buckets or '-'}"
             if result.latency_by_cost else ""),
+    ]
+    # The description wraps at 100 columns, as the tables below fit them.
+    lines = [*(textwrap.fill(line, 100, subsequent_indent="  ") for line in prose),
         "",
         f"throughput {result.throughput_rps:,.1f} req/s   mean batch {result.mean_batch}   "
         f"utilisation {result.utilisation:.1%}   ({result.batches:,} batches over "
@@ -326,7 +330,7 @@ def render(result: SimResult, config: SimConfig, workload: str) -> str:
                    "differences from their mean, drawn with --seed: the path's spread, "
                    "which its constant terms leave out [default: none].")
 @click.option("--seed", type=int, default=1, show_default=True,
-              help="Random seed of the arrivals (that of batchgate bench gives its requests).")
+              help="Random seed of the arrivals (that of python -m bench.run gives its requests).")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 def simulate_command(strategy: str | None, max_batch_size: int | None,
                      max_queue_delay_ms: int | None, aging_ms: int | None,

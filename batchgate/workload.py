@@ -1,4 +1,4 @@
-"""The seeded workload that `batchgate demo` and `batchgate bench` replay: arrival times,
+"""The seeded workload that `batchgate demo` and `python -m bench.run` replay: arrival times,
 priorities and payloads, identical for every system and strategy given the same seed."""
 
 from __future__ import annotations

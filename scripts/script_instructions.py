@@ -5,7 +5,7 @@
 Wall and CPU times on a shared VM swing by a third between runs of the same code; the
 instructions redis-server executes do not (within 0.5% here), so this is the measure to
 compare two versions of the Lua scripts by. It starts `valgrind --tool=callgrind
-redis-server` on a free port, then runs the stages of `batchgate.bench.profile_stages` in
+redis-server` on a free port, then runs the stages of `bench.profile_stages` in
 this process: enqueue a backlog (priorities mixed 10/60/30, as the benchmark's), pop it
 with the consumer's own calls, complete every batch. Between stages it zeroes and dumps
 callgrind's counters (`callgrind_control`), and prints each stage's total over the
@@ -29,7 +29,9 @@ from pathlib import Path
 
 import redis
 
-from batchgate.bench.profile_stages import complete_all, drain_setup, pop_all
+# bench/ is the checkout's, not installed: found from the repository root.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.profile_stages import complete_all, drain_setup, pop_all  # noqa: E402
 
 MIX = {0: 10, 1: 60, 2: 30}  # HIGH / NORMAL / LOW, as the benchmark's workloads
 

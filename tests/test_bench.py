@@ -1,4 +1,4 @@
-"""`batchgate bench`: the harness works end to end (not the numbers), plus the pieces that
+"""`python -m bench.run`: the harness works end to end (not the numbers), plus the pieces that
 can be checked without timing: the workload generator and the in-process batcher's rules.
 """
 
@@ -17,8 +17,8 @@ from helpers.support import HEAVY
 
 pytest.importorskip("hdrh")
 
-from batchgate.bench import inprocess  # noqa: E402
 from batchgate.workload import Workload  # noqa: E402
+from bench import inprocess  # noqa: E402
 
 
 # -- workload -------------------------------------------------------------------------
@@ -62,7 +62,7 @@ def _add(rules, idx, prio, at):
 def test_strategies_narrow_the_grid_and_bursty_sections_only():
     import click
 
-    from batchgate.bench.run import build_plan, keep_strategies
+    from bench.run import build_plan, keep_strategies
 
     plan = build_plan(False, 1.0, 2, ("grid", "bursty", "saturation"), (400.0,), 1)
     kept = keep_strategies(plan, "priority")
@@ -122,12 +122,19 @@ def test_priority_aging_promotes_waiting_requests():
 def test_bench_quick_smoke(tmp_path: Path):
     out = tmp_path / "bench"
     proc = subprocess.run(
-        [sys.executable, "-m", "batchgate.cli", "bench", "--quick", "--scale", "0.1",
+        [sys.executable, "-m", "bench.run", "--quick", "--scale", "0.1",
          "--consumers", "1", "--grid", "100", "--sections", "light,throughput,grid",
-         "--out", str(out)],
+         "--out", str(out), "--strict"],
         capture_output=True, text=True, timeout=110)
-    assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
+    targets = [t for t in results["analysis"]["targets"] if t["need"] and t["met"] is not None]
+    missed = [t for t in targets if not t["met"]]
+    assert proc.returncode == (1 if missed else 0), proc.stderr[-3000:]  # --strict
+    lines = proc.stdout.splitlines()
+    assert f"summary: {len(targets) - len(missed)} of {len(targets)} checks met" in (
+        lines[-2].split(" (host load")[0])
+    assert sum(line.startswith("- MISS: ") for line in lines) == len(missed)
+    assert all("host load" in line for line in lines if line.startswith("- MISS: "))
     systems = {(r["spec"]["section"], r["spec"]["system"]) for r in results["runs"]}
     for section in ("light", "throughput"):
         for system in ("batchgate", "raw", "rq", "inprocess"):
@@ -150,10 +157,10 @@ def test_bench_quick_smoke(tmp_path: Path):
 
 
 def test_profile_stages_smoke():
-    """batchgate/bench/profile_stages.py (the per-stage CPU figures in docs/benchmarks.md) runs and
+    """bench/profile_stages.py (the per-stage CPU figures in docs/benchmarks.md) runs and
     reports every stage; a small backlog, a few paced requests."""
     proc = subprocess.run(
-        [sys.executable, "-m", "batchgate.bench.profile_stages", "--requests", "300",
+        [sys.executable, "-m", "bench.profile_stages", "--requests", "300",
          "--paced", "3"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
@@ -165,14 +172,17 @@ def test_profile_stages_smoke():
 @HEAVY
 @pytest.mark.skipif(not shutil.which("redis-server"), reason="redis-server is not on PATH")
 def test_load_step_smoke(tmp_path: Path):
-    """batchgate/bench/load_step.py (the load step in docs/benchmarks.md) runs its three
+    """bench/load_step.py (the load step in docs/benchmarks.md) runs its three
     modes, answers every request and writes its table, checks and plot; tiny phases (it
     checks the harness, not the numbers)."""
     proc = subprocess.run(
-        [sys.executable, "-m", "batchgate.bench.load_step", "--phase-s", "1", "--rates",
-         "20,200", "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+        [sys.executable, "-m", "bench.load_step", "--phase-s", "1", "--rates",
+         "20,200", "--out", str(tmp_path), "--strict"], capture_output=True, text=True,
+        timeout=120)
     results = json.loads((tmp_path / "results.json").read_text())
+    met = sum(c["ok"] for c in results["checks"])
+    assert proc.returncode == (0 if met == len(results["checks"]) else 1), proc.stderr[-3000:]
+    assert f"summary: {met} of {len(results['checks'])} checks met" in proc.stdout
     assert set(results["table"]) == {"fixed-5", "fixed-50", "auto"}
     for rows in results["table"].values():
         assert [r["rate"] for r in rows] == [20, 200]
@@ -184,13 +194,13 @@ def test_load_step_smoke(tmp_path: Path):
 
 @pytest.mark.skipif(not shutil.which("redis-server"), reason="redis-server is not on PATH")
 def test_shard_scaling_smoke(tmp_path: Path):
-    """batchgate/bench/shard_scaling.py (docs/scaling.md's capacity figures) drains a
+    """bench/shard_scaling.py (docs/scaling.md's capacity figures) drains a
     queue of 1 and of 2 shards on a real 3-primary cluster, each shard on its own primary,
     and charges every primary its CPU per request; a small backlog (it checks the
     harness, not the numbers)."""
     out = tmp_path / "rows.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "batchgate.bench.shard_scaling", "--shards", "1,2",
+        [sys.executable, "-m", "bench.shard_scaling", "--shards", "1,2",
          "--per-shard", "300", "--json", str(out)], capture_output=True, text=True,
         timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -203,7 +213,7 @@ def test_shard_scaling_smoke(tmp_path: Path):
 
 @HEAVY
 def test_drain_pinned_smoke(tmp_path: Path):
-    """batchgate/bench/drain_pinned.py (docs/benchmarks.md's capacity per shard with Redis
+    """bench/drain_pinned.py (docs/benchmarks.md's capacity per shard with Redis
     on a core of its own) drains a small no-op backlog with a CLI consumer and the raw
     ceiling's worker, Redis pinned to one CPU and the clients to the other; it checks the
     harness, not the numbers."""
@@ -211,7 +221,7 @@ def test_drain_pinned_smoke(tmp_path: Path):
         pytest.skip("drain_pinned needs two CPUs")
     out = tmp_path / "rows.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "batchgate.bench.drain_pinned", "--requests", "2000",
+        [sys.executable, "-m", "bench.drain_pinned", "--requests", "2000",
          "--rounds", "1", "--json", str(out)], capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (row,) = json.loads(out.read_text())

@@ -8,6 +8,8 @@ import json
 import re
 import signal
 import subprocess
+import sys
+from importlib.metadata import version
 
 from helpers.failure_support import HERE
 from helpers.processes import BATCHGATE
@@ -384,3 +386,54 @@ def test_result_prints_a_stored_result_with_documented_exit_codes(shared_redis, 
         assert missing.returncode == 3 and "no request" in missing.stderr
     bad = result_cli(url, queue, ok.id, "--timeout", "-1")
     assert bad.returncode == 2 and "--timeout" in bad.stderr
+
+
+# -- the product: version, a missing extra, the benchmark that left the package ----------
+
+
+def without(module: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """`batchgate ARGS` in a Python where `module` cannot be imported (as where its extra
+    is not installed: `import module` raises ModuleNotFoundError)."""
+    code = (f"import sys; sys.modules[{module!r}] = None; sys.argv[0] = 'batchgate'; "
+            "from batchgate.cli import main; main()")
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_version_is_the_packages_one_version():
+    import scheduler_core
+
+    proc = batchgate("--version")
+    assert proc.returncode == 0
+    assert proc.stdout == f"batchgate, version {scheduler_core.__version__}\n"
+    assert scheduler_core.__version__ == version("batchgate")  # the installed metadata's
+
+
+def test_a_shipped_model_whose_extra_is_missing_names_it_and_exits_2(shared_redis, queue):
+    proc = without("transformers", "consumer", "--redis-url", shared_redis.url, "--queue",
+                   queue, "--model", "consumer.models:generator", timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "consumer.models:generator needs the `generate` extra" in proc.stderr
+    assert "pip install 'batchgate[generate]'" in proc.stderr
+    assert "pip install -e '.[generate]'" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_user_model_importing_a_missing_module_names_it_and_exits_2(shared_redis, queue,
+                                                                      start_consumer,
+                                                                      tmp_path):
+    (tmp_path / "needs_dep.py").write_text("import no_such_dep_xyz\n\n"
+                                           "def model(batch):\n    return batch\n")
+    proc = start_consumer(shared_redis.url, queue, "--model", "needs_dep:model",
+                          ready=False, cwd=str(tmp_path))
+    assert proc.proc.wait(60) == 2
+    out = proc.output()
+    assert "needs_dep:model imports no_such_dep_xyz, which is not installed" in out
+    assert "Traceback" not in out
+
+
+def test_bench_says_where_the_benchmark_went():
+    proc = batchgate("bench", "--quick")
+    assert proc.returncode == 2
+    assert "python -m bench.run" in proc.stderr and "batchgate profile" in proc.stderr
+    assert not re.search(r"^\s+bench\s", batchgate("--help").stdout, re.M)  # not listed

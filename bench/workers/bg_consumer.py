@@ -1,4 +1,4 @@
-"""One batchgate consumer process for `batchgate bench`.
+"""One batchgate consumer process for `python -m bench.run`.
 
 It runs `consumer.worker.Worker` (the loop) exactly as `batchgate consumer` does (same loop, same
 scripts, the queue's stored policy), with one addition: the model is wrapped so that each
@@ -22,7 +22,7 @@ from typing import Any
 
 import orjson
 
-from batchgate.bench.workers.gate import guard_parent, ready_then_wait
+from bench.workers.gate import guard_parent, ready_then_wait
 from consumer.cli import freeze_startup_heap
 from consumer.config import ConsumerConfig
 from consumer.loader import load_model

@@ -1,4 +1,4 @@
-"""`batchgate bench`: batchgate's strategies against each other, RQ, an in-process batcher
+"""`python -m bench.run`: batchgate's strategies against each other, RQ, an in-process batcher
 and the raw-Redis limit, in one run, on one machine, against one Redis.
 
 What it runs (docs/benchmarks.md has the results and how to read them):
@@ -18,7 +18,7 @@ What it runs (docs/benchmarks.md has the results and how to read them):
 - output: results.json, results.md and PNG plots (`plots.py`) in --out.
 
 The producer side of every system runs in this process; consumers and workers are child
-processes (`python -m batchgate.bench.workers.NAME`): an installed package is enough.
+processes (`python -m bench.workers.NAME`, the checkout on their PYTHONPATH).
 Without --redis-url it starts a private
 redis-server and kills it at the end; with one it only creates keys containing its run id
 and deletes them when done.
@@ -47,10 +47,12 @@ import click
 import orjson
 import redis
 
-from batchgate.bench.spec import RunSpec, empty_record
-from batchgate.bench.workers.gate import READY_LINE
 from batchgate.processes import ChildProcess, wait_all_ready
+from batchgate.verdict import check_lines, missed
 from batchgate.workload import MODELS, PRIORITIES, Workload
+from bench.common import CHUNK, redis_cpu_s, worker_env
+from bench.spec import RunSpec, empty_record
+from bench.workers.gate import READY_LINE
 from producer.sync import Producer
 from scheduler_core.admin import store_policy
 from scheduler_core.errors import BatchgateError
@@ -58,22 +60,14 @@ from scheduler_core.keys import QueueKeys
 from scheduler_core.policy import Strategy
 from scheduler_core.wire import Result
 
-SUBMIT_CHUNK = 10_000  # Producer.submit_many's limit per call
 READY_TIMEOUT_S = 90.0
 
 
 # -- child processes ------------------------------------------------------------------
-def worker_env() -> dict[str, str]:
-    env = dict(os.environ)
-    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
-        env[var] = "1"  # one thread per worker: the host's cores are shared by everything
-    return env
-
-
 def start_workers(specs: list[tuple[str, list[str]]], log_dir: Path,
                   tag: str) -> list[ChildProcess]:
-    """`python -m batchgate.bench.workers.NAME ARGS` per spec; returns once all are ready."""
-    children = [ChildProcess([sys.executable, "-m", f"batchgate.bench.workers.{name}", *args],
+    """`python -m bench.workers.NAME ARGS` per spec; returns once all are ready."""
+    children = [ChildProcess([sys.executable, "-m", f"bench.workers.{name}", *args],
                              log_dir / f"{tag}-{i}.log", READY_LINE, env=worker_env())
                 for i, (name, args) in enumerate(specs)]
     try:
@@ -101,8 +95,7 @@ class Context:
         return f"bench-{self.run_id}-{self.counter}-{what}"
 
     def redis_cpu_s(self) -> float:
-        info = self.client.info("cpu")
-        return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
+        return redis_cpu_s(self.client)
 
     def delete_matching(self, pattern: str) -> None:
         batch = []
@@ -205,8 +198,8 @@ class BatchgateDriver(Driver):
         for i in idx:
             groups.setdefault(prios[i], []).append(i)
         for prio, members in sorted(groups.items()):
-            for s in range(0, len(members), SUBMIT_CHUNK):
-                chunk = members[s:s + SUBMIT_CHUNK]
+            for s in range(0, len(members), CHUNK):
+                chunk = members[s:s + CHUNK]
                 handles = self.producer.submit_many([payloads[i] for i in chunk],
                                                     priority=prio)
                 for i, handle in zip(chunk, handles, strict=True):
@@ -287,7 +280,7 @@ class RQDriver(InboxDriver):
             groups: dict[int, list[Any]] = {}
             for i in idx[s:s + 1000]:
                 groups.setdefault(prios[i], []).append(Queue.prepare_data(
-                    "batchgate.bench.workers.rq_jobs.infer", args=(i, payloads[i], self.inbox),
+                    "bench.workers.rq_jobs.infer", args=(i, payloads[i], self.inbox),
                     job_id=f"{self.prefix}-{self.runs}-{i}", result_ttl=600))
             for prio, jobs in groups.items():
                 self.queues[prio].enqueue_many(jobs, pipeline=pipe)
@@ -316,9 +309,9 @@ class RawDriver(InboxDriver):
         self.listen()
 
     def submit(self, idx: list[int], prios: list[int], payloads: list[Any]) -> None:
-        for s in range(0, len(idx), SUBMIT_CHUNK):
+        for s in range(0, len(idx), CHUNK):
             pipe = self.conn.pipeline(transaction=False)
-            for i in idx[s:s + SUBMIT_CHUNK]:
+            for i in idx[s:s + CHUNK]:
                 pipe.rpush(self.key, b"%d" % i)
             pipe.execute()
 
@@ -422,7 +415,7 @@ def execute(ctx: Context, pool: DriverPool, spec: RunSpec) -> dict[str, Any]:
 
 def finish(spec: RunSpec, rec: dict[str, list[Any]], cpu: dict[str, float],
            complete: bool) -> dict[str, Any]:
-    from batchgate.bench.stats import summarize
+    from bench.stats import summarize
 
     summary = summarize(rec, spec, cpu)
     summary["all_answered"] = complete
@@ -438,11 +431,11 @@ def spec_dict(spec: RunSpec) -> dict[str, Any]:
 
 
 def run_inprocess(ctx: Context, specs: list[RunSpec]) -> list[dict[str, Any]]:
-    """Every in-process run of a section, in one child process (batchgate.bench.inprocess)."""
+    """Every in-process run of a section, in one child process (bench.inprocess)."""
     name = ctx.name("inproc")
     out = ctx.out / "logs" / f"{name}.json"
     log = ctx.out / "logs" / f"{name}.log"
-    cmd = [sys.executable, "-m", "batchgate.bench.inprocess", "--specs",
+    cmd = [sys.executable, "-m", "bench.inprocess", "--specs",
            orjson.dumps([asdict(s) for s in specs]).decode(), "--out", str(out)]
     budget = sum(s.workload.duration_s + s.grace_s + 60 for s in specs)
     with log.open("wb") as err:
@@ -520,7 +513,7 @@ def measure_ping(ctx: Context, count: int, gap_s: float = 0.0) -> dict[str, floa
     """PING round trips from this process (redis-py, as the producer), back to back or
     one every `gap_s` (so that client and server are idle in between, as at light load).
     """
-    from batchgate.bench.stats import hdr_summary, new_hist
+    from bench.stats import hdr_summary, new_hist
 
     client = redis.Redis.from_url(ctx.redis_url)
     hist = new_hist()
@@ -693,6 +686,7 @@ def redis_for_bench(url: str | None) -> Iterator[tuple[str, bool]]:
 
 
 @click.command("bench")
+@click.option("--strict", is_flag=True, help="Exit 1 when any target is missed.")
 @click.option("--quick", is_flag=True, help="A small plan that runs in under 2 minutes.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
               help="Where results.json, results.md and the plots go "
@@ -723,13 +717,13 @@ def redis_for_bench(url: str | None) -> Iterator[tuple[str, bool]]:
 @click.option("--report-only", type=click.Path(exists=True, file_okay=False, path_type=Path),
               metavar="DIR",
               help="Run nothing: re-analyse DIR/results.json and rewrite its report and plots.")
-def bench_command(quick: bool, out_dir: Path | None, redis_url: str | None, consumers: int,
-                  sections: str | None, grid: str | None, strategies: str | None,
+def bench_command(strict: bool, quick: bool, out_dir: Path | None, redis_url: str | None,
+                  consumers: int, sections: str | None, grid: str | None, strategies: str | None,
                   scale: float, seed: int, plots: bool, report_only: Path | None) -> None:
     """Benchmark fifo, dynamic and priority against RQ, an in-process batcher and the
     raw-Redis ceiling; write results.json, results.md and PNG plots."""
     try:
-        import batchgate.bench.stats  # noqa: F401  (hdrhistogram)
+        import bench.stats  # noqa: F401  (hdrhistogram)
     except ImportError as exc:
         raise click.ClickException(f"{exc}: install the benchmark's dependencies with "
                                    "pip install -e '.[bench]'") from None
@@ -764,8 +758,8 @@ def bench_command(quick: bool, out_dir: Path | None, redis_url: str | None, cons
         plots = False
         skipped.append("plots (matplotlib is not installed)")
     for what in skipped:
-        click.echo(f"batchgate bench: skipping the {what}", err=True)
-    command = "batchgate bench " + shlex.join(sys.argv[2:] if len(sys.argv) > 1 else [])
+        click.echo(f"python -m bench.run: skipping the {what}", err=True)
+    command = "python -m bench.run " + shlex.join(sys.argv[1:])
     started = time.monotonic()
     with redis_for_bench(redis_url) as (url, private):
         ctx = Context(url, out, uuid.uuid4().hex[:6])
@@ -775,7 +769,7 @@ def bench_command(quick: bool, out_dir: Path | None, redis_url: str | None, cons
             "skipped": skipped,
             "machine": machine_info(ctx), "load_before": list(os.getloadavg()),
             "busy_before": busy_processes()}
-        click.echo(f"batchgate bench: {len(plan)} runs, results in {out}", err=True)
+        click.echo(f"python -m bench.run: {len(plan)} runs, results in {out}", err=True)
         pings = 500 if quick else 2000
         meta["ping_us"] = measure_ping(ctx, pings)
         meta["ping_paced_us"] = measure_ping(ctx, max(50, int(pings * min(1.0, scale)) // 10),
@@ -787,7 +781,7 @@ def bench_command(quick: bool, out_dir: Path | None, redis_url: str | None, cons
             loads.append(result["loadavg"])
             s = result["summary"]
             lat = s["latency_ms"]["all"]
-            click.echo(f"[{k:>2}/{total}] {result['label']:<58} {s['throughput_rps']:>9.1f} "
+            click.echo(f"[{k:>2}/{total}] {result['label']:<40} {s['throughput_rps']:>9.1f} "
                        f"req/s  p50 {lat['p50']}  p99 {lat['p99']} ms  ({took:.1f}s)", err=True)
 
         failed: list[dict[str, Any]] = []
@@ -800,25 +794,41 @@ def bench_command(quick: bool, out_dir: Path | None, redis_url: str | None, cons
         ctx.client.close()
     meta["elapsed_s"] = round(time.monotonic() - started, 1)
     results = {"meta": meta, "runs": runs, "failed": failed}
-    write_report(results, out, plots)
+    checks = write_report(results, out, plots)
     if failed:
         raise click.ClickException(f"{len(failed)} of {len(plan)} runs failed (see "
                                    f"{out / 'results.md'} and {out / 'logs'})")
+    if strict and missed(checks):
+        sys.exit(1)
 
 
-def write_report(results: dict[str, Any], out: Path, plots: bool) -> None:
-    from batchgate.bench.stats import analyse, render_markdown
+def write_report(results: dict[str, Any], out: Path, plots: bool) -> list[dict[str, Any]]:
+    """results.json, results.md (the tables) and the plots in `out`; prints each target
+    met or missed and the summary line, and returns them as checks."""
+    from bench.stats import analyse, render_markdown
 
     results["analysis"] = analyse(results)
+    # The host's load as the run ended (a re-analysis keeps the run's, not today's).
+    meta = results["meta"]
+    results["host"] = {"load_1m": round(meta["load_after"][0], 2),
+                       "cores": meta["machine"]["cores"]}
     (out / "results.json").write_bytes(orjson.dumps(results, option=orjson.OPT_INDENT_2))
     images = make_plots(results, out) if plots else []
     (out / "results.md").write_text(render_markdown(results, images))
-    click.echo((out / "results.md").read_text())
-    click.echo(f"wrote {out / 'results.json'}, {out / 'results.md'}"
-               + (f" and {len(images)} plots" if images else ""), err=True)
+    checks = [{"check": t["target"], "ok": t["met"],
+               "value": f"{t['measured']} (goal: {t['goal']})"}
+              for t in results["analysis"]["targets"] if t["need"] and t["met"] is not None]
+    click.echo("\n".join(check_lines(checks, results["host"])))
+    click.echo(f"the tables: {out / 'results.md'}; every figure: {out / 'results.json'}"
+               + (f"; {len(images)} plots" if images else ""))
+    return checks
 
 
 def make_plots(results: dict[str, Any], out: Path) -> list[str]:
-    from batchgate.bench.plots import make_all
+    from bench.plots import make_all
 
     return make_all(results, out)
+
+
+if __name__ == "__main__":
+    bench_command()

@@ -1,7 +1,7 @@
 """Predicted against measured: `batchgate simulate` on the runs of a benchmark.
 
-    batchgate bench --sections grid,bursty --grid 20,100,400,900,1800 --out DIR
-    python -m batchgate.bench.simcheck DIR/results.json [DIR2/results.json ...]
+    python -m bench.run --sections grid,bursty --grid 20,100,400,900,1800 --out DIR
+    python -m bench.simcheck DIR/results.json [DIR2/results.json ...]
         [--overhead-ms X] [--transport-ms Y] [--react-ms Z] [--fetch-ms A+B*b]
         [--finish-ms A+B*b] [--path-from CAL/results.json ... [--no-path-spread]]
         [--no-jitter] [--json]
@@ -265,7 +265,7 @@ def render_across(points: list[dict[str, Any]]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("results", type=Path, nargs="+",
-                        help="results.json of a batchgate bench run (several: other seeds)")
+                        help="results.json of a python -m bench.run run (several: other seeds)")
     parser.add_argument("--overhead-ms", type=float, default=DEFAULT_OVERHEAD_MS)
     parser.add_argument("--transport-ms", type=float, default=DEFAULT_TRANSPORT_MS)
     parser.add_argument("--react-ms", type=float, default=DEFAULT_REACT_MS)

@@ -1,8 +1,8 @@
 """The gateway's CPU per request on its hot paths, this tree against a baseline commit,
 side by side in one run:
 
-    python -m batchgate.bench.gateway_cpu                       # baseline main
-    python -m batchgate.bench.gateway_cpu --baseline HEAD~3 --workers 2 --repeat 3
+    python -m bench.gateway_cpu                       # baseline main
+    python -m bench.gateway_cpu --baseline HEAD~3 --workers 2 --repeat 3
 
 For each tree, one `batchgate gateway --workers W` (its `producer` and `scheduler_core`
 from that tree: the baseline from `git archive BASELINE`) serves, in turn, wrk with
@@ -29,16 +29,20 @@ import resource
 import shutil
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 import urllib.request
-from io import BytesIO
 from pathlib import Path
 
-from batchgate.bench.gateway_load import CONSUMER, _healthy, _wait, tree_cpu_s
+from bench.common import (
+    NOOP_CONSUMER,
+    ROOT,
+    baseline_tree,
+    http_healthy,
+    tree_cpu_s,
+    wait_until,
+)
 
-ROOT = Path(__file__).resolve().parents[2]
 KINDS = {  # as gateway_load.py's wrk script
     "submit": ("POST", '{"payload": {"text": "hello", "n": 1}}'),
     "wait": ("POST", '{"payload": {"text": "hello", "n": 1}, "wait": true, "timeout_s": 60}'),
@@ -75,14 +79,6 @@ def measure(base: str, path: str, script: Path, connections: int, duration: floa
             "wrk_cpu_us": wrk_cpu / total * 1e6}
 
 
-def baseline_tree(ref: str, into: Path) -> Path:
-    data = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "producer",
-                           "scheduler_core"], check=True, capture_output=True).stdout
-    with tarfile.open(fileobj=BytesIO(data)) as tar:
-        tar.extractall(into, filter="data")
-    return into
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline", default="main",
@@ -110,12 +106,12 @@ def main(argv: list[str] | None = None) -> None:
                      **trees}
         queue = "gwcpu"
         consumer = ChildProcess([sys.executable, "-m", "batchgate.cli", "consumer",
-                                 "--redis-url", url, "--queue", queue, *CONSUMER],
+                                 "--redis-url", url, "--queue", queue, *NOOP_CONSUMER],
                                 Path(tmp) / "consumer.log", b"ready on queue")
         children = [consumer]
         gateways: dict[str, tuple[str, int]] = {}
         try:
-            _wait(consumer.ready, "consumer")
+            wait_until(consumer.ready, "consumer")
             for i, (name, tree) in enumerate(trees.items()):
                 port = free_port()
                 env = {**os.environ, "PYTHONPATH": os.pathsep.join(
@@ -127,7 +123,8 @@ def main(argv: list[str] | None = None) -> None:
                 children.append(gateway)
                 base = f"http://127.0.0.1:{port}"
                 gateways[name] = (base, gateway.proc.pid)
-                _wait(lambda b=base, g=gateway: g.ready() and _healthy(b), f"gateway {name}")
+                wait_until(lambda b=base, g=gateway: g.ready() and http_healthy(b),
+                           f"gateway {name}")
             time.sleep(1)  # every worker up, not only the first
             scripts = {}
             for kind, (method, body) in KINDS.items():

@@ -11,8 +11,8 @@ import orjson
 import redis
 from rq import Queue, SimpleWorker
 
-from batchgate.bench.workers import rq_jobs
-from batchgate.bench.workers.gate import guard_parent, ready_then_wait
+from bench.workers import rq_jobs
+from bench.workers.gate import guard_parent, ready_then_wait
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """What a failover costs: accepted requests lost, results delivered twice.
 
-    python -m batchgate.bench.failover --mode cluster|sentinel [--wait-replicas 1]
+    python -m bench.failover --mode cluster|sentinel [--wait-replicas 1]
 
 Starts a throw-away 6-node Redis Cluster (or 1 primary, 2 replicas, 3 sentinels), two
 `batchgate consumer` processes and one Producer submitting --requests requests at
@@ -41,8 +41,8 @@ from typing import Any
 
 import redis
 
-from batchgate.processes import ChildProcess
-from batchgate.topology import EmbeddedCluster, EmbeddedSentinel
+from batchgate.processes import ChildProcess, batchgate_argv
+from bench.topology import EmbeddedCluster, EmbeddedSentinel
 from producer import Producer, RequestFailed
 from scheduler_core.errors import BatchgateError
 from scheduler_core.keys import QueueKeys
@@ -64,14 +64,6 @@ class Echo:
 '''
 
 
-def _batchgate() -> str:
-    found = shutil.which("batchgate", path=os.path.dirname(sys.executable)) or \
-        shutil.which("batchgate")
-    if found is None:
-        raise SystemExit("the batchgate command is not installed (pip install -e .)")
-    return found
-
-
 def run(mode: str, requests: int, rate: float, wait_replicas: int, consumers: int = 2,
         lease_ms: int = 2000, drain_s: float = 60.0, log: Any = print,
         lag_ms: int = 0) -> dict[str, Any]:
@@ -85,7 +77,7 @@ def run(mode: str, requests: int, rate: float, wait_replicas: int, consumers: in
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             [str(work), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
         for i in range(consumers):
-            argv = [_batchgate(), "consumer", "--redis-url", servers.url, "--queue", QUEUE,
+            argv = [*batchgate_argv(), "consumer", "--redis-url", servers.url, "--queue", QUEUE,
                     "--model", "bg_failover_model:Echo", "--model-arg",
                     f"out={work / 'ids'}", "--lease-ms", str(lease_ms), "--strategy",
                     "dynamic", "--max-batch-size", "32", "--max-queue-delay-ms", "2",

@@ -1,7 +1,7 @@
 """How round-trip time between consumer hosts and Redis moves latency and throughput,
 measured beside `batchgate simulate` given the same RTT.
 
-    sudo python -m batchgate.bench.netfault [--rtt-ms 0,1,10] [--loss-pct 1,5]
+    sudo python -m bench.netfault [--rtt-ms 0,1,10] [--loss-pct 1,5]
                                             [--requests 4000]
 
 Two consumers (`consumers.models:synthetic`, 5 + 0.5·b ms per batch; dynamic, batches of
@@ -30,7 +30,6 @@ import argparse
 import collections
 import contextlib
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -41,8 +40,8 @@ from pathlib import Path
 from typing import Any
 
 from batchgate.embedded import EmbeddedRedis
-from batchgate.netns import ConsumerHost, DelayProxy, NetemUnavailable, unavailable_reason
-from batchgate.processes import ChildProcess
+from batchgate.processes import ChildProcess, batchgate_argv
+from bench.netns import ConsumerHost, DelayProxy, NetemUnavailable, unavailable_reason
 from producer import Producer
 
 POLICY = ["--strategy", "dynamic", "--max-batch-size", "32", "--max-queue-delay-ms", "0"]
@@ -54,14 +53,6 @@ PING_SOURCE = ("import redis, statistics, sys, time\n"
                "for _ in range(50):\n"
                "    s = time.perf_counter(); c.ping(); t.append(time.perf_counter() - s)\n"
                "print(statistics.median(t) * 1000)\n")
-
-
-def _batchgate() -> str:
-    found = shutil.which("batchgate", path=os.path.dirname(sys.executable)) or \
-        shutil.which("batchgate")
-    if found is None:
-        raise SystemExit("the batchgate command is not installed (pip install -e .)")
-    return found
 
 
 def measure(rtt_ms: float, requests: int, log: Any = print,
@@ -96,7 +87,7 @@ def measure(rtt_ms: float, requests: int, log: Any = print,
             capture_output=True, text=True, check=True).stdout)
         queue = f"rtt-{int(rtt_ms * 1000)}-loss-{int(loss_pct * 100)}"
         for i, (host, (ip, port)) in enumerate(zip(hosts, endpoints, strict=True)):
-            argv = host.argv([_batchgate(), "consumer", "--redis-url",
+            argv = host.argv([*batchgate_argv(), "consumer", "--redis-url",
                               f"redis://{ip}:{port}/0", "--queue", queue, "--model",
                               "consumer.models:synthetic", *POLICY, "--name", f"h{i}"])
             children.append(ChildProcess(argv, work / f"c{i}.log", b"ready on queue"))
@@ -150,7 +141,7 @@ def measure(rtt_ms: float, requests: int, log: Any = print,
 def simulated(rtt_ms: float) -> dict[str, Any]:
     """`batchgate simulate` with the RTT added to its per-batch overhead and transport."""
     def sim(*args: str) -> dict[str, Any]:
-        out = subprocess.run([_batchgate(), "simulate", *POLICY, "--consumers", "2",
+        out = subprocess.run([*batchgate_argv(), "simulate", *POLICY, "--consumers", "2",
                               "--cost-ms", COST_MS, "--overhead-ms",
                               f"{BASE_OVERHEAD_MS + rtt_ms:.3f}", "--transport-ms",
                               f"{BASE_TRANSPORT_MS + rtt_ms:.3f}", "--json", *args],

@@ -12,7 +12,7 @@ What this costs compared with batchgate is what distribution costs: no Redis rou
 trips, no serialisation, no second process, but also no sharing across hosts and no
 surviving a crash.
 
-    python -m batchgate.bench.inprocess --specs '[<RunSpec as JSON>, ...]' --out runs.json
+    python -m bench.inprocess --specs '[<RunSpec as JSON>, ...]' --out runs.json
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from typing import Any
 
 import orjson
 
-from batchgate.bench.spec import RunSpec, empty_record
 from batchgate.workload import MODELS, Workload
+from bench.spec import RunSpec, empty_record
 from consumer.loader import load_model
 from scheduler_core.policy import Policy, Strategy
 from scheduler_core.rules import Batch, Request, Wait, apply, decide

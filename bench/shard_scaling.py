@@ -1,7 +1,7 @@
 """A sharded queue from 1 to 3 shards on a real Redis Cluster: what each shard costs
 Redis, which is what scales when every primary has a core of its own.
 
-    python -m batchgate.bench.shard_scaling [--shards 1,2,3] [--per-shard 30000]
+    python -m bench.shard_scaling [--shards 1,2,3] [--per-shard 30000]
 
 A 3-primary cluster (no replicas) on free ports; for S shards, a queue whose S shards
 fall on S different primaries (dynamic, batches of up to 32, no queue delay), the no-op
@@ -27,24 +27,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-import redis
-
-from batchgate.demo import batchgate_argv
-from batchgate.processes import ChildProcess, wait_all_ready
-from batchgate.topology import EmbeddedCluster
+from batchgate.processes import ChildProcess, batchgate_argv, wait_all_ready
+from bench.common import CHUNK, redis_cpu_s
+from bench.topology import EmbeddedCluster
 from producer import ShardedProducer
 from scheduler_core.admin import ensure_policy
 from scheduler_core.connection import connect
 from scheduler_core.keys import QueueKeys
 from scheduler_core.shards import shard_names
 
-CHUNK = 10_000  # submit_many's limit per call
 POLICY = {"strategy": "dynamic", "max_batch_size": 32, "max_queue_delay_ms": 0}
-
-
-def cpu_s(client: redis.Redis) -> float:
-    info = client.info("cpu")
-    return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
 
 
 def spread_queue(cluster: EmbeddedCluster, shards: int) -> str:
@@ -67,7 +59,7 @@ def measure(cluster: EmbeddedCluster, shards: int, per_shard: int,
         client.close()
     owners = {s: cluster.primary_of(QueueKeys(s).policy) for s in shard_names(queue, shards)}
     primaries = {port: cluster.client(port) for port in owners.values()}
-    before = {port: cpu_s(c) for port, c in primaries.items()}
+    before = {port: redis_cpu_s(c) for port, c in primaries.items()}
     total = per_shard * shards
     seen: list[float] = []  # when each result reached the producer
     all_seen = threading.Event()
@@ -99,7 +91,7 @@ def measure(cluster: EmbeddedCluster, shards: int, per_shard: int,
             for child in consumers:
                 child.kill()
     producer_cpu = time.process_time() - producer_cpu0
-    redis_us = {port: (cpu_s(c) - before[port]) / per_shard * 1e6
+    redis_us = {port: (redis_cpu_s(c) - before[port]) / per_shard * 1e6
                 for port, c in primaries.items()}
     for c in primaries.values():
         c.close()

@@ -1,6 +1,6 @@
 """Where a request's CPU goes, stage by stage, with a no-op model (docs/benchmarks.md).
 
-    python -m batchgate.bench.profile_stages [--requests 30000] [--batch 32] [--paced 300]
+    python -m bench.profile_stages [--requests 30000] [--batch 32] [--paced 300]
 
 On a private redis-server, in this one process (so that each stage is timed alone):
 

@@ -1,7 +1,7 @@
 """A load step: max_queue_delay_ms=auto against fixed delays, side by side in one run.
 
-    python -m batchgate.bench.load_step                      # 4 phases of 30 s per mode
-    python -m batchgate.bench.load_step --phase-s 8 --out /tmp/step
+    python -m bench.load_step                      # 4 phases of 30 s per mode
+    python -m bench.load_step --phase-s 8 --out /tmp/step
 
 The arrival rate steps through --rates (default 20 -> 300 -> 1,200 -> 20 requests/s,
 Poisson, --phase-s each, the same seeded arrivals for every mode). One `batchgate
@@ -34,6 +34,7 @@ import redis
 
 from batchgate.embedded import embedded_redis
 from batchgate.processes import ChildProcess, wait_all_ready
+from batchgate.verdict import check_lines, host_load, missed
 from producer import Producer
 from scheduler_core.admin import store_policy
 from scheduler_core.auto_delay import STATS_DELAY_US
@@ -251,8 +252,8 @@ def plot(runs: list[dict[str, Any]], rates: list[float], phase_s: float, slo_ms:
     plt.close(fig)
 
 
-def render(table: dict[str, list[dict[str, Any]]], results: list[tuple[str, bool, str]]
-           ) -> str:
+def render(table: dict[str, list[dict[str, Any]]], checks: list[dict[str, Any]],
+           host: dict[str, Any]) -> str:
     lines = ["| phase | rate/s | mode | p50 ms | p99 ms | throughput/s | delay in use ms "
              "(mean) |", "|---|---|---|---|---|---|---|"]
     phases = len(next(iter(table.values())))
@@ -263,10 +264,7 @@ def render(table: dict[str, list[dict[str, Any]]], results: list[tuple[str, bool
             p50 = "—" if row["p50_ms"] is None else f"{row['p50_ms']:.1f}"
             lines.append(f"| {k + 1} | {row['rate']:g} | {mode} | {p50} | "
                          f"{row['p99_ms']:.1f} | {row['throughput_rps']:.1f} | {delay} |")
-    lines.append("")
-    for text, ok, value in results:
-        lines.append(f"- {'PASS' if ok else 'MISS'}: {text}: {value}")
-    return "\n".join(lines)
+    return "\n".join([*lines, "", *check_lines(checks, host)])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -276,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rates", default="20,300,1200,20", help="requests/s per phase")
     parser.add_argument("--slo-p99-ms", type=int, default=60, help="the auto mode's target")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--strict", action="store_true",
+                        help="exit 1 when any check is missed")
     parser.add_argument("--out", type=Path, default=Path("bench/results/load-step"))
     args = parser.parse_args(argv)
     rates = [float(x) for x in args.rates.split(",")]
@@ -290,20 +290,22 @@ def main(argv: list[str] | None = None) -> int:
             run["times"] = times
             runs.append(run)
     table = {run["mode"]: phase_table(run, times, rates, args.phase_s) for run in runs}
-    results = checks(table, rates, args.slo_p99_ms)
-    text = render(table, results)
+    results = [{"check": t, "ok": ok, "value": v}
+               for t, ok, v in checks(table, rates, args.slo_p99_ms)]
+    host = host_load()
+    text = render(table, results, host)
     print(text)
     plot(runs, rates, args.phase_s, args.slo_p99_ms, args.out / "load_step.png")
     summary = {"rates": rates, "phase_s": args.phase_s, "slo_p99_ms": args.slo_p99_ms,
                "seed": args.seed, "table": table,
                "mean_batch": {r["mode"]: (r["batched_requests"] / r["batches"]
                                           if r["batches"] else None) for r in runs},
-               "checks": [{"check": t, "ok": ok, "value": v} for t, ok, v in results],
+               "checks": results, "host": host,
                "samples": {r["mode"]: r["samples"] for r in runs}}
     (args.out / "results.json").write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
     (args.out / "results.md").write_text(text + "\n")
     print(f"wrote {args.out}/results.json, results.md, load_step.png")
-    return 0
+    return 1 if args.strict and missed(results) else 0
 
 
 if __name__ == "__main__":

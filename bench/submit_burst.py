@@ -1,8 +1,8 @@
 """Submits per second from ONE producer at growing concurrency, this tree against a
 baseline commit, side by side in one run:
 
-    python -m batchgate.bench.submit_burst                      # baseline 4212324
-    python -m batchgate.bench.submit_burst --baseline HEAD~3 --concurrency 1,10,100
+    python -m bench.submit_burst                      # baseline 4212324
+    python -m bench.submit_burst --baseline HEAD~3 --concurrency 1,10,100
 
 For each producer (`AsyncProducer`: tasks; `Producer`: threads) and each concurrency N,
 N workers submit one small request after another for `--duration` seconds; the table
@@ -21,15 +21,13 @@ import json
 import os
 import subprocess
 import sys
-import tarfile
 import tempfile
 import threading
 import time
 from collections import Counter
-from io import BytesIO
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
 DEFAULT_BASELINE = "4212324"
 
 
@@ -99,14 +97,6 @@ def measure(api: str, url: str, queue: str, concurrency: int, duration: float) -
 
 
 # -- the driver ------------------------------------------------------------------------
-def baseline_tree(ref: str, into: Path) -> Path:
-    data = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "producer",
-                           "scheduler_core"], check=True, capture_output=True).stdout
-    with tarfile.open(fileobj=BytesIO(data)) as tar:
-        tar.extractall(into, filter="data")
-    return into
-
-
 def run_child(tree: Path, api: str, url: str, queue: str, concurrency: int,
               duration: float) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
@@ -130,6 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     from batchgate.embedded import embedded_redis
+    from bench.common import ROOT, baseline_tree  # here: the --child run has no bench/
 
     levels = [int(x) for x in args.concurrency.split(",")]
     apis = args.api.split(",")
@@ -189,8 +180,7 @@ def table(cells: list[dict], trees: list[str], apis: list[str], levels: list[int
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--child"]:
         # Run by path: import the producer from PYTHONPATH, not from beside this file.
-        sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "batchgate"
-                       / "bench"]
+        sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
         api, url, queue, n, duration = sys.argv[2:7]
         print(json.dumps(measure(api, url, queue, int(n), float(duration))))
     else:

@@ -1,7 +1,7 @@
 """Gateway throughput against AsyncProducer direct, side by side in one run:
 
-    python -m batchgate.bench.gateway_load                     # 32 and 1,000 connections
-    python -m batchgate.bench.gateway_load --connections 32 --workers 1,2 --repeat 5
+    python -m bench.gateway_load                     # 32 and 1,000 connections
+    python -m bench.gateway_load --connections 32 --workers 1,2 --repeat 5
 
 One private `redis-server`, one `batchgate consumer` with the no-op model behind it, then
 for each concurrency N, `--repeat` rounds of: N asyncio tasks of one AsyncProducer (a
@@ -31,18 +31,15 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
+
+from bench.common import NOOP_CONSUMER, http_healthy, tree_cpu_s, wait_until
 
 WRK_SCRIPT = """
 wrk.method = "POST"
 wrk.body = '{"payload": {"text": "hello", "n": 1}, "wait": true, "timeout_s": 60}'
 wrk.headers["Content-Type"] = "application/json"
 """
-CONSUMER = ["--model", "consumer.models:noop", "--strategy", "dynamic",
-            "--max-batch-size", "256", "--max-queue-delay-ms", "1"]
-
-
 def direct(url: str, queue: str, concurrency: int, duration: float) -> dict:
     """Closed loop through AsyncProducer: submit, await the result, again."""
     from producer import AsyncProducer
@@ -82,18 +79,6 @@ def direct(url: str, queue: str, concurrency: int, duration: float) -> dict:
 
 def _pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
-
-
-def tree_cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) of a process and its children (Linux /proc)."""
-    total = 0.0
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        total = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    except (OSError, IndexError, ValueError):
-        return total
-    return total + sum(tree_cpu_s(int(child)) for child in children)
 
 
 def wrk(url: str, script: Path, connections: int, duration: float, pid: int) -> dict:
@@ -168,10 +153,10 @@ def main(argv: list[str] | None = None) -> None:
         queue = "gwload"
         cli = [sys.executable, "-m", "batchgate.cli"]
         consumer = ChildProcess([*cli, "consumer", "--redis-url", url, "--queue", queue,
-                                 *CONSUMER], Path(tmp) / "consumer.log", b"ready on queue")
+                                 *NOOP_CONSUMER], Path(tmp) / "consumer.log", b"ready on queue")
         children = [consumer]
         try:
-            _wait(consumer.ready, "consumer")
+            wait_until(consumer.ready, "consumer")
             gateways = {}
             for w in workers:
                 port = free_port()
@@ -180,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
                                         "--workers", str(w)], Path(tmp) / f"gw{w}.log", b"")
                 children.append(gateway)
                 gateways[w] = (f"http://127.0.0.1:{port}", gateway.proc.pid)
-                _wait(lambda b=gateways[w][0], g=gateway: g.ready() and _healthy(b),
+                wait_until(lambda b=gateways[w][0], g=gateway: g.ready() and http_healthy(b),
                       f"gateway --workers {w}")
             time.sleep(1)  # every worker up, not only the first
             clients = ["AsyncProducer direct", *(f"gateway --workers {w}" for w in gateways)]
@@ -208,26 +193,10 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def run_direct(url: str, queue: str, n: int, duration: float) -> dict:
-    out = subprocess.run([sys.executable, "-m", "batchgate.bench.gateway_load", "--direct",
+    out = subprocess.run([sys.executable, "-m", "bench.gateway_load", "--direct",
                           url, queue, str(n), str(duration)], capture_output=True, text=True,
                          check=True, timeout=duration * 10 + 60)
     return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def _healthy(base: str) -> bool:
-    try:
-        with urllib.request.urlopen(base + "/healthz", timeout=1) as answer:
-            return answer.status == 200
-    except OSError:
-        return False
-
-
-def _wait(ready, what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not ready():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{what} not ready after {timeout}s")
-        time.sleep(0.05)
 
 
 def _progress(cell: dict) -> None:

@@ -1,7 +1,7 @@
 """One shard's capacity with Redis on a core of its own: a no-op backlog drained by one
 consumer, batchgate against the raw-Redis ceiling, side by side in one run.
 
-    python -m batchgate.bench.drain_pinned [--requests 30000] [--rounds 3] [--json FILE]
+    python -m bench.drain_pinned [--requests 30000] [--rounds 3] [--json FILE]
 
 On a 2-core host the throughput section shares both cores between Redis, the consumer and
 the producer, so its ratio says as much about the host as about the code. Here Redis is
@@ -30,12 +30,10 @@ from typing import Any
 
 import redis
 
-from batchgate.bench.run import worker_env
-from batchgate.bench.shard_scaling import CHUNK, cpu_s
-from batchgate.bench.workers.gate import READY_LINE
-from batchgate.demo import batchgate_argv
 from batchgate.embedded import embedded_redis
-from batchgate.processes import ChildProcess, wait_all_ready
+from batchgate.processes import ChildProcess, batchgate_argv, wait_all_ready
+from bench.common import CHUNK, redis_cpu_s, worker_env
+from bench.workers.gate import READY_LINE
 from producer import Producer
 from scheduler_core.admin import ensure_policy
 from scheduler_core.keys import QueueKeys
@@ -53,7 +51,7 @@ def drain(client: redis.Redis, done: Callable[[], int], total: int,
     while time.monotonic() < deadline:
         n = done()
         if n and first is None:
-            first = (time.monotonic(), n, cpu_s(client))
+            first = (time.monotonic(), n, redis_cpu_s(client))
         if n >= total:
             break
         time.sleep(0.002)
@@ -61,7 +59,7 @@ def drain(client: redis.Redis, done: Callable[[], int], total: int,
         raise RuntimeError(f"{done()} of {total} answered after {timeout_s} s")
     assert first is not None
     span, count = time.monotonic() - first[0], total - first[1]
-    redis_s = cpu_s(client) - first[2]
+    redis_s = redis_cpu_s(client) - first[2]
     return {"req_per_s": round(count / span), "redis_cpu_us_per_request":
             round(redis_s / count * 1e6, 1), "redis_busy": round(redis_s / span, 2)}
 
@@ -89,7 +87,7 @@ def raw_round(url: str, client: redis.Redis, total: int, work: Path,
     key, inbox, go = f"{name}:q", f"{name}:inbox", f"{name}:go"
     for first in range(0, total, CHUNK):
         client.rpush(key, *(b"%d" % i for i in range(first, min(total, first + CHUNK))))
-    worker = ChildProcess([sys.executable, "-m", "batchgate.bench.workers.raw_consumer",
+    worker = ChildProcess([sys.executable, "-m", "bench.workers.raw_consumer",
                            "--redis-url", url, "--queue", key, "--inbox", inbox,
                            "--batch", "32", "--go", go], work / f"{name}.log", READY_LINE,
                           env=worker_env())

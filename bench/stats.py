@@ -1,4 +1,4 @@
-"""Summaries, targets, rule checks and the markdown report of `batchgate bench`.
+"""Summaries, targets, rule checks and the markdown report of `python -m bench.run`.
 
 Percentiles come from HdrHistogram (3 significant digits, values in µs), never from
 hand-rolled code. A run's records (producer/bench.py) hold per request: intended arrival
@@ -420,7 +420,7 @@ def _table(head: list[str], rows: list[list[Any]]) -> list[str]:
 def render_markdown(results: dict[str, Any], images: list[str]) -> str:
     meta, runs, an = results["meta"], results["runs"], results["analysis"]
     m = meta["machine"]
-    lines = [f"# batchgate bench — {meta['started']}", "",
+    lines = [f"# python -m bench.run — {meta['started']}", "",
              f"Command: `{meta['command']}` ({meta['elapsed_s']} s)", "",
              f"Machine: {m['cpu']}, {m['cores']} cores, {m['mem_gib']} GiB, {m['os']}, "
              f"Python {m['python']}, Redis {m['redis_server']} (hz {m['redis_hz']}"
@@ -496,7 +496,7 @@ def render_markdown(results: dict[str, Any], images: list[str]) -> str:
 
     if an["rules"]:
         lines += ["## The scheduling rules at every grid point", "",
-                  "Applicable points only (see check_rules in batchgate/bench/stats.py); the "
+                  "Applicable points only (see check_rules in bench/stats.py); the "
                   "in-process batcher runs the same rules on the same workload without Redis.",
                   ""]
         other = {(r["strategy"], r["rate"], r["rule"]): r for r in an["rules"]

@@ -1,7 +1,7 @@
 """Scrape time of `batchgate exporter` by number of queues and --samples:
 
-    python -m batchgate.bench.exporter_scrape                    # 100 queues
-    python -m batchgate.bench.exporter_scrape --queues 10,100 --samples 100,1000,10000
+    python -m bench.exporter_scrape                    # 100 queues
+    python -m bench.exporter_scrape --queues 10,100 --samples 100,1000,10000
 
 Fills one private `redis-server` with N registered queues, each with a policy, 50 waiting
 requests and full latency lists (10,000 samples each, as a busy queue keeps), starts a

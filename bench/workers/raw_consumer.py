@@ -17,7 +17,7 @@ import time
 
 import redis
 
-from batchgate.bench.workers.gate import guard_parent, ready_then_wait
+from bench.workers.gate import guard_parent, ready_then_wait
 
 
 def main() -> None:

@@ -1,9 +1,9 @@
-"""PNG plots of a `batchgate bench` run (matplotlib, Agg backend).
+"""PNG plots of a `python -m bench.run` run (matplotlib, Agg backend).
 
-`batchgate bench` calls make_all() at the end of a run; it can also be run by itself to
+`python -m bench.run` calls make_all() at the end of a run; it can also be run by itself to
 re-plot a results.json:
 
-    python -m batchgate.bench.plots bench/results/<run>/results.json [OUT_DIR]
+    python -m bench.plots bench/results/<run>/results.json [OUT_DIR]
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+
+from bench.common import save_figure  # noqa: E402
 
 COLORS = {"fifo": "tab:blue", "dynamic": "tab:orange", "priority": "tab:green",
           "rq": "black", "raw": "tab:gray", "inprocess": "tab:purple"}
@@ -30,21 +32,6 @@ def _runs(results: dict[str, Any], **want: Any) -> list[dict[str, Any]]:
         if all(spec.get(k) == v for k, v in want.items()):
             out.append(run)
     return sorted(out, key=lambda r: r["spec"]["workload"]["rate"])
-
-
-def _save(fig: Any, out: Path, name: str) -> str:
-    fig.tight_layout()
-    fig.savefig(out / name, dpi=DPI)
-    plt.close(fig)
-    try:  # a 64-colour palette keeps the PNGs small enough to commit
-        from PIL import Image
-
-        with Image.open(out / name) as img:
-            small = img.convert("RGB").quantize(colors=64)
-        small.save(out / name, optimize=True)
-    except (ImportError, OSError):
-        pass
-    return name
 
 
 def latency_curves(results: dict[str, Any], out: Path) -> str | None:
@@ -85,7 +72,7 @@ def latency_curves(results: dict[str, Any], out: Path) -> str | None:
                 ax.set_xlabel("achieved throughput, req/s")
     axes[0][0].legend(fontsize=7, loc="upper left")
     fig.suptitle("Latency vs throughput, t(b) = 5 + 0.5·b ms (red x: overloaded)", fontsize=11)
-    return _save(fig, out, "latency_vs_throughput.png")
+    return save_figure(fig, out, "latency_vs_throughput.png")
 
 
 def batch_histograms(results: dict[str, Any], out: Path) -> str | None:
@@ -119,7 +106,7 @@ def batch_histograms(results: dict[str, Any], out: Path) -> str | None:
                 ax.set_ylabel("batches")
             if i == len(rows) - 1:
                 ax.set_xlabel("batch size")
-    return _save(fig, out, "batch_sizes.png")
+    return save_figure(fig, out, "batch_sizes.png")
 
 
 def systems(results: dict[str, Any], out: Path) -> str | None:
@@ -186,7 +173,7 @@ def systems(results: dict[str, Any], out: Path) -> str | None:
     ax.set_title("sleep model t(b)=5+0.5b ms, all priorities", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
-    return _save(fig, out, "systems.png")
+    return save_figure(fig, out, "systems.png")
 
 
 def dynamic_formula(results: dict[str, Any], out: Path) -> str | None:
@@ -232,7 +219,7 @@ def dynamic_formula(results: dict[str, Any], out: Path) -> str | None:
         ax.legend(fontsize=7)
     else:
         ax.axis("off")
-    return _save(fig, out, "dynamic_formula.png")
+    return save_figure(fig, out, "dynamic_formula.png")
 
 
 def _name(spec: dict[str, Any]) -> str:

@@ -1,1 +1,0 @@
-"""`batchgate bench`: the benchmark harness, its statistics, plots and worker processes."""

@@ -1,1 +1,0 @@
-"""Worker processes the benchmark starts with `python -m batchgate.bench.workers.NAME`."""

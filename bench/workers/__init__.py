@@ -1,0 +1,1 @@
+"""Worker processes the benchmark starts with `python -m bench.workers.NAME`."""

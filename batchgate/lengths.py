@@ -53,6 +53,7 @@ from batchgate.processes import ChildProcess, wait_all_ready
 from producer.sync import Producer
 from scheduler_core.cost_model import fit
 from scheduler_core.errors import RequestFailed
+from scheduler_core.lifetime import die_with_parent
 from scheduler_core.policy import Policy
 from scheduler_core.simulation import ModelTime, SimConfig, simulate
 from scheduler_core.wire import Result
@@ -190,7 +191,9 @@ def profile(repeats: int = 2, threads: int = 1, parallel: int = 1,
     if parallel > 1:
         # fork: this process has not run torch yet (its model is built in the children)
         ctx = multiprocessing.get_context("fork")
-        with concurrent.futures.ProcessPoolExecutor(parallel, mp_context=ctx) as pool:
+        with concurrent.futures.ProcessPoolExecutor(
+                parallel, mp_context=ctx, initializer=die_with_parent,
+                initargs=(os.getpid(),)) as pool:
             runs = list(pool.map(_time_shapes, [repeats] * parallel, [threads] * parallel,
                                  [shapes] * parallel))
         times = [sum(col) / len(col) for col in zip(*runs, strict=True)]

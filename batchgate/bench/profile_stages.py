@@ -31,6 +31,7 @@ from consumer.batch import Batch, Finished, Idle
 from consumer.worker import Consumer, ConsumerConfig
 from producer.sync import Producer
 from scheduler_core.admin import ensure_policy
+from scheduler_core.lifetime import spawn
 
 
 def redis_usage(client: redis.Redis) -> tuple[float, float]:
@@ -115,10 +116,10 @@ def drain_profile(url: str, n: int, batch: int) -> None:
 
 def paced_profile(url: str, n: int) -> None:
     queue = "paced"
-    consumer = subprocess.Popen([sys.executable, "-m", "batchgate.cli", "consumer",
-                                 "--redis-url", url, "--queue", queue, "--strategy", "fifo",
-                                 "--model", "consumer.models:noop"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    consumer = spawn([sys.executable, "-m", "batchgate.cli", "consumer",
+                      "--redis-url", url, "--queue", queue, "--strategy", "fifo",
+                      "--model", "consumer.models:noop"],
+                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     client = redis.Redis.from_url(url)
     try:
         with Producer(url, queue) as producer:

@@ -85,7 +85,23 @@ def mark_parent() -> None:
 
 def die_with_marked_parent() -> None:
     """In a Python child started after mark_parent(): die with that parent. Nothing in
-    the marked process itself, or without a mark."""
+    the marked process itself, in a process that is not its child, or without a mark.
+    The mark is removed here, so that this child's own children do not inherit it."""
     marked = os.environ.get(PARENT_ENV, "")
-    if marked.isdigit() and int(marked) != os.getpid():
-        die_with_parent(int(marked))
+    if not marked.isdigit() or int(marked) == os.getpid():
+        return
+    del os.environ[PARENT_ENV]
+    parent = int(marked)
+    if os.getppid() != parent and _exists(parent):
+        return  # a further descendant (or a stray mark): not tied to that process
+    die_with_parent(parent)  # which dies now if the parent already did
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's, but there
+        pass
+    return True

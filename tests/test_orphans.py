@@ -8,6 +8,8 @@ import contextlib
 import os
 import signal
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -16,6 +18,8 @@ import pytest
 from helpers.processes import BATCHGATE, LoggedProcess, free_port
 from helpers.servers import ServerProcess, gateway_args
 from helpers.support import alive, wait_for
+
+from scheduler_core.lifetime import PARENT_ENV
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(),
                                 reason="Linux /proc (and its parent-death signal)")
@@ -133,3 +137,20 @@ def test_sigkilled_bench_leaves_no_worker_nor_redis(tmp_path):
         assert sigkill_and_find_survivors(bench, expected=2) == []
     finally:
         bench.close()
+
+
+def test_the_parent_mark_ties_a_child_only_to_a_live_parent(tmp_path):
+    """A Python child started with the mark of a parent that is already gone dies at
+    once (the race between the start and the prctl); one that is not the marked
+    process's child (a grandchild, a stray mark) is left alone, and its own children do
+    not inherit the mark."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # its pid names no process now
+    probe = f"import os, batchgate; print('alive', os.environ.get('{PARENT_ENV}'))"
+    orphan = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                            env={**os.environ, PARENT_ENV: str(gone.pid)}, timeout=60)
+    assert orphan.returncode == -signal.SIGKILL and "alive" not in orphan.stdout
+    grandchild = subprocess.run(["sh", "-c", f"{sys.executable} -c \"{probe}\""],
+                                capture_output=True, text=True, timeout=60,
+                                env={**os.environ, PARENT_ENV: str(os.getpid())})
+    assert grandchild.returncode == 0 and grandchild.stdout.strip() == "alive None"

@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from helpers.processes import BATCHGATE, LoggedProcess, free_port
 from helpers.servers import ServerProcess, gateway_args
 from helpers.support import alive, wait_for
 
-from scheduler_core.lifetime import PARENT_ENV
+from scheduler_core.lifetime import PARENT_ENV, spawn
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(),
                                 reason="Linux /proc (and its parent-death signal)")
@@ -154,3 +155,18 @@ def test_the_parent_mark_ties_a_child_only_to_a_live_parent(tmp_path):
                                 capture_output=True, text=True, timeout=60,
                                 env={**os.environ, PARENT_ENV: str(os.getpid())})
     assert grandchild.returncode == 0 and grandchild.stdout.strip() == "alive None"
+
+
+def test_a_child_spawned_from_a_thread_outlives_the_thread():
+    """The kernel sends the parent-death signal when the *thread* that forked the child
+    exits: spawn() from a short-lived thread forks on a thread that lives on."""
+    children: list[subprocess.Popen[bytes]] = []
+    thread = threading.Thread(target=lambda: children.append(spawn(["sleep", "60"])))
+    thread.start()
+    thread.join()
+    try:
+        time.sleep(0.5)
+        assert children[0].poll() is None, "the child died with the thread that started it"
+    finally:
+        children[0].kill()
+        children[0].wait()

@@ -107,40 +107,27 @@ def test_sigkilled_gateway_leaves_no_worker_and_its_port_restarts(shared_redis, 
         gateway.close()
 
 
-def test_sigkilled_supervisor_leaves_no_consumer(shared_redis, queue):
+@pytest.mark.parametrize("command, expected", [
+    # a supervisor and its two `batchgate consumer` replicas
+    (["consumer", "--redis-url", "{redis}", "--queue", "{queue}", "--model",
+      "consumer.models:noop", "--replicas", "2"], 2),
+    # a private redis-server and two `batchgate consumer` children
+    (["demo", "--duration", "60", "--consumers", "2"], 3),
+    # a private redis-server and the benchmark's worker processes
+    (["bench", "--quick", "--out", "{out}"], 2),
+], ids=["consumer-replicas", "demo", "bench"])
+def test_sigkilled_command_leaves_none_of_its_children(shared_redis, queue, tmp_path,
+                                                       command, expected):
     assert BATCHGATE
-    supervisor = LoggedProcess([BATCHGATE, "consumer", "--redis-url", shared_redis.url,
-                                "--queue", queue, "--model", "consumer.models:noop",
-                                "--replicas", "2"], "bg-supervisor-")
+    argv = [arg.format(redis=shared_redis.url, queue=queue, out=tmp_path) for arg in command]
+    proc = LoggedProcess([BATCHGATE, *argv], "bg-parent-")
     try:
-        assert sigkill_and_find_survivors(supervisor, expected=2) == []
+        assert sigkill_and_find_survivors(proc, expected=expected) == []
     finally:
-        supervisor.close()
+        proc.close()
 
 
-def test_sigkilled_demo_leaves_no_consumer_nor_redis():
-    """`demo` runs a private redis-server and `batchgate consumer` children."""
-    assert BATCHGATE
-    demo = LoggedProcess([BATCHGATE, "demo", "--duration", "60", "--consumers", "2"],
-                         "bg-demo-")
-    try:
-        assert sigkill_and_find_survivors(demo, expected=3) == []
-    finally:
-        demo.close()
-
-
-def test_sigkilled_bench_leaves_no_worker_nor_redis(tmp_path):
-    """`bench` runs a private redis-server and its worker processes."""
-    assert BATCHGATE
-    bench = LoggedProcess([BATCHGATE, "bench", "--quick", "--out", str(tmp_path)],
-                          "bg-bench-")
-    try:
-        assert sigkill_and_find_survivors(bench, expected=2) == []
-    finally:
-        bench.close()
-
-
-def test_the_parent_mark_ties_a_child_only_to_a_live_parent(tmp_path):
+def test_the_parent_mark_ties_a_child_only_to_a_live_parent():
     """A Python child started with the mark of a parent that is already gone dies at
     once (the race between the start and the prctl); one that is not the marked
     process's child (a grandchild, a stray mark) is left alone, and its own children do

@@ -4,7 +4,8 @@
         ...  # redis://127.0.0.1:<free port>/0, gone when the block ends
 
 It runs the `redis-server` found on PATH on a free loopback port, in a temporary
-directory, with persistence off (`--save ""`, `--appendonly no`), and kills it on exit.
+directory, with persistence off (`--save ""`, `--appendonly no`), and kills it on exit
+(and dies with this process whatever kills it: scheduler_core/lifetime.py).
 Nothing else is touched. `EmbeddedRedis` is the same server as an object that can also be
 killed and restarted on its port (the tests' fault injection).
 """
@@ -22,6 +23,7 @@ from contextlib import contextmanager
 import redis
 
 from scheduler_core.errors import BatchgateError
+from scheduler_core.lifetime import spawn
 
 START_TIMEOUT_S = 10.0
 PORT_ATTEMPTS = 3  # a free port can be taken between choosing it and binding it
@@ -87,7 +89,7 @@ class EmbeddedRedis:
         return redis.Redis(host="127.0.0.1", port=self.port)
 
     def _launch(self) -> bool:
-        self.proc = subprocess.Popen(
+        self.proc = spawn(
             [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir,
              "--save", "", "--appendonly", "no", "--maxmemory-policy", "noeviction",
              *self.extra], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

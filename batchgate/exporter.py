@@ -5,15 +5,18 @@ consumers from zero; and each queue is reported once, however many consumers ser
 The queues come from the registry (scheduler_core/registry.py) or from --queue. Every
 scrape reads Redis afresh: the registry, then one MULTI per queue (a consistent snapshot
 of that queue, with Redis' TIME; scheduler_core/ops/reading.py), for at most --max-queues
-queues and the newest --samples latency samples of each. Metric names: docs/observability.md.
+queues and the newest --samples latency samples of each, within --scrape-timeout-s (a
+Redis that does not answer in time is reported down). Metric names: docs/observability.md.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +42,9 @@ log = logging.getLogger("batchgate.exporter")
 DEFAULT_PORT = 9120
 DEFAULT_MAX_QUEUES = 100
 DEFAULT_SAMPLES = 1000
+# Well under Prometheus' default scrape_timeout (10 s), so that it receives redis_up 0.
+DEFAULT_SCRAPE_TIMEOUT_S = 5.0
+MAX_SCRAPE_TIMEOUT_S = 60.0
 MAX_SAMPLES = SAMPLES_READ  # what the sample lists keep (scheduler_core/lua/_common.lua)
 QUANTILES = (0.5, 0.9, 0.99)
 # {bg:q}:stats counter -> (metric, outcome label or None)
@@ -79,10 +85,16 @@ class ExporterConfig:
     queues: tuple[str, ...] = ()  # only these (registered or not); empty: the registry's
     max_queues: int = DEFAULT_MAX_QUEUES
     samples: int = DEFAULT_SAMPLES
+    scrape_timeout_s: float = DEFAULT_SCRAPE_TIMEOUT_S
 
     def __post_init__(self) -> None:
         for name in self.queues:
             validate_queue_name(name)
+        if (isinstance(self.scrape_timeout_s, bool)
+                or not isinstance(self.scrape_timeout_s, int | float)
+                or not 0.1 <= self.scrape_timeout_s <= MAX_SCRAPE_TIMEOUT_S):
+            raise InvalidRequest("scrape_timeout_s", f"{self.scrape_timeout_s!r} is outside "
+                                 f"[0.1, {MAX_SCRAPE_TIMEOUT_S:g}] seconds")
         for field, value, high in (("max_queues", self.max_queues, 10_000),
                                    ("samples", self.samples, MAX_SAMPLES)):
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high:
@@ -186,6 +198,32 @@ class Families:
                     *self.policy.values(), self.arrival_rate, self.recommended)
 
 
+class Reader:
+    """Runs one read at a time on a thread of its own, so that a scrape can stop waiting:
+    a hung Redis holds that thread until the client's socket timeout and retries, while
+    each scrape answers at its deadline. A daemon thread: it must not hold up an exit."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = \
+            queue.SimpleQueue()
+        threading.Thread(target=self._run, daemon=True, name="batchgate-exporter-read").start()
+
+    def _run(self) -> None:
+        while True:
+            read, future = self._jobs.get()
+            if not future.set_running_or_notify_cancel():
+                continue  # its scrape gave up before it started
+            try:
+                future.set_result(read())
+            except BaseException as exc:  # handed to the scrape
+                future.set_exception(exc)
+
+    def submit(self, read: Callable[[], Any]) -> Future[Any]:
+        future: Future[Any] = Future()
+        self._jobs.put((read, future))
+        return future
+
+
 class QueueCollector:
     """A prometheus_client collector: reads Redis at each scrape, nothing in between."""
 
@@ -193,6 +231,7 @@ class QueueCollector:
         self.client, self.config = client, config
         self._warned: set[str] = set()  # say once per problem, not once per scrape
         self._lock = threading.Lock()
+        self._reader = Reader()
 
     def queues(self) -> tuple[list[str], int]:
         """The queues to read this scrape, and how many more the cap left out."""
@@ -253,14 +292,26 @@ class QueueCollector:
         skipped = GaugeMetricFamily("batchgate_exporter_queues_skipped",
                                     "Registered queues left out by --max-queues.")
         families = Families()
-        try:
+
+        def read() -> tuple[list[str], int]:
             names, left_out = self.queues()
             for name in names:
                 reading = read_queue(self.client, name, self.config.samples)
                 families.add(name, reading, self.policy(name, reading))
                 self.add_scaling(families, name)
+            return names, left_out
+
+        future = self._reader.submit(read)
+        problem = None
+        try:
+            names, left_out = future.result(timeout=self.config.scrape_timeout_s)
+        except TimeoutError:  # Redis hangs, or is too slow: the read goes on without us
+            future.cancel()
+            problem = f"no answer within {self.config.scrape_timeout_s:g} s"
         except redis.RedisError as exc:
-            log.warning("scrape cannot read Redis: %s", exc)
+            problem = str(exc)
+        if problem is not None:
+            log.warning("scrape cannot read Redis: %s", problem)
             up.add_metric([], 0)
             yield up
             return
@@ -298,8 +349,13 @@ def build_registry(client: redis.Redis, config: ExporterConfig) -> Any:
 @env_option("--samples", envvar="BATCHGATE_EXPORTER_SAMPLES", default=DEFAULT_SAMPLES,
             show_default=True, type=click.IntRange(1, MAX_SAMPLES),
             help="Newest latency samples per list the quantiles are taken from.")
+@env_option("--scrape-timeout-s", envvar="BATCHGATE_EXPORTER_SCRAPE_TIMEOUT_S",
+            default=DEFAULT_SCRAPE_TIMEOUT_S, show_default=True,
+            type=click.FloatRange(0.1, MAX_SCRAPE_TIMEOUT_S),
+            help="Seconds a scrape waits for Redis; past them it answers "
+                 "batchgate_exporter_redis_up 0. Keep it under Prometheus' scrape_timeout.")
 def exporter_command(redis_url: str, queues: tuple[str, ...], host: str, port: int,
-                     max_queues: int, samples: int) -> None:
+                     max_queues: int, samples: int, scrape_timeout_s: float) -> None:
     """Serve Prometheus metrics of every queue (depth, in flight, consumers, counters,
     latency quantiles, policy), read from Redis at each scrape: no consumer needed."""
     try:
@@ -309,7 +365,7 @@ def exporter_command(redis_url: str, queues: tuple[str, ...], host: str, port: i
                                    "'batchgate[metrics]'") from None
     from scheduler_core.connection import connect
 
-    config = ExporterConfig(tuple(queues), max_queues, samples)
+    config = ExporterConfig(tuple(queues), max_queues, samples, scrape_timeout_s)
     client = connect(redis_url)
     server, thread = start_http_server(port, addr=host, registry=build_registry(client, config))
     log.info("exporter ready on http://%s:%d/metrics (%s)", host, port,

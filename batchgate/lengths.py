@@ -43,6 +43,7 @@ from batchgate.processes import ChildProcess, batchgate_argv, wait_all_ready
 from batchgate.verdict import check_lines, host_load
 from producer.sync import Producer
 from scheduler_core.errors import RequestFailed
+from scheduler_core.lifetime import die_with_parent
 from scheduler_core.wire import Result
 
 SHORT, LONG, LONG_SHARE = 16, 256, 0.2
@@ -162,7 +163,9 @@ def profile(repeats: int = 2, threads: int = 1, parallel: int = 1,
     if parallel > 1:
         # fork: this process has not run torch yet (its model is built in the children)
         ctx = multiprocessing.get_context("fork")
-        with concurrent.futures.ProcessPoolExecutor(parallel, mp_context=ctx) as pool:
+        with concurrent.futures.ProcessPoolExecutor(
+                parallel, mp_context=ctx, initializer=die_with_parent,
+                initargs=(os.getpid(),)) as pool:
             runs = list(pool.map(_time_shapes, [repeats] * parallel, [threads] * parallel,
                                  [shapes] * parallel))
         times = [sum(col) / len(col) for col in zip(*runs, strict=True)]

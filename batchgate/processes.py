@@ -1,6 +1,7 @@
 """Child processes of the demo and the benchmark: started in a session of their own (so
 Ctrl-C reaches only the parent, which stops them), output to a log file, ready once a
-marker line appears in that log."""
+marker line appears in that log; killed with the parent whatever kills it
+(scheduler_core/lifetime.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import time
 from pathlib import Path
 
 from scheduler_core.errors import BatchgateError
+from scheduler_core.lifetime import spawn
 
 STOP_TIMEOUT_S = 15.0
 
@@ -30,8 +32,8 @@ class ChildProcess:
                  env: dict[str, str] | None = None):
         self.argv, self.log_path, self.ready_marker = argv, log_path, ready_marker
         with log_path.open("ab") as out:  # the child keeps its own copy of the descriptor
-            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True)
+            self.proc = spawn(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
+                              start_new_session=True)
 
     def ready(self) -> bool:
         if self.proc.poll() is not None:

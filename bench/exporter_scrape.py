@@ -20,6 +20,7 @@ import time
 import urllib.request
 
 from batchgate.embedded import EmbeddedRedis, free_port
+from scheduler_core.lifetime import spawn
 
 
 def fill(url: str, queues: int) -> None:
@@ -52,9 +53,9 @@ def get(port: int) -> bytes:
 def scrape_times(url: str, queues: int, samples: int, scrapes: int) -> tuple[list[float], int]:
     command = shutil.which("batchgate", path=os.path.dirname(sys.executable)) or "batchgate"
     port = free_port()
-    proc = subprocess.Popen([command, "exporter", "--redis-url", url, "--host", "127.0.0.1",
-                             "--port", str(port), "--samples", str(samples),
-                             "--max-queues", str(queues)], stderr=subprocess.DEVNULL)
+    proc = spawn([command, "exporter", "--redis-url", url, "--host", "127.0.0.1",
+                  "--port", str(port), "--samples", str(samples),
+                  "--max-queues", str(queues)], stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 30
         while True:

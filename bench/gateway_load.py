@@ -193,9 +193,11 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def run_direct(url: str, queue: str, n: int, duration: float) -> dict:
+    from scheduler_core.lifetime import preexec  # here: the children may run older trees
+
     out = subprocess.run([sys.executable, "-m", "bench.gateway_load", "--direct",
                           url, queue, str(n), str(duration)], capture_output=True, text=True,
-                         check=True, timeout=duration * 10 + 60)
+                         check=True, timeout=duration * 10 + 60, preexec_fn=preexec())
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

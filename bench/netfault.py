@@ -43,6 +43,7 @@ from batchgate.embedded import EmbeddedRedis
 from batchgate.processes import ChildProcess, batchgate_argv
 from bench.netns import ConsumerHost, DelayProxy, NetemUnavailable, unavailable_reason
 from producer import Producer
+from scheduler_core.lifetime import preexec
 
 POLICY = ["--strategy", "dynamic", "--max-batch-size", "32", "--max-queue-delay-ms", "0"]
 COST_MS = "5+0.5*b"  # the synthetic model's default
@@ -145,7 +146,8 @@ def simulated(rtt_ms: float) -> dict[str, Any]:
                               "--cost-ms", COST_MS, "--overhead-ms",
                               f"{BASE_OVERHEAD_MS + rtt_ms:.3f}", "--transport-ms",
                               f"{BASE_TRANSPORT_MS + rtt_ms:.3f}", "--json", *args],
-                             capture_output=True, text=True, check=True).stdout
+                             capture_output=True, text=True, check=True,
+                             preexec_fn=preexec()).stdout
         return json.loads(out)
     light = sim("--rate", "10", "--duration-s", "60")
     heavy = sim("--rate", "20000", "--duration-s", "0.2")

@@ -32,6 +32,7 @@ from consumer.config import ConsumerConfig
 from consumer.worker import Worker
 from producer.sync import Producer
 from scheduler_core.admin import ensure_policy
+from scheduler_core.lifetime import spawn
 
 
 def redis_usage(client: redis.Redis) -> tuple[float, float]:
@@ -116,10 +117,10 @@ def drain_profile(url: str, n: int, batch: int) -> None:
 
 def paced_profile(url: str, n: int) -> None:
     queue = "paced"
-    consumer = subprocess.Popen([sys.executable, "-m", "batchgate.cli", "consumer",
-                                 "--redis-url", url, "--queue", queue, "--strategy", "fifo",
-                                 "--model", "consumer.models:noop"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    consumer = spawn([sys.executable, "-m", "batchgate.cli", "consumer",
+                      "--redis-url", url, "--queue", queue, "--strategy", "fifo",
+                      "--model", "consumer.models:noop"],
+                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     client = redis.Redis.from_url(url)
     try:
         with Producer(url, queue) as producer:

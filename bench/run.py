@@ -57,6 +57,7 @@ from producer.sync import Producer
 from scheduler_core.admin import store_policy
 from scheduler_core.errors import BatchgateError
 from scheduler_core.keys import QueueKeys
+from scheduler_core.lifetime import preexec
 from scheduler_core.policy import Strategy
 from scheduler_core.wire import Result
 
@@ -440,7 +441,7 @@ def run_inprocess(ctx: Context, specs: list[RunSpec]) -> list[dict[str, Any]]:
     budget = sum(s.workload.duration_s + s.grace_s + 60 for s in specs)
     with log.open("wb") as err:
         proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=err, env=worker_env(),
-                              timeout=budget)
+                              timeout=budget, preexec_fn=preexec())
     if proc.returncode != 0:
         raise click.ClickException(f"in-process batcher failed:\n{log.read_text()[-3000:]}")
     data = orjson.loads(out.read_bytes())

@@ -99,11 +99,14 @@ def measure(api: str, url: str, queue: str, concurrency: int, duration: float) -
 # -- the driver ------------------------------------------------------------------------
 def run_child(tree: Path, api: str, url: str, queue: str, concurrency: int,
               duration: float) -> dict:
+    from scheduler_core.lifetime import preexec  # here: the children may run older trees
+
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(tree), *filter(None, [os.environ.get("PYTHONPATH")])])}
     out = subprocess.run([sys.executable, __file__, "--child", api, url, queue,
                           str(concurrency), str(duration)], env=env, check=True,
-                         capture_output=True, text=True, timeout=duration * 10 + 120)
+                         capture_output=True, text=True, timeout=duration * 10 + 120,
+                         preexec_fn=preexec())
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

@@ -26,6 +26,7 @@ import redis
 
 from batchgate.embedded import RedisServerNotFound, _wait_for_ping
 from scheduler_core.errors import BatchgateError
+from scheduler_core.lifetime import spawn
 
 BUS_OFFSET = 10_000
 START_TIMEOUT_S = 30.0
@@ -81,8 +82,8 @@ class _Servers:
 
     def _launch(self, port: int) -> None:
         log = (self.dir / str(port) / "server.log").open("ab")
-        self.procs[port] = subprocess.Popen(self.args[port], stdout=log, stderr=log,
-                                            cwd=self.dir / str(port))
+        self.procs[port] = spawn(self.args[port], stdout=log, stderr=log,
+                                 cwd=self.dir / str(port))
         log.close()
         if not _wait_for_ping(self.procs[port], port, START_TIMEOUT_S):
             raise BatchgateError(f"redis-server on port {port} did not start; log in "

@@ -16,14 +16,12 @@ process runs one plain `batchgate consumer` child per device and replica.
 - Without --torch-threads, each child gets the host's cores divided by the children.
 - SIGTERM or SIGINT: the supervisor forwards SIGTERM to every child (each finishes the
   batch in hand), waits up to --stop-timeout seconds, kills what is left, and exits 0.
-- Children die with the supervisor (Linux parent-death signal SIGKILL: a supervisor that
-  was killed cannot wait for a graceful stop, and a child whose model hangs would ignore
-  SIGTERM), so none is orphaned; their batches are re-run as after any crash.
+- Children die with the supervisor (scheduler_core/lifetime.py: Linux parent-death signal
+  SIGKILL), so none is orphaned; their batches are re-run as after any crash.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
@@ -39,6 +37,7 @@ from typing import Any
 import click
 
 from scheduler_core.compat import usable_cores
+from scheduler_core.lifetime import spawn
 from scheduler_core.ops.options import env_option
 
 log = logging.getLogger("batchgate.supervisor")
@@ -159,16 +158,6 @@ def child_commands(ctx: click.Context) -> list[tuple[str, list[str]]]:
     return commands
 
 
-def _die_with_parent(parent: int) -> None:
-    """In the child, before exec: get SIGKILL when the supervisor dies (Linux)."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent:
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 @dataclass
 class Child:
     label: str
@@ -203,9 +192,7 @@ class Supervisor:
         self.env = {k: v for k, v in os.environ.items() if k not in SUPERVISOR_ENV}
 
     def _spawn(self, child: Child) -> None:
-        parent = os.getpid()
-        child.proc = subprocess.Popen(child.argv, start_new_session=True, env=self.env,
-                                      preexec_fn=lambda: _die_with_parent(parent))
+        child.proc = spawn(child.argv, start_new_session=True, env=self.env)
         child.started, child.restart_at = time.monotonic(), None
         log.info("consumer %s started (pid %d)", child.label, child.proc.pid)
 

@@ -242,6 +242,19 @@ def test_the_page_shows_depth_live_and_retries_a_dead_letter(shared_redis, queue
              "the retried request's result")
 
 
+def test_a_trailing_slash_is_not_redirected_to_the_host_header(shared_redis, dashboards):
+    """A redirect built from the client's Host header would send a browser (or a cache
+    keyed without Host) to another site: paths are matched as written, no redirect."""
+    for server, prefix in ((dashboards(shared_redis.url), ""),
+                           (dashboards(shared_redis.url, "--root-path", "/bg"), "/bg")):
+        with httpx.Client(base_url=server.url, headers={"Host": "evil.example"}) as http:
+            for path in ("/api/config/", "/api/snapshot/", "/events/", "/static"):
+                answer = http.get(prefix + path)
+                assert answer.status_code == 404, (prefix + path, answer.status_code)
+                assert "location" not in answer.headers
+            assert http.get(prefix + "/api/config").status_code == 200
+
+
 def test_the_feed_says_when_redis_cannot_be_read(redis_server, queue, dashboards):
     with Producer(redis_server.url, queue) as producer:
         producer.submit({"i": 1})

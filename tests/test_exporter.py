@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import pytest
@@ -125,3 +127,27 @@ def test_registry_filter_cap_and_redis_down(redis_server, start_exporter):
     down = scrape(start_exporter(nothing))
     assert value(down, "batchgate_exporter_redis_up", -1) == 0
     assert "batchgate_queue_depth" not in names(down)
+
+
+def test_hung_redis_is_reported_down_within_the_scrape_timeout(redis_server, start_exporter):
+    """A Redis that hangs (SIGSTOP: connections open, no answer) is reported
+    redis_up 0 within --scrape-timeout-s, not after the client's socket timeout and
+    retries; once it answers again, so does the next scrape."""
+    timeout_s = 1.0
+    register_queue(redis.Redis.from_url(redis_server.url), "qa")
+    port = start_exporter(redis_server.url, "--scrape-timeout-s", str(timeout_s))
+    assert value(scrape(port), "batchgate_exporter_redis_up") == 1
+    os.kill(redis_server.proc.pid, signal.SIGSTOP)
+    try:
+        for _ in range(2):  # the second waits behind the first's read, still hung
+            started = time.monotonic()
+            hung = scrape(port)
+            took = time.monotonic() - started
+            assert value(hung, "batchgate_exporter_redis_up", -1) == 0
+            assert "batchgate_queue_depth" not in names(hung)
+            assert took < timeout_s + 3.0, f"the scrape took {took:.1f} s"
+    finally:
+        os.kill(redis_server.proc.pid, signal.SIGCONT)
+    back = scrape(port)
+    assert value(back, "batchgate_exporter_redis_up") == 1
+    assert value(back, "batchgate_queue_depth", queue="qa", priority="normal", default=-1) == 0

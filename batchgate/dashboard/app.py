@@ -73,8 +73,9 @@ def _error(status: int, message: str, field: str | None = None) -> JSONResponse:
 
 def create_app(client: redis.Redis, token: str | None = None, interval_s: float = 0.5,
                only: list[str] | None = None, root_path: str = "") -> FastAPI:
+    # No trailing-slash redirects: their Location would be built from the Host header.
     app = FastAPI(title="batchgate dashboard", root_path=root_path, docs_url=None,
-                  redoc_url=None, openapi_url=None)
+                  redoc_url=None, openapi_url=None, redirect_slashes=False)
     feed = Feed(client, interval_s, only)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
 

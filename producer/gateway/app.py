@@ -81,6 +81,7 @@ from scheduler_core.connection import (
 )
 from scheduler_core.deadlines import expire_due_async
 from scheduler_core.keys import QueueKeys
+from scheduler_core.lifetime import die_with_marked_parent
 from scheduler_core.ops.stats import QueueStats, queue_stats
 from scheduler_core.scripts import Scripts, cancel_keys
 from scheduler_core.wire import DEFAULT_MAX_PAYLOAD_BYTES, decode_result, split_job
@@ -470,7 +471,9 @@ def create_app(redis_url: str = DEFAULT_REDIS_URL, queue: str = "default",
 
 
 def app_from_env() -> FastAPI:
-    """The app of one `batchgate gateway --workers N` worker process."""
+    """The app of one `batchgate gateway --workers N` worker process, which dies with the
+    gateway process that started it (scheduler_core/lifetime.py)."""
+    die_with_marked_parent()
     env = os.environ
     return create_app(env.get(WORKER_ENV["redis_url"], DEFAULT_REDIS_URL),
                       env.get(WORKER_ENV["queue"], "default"),

@@ -19,6 +19,7 @@ from producer.gateway.guard import (
     REQUEST_TIMEOUT_ENV,
 )
 from scheduler_core.compat import connect_checked
+from scheduler_core.lifetime import mark_parent
 from scheduler_core.ops.options import queue_option, redis_url_option, wait_replicas_options
 
 DEFAULT_HOST = "127.0.0.1"
@@ -94,7 +95,10 @@ def gateway_command(redis_url: str, queue: str, host: str, port: int, token: str
     if workers == 1:
         uvicorn.run(app, **options)
         return
-    # Each worker process builds its own app (and AsyncProducer) from these variables.
+    # Each worker process builds its own app (and AsyncProducer) from these variables, and
+    # dies with this process (app_from_env), as multiprocessing's resource tracker then
+    # does (its pipe closes).
+    mark_parent()
     os.environ.update({WORKER_ENV["redis_url"]: redis_url, WORKER_ENV["queue"]: queue,
                        WORKER_ENV["token"]: token or "",
                        WORKER_ENV["max_body_bytes"]: str(max_body_bytes),

@@ -113,14 +113,15 @@ def test_sigkilled_gateway_leaves_no_worker_and_its_port_restarts(shared_redis, 
       "consumer.models:noop", "--replicas", "2"], 2),
     # a private redis-server and two `batchgate consumer` children
     (["demo", "--duration", "60", "--consumers", "2"], 3),
-    # a private redis-server and the benchmark's worker processes
-    (["bench", "--quick", "--out", "{out}"], 2),
+    # the checkout's benchmark (python -m bench.run): a private redis-server and its workers
+    (["-m", "bench.run", "--quick", "--out", "{out}"], 2),
 ], ids=["consumer-replicas", "demo", "bench"])
 def test_sigkilled_command_leaves_none_of_its_children(shared_redis, queue, tmp_path,
                                                        command, expected):
     assert BATCHGATE
     argv = [arg.format(redis=shared_redis.url, queue=queue, out=tmp_path) for arg in command]
-    proc = LoggedProcess([BATCHGATE, *argv], "bg-parent-")
+    program = [sys.executable] if argv[0] == "-m" else [BATCHGATE]
+    proc = LoggedProcess([*program, *argv], "bg-parent-")
     try:
         assert sigkill_and_find_survivors(proc, expected=expected) == []
     finally:

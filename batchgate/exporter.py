@@ -2,10 +2,11 @@
 
 No consumer needs to run, so an autoscaler (KEDA, an HPA on external metrics) can start
 consumers from zero; and each queue is reported once, however many consumers serve it.
-The queues come from the registry (scheduler_core/registry.py) or from --queue. Every
-scrape reads Redis afresh: the registry, then one MULTI per queue (a consistent snapshot
-of that queue, with Redis' TIME; scheduler_core/reading.py), for at most --max-queues
-queues and the newest --samples latency samples of each. Metric names: docs/observability.md.
+The queues come from --queue, or are found (scheduler_core/registry.py: a SCAN pass at
+most every 5 s, the --max-queues most active). Every scrape reads Redis afresh: one MULTI
+per queue (a consistent snapshot of that queue, with Redis' TIME;
+scheduler_core/reading.py), with the newest --samples latency samples of each. Metric
+names: docs/observability.md.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import redis
 
 from scheduler_core.admin import scaling_signal
 from scheduler_core.errors import InvalidRequest
-from scheduler_core.keys import QUEUE_NAME, validate_queue_name
+from scheduler_core.keys import validate_queue_name
 from scheduler_core.options import env_option, redis_url_option
 from scheduler_core.policy import LIMITS, Policy, Priority
 from scheduler_core.reading import (
@@ -32,12 +33,11 @@ from scheduler_core.reading import (
     quantile,
     read_queue,
 )
-from scheduler_core.registry import known_queues
+from scheduler_core.registry import DEFAULT_MAX_QUEUES, QueueFinder, shown_queues
 
 log = logging.getLogger("batchgate.exporter")
 
 DEFAULT_PORT = 9120
-DEFAULT_MAX_QUEUES = 100
 DEFAULT_SAMPLES = 1000
 MAX_SAMPLES = SAMPLES_READ  # what the sample lists keep (scheduler_core/lua/_common.lua)
 QUANTILES = (0.5, 0.9, 0.99)
@@ -182,27 +182,18 @@ class QueueCollector:
 
     def __init__(self, client: redis.Redis, config: ExporterConfig):
         self.client, self.config = client, config
+        self.finder = QueueFinder(client)
         self._warned: set[str] = set()  # say once per problem, not once per scrape
         self._lock = threading.Lock()
 
     def queues(self) -> tuple[list[str], int]:
-        """The queues to read this scrape, and how many more the cap left out."""
-        if self.config.queues:
-            names = sorted(set(self.config.queues))
-        else:
-            names = []
-            for name in known_queues(self.client):
-                if QUEUE_NAME.fullmatch(name):
-                    names.append(name)
-                else:
-                    self._warn(f"bad:{name}", "registry holds %r, not a queue name; skipped",
-                               name)
-            names.sort()
-        kept = names[:self.config.max_queues]
-        if len(names) > len(kept):
-            self._warn("cap", "%d queues registered, exporting the first %d by name "
-                       "(--max-queues)", len(names), len(kept))
-        return kept, len(names) - len(kept)
+        """The queues to read this scrape, and how many found ones the cap left out."""
+        names, left_out = shown_queues(self.client, list(self.config.queues),
+                                       self.config.max_queues, self.finder)
+        if left_out:
+            self._warn("cap", "%d more queues found than --max-queues; exporting the %d "
+                       "most active", left_out, len(names))
+        return names, left_out
 
     def policy(self, queue: str, reading: QueueReading) -> Policy | None:
         """The queue's stored policy; None if it has none, or one that does not parse
@@ -284,8 +275,9 @@ def build_registry(client: redis.Redis, config: ExporterConfig) -> Any:
             show_default=True, type=click.IntRange(1, 65535), help="Port to serve /metrics on.")
 @env_option("--max-queues", envvar="BATCHGATE_EXPORTER_MAX_QUEUES", default=DEFAULT_MAX_QUEUES,
             show_default=True, type=click.IntRange(1, 10_000),
-            help="Most queues read per scrape (the first by name); the rest are counted in "
-                 "batchgate_exporter_queues_skipped.")
+            help="Most queues read per scrape without --queue: the most active (requests "
+                 "waiting or running, then consumers, then last seen); the rest are counted "
+                 "in batchgate_exporter_queues_skipped.")
 @env_option("--samples", envvar="BATCHGATE_EXPORTER_SAMPLES", default=DEFAULT_SAMPLES,
             show_default=True, type=click.IntRange(1, MAX_SAMPLES),
             help="Newest latency samples per list the quantiles are taken from.")

@@ -12,6 +12,7 @@ import click
 
 from scheduler_core.compat import connect_checked
 from scheduler_core.options import env_option, redis_url_option
+from scheduler_core.registry import QueueFinder
 from scheduler_core.snapshot import Rates, snapshot_all
 
 
@@ -88,7 +89,8 @@ def render(snaps: list[dict[str, Any]]) -> Any:
 @click.command("top")
 @redis_url_option
 @env_option("--queue", "queues", envvar="BATCHGATE_QUEUE", multiple=True,
-            help="Show only this queue (repeat for more) [default: every registered queue].")
+            help="Show only this queue (repeat for more) [default: the 100 most active "
+                 "queues found].")
 @click.option("--interval", type=click.FloatRange(0.1, 3600), default=1.0, show_default=True,
               help="Seconds between refreshes, 0.1-3600.")
 @click.option("--iterations", type=click.IntRange(1), default=None,
@@ -108,9 +110,10 @@ def top_command(redis_url: str, queues: tuple[str, ...], interval: float,
     client = connect_checked(redis_url)
     rates = Rates()
     only = list(queues) or None
+    finder = QueueFinder(client)
 
     def frame() -> Any:
-        return render([rates.update(s) for s in snapshot_all(client, only)])
+        return render([rates.update(s) for s in snapshot_all(client, only, finder=finder)])
 
     console = Console()
     if once:

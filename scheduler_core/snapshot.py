@@ -16,7 +16,7 @@ from scheduler_core.admin import queue_stats
 from scheduler_core.connection import slot_owner
 from scheduler_core.deadletter import list_dead
 from scheduler_core.keys import QueueKeys
-from scheduler_core.registry import known_queues
+from scheduler_core.registry import DEFAULT_MAX_QUEUES, QueueFinder, shown_queues
 from scheduler_core.shards import physical_queues
 
 BATCH_SAMPLES_READ = 1000  # the batch-size histogram covers the newest this many batches
@@ -142,9 +142,11 @@ def _read_shard(client: redis.Redis, keys: QueueKeys, failures_shown: int) -> di
     }
 
 
-def snapshot_all(client: redis.Redis, only: list[str] | None = None) -> list[dict[str, Any]]:
-    """The snapshot of every registered queue (or of `only`, registered or not)."""
-    queues = only if only else known_queues(client)
+def snapshot_all(client: redis.Redis, only: list[str] | None = None,
+                 max_queues: int = DEFAULT_MAX_QUEUES,
+                 finder: QueueFinder | None = None) -> list[dict[str, Any]]:
+    """The snapshot of each queue `shown_queues` names."""
+    queues, _ = shown_queues(client, only, max_queues, finder)
     return [queue_snapshot(client, queue) for queue in queues]
 
 

@@ -27,19 +27,23 @@ from scheduler_core.deadletter import purge, retry
 from scheduler_core.errors import BatchgateError, InvalidRequest
 from scheduler_core.keys import validate_queue_name
 from scheduler_core.policy import LIMITS, Policy, Strategy
-from scheduler_core.registry import register_queue
-from scheduler_core.snapshot import Rates, snapshot_all
+from scheduler_core.registry import DEFAULT_MAX_QUEUES, QueueFinder, register_queue
+from scheduler_core.snapshot import Rates, queue_snapshot, shown_queues
 
 STATIC = Path(__file__).parent / "static"
 MAX_IDS = 1000  # dead-letter ids per action call
 
 
 class Feed:
-    """The snapshot of every queue, shared by all viewers: read from Redis at most once
-    per `interval_s`, whatever the number of open pages."""
+    """The snapshot of the queues shown (at most `max_queues` found ones, the most active:
+    scheduler_core/registry.py), shared by all viewers: read from Redis at most once per
+    `interval_s`, whatever the number of open pages; `queues_left_out` counts the others."""
 
-    def __init__(self, client: redis.Redis, interval_s: float, only: list[str] | None):
+    def __init__(self, client: redis.Redis, interval_s: float, only: list[str] | None,
+                 max_queues: int = DEFAULT_MAX_QUEUES):
         self._client, self.interval_s, self._only = client, interval_s, only
+        self.max_queues = max_queues
+        self._finder = QueueFinder(client)
         self._rates = Rates()
         self._lock = asyncio.Lock()
         self._at = float("-inf")
@@ -47,10 +51,12 @@ class Feed:
 
     def _read(self) -> bytes:
         try:
-            snaps = [self._rates.update(s) for s in snapshot_all(self._client, self._only)]
+            queues, left_out = shown_queues(self._client, self._only, self.max_queues,
+                                            self._finder)
+            snaps = [self._rates.update(queue_snapshot(self._client, q)) for q in queues]
         except redis.RedisError as exc:  # the page says so, and keeps what it shows
             return orjson.dumps({"error": f"cannot read Redis: {exc}", "at": time.time()})
-        return orjson.dumps({"queues": snaps, "at": time.time()})
+        return orjson.dumps({"queues": snaps, "queues_left_out": left_out, "at": time.time()})
 
     async def latest(self) -> bytes:
         async with self._lock:
@@ -68,10 +74,11 @@ def _error(status: int, message: str, field: str | None = None) -> JSONResponse:
 
 
 def create_app(client: redis.Redis, token: str | None = None, interval_s: float = 0.5,
-               only: list[str] | None = None, root_path: str = "") -> FastAPI:
+               only: list[str] | None = None, root_path: str = "",
+               max_queues: int = DEFAULT_MAX_QUEUES) -> FastAPI:
     app = FastAPI(title="batchgate dashboard", root_path=root_path, docs_url=None,
                   redoc_url=None, openapi_url=None)
-    feed = Feed(client, interval_s, only)
+    feed = Feed(client, interval_s, only, max_queues)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
 
     @app.middleware("http")

@@ -20,6 +20,14 @@ from scheduler_core.keys import QueueKeys
 from scheduler_core.registry import DEFAULT_MAX_QUEUES, known_queues
 
 LEGACY_REGISTRY = "batchgate:queues"  # the shared zset readers once trusted
+# docs/guarantees.md#security: what the exporter and a read-only dashboard need.
+READER_RULE = ["on", ">r3ader-pw", "resetkeys", "~{bg:*", "resetchannels", "-@all", "+@read",
+               "+ping", "+time", "+multi", "+exec", "+set", "+del"]
+
+
+def reader_url(server) -> str:
+    server.client().execute_command("ACL", "SETUSER", "reader", "reset", *READER_RULE)
+    return f"redis://reader:r3ader-pw@127.0.0.1:{server.port}/0"
 
 
 def exporter(redis_url: str) -> tuple[LoggedProcess, int]:
@@ -52,11 +60,12 @@ def test_a_confined_tenant_cannot_hide_or_remove_another_queue(redis_server):
     # Keys under its own tag that end like a mark name no queue.
     tenant.set(QueueKeys("tenantA").idempotency("x}:seen"), far)
     assert known_queues(admin) == ["prod", "tenantA"]
-    proc, port = exporter(redis_server.url)
+    proc, port = exporter(reader_url(redis_server))
     try:
         samples = scrape(port)
     finally:
         proc.close()
+    assert value(samples, "batchgate_exporter_redis_up") == 1
     assert value(samples, "batchgate_exporter_queues") == 2
     assert value(samples, "batchgate_queue_depth", queue="prod", priority="normal") == 1
 
@@ -80,7 +89,7 @@ def test_dashboard_and_exporter_stay_bounded_with_2100_junk_queues(redis_server)
     pipe.execute()
 
     started = time.perf_counter()
-    body = Feed(admin, 0.5, None)._read()
+    body = Feed(redis.Redis.from_url(reader_url(redis_server)), 0.5, None)._read()
     took = time.perf_counter() - started
     page = orjson.loads(body)
     shown = [q["queue"] for q in page["queues"]]
@@ -88,11 +97,12 @@ def test_dashboard_and_exporter_stay_bounded_with_2100_junk_queues(redis_server)
     assert page["queues_left_out"] == 2101 - DEFAULT_MAX_QUEUES
     print(f"dashboard refresh: {took:.3f} s, {len(body)} bytes, {len(shown)} queues")
 
-    proc, port = exporter(redis_server.url)
+    proc, port = exporter(reader_url(redis_server))
     try:
         samples = scrape(port)
     finally:
         proc.close()
+    assert value(samples, "batchgate_exporter_redis_up") == 1
     assert value(samples, "batchgate_exporter_queues") == DEFAULT_MAX_QUEUES
     assert value(samples, "batchgate_exporter_queues_skipped") == 2101 - DEFAULT_MAX_QUEUES
     assert value(samples, "batchgate_queue_depth", queue="prod", priority="normal") == 1

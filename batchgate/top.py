@@ -12,7 +12,7 @@ import click
 
 from scheduler_core.compat import connect_checked
 from scheduler_core.options import env_option, redis_url_option
-from scheduler_core.registry import QueueFinder
+from scheduler_core.registry import DEFAULT_MAX_QUEUES, QueueFinder
 from scheduler_core.snapshot import Rates, snapshot_all
 
 
@@ -89,16 +89,19 @@ def render(snaps: list[dict[str, Any]]) -> Any:
 @click.command("top")
 @redis_url_option
 @env_option("--queue", "queues", envvar="BATCHGATE_QUEUE", multiple=True,
-            help="Show only this queue (repeat for more) [default: the 100 most active "
-                 "queues found].")
+            help="Show only this queue (repeat for more) [default: the most active queues "
+                 "found, up to --max-queues].")
 @click.option("--interval", type=click.FloatRange(0.1, 3600), default=1.0, show_default=True,
               help="Seconds between refreshes, 0.1-3600.")
 @click.option("--iterations", type=click.IntRange(1), default=None,
               help="Print this many refreshes, one after another, then exit [default: run "
                    "until Ctrl-C].")
 @click.option("--once", is_flag=True, help="Print one refresh and exit (--iterations 1).")
+@click.option("--max-queues", type=click.IntRange(1, 10_000), default=DEFAULT_MAX_QUEUES,
+              show_default=True, help="Most queues shown without --queue: the most active "
+                                      "(requests waiting or running, then consumers).")
 def top_command(redis_url: str, queues: tuple[str, ...], interval: float,
-                iterations: int | None, once: bool) -> None:
+                iterations: int | None, once: bool, max_queues: int) -> None:
     """Every queue's depth, rates, latencies, batch sizes and consumers, refreshed in place
     until Ctrl-C. Rates need two refreshes: the first shows "-"."""
     try:
@@ -113,7 +116,7 @@ def top_command(redis_url: str, queues: tuple[str, ...], interval: float,
     finder = QueueFinder(client)
 
     def frame() -> Any:
-        return render([rates.update(s) for s in snapshot_all(client, only, finder=finder)])
+        return render([rates.update(s) for s in snapshot_all(client, only, max_queues, finder)])
 
     console = Console()
     if once:

@@ -11,7 +11,8 @@ Who marks a queue (a plain SET under the queue's tag; works on a Redis Cluster):
 A shard's physical queue marks itself; readers list its logical queue.
 
 Finding them: one SCAN pass over the keyspace (SCAN_COUNT keys per call, so Redis never
-blocks long), at most once per `QueueFinder.rescan_s`. A mark unseen for STALE_S whose
+blocks long), at most once per `QueueFinder.rescan_s` and no more than a tenth of the
+time. A mark unseen for STALE_S whose
 queue has none of its lasting keys (policy, pending, jobs, stats, consumers, dead) left is
 deleted by the reader that finds it; one whose keys are there is marked seen again, so the
 check runs at most once per STALE_S per queue.
@@ -38,7 +39,8 @@ SEEN_MATCH = "{bg:*}:" + SEEN_SUFFIX  # SCAN's pattern; '{' and '}' are literal 
 REGISTER_EVERY_S = 30.0  # a consumer's re-registration period
 STALE_S = 3600.0  # unseen this long and without keys: gone
 SCAN_COUNT = 1000  # keys SCAN looks at per call
-RESCAN_S = 5.0  # QueueFinder: at most one SCAN pass this often
+RESCAN_S = 5.0  # QueueFinder: at most one SCAN pass this often,
+SCAN_SHARE = 10  # and no sooner than this many times the last pass took after it ended
 DEFAULT_MAX_QUEUES = 100  # readers show at most this many discovered queues
 
 
@@ -197,16 +199,19 @@ def shown_queues(client: Any, only: list[str] | None = None,
 
 
 class QueueFinder:
-    """`known_queues`, re-read at most every `rescan_s` (a reader that refreshes often
-    scans the keyspace no more often than that)."""
+    """`known_queues`, re-read at most every `rescan_s`, and at most a tenth of the time
+    (SCAN_SHARE): a reader that refreshes often scans a large keyspace rarely."""
 
     def __init__(self, client: Any, rescan_s: float = RESCAN_S):
         self.client, self.rescan_s = client, rescan_s
-        self._at = float("-inf")
+        self._next = float("-inf")
         self._queues: list[str] = []
 
     def queues(self) -> list[str]:
-        if time.monotonic() - self._at >= self.rescan_s:
+        started = time.monotonic()
+        if started >= self._next:
             self._queues = known_queues(self.client)
-            self._at = time.monotonic()
+            ended = time.monotonic()
+            self._next = ended + max(self.rescan_s - (ended - started),
+                                     SCAN_SHARE * (ended - started))
         return self._queues

@@ -106,3 +106,18 @@ def test_dashboard_and_exporter_stay_bounded_with_2100_junk_queues(redis_server)
     assert value(samples, "batchgate_exporter_queues") == DEFAULT_MAX_QUEUES
     assert value(samples, "batchgate_exporter_queues_skipped") == 2101 - DEFAULT_MAX_QUEUES
     assert value(samples, "batchgate_queue_depth", queue="prod", priority="normal") == 1
+
+
+def test_queues_are_found_on_every_node_of_a_cluster(redis_cluster, queue):
+    """A mark lives in its queue's slot: SCAN must visit every primary."""
+    from scheduler_core.connection import connect
+    from scheduler_core.registry import QueueFinder, register_queue, shown_queues
+
+    client = connect(redis_cluster.url)
+    names = [f"{queue}-{i}" for i in range(12)]  # 12 tags: spread over the 3 primaries
+    for name in names:
+        register_queue(client, name)
+    found = known_queues(client)
+    assert set(names) <= set(found)
+    shown, left_out = shown_queues(client, None, 4, QueueFinder(client))
+    assert len(shown) == 4 and left_out == len(found) - 4

@@ -141,21 +141,24 @@ def gauge(url: str, name: str) -> float:
     raise AssertionError(f"{name} not in /metrics")
 
 
-def open_stream(port: int, n: int) -> socket.socket:
-    """A streaming submit whose answer has begun (its status line is in)."""
-    body = json.dumps({"payload": {"i": n}, "stream": True, "timeout_s": 300}).encode()
+def open_submit(port: int, n: int, mode: str) -> socket.socket:
+    """A submit with `"stream": true` whose answer has begun (its status line is in), or
+    with `"wait": true` (sent)."""
+    body = json.dumps({"payload": {"i": n}, mode: True, "timeout_s": 300}).encode()
     sock = socket.create_connection(("127.0.0.1", port), timeout=30)
     sock.sendall(b"POST /v1/requests HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
                  b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-    assert sock.recv(64).startswith(b"HTTP/1.1 200")
+    if mode == "stream":
+        assert sock.recv(64).startswith(b"HTTP/1.1 200")
     return sock
 
 
 def test_the_gateway_releases_the_streams_of_clients_that_hung_up(
         redis_server, queue, start_consumer, start_gateway):
-    """100 streaming clients of a model that takes a minute hang up: within 5 s (the
-    gateway notices a hang-up as soon as its event loop reads the socket) it holds no
-    stream, no waiting submit, and no stream reader blocks in Redis."""
+    """100 streaming clients and 50 waiting ones (`"wait": true`) of a model that takes a
+    minute hang up: within 5 s (the gateway notices a hang-up as soon as its event loop
+    reads the socket) it holds no stream, no waiting submit, and no stream reader blocks
+    in Redis."""
     steps(start_consumer, redis_server.url, queue, 2, 30_000, "--max-batch-size", "8")
     gateway = start_gateway(redis_server.url, queue)
     admin = redis_server.client()
@@ -163,13 +166,17 @@ def test_the_gateway_releases_the_streams_of_clients_that_hung_up(
     def blocked_readers() -> int:
         return sum(1 for c in admin.client_list() if c["cmd"] == "xread" and "b" in c["flags"])
 
-    socks = [open_stream(gateway.port, n) for n in range(100)]
+    socks = [open_submit(gateway.port, n, "stream") for n in range(100)]
+    socks += [open_submit(gateway.port, n, "wait") for n in range(100, 150)]
     assert gauge(gateway.url, "batchgate_gateway_open_streams") == 100
+    wait_for(lambda: gauge(gateway.url, "batchgate_gateway_waiting_requests") == 150,
+             timeout=10, interval=0.1)
     wait_for(lambda: blocked_readers() == 1, timeout=10)
     for sock in socks:
         sock.close()
     hung_up = time.monotonic()
-    wait_for(lambda: gauge(gateway.url, "batchgate_gateway_open_streams") == 0, timeout=5)
+    wait_for(lambda: gauge(gateway.url, "batchgate_gateway_open_streams") == 0, timeout=5,
+             interval=0.1)
     assert gauge(gateway.url, "batchgate_gateway_waiting_requests") == 0
     wait_for(lambda: blocked_readers() == 0, timeout=5)
     assert time.monotonic() - hung_up < 5

@@ -84,6 +84,22 @@ async def disconnected(receive: Receive) -> None:
         pass
 
 
+async def unless_gone(work: Awaitable[Any], receive: Receive) -> asyncio.Future[Any] | None:
+    """Run `work` until it ends, or until the client hangs up (then it is cancelled, which
+    closes what it holds, and None is returned); else its finished task (`.result()`
+    returns its value or raises its error)."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(disconnected(receive))
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+        await asyncio.gather(task, gone, return_exceptions=True)
+    return None if task.cancelled() else task
+
+
 def last_event_id(scope: Scope) -> str | None:
     """The Last-Event-ID header (a stream entry id the gateway sent), checked."""
     value = header(scope, b"last-event-id")
@@ -229,17 +245,9 @@ class HotPath:
         await send({"type": "http.response.start", "status": 200, "headers": [
             (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
             (b"x-request-id", handle.id.encode())]})
-        relay = asyncio.ensure_future(self.relay(handle, timeout_s, after, send))
-        gone = asyncio.ensure_future(disconnected(receive))
-        try:
-            await asyncio.wait((relay, gone), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (relay, gone):
-                task.cancel()
-            await asyncio.gather(relay, gone, return_exceptions=True)
-        failed = None if relay.cancelled() else relay.exception()
-        if failed is not None:
-            raise failed
+        relayed = await unless_gone(self.relay(handle, timeout_s, after, send), receive)
+        if relayed is not None:
+            relayed.result()  # raises what the relay raised
 
     async def relay(self, handle: Any, timeout_s: float, after: str | None,
                     send: Send) -> None:
@@ -281,7 +289,8 @@ class HotPath:
 
     async def submit(self, scope: Scope, receive: Receive, send: Send) -> Answer | None:
         """POST /v1/requests: 202 with the id, or with `wait` the request's state once it
-        is done or `timeout_s` passed; with `stream`, server-sent events (sent here)."""
+        is done or `timeout_s` passed; with `stream`, server-sent events (sent here). A
+        client that hangs up while it waits is let go at once (the request goes on)."""
         body = await read_body(receive)
         if body is None:
             return None  # the client left
@@ -304,8 +313,10 @@ class HotPath:
         waiting = self.metrics.waiting
         waiting.inc()
         try:
-            value = await handle.result(timeout=submit.timeout_s)
-            return 200, {"id": handle.id, "status": "done", "result": value}, []
+            waited = await unless_gone(handle.result(timeout=submit.timeout_s), receive)
+            if waited is None:
+                return None  # the client left: nobody to answer
+            return 200, {"id": handle.id, "status": "done", "result": waited.result()}, []
         except (TimeoutError, RequestFailed):
             pass  # still waiting, or failed/expired/cancelled: its stored state says which
         finally:

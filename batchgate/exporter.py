@@ -212,9 +212,9 @@ class QueueCollector:
         planner caches its answers per rate band, policy and cost model)."""
         try:
             families.add_scaling(queue, scaling_signal(self.client, queue))
-        except redis.RedisError:
+        except (redis.ConnectionError, redis.TimeoutError):
             raise
-        except Exception as exc:  # a planner failure drops these two, not the scrape
+        except Exception as exc:  # a planner failure (or a queue's bad key) drops these two
             self._warn(f"scaling:{queue}", "queue %r: recommended_consumers failed: %s",
                        queue, exc)
 
@@ -233,12 +233,18 @@ class QueueCollector:
                                "1 if the last scrape read Redis, else 0.")
         exported = GaugeMetricFamily("batchgate_exporter_queues", "Queues exported.")
         skipped = GaugeMetricFamily("batchgate_exporter_queues_skipped",
-                                    "Registered queues left out by --max-queues.")
+                                    "Queues found but left out by --max-queues.")
         families = Families()
+        unreadable = 0
         try:
             names, left_out = self.queues()
             for name in names:
-                reading = read_queue(self.client, name, self.config.samples)
+                try:
+                    reading = read_queue(self.client, name, self.config.samples)
+                except redis.ResponseError as exc:  # this queue's keys, not Redis: skip it
+                    self._warn(f"read:{name}", "queue %r not exported: %s", name, exc)
+                    unreadable += 1
+                    continue
                 families.add(name, reading, self.policy(name, reading))
                 self.add_scaling(families, name)
         except redis.RedisError as exc:
@@ -247,7 +253,7 @@ class QueueCollector:
             yield up
             return
         up.add_metric([], 1)
-        exported.add_metric([], len(names))
+        exported.add_metric([], len(names) - unreadable)
         skipped.add_metric([], left_out)
         yield from families.all()
         seconds = GaugeMetricFamily("batchgate_exporter_scrape_seconds",

@@ -98,15 +98,11 @@ def _prune(client: Any, queues: list[str]) -> list[str]:
     pipe = client.pipeline(transaction=False)
     for queue in queues:
         pipe.get(QueueKeys(queue).seen)
-    seen = pipe.execute()
+    seen = pipe.execute(raise_on_error=False)
     cutoff = _now_ms() - STALE_S * 1000
     gone = set()
     for queue, value in zip(queues, seen, strict=True):
-        try:
-            last = int(value)
-        except (TypeError, ValueError):
-            last = 0
-        if last >= cutoff:
+        if isinstance(value, Exception) or _int(value) >= cutoff:
             continue
         if client.exists(*_lasting_keys(queue)):  # one slot: the queue's tag
             register_queue(client, queue)
@@ -158,16 +154,19 @@ def activity(client: Any, queues: list[str]) -> list[Activity]:
         pipe.hlen(keys.owner)
         pipe.zcard(keys.consumers)
         pipe.get(keys.seen)
-    replies = pipe.execute()
-    out = []
-    for i, queue in enumerate(queues):
-        d0, d1, d2, owned, consumers, seen = replies[i * 6:(i + 1) * 6]
-        try:
-            seen_ms = int(seen)
-        except (TypeError, ValueError):
-            seen_ms = 0
-        out.append(Activity(queue, d0 + d1 + d2 + owned, consumers, seen_ms))
-    return out
+    # A key of the wrong type (a queue's own users may write anything under its tag)
+    # counts as 0 for that queue alone.
+    replies = [r if isinstance(r, int) else _int(r) for r in
+               pipe.execute(raise_on_error=False)]
+    return [Activity(queue, sum(replies[i * 6:i * 6 + 4]), replies[i * 6 + 4],
+                     replies[i * 6 + 5]) for i, queue in enumerate(queues)]
+
+
+def _int(value: Any) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return 0
 
 
 def busiest(client: Any, found: list[str], max_queues: int,

@@ -145,9 +145,23 @@ def _read_shard(client: redis.Redis, keys: QueueKeys, failures_shown: int) -> di
 def snapshot_all(client: redis.Redis, only: list[str] | None = None,
                  max_queues: int = DEFAULT_MAX_QUEUES,
                  finder: QueueFinder | None = None) -> list[dict[str, Any]]:
-    """The snapshot of each queue `shown_queues` names."""
+    """The snapshot of each queue `shown_queues` names that can be read."""
     queues, _ = shown_queues(client, only, max_queues, finder)
-    return [queue_snapshot(client, queue) for queue in queues]
+    return readable_snapshots(client, queues)[0]
+
+
+def readable_snapshots(client: redis.Redis,
+                       queues: list[str]) -> tuple[list[dict[str, Any]], list[str]]:
+    """The snapshots of `queues`, and the queues whose keys could not be read (one of the
+    wrong type, written by hand or by that queue's own users): those are left out, the
+    others shown. Redis unreachable still raises."""
+    snaps, unreadable = [], []
+    for queue in queues:
+        try:
+            snaps.append(queue_snapshot(client, queue))
+        except redis.ResponseError:
+            unreadable.append(queue)
+    return snaps, unreadable
 
 
 class Rates:

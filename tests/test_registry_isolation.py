@@ -40,6 +40,11 @@ def exporter(redis_url: str) -> tuple[LoggedProcess, int]:
 
 def test_a_confined_tenant_cannot_hide_or_remove_another_queue(redis_server):
     pytest.importorskip("prometheus_client")
+    pytest.importorskip("fastapi")
+    import orjson
+
+    from batchgate.dashboard.app import Feed
+
     admin = redis_server.client()
     with Producer(redis_server.url, "prod") as p:
         p.submit({"i": 1})  # one request waiting in prod
@@ -60,14 +65,27 @@ def test_a_confined_tenant_cannot_hide_or_remove_another_queue(redis_server):
     # Keys under its own tag that end like a mark name no queue.
     tenant.set(QueueKeys("tenantA").idempotency("x}:seen"), far)
     assert known_queues(admin) == ["prod", "tenantA"]
-    proc, port = exporter(reader_url(redis_server))
+    url = reader_url(redis_server)
+    proc, port = exporter(url)
     try:
+        samples = scrape(port)
+        assert value(samples, "batchgate_exporter_redis_up") == 1
+        assert value(samples, "batchgate_exporter_queues") == 2
+        assert value(samples, "batchgate_queue_depth", queue="prod", priority="normal") == 1
+        # Its own keys of the wrong type leave its queue out, not everyone's.
+        own = QueueKeys("tenantA")
+        tenant.delete(own.consumers, own.pending(1))
+        tenant.set(own.consumers, "x")
+        tenant.set(own.pending(1), "x")
         samples = scrape(port)
     finally:
         proc.close()
     assert value(samples, "batchgate_exporter_redis_up") == 1
-    assert value(samples, "batchgate_exporter_queues") == 2
+    assert value(samples, "batchgate_exporter_queues") == 1
     assert value(samples, "batchgate_queue_depth", queue="prod", priority="normal") == 1
+    page = orjson.loads(Feed(redis.Redis.from_url(url), 0.5, None)._read())
+    assert [q["queue"] for q in page["queues"]] == ["prod"]
+    assert page["unreadable"] == ["tenantA"]
 
 
 def test_dashboard_and_exporter_stay_bounded_with_2100_junk_queues(redis_server):

@@ -28,7 +28,7 @@ from scheduler_core.errors import BatchgateError, InvalidRequest
 from scheduler_core.keys import validate_queue_name
 from scheduler_core.policy import LIMITS, Policy, Strategy
 from scheduler_core.registry import DEFAULT_MAX_QUEUES, QueueFinder, register_queue
-from scheduler_core.snapshot import Rates, queue_snapshot, shown_queues
+from scheduler_core.snapshot import Rates, readable_snapshots, shown_queues
 
 STATIC = Path(__file__).parent / "static"
 MAX_IDS = 1000  # dead-letter ids per action call
@@ -53,10 +53,12 @@ class Feed:
         try:
             queues, left_out = shown_queues(self._client, self._only, self.max_queues,
                                             self._finder)
-            snaps = [self._rates.update(queue_snapshot(self._client, q)) for q in queues]
+            read, unreadable = readable_snapshots(self._client, queues)
+            snaps = [self._rates.update(s) for s in read]
         except redis.RedisError as exc:  # the page says so, and keeps what it shows
             return orjson.dumps({"error": f"cannot read Redis: {exc}", "at": time.time()})
-        return orjson.dumps({"queues": snaps, "queues_left_out": left_out, "at": time.time()})
+        return orjson.dumps({"queues": snaps, "queues_left_out": left_out,
+                             "unreadable": unreadable, "at": time.time()})
 
     async def latest(self) -> bytes:
         async with self._lock:

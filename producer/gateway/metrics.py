@@ -9,8 +9,8 @@
   answer (with wait=true this includes queueing and the model).
 - `batchgate_gateway_waiting_requests`: submits now waiting for their result.
 - `batchgate_gateway_open_streams`: `"stream": true` answers now open, each holding one
-  reader of its request's partial results; one whose client hung up is closed within
-  one event loop turn (hotpath.py).
+  reader of its request's partial results; one whose client hung up is closed as soon
+  as the gateway reads the hang-up (hotpath.py).
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ recently seen; queues named explicitly (`--queue`) are always shown.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +32,7 @@ from typing import Any
 import redis
 import redis.asyncio
 
-from scheduler_core.keys import QUEUE_NAME, QueueKeys
+from scheduler_core.keys import QueueKeys
 from scheduler_core.shards import logical_queue
 
 SEEN_SUFFIX = "seen"
@@ -66,10 +67,8 @@ def queue_of(key: Any) -> str | None:
     if not (name.startswith(head) and name.endswith(tail)):
         return None
     queue = name[len(head):-len(tail)]
-    if not QUEUE_NAME.fullmatch(logical_queue(queue)):
-        return None
     try:
-        QueueKeys(queue)
+        QueueKeys(queue)  # a queue's name, or a shard's
     except ValueError:
         return None
     return queue
@@ -104,11 +103,14 @@ def _prune(client: Any, queues: list[str]) -> list[str]:
     for queue, value in zip(queues, seen, strict=True):
         if isinstance(value, Exception) or _int(value) >= cutoff:
             continue
-        if client.exists(*_lasting_keys(queue)):  # one slot: the queue's tag
-            register_queue(client, queue)
-        else:
+        if not client.exists(*_lasting_keys(queue)):  # one slot: the queue's tag
             gone.add(queue)
-            _forget_if_unseen_since(client, queue, value)
+        # A reader without SET/DEL on the marks (NOPERM) only skips the pruning.
+        with contextlib.suppress(redis.exceptions.NoPermissionError):
+            if queue in gone:
+                _forget_if_unseen_since(client, queue, value)
+            else:
+                register_queue(client, queue)
     return [q for q in queues if q not in gone]
 
 

@@ -76,7 +76,7 @@ assert set(POLICY_GAUGES) == set(LIMITS), "every policy knob is exported"
 
 @dataclass(frozen=True)
 class ExporterConfig:
-    queues: tuple[str, ...] = ()  # only these (registered or not); empty: the registry's
+    queues: tuple[str, ...] = ()  # only these (found or not); empty: those found
     max_queues: int = DEFAULT_MAX_QUEUES
     samples: int = DEFAULT_SAMPLES
 
@@ -273,8 +273,8 @@ def build_registry(client: redis.Redis, config: ExporterConfig) -> Any:
 @click.command("exporter")
 @redis_url_option
 @click.option("--queue", "queues", multiple=True,
-              help="Export only this queue, registered or not (repeat for more). "
-                   "Default: every queue in the registry.")
+              help="Export only this queue, found or not (repeat for more). "
+                   "Default: the most active queues found, up to --max-queues.")
 @env_option("--host", envvar="BATCHGATE_EXPORTER_HOST", default="0.0.0.0", show_default=True,
             help="Address to serve /metrics on.")
 @env_option("--port", envvar="BATCHGATE_EXPORTER_PORT", default=DEFAULT_PORT,
@@ -302,7 +302,7 @@ def exporter_command(redis_url: str, queues: tuple[str, ...], host: str, port: i
     client = connect(redis_url)
     server, thread = start_http_server(port, addr=host, registry=build_registry(client, config))
     log.info("exporter ready on http://%s:%d/metrics (%s)", host, port,
-             ", ".join(config.queues) if config.queues else "every registered queue")
+             ", ".join(config.queues) if config.queues else "the queues found")
     try:
         thread.join()
     except KeyboardInterrupt:

@@ -179,4 +179,6 @@ def test_the_gateway_releases_the_streams_of_clients_that_hung_up(
              interval=0.1)
     assert gauge(gateway.url, "batchgate_gateway_waiting_requests") == 0
     wait_for(lambda: blocked_readers() == 0, timeout=5)
-    assert time.monotonic() - hung_up < 5
+    released_s = time.monotonic() - hung_up
+    print(f"150 hung-up clients released in {released_s:.2f} s")
+    assert released_s < 5

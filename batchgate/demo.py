@@ -57,7 +57,6 @@ from scheduler_core.connection import connect
 from scheduler_core.errors import InvalidRequest, RequestFailed
 from scheduler_core.keys import QueueKeys
 from scheduler_core.ops.stats import queue_stats
-from scheduler_core.registry import QUEUES_KEY, forget_queues
 from scheduler_core.wire import Result
 
 STRATEGIES = ("fifo", "dynamic", "priority")
@@ -381,13 +380,11 @@ def redis_for_demo(redis_url: str | None) -> Iterator[tuple[str, str]]:
 
 
 def delete_queues(client: redis.Redis, prefix: str) -> int:
-    """Remove every key of the demo's queues (`{bg:<prefix>-...}`) and their entries in
-    the registry of queues, nothing else."""
+    """Remove every key of the demo's queues (`{bg:<prefix>-...}`, their marks for the
+    dashboard too), nothing else."""
     deleted = 0
     for key in client.scan_iter(match=f"{{bg:{prefix}-*", count=500):
         deleted += client.unlink(key)
-    forget_queues(client, [q.decode() for q in client.zrange(QUEUES_KEY, 0, -1)
-                           if q.decode().startswith(f"{prefix}-")])
     return deleted
 
 

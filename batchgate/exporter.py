@@ -2,11 +2,12 @@
 
 No consumer needs to run, so an autoscaler (KEDA, an HPA on external metrics) can start
 consumers from zero; and each queue is reported once, however many consumers serve it.
-The queues come from the registry (scheduler_core/registry.py) or from --queue. Every
-scrape reads Redis afresh: the registry, then one MULTI per queue (a consistent snapshot
-of that queue, with Redis' TIME; scheduler_core/ops/reading.py), for at most --max-queues
-queues and the newest --samples latency samples of each, within --scrape-timeout-s (a
-Redis that does not answer in time is reported down). Metric names: docs/observability.md.
+The queues come from --queue, or are found (scheduler_core/registry.py: a SCAN pass at
+most every 5 s, the --max-queues most active). Every scrape reads Redis afresh: one MULTI
+per queue (a consistent snapshot of that queue, with Redis' TIME;
+scheduler_core/ops/reading.py), with the newest --samples latency samples of each, within
+--scrape-timeout-s (a Redis that does not answer in time is reported down). Metric names:
+docs/observability.md.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import click
 import redis
 
 from scheduler_core.errors import InvalidRequest
-from scheduler_core.keys import CONSUMER_ALIVE_S, QUEUE_NAME, validate_queue_name
+from scheduler_core.keys import CONSUMER_ALIVE_S, validate_queue_name
 from scheduler_core.ops.options import env_option, redis_url_option
 from scheduler_core.ops.reading import (
     SAMPLES_READ,
@@ -35,12 +36,11 @@ from scheduler_core.ops.reading import (
 from scheduler_core.ops.scaling import scaling_signal
 from scheduler_core.ops.stats import delay_in_use
 from scheduler_core.policy import LIMITS, Policy, Priority
-from scheduler_core.registry import known_queues
+from scheduler_core.registry import DEFAULT_MAX_QUEUES, QueueFinder, shown_queues
 
 log = logging.getLogger("batchgate.exporter")
 
 DEFAULT_PORT = 9120
-DEFAULT_MAX_QUEUES = 100
 DEFAULT_SAMPLES = 1000
 # Well under Prometheus' default scrape_timeout (10 s), so that it receives redis_up 0.
 DEFAULT_SCRAPE_TIMEOUT_S = 5.0
@@ -82,7 +82,7 @@ assert set(POLICY_GAUGES) == set(LIMITS), "every policy knob is exported"
 
 @dataclass(frozen=True)
 class ExporterConfig:
-    queues: tuple[str, ...] = ()  # only these (registered or not); empty: the registry's
+    queues: tuple[str, ...] = ()  # only these (found or not); empty: those found
     max_queues: int = DEFAULT_MAX_QUEUES
     samples: int = DEFAULT_SAMPLES
     scrape_timeout_s: float = DEFAULT_SCRAPE_TIMEOUT_S
@@ -229,28 +229,19 @@ class QueueCollector:
 
     def __init__(self, client: redis.Redis, config: ExporterConfig):
         self.client, self.config = client, config
+        self.finder = QueueFinder(client)
         self._warned: set[str] = set()  # say once per problem, not once per scrape
         self._lock = threading.Lock()
         self._reader = Reader()
 
     def queues(self) -> tuple[list[str], int]:
-        """The queues to read this scrape, and how many more the cap left out."""
-        if self.config.queues:
-            names = sorted(set(self.config.queues))
-        else:
-            names = []
-            for name in known_queues(self.client):
-                if QUEUE_NAME.fullmatch(name):
-                    names.append(name)
-                else:
-                    self._warn(f"bad:{name}", "registry holds %r, not a queue name; skipped",
-                               name)
-            names.sort()
-        kept = names[:self.config.max_queues]
-        if len(names) > len(kept):
-            self._warn("cap", "%d queues registered, exporting the first %d by name "
-                       "(--max-queues)", len(names), len(kept))
-        return kept, len(names) - len(kept)
+        """The queues to read this scrape, and how many found ones the cap left out."""
+        names, left_out = shown_queues(self.client, list(self.config.queues),
+                                       self.config.max_queues, self.finder)
+        if left_out:
+            self._warn("cap", "%d more queues found than --max-queues; exporting the %d "
+                       "most active", left_out, len(names))
+        return names, left_out
 
     def policy(self, queue: str, reading: QueueReading) -> Policy | None:
         """The queue's stored policy; None if it has none, or one that does not parse
@@ -269,9 +260,9 @@ class QueueCollector:
         planner caches its answers per rate band, policy and cost model)."""
         try:
             families.add_scaling(queue, scaling_signal(self.client, queue))
-        except redis.RedisError:
+        except (redis.ConnectionError, redis.TimeoutError):
             raise
-        except Exception as exc:  # a planner failure drops these two, not the scrape
+        except Exception as exc:  # a planner failure (or a queue's bad key) drops these two
             self._warn(f"scaling:{queue}", "queue %r: recommended_consumers failed: %s",
                        queue, exc)
 
@@ -290,21 +281,28 @@ class QueueCollector:
                                "1 if the last scrape read Redis, else 0.")
         exported = GaugeMetricFamily("batchgate_exporter_queues", "Queues exported.")
         skipped = GaugeMetricFamily("batchgate_exporter_queues_skipped",
-                                    "Registered queues left out by --max-queues.")
+                                    "Queues found but left out by --max-queues.")
         families = Families()
 
-        def read() -> tuple[list[str], int]:
+        def read() -> tuple[list[str], int, int]:
+            unreadable = 0
             names, left_out = self.queues()
             for name in names:
-                reading = read_queue(self.client, name, self.config.samples)
+                try:
+                    reading = read_queue(self.client, name, self.config.samples)
+                except redis.ResponseError as exc:  # this queue's keys, not Redis: skip it
+                    self._warn(f"read:{name}", "queue %r not exported: %s", name, exc)
+                    unreadable += 1
+                    continue
                 families.add(name, reading, self.policy(name, reading))
                 self.add_scaling(families, name)
-            return names, left_out
+            return names, left_out, unreadable
 
         future = self._reader.submit(read)
         problem = None
         try:
-            names, left_out = future.result(timeout=self.config.scrape_timeout_s)
+            names, left_out, unreadable = future.result(
+                timeout=self.config.scrape_timeout_s)
         except TimeoutError:  # Redis hangs, or is too slow: the read goes on without us
             future.cancel()
             problem = f"no answer within {self.config.scrape_timeout_s:g} s"
@@ -316,7 +314,7 @@ class QueueCollector:
             yield up
             return
         up.add_metric([], 1)
-        exported.add_metric([], len(names))
+        exported.add_metric([], len(names) - unreadable)
         skipped.add_metric([], left_out)
         yield from families.all()
         seconds = GaugeMetricFamily("batchgate_exporter_scrape_seconds",
@@ -336,16 +334,17 @@ def build_registry(client: redis.Redis, config: ExporterConfig) -> Any:
 @click.command("exporter")
 @redis_url_option
 @click.option("--queue", "queues", multiple=True,
-              help="Export only this queue, registered or not (repeat for more). "
-                   "Default: every queue in the registry.")
+              help="Export only this queue, found or not (repeat for more). "
+                   "Default: the most active queues found, up to --max-queues.")
 @env_option("--host", envvar="BATCHGATE_EXPORTER_HOST", default="0.0.0.0", show_default=True,
             help="Address to serve /metrics on.")
 @env_option("--port", envvar="BATCHGATE_EXPORTER_PORT", default=DEFAULT_PORT,
             show_default=True, type=click.IntRange(1, 65535), help="Port to serve /metrics on.")
 @env_option("--max-queues", envvar="BATCHGATE_EXPORTER_MAX_QUEUES", default=DEFAULT_MAX_QUEUES,
             show_default=True, type=click.IntRange(1, 10_000),
-            help="Most queues read per scrape (the first by name); the rest are counted in "
-                 "batchgate_exporter_queues_skipped.")
+            help="Most queues read per scrape without --queue: the most active (requests "
+                 "waiting or running, then consumers, then last seen); the rest are counted "
+                 "in batchgate_exporter_queues_skipped.")
 @env_option("--samples", envvar="BATCHGATE_EXPORTER_SAMPLES", default=DEFAULT_SAMPLES,
             show_default=True, type=click.IntRange(1, MAX_SAMPLES),
             help="Newest latency samples per list the quantiles are taken from.")
@@ -369,7 +368,7 @@ def exporter_command(redis_url: str, queues: tuple[str, ...], host: str, port: i
     client = connect(redis_url)
     server, thread = start_http_server(port, addr=host, registry=build_registry(client, config))
     log.info("exporter ready on http://%s:%d/metrics (%s)", host, port,
-             ", ".join(config.queues) if config.queues else "every registered queue")
+             ", ".join(config.queues) if config.queues else "the queues found")
     try:
         thread.join()
     except KeyboardInterrupt:

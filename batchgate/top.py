@@ -14,6 +14,7 @@ from batchgate.present import NONE, WIDTH, ago, busy_first, delay_text, ms, spar
 from scheduler_core.compat import connect_checked
 from scheduler_core.ops.options import env_option, redis_url_option
 from scheduler_core.ops.snapshot import Rates, snapshot_all
+from scheduler_core.registry import DEFAULT_MAX_QUEUES, QueueFinder
 
 TEXT_COLUMNS = {"strategy", "delay in use", "batch sizes (newest 1,000)", "consumer", "host",
                 "device", "batch"}
@@ -101,15 +102,19 @@ def render(snaps: list[dict[str, Any]], height: int | None = None) -> Any:
 @click.command("top")
 @redis_url_option
 @env_option("--queue", "queues", envvar="BATCHGATE_QUEUE", multiple=True,
-            help="Show only this queue (repeat for more) [default: every registered queue].")
+            help="Show only this queue (repeat for more) [default: the most active queues "
+                 "found, up to --max-queues].")
 @click.option("--interval", type=click.FloatRange(0.1, 3600), default=1.0, show_default=True,
               help="Seconds between refreshes, 0.1-3600.")
 @click.option("--iterations", type=click.IntRange(1), default=None,
               help="Print this many refreshes, one after another, then exit [default: run "
                    "until Ctrl-C].")
 @click.option("--once", is_flag=True, help="Print one refresh and exit (--iterations 1).")
+@click.option("--max-queues", type=click.IntRange(1, 10_000), default=DEFAULT_MAX_QUEUES,
+              show_default=True, help="Most queues shown without --queue: the most active "
+                                      "(requests waiting or running, then consumers).")
 def top_command(redis_url: str, queues: tuple[str, ...], interval: float,
-                iterations: int | None, once: bool) -> None:
+                iterations: int | None, once: bool, max_queues: int) -> None:
     """Every queue's depth, rates, latencies, batch sizes and consumers, refreshed in place
     until Ctrl-C. Rates need two refreshes: the first shows "-"."""
     try:
@@ -121,13 +126,14 @@ def top_command(redis_url: str, queues: tuple[str, ...], interval: float,
     client = connect_checked(redis_url)
     rates = Rates()
     only = list(queues) or None
+    finder = QueueFinder(client)
 
     console = Console()
     if not console.is_terminal:  # to a file or a pipe: as wide as a terminal's WIDTH
         console = Console(width=max(WIDTH, console.width))
 
     def frame() -> Any:  # in place: as many lines as the terminal has
-        return render([rates.update(s) for s in snapshot_all(client, only)],
+        return render([rates.update(s) for s in snapshot_all(client, only, max_queues, finder)],
                       console.height if console.is_terminal else None)
 
     if once:

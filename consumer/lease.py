@@ -86,7 +86,7 @@ class LeaseKeeper:
         self._consumer, self._times, self._held = consumer, times, held
         self._on_policy, self._on_hung = on_policy, on_hung
         self._report = report
-        self._registered_at = float("-inf")  # last registration in batchgate:queues
+        self._registered_at = float("-inf")  # last mark of the queue as seen (registry.py)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="batchgate-lease", daemon=True)
         self._watched: Batch | None = None  # the batch in the model when last looked

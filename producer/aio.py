@@ -28,7 +28,7 @@ from scheduler_core.deadlines import expire_due_async
 from scheduler_core.policy import Priority
 from scheduler_core.registry import register_queue_async
 from scheduler_core.scripts import AsyncScriptPipeline, Scripts
-from scheduler_core.streams import READ_COUNT
+from scheduler_core.streams import READ_COUNT, START
 from scheduler_core.wire import Result, decode_result
 
 log = logging.getLogger("batchgate.producer")
@@ -84,12 +84,22 @@ class AsyncHandle:
         assert self._result is not None
         return self._result.unwrap()
 
-    async def stream(self, timeout: float | None = None) -> AsyncIterator[Any]:
+    async def stream(self, timeout: float | None = None,
+                     after: str | None = None) -> AsyncIterator[Any]:
         """As `Handle.stream`, an async iterator: `async for part in handle.stream()`."""
+        async with contextlib.aclosing(self.entries(timeout, after)) as entries:
+            async for _entry_id, event in entries:
+                yield event
+
+    async def entries(self, timeout: float | None = None,
+                      after: str | None = None) -> AsyncIterator[tuple[str, Any]]:
+        """As `Handle.entries`: `stream`'s events with their entry ids, from the entry
+        after `after`."""
         timeout = check_timeout(timeout)
         end = None if timeout is None else time.monotonic() + timeout
         hub = self._producer._stream_hub()
-        cursor, events = hub.open(self._producer.keys.stream(self.id))
+        reader = hub.open(self._producer.keys.stream(self.id), after or START)
+        cursor, events = reader
         if self._result is None:  # _resolve wakes the stream up (RESOLVED) from now on
             self._streams = [*(self._streams or ()), events]
         try:
@@ -114,7 +124,9 @@ class AsyncHandle:
                 if event is not RESOLVED:
                     yield event
         finally:
-            hub.close_stream(cursor.key)  # the reader delivers nothing more: the rest is ours
+            hub.close_stream(reader)  # the reader delivers nothing more: the rest is ours
+            if self._streams is not None:  # closed early: _resolve has nothing to wake
+                self._streams = [e for e in self._streams if e is not events] or None
         while not events.empty():
             event = events.get_nowait()
             if event is not RESOLVED:
@@ -124,8 +136,8 @@ class AsyncHandle:
             reply = await client.xread({cursor.key: cursor.last}, count=READ_COUNT)
             if not reply:
                 return
-            for event in cursor.feed(reply):
-                yield event
+            for entry in cursor.feed(reply):
+                yield entry
 
     async def cancel(self) -> CancelOutcome:
         """As `Handle.cancel`, awaitable."""

@@ -155,7 +155,7 @@ class ProducerBase(Generic[H]):
         self._deadlines: list[tuple[float, int, weakref.ref[H]]] = []
         self._deadline_seq = itertools.count()
         self._next_deadline: float | None = None
-        self._registered = False  # the queue in the registry (scheduler_core/registry.py)
+        self._registered = False  # the queue marked seen (scheduler_core/registry.py)
 
     def _prepare(self, payloads: Iterable[Any], priority: Any, deadline_ms: Any,
                  idempotency_keys: list[str | None] | None,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import queue
 import threading
@@ -42,7 +43,7 @@ from scheduler_core.deadlines import expire_due
 from scheduler_core.policy import Priority
 from scheduler_core.registry import register_queue
 from scheduler_core.scripts import ScriptPipeline, Scripts
-from scheduler_core.streams import READ_COUNT
+from scheduler_core.streams import READ_COUNT, START
 from scheduler_core.wire import Result, decode_result
 
 log = logging.getLogger("batchgate.producer")
@@ -160,18 +161,29 @@ class Handle:
         assert self._result is not None
         return self._result.unwrap()
 
-    def stream(self, timeout: float | None = None) -> Iterator[Any]:
+    def stream(self, timeout: float | None = None, after: str | None = None) -> Iterator[Any]:
         """The request's partial results as its model emits them (a model that streams,
         docs/streaming.md), in order; a `Restart` when the request starts over (drop the
         parts received so far: those after it are the new run's, from the first). The
         iteration ends once the result is in (then `result()` does not wait); a model
         that does not stream yields nothing. TimeoutError if the result has not arrived
         within `timeout` seconds (the request stays queued). The producer reads every
-        open stream with one XREAD on one connection (producer/streams.py)."""
+        open stream with one XREAD on one connection (producer/streams.py). Any number of
+        stream()s of one request may be open at once, each from the first part, or from
+        the one after the entry id `after` (see `entries`)."""
+        with contextlib.closing(self.entries(timeout, after)) as entries:
+            for _entry_id, event in entries:
+                yield event
+
+    def entries(self, timeout: float | None = None,
+                after: str | None = None) -> Iterator[tuple[str, Any]]:
+        """As `stream`, with each event's stream entry id: `(entry_id, event)`. Pass the
+        last id seen as `after` to resume a stream where a reader left it."""
         timeout = check_timeout(timeout)
         end = None if timeout is None else time.monotonic() + timeout
         hub = self._producer._stream_hub()
-        cursor, events = hub.open(self._producer.keys.stream(self.id))
+        reader = hub.open(self._producer.keys.stream(self.id), after or START)
+        cursor, events = reader
         with _RESOLVING:  # _resolve wakes the stream up (RESOLVED) from now on
             if self._result is None:
                 self._streams = [*(self._streams or ()), events]
@@ -197,7 +209,10 @@ class Handle:
                 if event is not RESOLVED:
                     yield event
         finally:
-            hub.close_stream(cursor.key)  # the reader delivers nothing more: the rest is ours
+            hub.close_stream(reader)  # the reader delivers nothing more: the rest is ours
+            with _RESOLVING:  # closed early: _resolve has nothing to wake
+                if self._streams is not None:
+                    self._streams = [e for e in self._streams if e is not events] or None
         while True:
             try:
                 event = events.get_nowait()

@@ -62,11 +62,12 @@ queues: shard 0 is the queue itself, shard i the queue `<queue>#<i>` with every 
 under its own tag `{bg:<queue>#<i>}` (so its own cluster slot). '#' is not allowed in a
 queue name a user gives, so shards never collide with other queues.
 
-The registry of queues (scheduler_core/registry.py) is one key outside every queue:
+How readers find queues (scheduler_core/registry.py): a key of each queue's own, found
+by SCAN; no key is shared between queues.
 
 | key                         | type   | holds                                                     |
 |-----------------------------|--------|-----------------------------------------------------------|
-| `batchgate:queues`          | zset   | queue name -> last seen (ms since the epoch)              |
+| `{bg:q}:seen`               | string | last seen (ms since the epoch), set by its users          |
 
 Bulk jobs (producer/bulk) keep their state outside any queue:
 
@@ -214,6 +215,11 @@ class QueueKeys:
     @property
     def consumers(self) -> str:
         return self._k("consumers")
+
+    @property
+    def seen(self) -> str:
+        """The queue's mark for readers that find queues (scheduler_core/registry.py)."""
+        return self._k("seen")
 
     @property
     def stats(self) -> str:

@@ -105,7 +105,7 @@ def test_registry_filter_cap_and_redis_down(redis_server, start_exporter):
     client = redis.Redis.from_url(redis_server.url)
     for name in ("qa", "qb", "qc"):
         register_queue(client, name)
-    client.zadd("batchgate:queues", {"not a queue {name}": 1})  # skipped, with a warning
+    client.set("{bg:not a queue}:seen", 1)  # like a mark, but no queue's: skipped
     # a policy written by hand that does not parse: the queue is exported without it
     client.hset(QueueKeys("qc").policy, mapping={"strategy": "fifo", "max_batch_size": "x"})
     every = scrape(start_exporter(redis_server.url))
@@ -118,9 +118,15 @@ def test_registry_filter_cap_and_redis_down(redis_server, start_exporter):
     assert {dict(labels)["queue"] for name, labels in only
             if name == "batchgate_queue_depth"} == {"qb", "unregistered"}
 
+    # The cap keeps the most active: qa has a request waiting, qc was seen after qb.
+    with Producer(redis_server.url, "qa") as producer:
+        producer.submit(1)
+    now_ms = int(time.time() * 1000)
+    client.set(QueueKeys("qb").seen, now_ms - 60_000)
+    client.set(QueueKeys("qc").seen, now_ms)
     capped = scrape(start_exporter(redis_server.url, "--max-queues", "2"))
     assert {dict(labels)["queue"] for name, labels in capped
-            if name == "batchgate_queue_depth"} == {"qa", "qb"}
+            if name == "batchgate_queue_depth"} == {"qa", "qc"}
     assert value(capped, "batchgate_exporter_queues_skipped") == 1
 
     nothing = f"redis://127.0.0.1:{free_port()}/0"  # no server there

@@ -21,7 +21,7 @@ from producer import AsyncProducer, Producer
 from scheduler_core import registry
 from scheduler_core.keys import QueueKeys
 from scheduler_core.ops.snapshot import Rates, queue_snapshot
-from scheduler_core.registry import QUEUES_KEY, known_queues, register_queue
+from scheduler_core.registry import known_queues, register_queue
 
 
 def test_consumers_producers_and_policy_set_register_their_queue(redis_server, queue,
@@ -44,9 +44,9 @@ def test_consumers_producers_and_policy_set_register_their_queue(redis_server, q
                                    "--queue", queue + "-s", "--max-batch-size", "8"])
     assert out.exit_code == 0, out.output
     assert known_queues(client) == sorted(queue + s for s in ("-a", "-c", "-p", "-s"))
-    # Found without KEYS or SCAN: one sorted set, scored by when each was last seen (ms).
-    seen = dict(client.zrange(QUEUES_KEY, 0, -1, withscores=True))
-    assert all(abs(score / 1000 - time.time()) < 60 for score in seen.values())
+    # Each queue's own mark, under its tag: when it was last seen (ms).
+    seen = [int(client.get(QueueKeys(queue + s).seen)) for s in ("-a", "-c", "-p", "-s")]
+    assert all(abs(ms / 1000 - time.time()) < 60 for ms in seen)
 
 
 def test_a_queue_with_no_keys_left_drops_out_after_stale_s_and_one_with_keys_stays(
@@ -56,12 +56,15 @@ def test_a_queue_with_no_keys_left_drops_out_after_stale_s_and_one_with_keys_sta
         producer.submit(1)  # keys stay: a pending request
     register_queue(client, queue + "-gone")  # no keys at all
     old = int((time.time() - registry.STALE_S - 60) * 1000)
-    client.zadd(QUEUES_KEY, {queue: old, queue + "-gone": old})
-    client.zadd(QUEUES_KEY, {"not a valid {name}": old})  # written by hand: never listed
+    for name in (queue, queue + "-gone"):
+        client.set(QueueKeys(name).seen, old)
+    # Keys that merely end like a mark (an idempotency key under a queue's tag): not queues.
+    client.set(QueueKeys(queue).idempotency("x}:seen"), "r1")
+    client.set("{bg:not a valid name}:seen", old)
     assert known_queues(client, prune=False) == [queue, queue + "-gone"]
     assert known_queues(client) == [queue]
-    assert client.zscore(QUEUES_KEY, queue) > old  # marked seen again: not checked again
-    assert client.zscore(QUEUES_KEY, queue + "-gone") is None
+    assert int(client.get(QueueKeys(queue).seen)) > old  # marked seen again: not checked again
+    assert client.get(QueueKeys(queue + "-gone").seen) is None
     # Recent and without keys (registered, nothing submitted yet): kept.
     register_queue(client, queue + "-new")
     assert known_queues(client) == [queue, queue + "-new"]
@@ -189,12 +192,11 @@ def test_rates_are_counted_over_the_window():
     assert got["rates"]["interval_s"] == 6.0 and got["rates"]["completed_per_s"] == 40 / 6
 
 
-def test_without_access_to_the_registry_everything_else_works(redis_server, queue,
-                                                             start_consumer):
+def test_a_user_confined_to_its_queue_registers_it(redis_server, queue, start_consumer):
     from test_security import acl_rule
 
     admin = redis_server.client()
-    rule = [r for r in acl_rule() if r != "~batchgate:queues"]  # the documented one, less it
+    rule = acl_rule(f"~{{bg:{queue}}}:*")  # the documented one-queue rule: no other key
     admin.execute_command("ACL", "SETUSER", "no-registry", "reset", *rule)
     url = f"redis://no-registry:s3cret-pw@127.0.0.1:{redis_server.port}/0"
     consumer = start_consumer(url, queue, "--model", "consumer.models:synthetic",
@@ -203,7 +205,7 @@ def test_without_access_to_the_registry_everything_else_works(redis_server, queu
         assert producer.submit({"i": 1}).result(timeout=15) == {"i": 1}
         with pytest.raises(Exception, match="synthetic failure"):
             producer.submit({"fail": True}).result(timeout=15)
-    assert known_queues(admin) == []  # not registered: NOPERM on batchgate:queues
+    assert known_queues(admin) == [queue]  # its mark is one of its own keys
     # The consumer's own figures are still published (its info hash, its failures).
     wait_for(lambda: queue_snapshot(admin, queue)["recent_failures"], 10, "the failure")
     assert queue_snapshot(admin, queue)["consumers"][0]["host"]

@@ -111,7 +111,7 @@ OPTIONAL_COMMANDS = ["client|setinfo"]
 
 def acl_rule(keys: str = "~{bg:*", optional: bool = False) -> list[str]:
     commands = ACL_COMMANDS + (OPTIONAL_COMMANDS if optional else [])
-    return ["on", ">s3cret-pw", "resetkeys", keys, "~batchgate:queues", "resetchannels", "-@all",
+    return ["on", ">s3cret-pw", "resetkeys", keys, "resetchannels", "-@all",
             *(f"+{c}" for c in commands)]
 
 

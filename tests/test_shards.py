@@ -31,6 +31,7 @@ from scheduler_core.deadletter import list_dead
 from scheduler_core.keys import QueueKeys
 from scheduler_core.ops.snapshot import queue_snapshot
 from scheduler_core.ops.stats import queue_stats
+from scheduler_core.registry import known_queues
 from scheduler_core.shards import shard_name
 from scheduler_core.wire import CANCELLED
 
@@ -85,9 +86,9 @@ def test_requests_spread_over_shards_are_answered_exactly_once(
                          check=True)
     assert json.loads(out.stdout)["processed"] == 60
     assert json.loads(out.stdout)["policy"]["shards"] == S
-    # the registry lists the logical queue only
-    assert client.zscore("batchgate:queues", queue) is not None
-    assert client.zscore("batchgate:queues", shard_name(queue, 1)) is None
+    # readers list the logical queue only
+    found = known_queues(client)
+    assert queue in found and shard_name(queue, 1) not in found
     # the live view (dashboard, top): each consumer once, batches from every shard
     wait_for(lambda: sum(c["requests"] for c in queue_snapshot(client, queue)["consumers"])
              == 60, 10, "every shard's requests in the consumers' totals")

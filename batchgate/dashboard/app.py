@@ -27,9 +27,9 @@ from scheduler_core.admin import read_policy, store_policy
 from scheduler_core.deadletter import purge, retry
 from scheduler_core.errors import BatchgateError, InvalidRequest
 from scheduler_core.keys import validate_queue_name
-from scheduler_core.ops.snapshot import Rates, snapshot_all
+from scheduler_core.ops.snapshot import Rates, readable_snapshots, shown_queues
 from scheduler_core.policy import LIMITS, Policy, Strategy
-from scheduler_core.registry import register_queue
+from scheduler_core.registry import DEFAULT_MAX_QUEUES, QueueFinder, register_queue
 
 STATIC = Path(__file__).parent / "static"
 MAX_IDS = 1000  # dead-letter ids per action call
@@ -38,11 +38,15 @@ SNAPSHOT_SLOT = '<script id="snapshot" type="application/json">null</script>'
 
 
 class Feed:
-    """The snapshot of every queue, shared by all viewers: read from Redis at most once
-    per `interval_s`, whatever the number of open pages."""
+    """The snapshot of the queues shown (at most `max_queues` found ones, the most active:
+    scheduler_core/registry.py), shared by all viewers: read from Redis at most once per
+    `interval_s`, whatever the number of open pages; `queues_left_out` counts the others."""
 
-    def __init__(self, client: redis.Redis, interval_s: float, only: list[str] | None):
+    def __init__(self, client: redis.Redis, interval_s: float, only: list[str] | None,
+                 max_queues: int = DEFAULT_MAX_QUEUES):
         self._client, self.interval_s, self._only = client, interval_s, only
+        self.max_queues = max_queues
+        self._finder = QueueFinder(client)
         self._rates = Rates()
         self._lock = asyncio.Lock()
         self._at = float("-inf")
@@ -50,11 +54,14 @@ class Feed:
 
     def _read(self) -> bytes:
         try:
-            snaps = busy_first([for_people(self._rates.update(s))
-                                for s in snapshot_all(self._client, self._only)])
+            queues, left_out = shown_queues(self._client, self._only, self.max_queues,
+                                            self._finder)
+            read, unreadable = readable_snapshots(self._client, queues)
+            snaps = busy_first([for_people(self._rates.update(s)) for s in read])
         except redis.RedisError as exc:  # the page says so, and keeps what it shows
             return orjson.dumps({"error": f"cannot read Redis: {exc}", "at": time.time()})
-        return orjson.dumps({"queues": snaps, "at": time.time()})
+        return orjson.dumps({"queues": snaps, "queues_left_out": left_out,
+                             "unreadable": unreadable, "at": time.time()})
 
     async def latest(self) -> bytes:
         async with self._lock:
@@ -72,11 +79,12 @@ def _error(status: int, message: str, field: str | None = None) -> JSONResponse:
 
 
 def create_app(client: redis.Redis, token: str | None = None, interval_s: float = 0.5,
-               only: list[str] | None = None, root_path: str = "") -> FastAPI:
+               only: list[str] | None = None, root_path: str = "",
+               max_queues: int = DEFAULT_MAX_QUEUES) -> FastAPI:
     # No trailing-slash redirects: their Location would be built from the Host header.
     app = FastAPI(title="batchgate dashboard", root_path=root_path, docs_url=None,
                   redoc_url=None, openapi_url=None, redirect_slashes=False)
-    feed = Feed(client, interval_s, only)
+    feed = Feed(client, interval_s, only, max_queues)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
 
     @app.middleware("http")

@@ -8,12 +8,14 @@ import click
 from scheduler_core.compat import connect_checked
 from scheduler_core.keys import validate_queue_name
 from scheduler_core.ops.options import env_option, redis_url_option
+from scheduler_core.registry import DEFAULT_MAX_QUEUES
 
 
 @click.command("dashboard")
 @redis_url_option
 @env_option("--queue", "queues", envvar="BATCHGATE_QUEUE", multiple=True,
-            help="Show only this queue (repeat for more) [default: every registered queue].")
+            help="Show only this queue (repeat for more) [default: the most active queues "
+                 "found, up to --max-queues].")
 @env_option("--host", envvar="BATCHGATE_DASHBOARD_HOST", default="127.0.0.1",
             show_default=True, help="Address to listen on (0.0.0.0 in a container).")
 @env_option("--port", envvar="BATCHGATE_DASHBOARD_PORT", type=click.IntRange(0, 65535),
@@ -30,9 +32,13 @@ from scheduler_core.ops.options import env_option, redis_url_option
               help="Seconds between updates of the page, 0.1-60.")
 @click.option("--access-log/--no-access-log", default=False, show_default=True,
               help="Log one line per HTTP request.")
+@env_option("--max-queues", envvar="BATCHGATE_DASHBOARD_MAX_QUEUES",
+            default=DEFAULT_MAX_QUEUES, show_default=True, type=click.IntRange(1, 10_000),
+            help="Most queues shown without --queue: the most active (requests waiting or "
+                 "running, then consumers, then last seen); the page counts the others.")
 def dashboard_command(redis_url: str, queues: tuple[str, ...], host: str, port: int,
                       token: str | None, root_path: str, interval: float,
-                      access_log: bool) -> None:
+                      access_log: bool, max_queues: int) -> None:
     """Serve a live web page of every queue (depth, rates, latencies, batch sizes,
     consumers, dead letters, failures). Read-only unless --token is given."""
     try:
@@ -50,7 +56,7 @@ def dashboard_command(redis_url: str, queues: tuple[str, ...], host: str, port: 
         validate_queue_name(queue, "--queue")
     client = connect_checked(redis_url)
     app = create_app(client, token=token, interval_s=interval, only=list(queues) or None,
-                     root_path=root_path)
+                     root_path=root_path, max_queues=max_queues)
     click.echo(f"batchgate dashboard on http://{host}:{port}{root_path}/ "
                f"({'actions allowed with the token' if token else 'read-only'})", err=True)
     uvicorn.run(app, host=host, port=port, access_log=access_log, log_level="warning")

@@ -14,6 +14,7 @@ both use `error_answer`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import math
 import re
@@ -34,6 +35,7 @@ from producer.gateway.schemas import (
     state_body,
 )
 from scheduler_core.errors import InvalidRequest, QueueFull, RequestFailed
+from scheduler_core.streams import check_entry_id
 from scheduler_core.wire import Restart, lost_result
 
 if TYPE_CHECKING:
@@ -66,10 +68,44 @@ class ApiError(Exception):
         self.headers = headers or {}
 
 
-def sse(event: str, data: Any) -> dict[str, Any]:
-    """One server-sent event as an ASGI body message (more to come)."""
+def sse(event: str, data: Any, entry_id: str | None = None) -> dict[str, Any]:
+    """One server-sent event as an ASGI body message (more to come); `entry_id`, the
+    stream entry's id, is what a client sends back as Last-Event-ID to resume."""
+    head = b"" if entry_id is None else b"id: " + entry_id.encode() + b"\n"
     return {"type": "http.response.body", "more_body": True,
-            "body": b"event: " + event.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"}
+            "body": head + b"event: " + event.encode() + b"\ndata: " + orjson.dumps(data) +
+            b"\n\n"}
+
+
+async def disconnected(receive: Receive) -> None:
+    """Returns once the client has gone (its body is read already): uvicorn's send() stays
+    silent after a hang-up, so a long answer learns of it only here."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_gone(work: Awaitable[Any], receive: Receive) -> asyncio.Future[Any] | None:
+    """Run `work` until it ends, or until the client hangs up (then it is cancelled, which
+    closes what it holds, and None is returned); else its finished task (`.result()`
+    returns its value or raises its error)."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(disconnected(receive))
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+        await asyncio.gather(task, gone, return_exceptions=True)
+    return None if task.cancelled() else task
+
+
+def last_event_id(scope: Scope) -> str | None:
+    """The Last-Event-ID header (a stream entry id the gateway sent), checked."""
+    value = header(scope, b"last-event-id")
+    if value is None:
+        return None
+    return check_entry_id(value.decode("latin-1").strip(), "Last-Event-ID")
 
 
 def not_found(request_id: str) -> ApiError:
@@ -200,22 +236,34 @@ class HotPath:
             raise not_found(request_id)
         return state_answer(state)
 
-    async def stream(self, handle: Any, timeout_s: float, send: Send) -> None:
-        """`"stream": true`: server-sent events, `part`/`restart` as they come, then the
-        final `result`, `error` or `timeout` with the request's state."""
+    async def stream(self, handle: Any, timeout_s: float, after: str | None,
+                     receive: Receive, send: Send) -> None:
+        """`"stream": true`: server-sent events, `part`/`restart` as they come (each with
+        its stream entry id, from the one after `after`), then the final `result`,
+        `error` or `timeout` with the request's state. A client that hangs up ends it
+        at once: its stream reader is closed."""
         await send({"type": "http.response.start", "status": 200, "headers": [
             (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
             (b"x-request-id", handle.id.encode())]})
-        waiting = self.metrics.waiting
+        relayed = await unless_gone(self.relay(handle, timeout_s, after, send), receive)
+        if relayed is not None:
+            relayed.result()  # raises what the relay raised
+
+    async def relay(self, handle: Any, timeout_s: float, after: str | None,
+                    send: Send) -> None:
+        """The events of `stream`, while the client is there."""
+        waiting, streams = self.metrics.waiting, self.metrics.streams
         waiting.inc()
+        streams.inc()
         final = "timeout"
         try:
             try:
-                async for event in handle.stream(timeout=timeout_s):
-                    if isinstance(event, Restart):
-                        await send(sse("restart", {"restart": event.attempt}))
-                    else:
-                        await send(sse("part", event))
+                async with contextlib.aclosing(handle.entries(timeout_s, after)) as entries:
+                    async for entry_id, event in entries:
+                        if isinstance(event, Restart):
+                            await send(sse("restart", {"restart": event.attempt}, entry_id))
+                        else:
+                            await send(sse("part", event, entry_id))
             except TimeoutError:
                 pass
             except redis.RedisError as exc:  # the answer has begun: the final event says it
@@ -236,15 +284,18 @@ class HotPath:
                     {"id": handle.id, "status": "queued"}
         finally:
             waiting.dec()
+            streams.dec()
         await send({**sse(final, state), "more_body": False})
 
     async def submit(self, scope: Scope, receive: Receive, send: Send) -> Answer | None:
         """POST /v1/requests: 202 with the id, or with `wait` the request's state once it
-        is done or `timeout_s` passed; with `stream`, server-sent events (sent here)."""
+        is done or `timeout_s` passed; with `stream`, server-sent events (sent here). A
+        client that hangs up while it waits is let go at once (the request goes on)."""
         body = await read_body(receive)
         if body is None:
             return None  # the client left
         submit = await self.parse(scope, body)
+        after = last_event_id(scope) if submit.stream else None
         scope[WAIT] = submit.wait or submit.stream
         gateway = self.gateway()
         try:
@@ -255,15 +306,17 @@ class HotPath:
         except QueueFull as exc:
             raise queue_full(exc) from None
         if submit.stream:
-            await self.stream(handle, submit.timeout_s, send)
+            await self.stream(handle, submit.timeout_s, after, receive, send)
             return None
         if not submit.wait:
             return state_answer({"id": handle.id, "status": "queued"})
         waiting = self.metrics.waiting
         waiting.inc()
         try:
-            value = await handle.result(timeout=submit.timeout_s)
-            return 200, {"id": handle.id, "status": "done", "result": value}, []
+            waited = await unless_gone(handle.result(timeout=submit.timeout_s), receive)
+            if waited is None:
+                return None  # the client left: nobody to answer
+            return 200, {"id": handle.id, "status": "done", "result": waited.result()}, []
         except (TimeoutError, RequestFailed):
             pass  # still waiting, or failed/expired/cancelled: its stored state says which
         finally:

@@ -8,6 +8,9 @@
 - `batchgate_gateway_submit_seconds{wait,status}`: `POST /v1/requests`, from receipt to
   answer (with wait=true this includes queueing and the model).
 - `batchgate_gateway_waiting_requests`: submits now waiting for their result.
+- `batchgate_gateway_open_streams`: `"stream": true` answers now open, each holding one
+  reader of its request's partial results; one whose client hung up is closed as soon
+  as the gateway reads the hang-up (hotpath.py).
 """
 
 from __future__ import annotations
@@ -51,6 +54,9 @@ class GatewayMetrics:
         self.waiting = Gauge(
             "batchgate_gateway_waiting_requests", "Submits now waiting for their result.",
             registry=self.registry)
+        self.streams = Gauge(
+            "batchgate_gateway_open_streams",
+            "Streaming answers (server-sent events) now open.", registry=self.registry)
 
     def exposition(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

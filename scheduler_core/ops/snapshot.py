@@ -16,7 +16,7 @@ from scheduler_core.connection import slot_owner
 from scheduler_core.deadletter import list_dead
 from scheduler_core.keys import QueueKeys
 from scheduler_core.ops.stats import queue_stats
-from scheduler_core.registry import known_queues
+from scheduler_core.registry import DEFAULT_MAX_QUEUES, QueueFinder, shown_queues
 from scheduler_core.shards import physical_queues
 
 BATCH_SAMPLES_READ = 1000  # the batch-size histogram covers the newest this many batches
@@ -142,10 +142,26 @@ def _read_shard(client: redis.Redis, keys: QueueKeys, failures_shown: int) -> di
     }
 
 
-def snapshot_all(client: redis.Redis, only: list[str] | None = None) -> list[dict[str, Any]]:
-    """The snapshot of every registered queue (or of `only`, registered or not)."""
-    queues = only if only else known_queues(client)
-    return [queue_snapshot(client, queue) for queue in queues]
+def snapshot_all(client: redis.Redis, only: list[str] | None = None,
+                 max_queues: int = DEFAULT_MAX_QUEUES,
+                 finder: QueueFinder | None = None) -> list[dict[str, Any]]:
+    """The snapshot of each queue `shown_queues` names that can be read."""
+    queues, _ = shown_queues(client, only, max_queues, finder)
+    return readable_snapshots(client, queues)[0]
+
+
+def readable_snapshots(client: redis.Redis,
+                       queues: list[str]) -> tuple[list[dict[str, Any]], list[str]]:
+    """The snapshots of `queues`, and the queues whose keys could not be read (one of the
+    wrong type, written by hand or by that queue's own users): those are left out, the
+    others shown. Redis unreachable still raises."""
+    snaps, unreadable = [], []
+    for queue in queues:
+        try:
+            snaps.append(queue_snapshot(client, queue))
+        except redis.ResponseError:
+            unreadable.append(queue)
+    return snaps, unreadable
 
 
 class Rates:

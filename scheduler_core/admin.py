@@ -3,6 +3,7 @@ statistics, and where a request is."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -19,6 +20,7 @@ from scheduler_core.keys import QueueKeys
 from scheduler_core.load import rate_from
 from scheduler_core.policy import LIMITS, Policy, Priority
 from scheduler_core.reading import CONSUMER_ALIVE_S, quantile, read_queue
+from scheduler_core.registry import register_queue
 from scheduler_core.scripts import Scripts, configure_keys
 from scheduler_core.shards import (
     physical_queues,
@@ -51,6 +53,19 @@ def store_policy(client: redis.Redis, queue: str, policy: Policy, replace: bool)
             _configure(client, name, stored, replace=True)  # also un-retires a re-added one
         return stored
     return _configure(client, queue, policy, replace)
+
+
+def change_policy(client: redis.Redis, queue: str,
+                  changes: dict[str, Any]) -> tuple[Policy | None, Policy]:
+    """The one way a user changes a stored policy (`policy set`, `plan --apply`, the
+    dashboard): `changes` applied to the stored policy by Policy.changed, stored, and the
+    queue registered. Returns (the policy before, the policy stored)."""
+    current = read_policy(client, queue)
+    stored = store_policy(client, queue, (current or Policy()).changed(**changes),
+                          replace=True)
+    with contextlib.suppress(redis.ResponseError):  # an ACL limited to the queue's keys
+        register_queue(client, queue)
+    return current, stored
 
 
 def _retire_dropped_shards(client: redis.Redis, queue: str, shards: int) -> None:

@@ -7,6 +7,30 @@ local function now_us()
   return tonumber(t[1]) * 1000000 + tonumber(t[2])
 end
 
+-- The queue's clock (µs), which every script of a queue reads instead of TIME: TIME plus
+-- the stats field clock_offset_us, raised whenever TIME falls behind the latest time the
+-- queue showed (stats clock_seen_us) or the last arrival score issued (the clock key).
+-- A backward step of the server's clock (an NTP step, failover to a host whose clock
+-- lags) would otherwise leave every score written before it in the future: new arrivals
+-- due only after step + delay, waits, aging, leases and deadlines late by the step. So
+-- the queue's clock never goes back: after a step it runs on at TIME's rate from where it
+-- was. A forward step is kept (nothing tells it from time passing): what waits ages by it.
+local function queue_now(clock, stats)
+  local t = now_us()
+  local kept = redis.call('HMGET', stats, 'clock_offset_us', 'clock_seen_us')
+  local offset = tonumber(kept[1]) or 0
+  local now = t + offset
+  local latest = math.max(tonumber(kept[2]) or 0, tonumber(redis.call('GET', clock)) or 0)
+  if now < latest then
+    offset, now = latest - t, latest
+    redis.call('HSET', stats, 'clock_offset_us', string.format('%d', offset),
+               'clock_seen_us', string.format('%d', now))
+  else
+    redis.call('HSET', stats, 'clock_seen_us', string.format('%d', now))
+  end
+  return now
+end
+
 -- An integer argument in [lo, hi] written as plain decimal digits, else nil. tonumber()
 -- alone accepts 'nan', 'inf', '1e300', '0x1f' and '1.5', which would reach a command
 -- (EX, ZADD, LIMIT) and fail half-way through a script, after some of its writes.

@@ -15,19 +15,30 @@ end
 -- due only after step + delay, waits, aging, leases and deadlines late by the step. So
 -- the queue's clock never goes back: after a step it runs on at TIME's rate from where it
 -- was. A forward step is kept (nothing tells it from time passing): what waits ages by it.
-local function queue_now(clock, stats)
-  local t = now_us()
-  local kept = redis.call('HMGET', stats, 'clock_offset_us', 'clock_seen_us')
-  local offset = tonumber(kept[1]) or 0
-  local now = t + offset
-  local latest = math.max(tonumber(kept[2]) or 0, tonumber(redis.call('GET', clock)) or 0)
-  if now < latest then
-    offset, now = latest - t, latest
+-- `later`: the caller may still refuse its arguments (then it writes nothing), and calls
+-- note_clock() once it writes.
+local unnoted  -- what queue_now read and note_clock has not written: {stats, now, offset}
+local function note_clock()
+  if not unnoted then return end
+  local stats, now, offset = unnoted[1], unnoted[2], unnoted[3]
+  unnoted = nil
+  if offset then
     redis.call('HSET', stats, 'clock_offset_us', string.format('%d', offset),
                'clock_seen_us', string.format('%d', now))
   else
     redis.call('HSET', stats, 'clock_seen_us', string.format('%d', now))
   end
+end
+
+local function queue_now(clock, stats, later)
+  local t = now_us()
+  local kept = redis.call('HMGET', stats, 'clock_offset_us', 'clock_seen_us')
+  local now = t + (tonumber(kept[1]) or 0)
+  local latest = math.max(tonumber(kept[2]) or 0, tonumber(redis.call('GET', clock)) or 0)
+  local raised  -- the new offset, where TIME stepped back
+  if now < latest then raised, now = latest - t, latest end
+  unnoted = {stats, now, raised}
+  if not later then note_clock() end
   return now
 end
 

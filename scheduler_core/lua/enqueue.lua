@@ -137,7 +137,7 @@ local costed = (tonumber(rules[6]) or 0) > 0 or (rules[7] and rules[7] ~= '')
 local bounds = parse_buckets(rules[7]) or {}
 local timeouts = read_timeouts(policy)
 if not timeouts then return {-3, 'policy'} end
-local now = queue_now(clock, stats)
+local now = queue_now(clock, stats, true)  -- noted once it writes (pass 2)
 
 local pending = {pending_high, pending_normal, pending_low}
 local depth = {redis.call('ZCARD', pending_high), redis.call('ZCARD', pending_normal),
@@ -215,6 +215,7 @@ if limit > 0 and live + fresh > limit then
 end
 
 -- Pass 2: write.
+note_clock()
 local first_deadline = redis.call('ZRANGE', deadlines, 0, 0, 'WITHSCORES')[2]
 first_deadline = first_deadline and tonumber(first_deadline) or math.huge
 local given = {}  -- the deadline each request got, ms

@@ -92,11 +92,12 @@ local mode = ARGV[1]
 if mode ~= 'list' and mode ~= 'expire' then return {-3, 'mode'} end
 local timeouts = read_timeouts(policy)
 if not timeouts then return {-3, 'policy'} end
-local now = queue_now(clock, stats)
+local now = queue_now(clock, stats, true)  -- noted once the arguments are checked
 
 if mode == 'list' then
   local limit = int_arg(ARGV[2], 1, 1000)
   if not limit or #ARGV ~= 2 then return {-3, 'limit'} end
+  note_clock()
   local due = redis.call('ZRANGEBYSCORE', deadlines, '-inf', int(now), 'LIMIT', 0, limit)
   local reply = {int(now), 0, 0}
   if timeouts.on_timeout == 'delay' then
@@ -126,6 +127,7 @@ local ttl_arg = int_arg(ARGV[2], 1, 315360000)
 if not ttl_arg then return {-3, 'result_ttl_s'} end
 local n = int_arg(ARGV[3], 1, 1000)
 if not n or #ARGV ~= 3 + 2 * n or #KEYS ~= 33 + 2 * n then return {-3, 'n'} end
+note_clock()
 -- The queue's current result_ttl_s, as the consumers use it, not the caller's copy.
 local ttl = int_arg(redis.call('HGET', policy, 'result_ttl_s'), 1, 315360000) or ttl_arg
 local expired, moved = 0, 0

@@ -104,8 +104,11 @@ CLOCK_OFFSET, CLOCK_SEEN = "clock_offset_us", "clock_seen_us"
 
 
 def queue_clock_us(time_reply: Any, offset: Any) -> int:
-    """The queue's clock (µs) from a TIME reply read beside its stats offset (None: 0)."""
-    return int(time_reply[0]) * 1_000_000 + int(time_reply[1]) + int(offset or 0)
+    """The queue's clock (µs) from a TIME reply read beside its stats offset (None, or a
+    value written by hand that is not plain digits: 0, as queue_now reads it)."""
+    text = offset.decode() if isinstance(offset, bytes) else str(offset or 0)
+    return int(time_reply[0]) * 1_000_000 + int(time_reply[1]) + \
+        (int(text) if text.isdigit() and len(text) < 16 else 0)
 
 
 SHARED_KEYS = ("policy", "pending_high", "pending_normal", "pending_low", "jobs", "meta",

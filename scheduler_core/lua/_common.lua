@@ -30,11 +30,19 @@ local function note_clock()
   end
 end
 
+-- A stored clock value in µs; 0 for none or for one written by hand (not a number, nan,
+-- negative, or beyond 2^53).
+local function clock_value(s)
+  local n = tonumber(s)
+  if n and n >= 0 and n < 9007199254740992 then return math.floor(n) end
+  return 0
+end
+
 local function queue_now(clock, stats, later)
   local t = now_us()
   local kept = redis.call('HMGET', stats, 'clock_offset_us', 'clock_seen_us')
-  local now = t + (tonumber(kept[1]) or 0)
-  local latest = math.max(tonumber(kept[2]) or 0, tonumber(redis.call('GET', clock)) or 0)
+  local now = t + clock_value(kept[1])
+  local latest = math.max(clock_value(kept[2]), clock_value(redis.call('GET', clock)))
   local raised  -- the new offset, where TIME stepped back
   if now < latest then raised, now = latest - t, latest end
   unnoted = {stats, now, raised}

@@ -51,7 +51,7 @@ class Item:
     trace: dict[str, str] | None = None  # the producer's trace context, when traced
     cost: int = 1  # as enqueued: capped to max_cost under over_cost=truncate
     requested: int = 1  # the cost its producer asked for (> cost when capped)
-    deadline_us: int = 0  # Redis' clock, as the batch's popped_us; 0 = none
+    deadline_us: int = 0  # on the queue's clock, as the batch's popped_us; 0 = none
 
 
 @dataclass
@@ -63,14 +63,16 @@ class Batch:
     # (answers known before the model runs, [(item, decoded payload)]), once decoded
     prepared: tuple[Answers, list[tuple[Item, Any]]] | None = field(default=None, repr=False)
     span: Any = field(default=None, repr=False)  # its open span, when traced (tracing.py)
-    # time.monotonic() when the pop's reply was read: with popped_us, Redis' clock now
+    # time.monotonic() when the pop's reply was read (a pop sent ahead: when it was sent,
+    # as its reply may wait unread for a model run); with popped_us, the queue's clock now
     received_s: float = field(default_factory=time.monotonic, repr=False)
 
     def past_deadline(self) -> list[Item]:
         """Its requests to run whose deadline has passed since the pop (the pop answers
-        those past it then). Redis' clock is not read again: the time since the reply
-        arrived, on this host's monotonic clock, is added to the pop's `popped_us`. That
-        errs late by the reply's transit, never early, and no clock step moves it."""
+        those past it then). The queue's clock is not read again: the time since
+        `received_s`, on this host's monotonic clock, is added to the pop's `popped_us`.
+        That errs by at most the pop's round trip (late from the reply, early from the
+        send), and no clock step moves it."""
         now_us = self.popped_us + (time.monotonic() - self.received_s) * 1e6
         return [item for item in self.items
                 if item.state is Outcome.RUN and 0 < item.deadline_us <= now_us]

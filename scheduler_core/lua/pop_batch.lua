@@ -37,7 +37,7 @@ KEYS[5]  {bg:q}:jobs        hash  id -> "<meta>|<envelope>" (read only: the deli
                                   progress is the stored attempts + 1)
 KEYS[7]  {bg:q}:clock       string last arrival score issued (the queue's clock: queue_now)
 KEYS[8]  {bg:q}:marker      zset  wake-up marker
-KEYS[9]  {bg:q}:stats       hash  counters
+KEYS[9]  {bg:q}:stats       hash  counters; the queue's clock (clock_offset_us, clock_seen_us)
 KEYS[10] {bg:q}:inflight    zset  batch id -> lease deadline (µs)
 KEYS[11] {bg:q}:owner       hash  id -> batch id
 KEYS[12] {bg:q}:batches     hash  batch id -> "consumer|ids"

@@ -13,8 +13,10 @@ end
 -- A backward step of the server's clock (an NTP step, failover to a host whose clock
 -- lags) would otherwise leave every score written before it in the future: new arrivals
 -- due only after step + delay, waits, aging, leases and deadlines late by the step. So
--- the queue's clock never goes back: after a step it runs on at TIME's rate from where it
--- was. A forward step is kept (nothing tells it from time passing): what waits ages by it.
+-- the queue's clock never goes back: after a step it runs on from where it was, 1% slower
+-- than TIME until the offset is repaid (100 x the step), so that a later forward step
+-- (the clock set right again) finds little of it left to add. A forward step is kept
+-- (nothing tells it from time passing): what waits ages by it.
 -- `later`: the caller may still refuse its arguments (then it writes nothing), and calls
 -- note_clock() once it writes.
 local unnoted  -- what queue_now read and note_clock has not written: {stats, now, offset}
@@ -22,7 +24,7 @@ local function note_clock()
   if not unnoted then return end
   local stats, now, offset = unnoted[1], unnoted[2], unnoted[3]
   unnoted = nil
-  if offset then
+  if offset then  -- raised, or repaid in part
     redis.call('HSET', stats, 'clock_offset_us', string.format('%d', offset),
                'clock_seen_us', string.format('%d', now))
   else
@@ -41,11 +43,14 @@ end
 local function queue_now(clock, stats, later)
   local t = now_us()
   local kept = redis.call('HMGET', stats, 'clock_offset_us', 'clock_seen_us')
-  local now = t + clock_value(kept[1])
-  local latest = math.max(clock_value(kept[2]), clock_value(redis.call('GET', clock)))
-  local raised  -- the new offset, where TIME stepped back
-  if now < latest then raised, now = latest - t, latest end
-  unnoted = {stats, now, raised}
+  local offset, seen = clock_value(kept[1]), clock_value(kept[2])
+  local stored = offset
+  local passed = t + offset - seen  -- on the queue's clock, since its last call
+  if offset > 0 and passed > 0 then offset = math.max(0, offset - math.floor(passed / 100)) end
+  local now = t + offset
+  local latest = math.max(seen, clock_value(redis.call('GET', clock)))
+  if now < latest then offset, now = latest - t, latest end  -- TIME stepped back
+  unnoted = {stats, now, offset ~= stored and offset or nil}
   if not later then note_clock() end
   return now
 end

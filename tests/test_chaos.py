@@ -94,9 +94,12 @@ def test_consumers_sigkilled_under_load(redis_server, queue, start_consumer, tmp
         # (the batches hash says so), not whenever the timer fires. Kills go on past the
         # load until one landed (10 tries at most), so that a re-queue is surely tested.
         tries = 0
-        while not stop.wait(kill_every) or (not landed and tries < 10):
+        while not (stop.is_set() and (landed or tries >= 10)):
+            time.sleep(kill_every)
             tries += stop.is_set()
             alive = [c for c in consumers if c.proc.poll() is None]
+            if not alive:
+                continue
             victim = rng.choice(alive)
             if not wait_holding(client, queue, victim.proc.pid, kill_every):
                 continue

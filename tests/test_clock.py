@@ -3,16 +3,23 @@ the queue's clock (lua/_common.lua, queue_now) never goes back, so a batch waits
 longer than max_queue_delay_ms, leases and deadlines keep their length, and waits are
 measured from where the clock was.
 
-The step is simulated by the state it leaves behind: the queue's last arrival score (the
-`{bg:q}:clock` key, and the latest time the queue showed) ahead of the server's TIME. A
-real step of a private redis-server's clock under libfaketime was tried: Debian's
-libfaketime 0.9.10 aborts redis-server at start (recursive clock_gettime from jemalloc)."""
+A real step: a private redis-server whose wall clock a small LD_PRELOAD shim shifts
+(helpers/clockstep.c, built with the system's C compiler; libfaketime aborts
+redis-server at start), stepped back 20 s while a consumer serves it. The same step is
+also simulated by the state it leaves behind (the queue's last arrival score, the
+`{bg:q}:clock` key, ahead of the server's TIME) for the scripts alone and the Python twin."""
 
 from __future__ import annotations
 
+import os
 import random
+import shutil
+import subprocess
 import time
+from pathlib import Path
 
+import pytest
+from helpers.processes import RedisServer
 from helpers.support import configure
 
 from producer import Producer
@@ -116,3 +123,44 @@ def test_a_clock_written_by_hand_is_read_as_none(shared_redis, queue):
             reply = scripts.pop_batch(keys=pop_keys(keys), args=["c1", 60_000])
             assert reply[4].decode() == handle.id, (bad, reply)
             assert t0 - 1_000_000 <= int(reply[1]) <= server_us(client), bad
+
+
+@pytest.fixture
+def stepped_redis(tmp_path, monkeypatch):
+    """(server, step): a private redis-server whose wall clock `step(us)` shifts by us."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler to build helpers/clockstep.c")
+    shim, offset = tmp_path / "clockstep.so", tmp_path / "offset_us"
+    subprocess.run([compiler, "-shared", "-fPIC", "-O2", "-o", str(shim),
+                    str(Path(__file__).parent / "helpers" / "clockstep.c")], check=True)
+    offset.write_text("0")
+    with monkeypatch.context() as env:  # for the server only, not the consumers
+        env.setenv("LD_PRELOAD", str(shim))
+        env.setenv("CLOCKSTEP_FILE", str(offset))
+        server = RedisServer()
+    assert "LD_PRELOAD" not in os.environ or os.environ["LD_PRELOAD"] != str(shim)
+    yield server, lambda us: offset.write_text(str(us))
+    server.close()
+
+
+def test_a_real_backward_step_of_the_server_clock(stepped_redis, queue, start_consumer):
+    server, step = stepped_redis
+    client = server.client()
+    start_consumer(server.url, queue, "--model", "consumer.models:noop", "--strategy",
+                   "dynamic", "--max-batch-size", "8", "--max-queue-delay-ms", "20")
+    with Producer(server.url, queue) as p:
+        assert p.submit({"before": 1}).result(timeout=15)
+        before = server_us(client)
+        step(-STEP_US)
+        assert server_us(client) < before - STEP_US / 2  # the server's clock went back
+        took = []
+        for i in range(3):
+            sent = time.monotonic()
+            assert p.submit({"after": i}, deadline_ms=2000).result(timeout=30) == {"after": i}
+            took.append(time.monotonic() - sent)
+    print(f"\nafter a real {STEP_US / 1e6:.0f} s backward step: answered in "
+          f"{', '.join(f'{t * 1000:.0f}' for t in took)} ms")
+    assert max(took) < 0.02 + SLACK_S
+    offset = int(client.hget(QueueKeys(queue).stats, CLOCK_OFFSET))
+    assert STEP_US * 0.9 <= offset <= STEP_US  # what the queue's clock absorbed

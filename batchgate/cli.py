@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import logging
 import sys
@@ -24,7 +23,7 @@ from scheduler_core.ops.options import (
     queue_option,
     redis_url_option,
 )
-from scheduler_core.policy import Policy, Strategy, delay_fields
+from scheduler_core.policy import Policy
 
 LAZY_COMMANDS = {
     "consumer": "consumer.cli:consumer_command",
@@ -142,22 +141,10 @@ def policy_set(redis_url: str, queue: str, **kwargs: Any) -> None:
     """Replace the policy: given values override the stored ones. Consumers apply it from
     their next batch on. Switching --strategy without --max-batch-size also resets
     max_batch_size to the new strategy's default (fifo: 1, others: 32)."""
-    from scheduler_core.admin import read_policy, store_policy
-    from scheduler_core.registry import register_queue
+    from scheduler_core.admin import change_policy
 
-    client = connect_checked(redis_url)
     values = {k: v for k, v in policy_values(kwargs).items() if v is not None}
-    current = read_policy(client, queue)
-    merged: dict[str, Any] = current.to_dict() if current else {}
-    if (current is not None and "strategy" in values and "max_batch_size" not in values
-            and Strategy(values["strategy"]) is not current.strategy):
-        del merged["max_batch_size"]  # Policy.build supplies the new strategy's default
-    if "max_queue_delay_ms" in values:  # a number means fixed; "auto" keeps the stored one
-        values.update(delay_fields(values.pop("max_queue_delay_ms")))
-    merged.update(values)
-    stored = store_policy(client, queue, Policy.build(**merged), replace=True)
-    with contextlib.suppress(redis.ResponseError):  # an ACL limited to the queue's keys
-        register_queue(client, queue)
+    current, stored = change_policy(connect_checked(redis_url), queue, values)
     if current is not None and stored.max_batch_size != current.max_batch_size \
             and "max_batch_size" not in values:
         click.echo(f"max_batch_size: {current.max_batch_size} -> {stored.max_batch_size}, "

@@ -174,14 +174,13 @@ def plan_command(rate: float, slo_p99_ms: float, slo_high_p99_ms: float | None, 
                 "max_consumers": max_consumers, "queue": queue, "applied": False})
     if apply:
         if answer.feasible and answer.best is not None and client is not None:
-            from scheduler_core.admin import read_policy, store_policy
+            from scheduler_core.admin import change_policy
 
-            current = read_policy(client, queue) or Policy()  # type: ignore[arg-type]
             best = answer.best.policy
-            merged = {**current.to_dict(), "strategy": best.strategy.value,
-                      "max_batch_size": best.max_batch_size,
-                      "max_queue_delay_ms": best.max_queue_delay_ms, **cost_knobs}
-            store_policy(client, queue, Policy.build(**merged), replace=True)  # type: ignore[arg-type]
+            change_policy(client, queue, {"strategy": best.strategy.value,
+                                          "max_batch_size": best.max_batch_size,
+                                          "max_queue_delay_ms": best.max_queue_delay_ms,
+                                          **cost_knobs})
             out["applied"] = True
         else:
             click.echo("nothing applied: no configuration meets the target", err=True)

@@ -40,7 +40,7 @@ from scheduler_core.auto_delay import (
     read_cost_model,
 )
 from scheduler_core.connection import slot_owner
-from scheduler_core.keys import CONSUMER_ALIVE_S, QueueKeys
+from scheduler_core.keys import CLOCK_OFFSET, CONSUMER_ALIVE_S, QueueKeys, queue_clock_us
 from scheduler_core.load import rate_from
 from scheduler_core.policy import Policy, Strategy
 
@@ -126,7 +126,8 @@ class DelayKeeper:
             pipe.hgetall(self._keys.arrivals)
             pipe.hgetall(self._keys.cost_model)
             pipe.zrange(self._keys.consumers, 0, -1, withscores=True)
-            (now_s, now_us), counts, raw_cost, beats = pipe.execute()
+            pipe.hget(self._keys.stats, CLOCK_OFFSET)  # heartbeats are on the queue's clock
+            (now_s, now_us), counts, raw_cost, beats, offset = pipe.execute()
             now_s, now_us = int(now_s), int(now_us)
             rate = rate_from(counts, now_s, RATE_WINDOW_S)
             partial = partial_rate(counts, now_s, now_us)
@@ -135,7 +136,7 @@ class DelayKeeper:
             cap = self._cap
             if cap is not None and now < cap[1]:
                 rate = min(rate, max(cap[0], partial or 0.0))
-            alive_after = (now_s - CONSUMER_ALIVE_S) * 1e6 + now_us
+            alive_after = queue_clock_us((now_s, now_us), offset) - CONSUMER_ALIVE_S * 1e6
             consumers = max(1, sum(1 for _, beat in beats if beat >= alive_after))
             cost = read_cost_model(raw_cost) or fit_samples(list(self._samples))
             self._inputs = (cost, consumers)

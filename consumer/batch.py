@@ -7,6 +7,7 @@ pop).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +51,7 @@ class Item:
     trace: dict[str, str] | None = None  # the producer's trace context, when traced
     cost: int = 1  # as enqueued: capped to max_cost under over_cost=truncate
     requested: int = 1  # the cost its producer asked for (> cost when capped)
+    deadline_us: int = 0  # on the queue's clock, as the batch's popped_us; 0 = none
 
 
 @dataclass
@@ -61,6 +63,19 @@ class Batch:
     # (answers known before the model runs, [(item, decoded payload)]), once decoded
     prepared: tuple[Answers, list[tuple[Item, Any]]] | None = field(default=None, repr=False)
     span: Any = field(default=None, repr=False)  # its open span, when traced (tracing.py)
+    # time.monotonic() when the pop's reply was read (a pop sent ahead: when it was sent,
+    # as its reply may wait unread for a model run); with popped_us, the queue's clock now
+    received_s: float = field(default_factory=time.monotonic, repr=False)
+
+    def past_deadline(self) -> list[Item]:
+        """Its requests to run whose deadline has passed since the pop (the pop answers
+        those past it then). The queue's clock is not read again: the time since
+        `received_s`, on this host's monotonic clock, is added to the pop's `popped_us`.
+        That errs by at most the pop's round trip (late from the reply, early from the
+        send), and no clock step moves it."""
+        now_us = self.popped_us + (time.monotonic() - self.received_s) * 1e6
+        return [item for item in self.items
+                if item.state is Outcome.RUN and 0 < item.deadline_us <= now_us]
 
 
 @dataclass(frozen=True)
@@ -116,7 +131,8 @@ def parse_pop(reply: list[Any]) -> Batch | Idle | ExpireDue:
     state_of, run = POPPED_STATES.get, Outcome.RUN  # an Enum lookup per item is slow
     for i in range(4, len(reply), 5):
         rid, raw, attempts, state, level = reply[i:i + 5]
-        arrival, producer, cost, requested, envelope = delivered_job(raw)
+        arrival, producer, cost, requested, envelope, deadline = delivered_job(raw)
         items.append(Item(rid.decode(), envelope, arrival, attempts, producer,
-                          state_of(state, run), level, cost=cost, requested=requested))
+                          state_of(state, run), level, cost=cost, requested=requested,
+                          deadline_us=deadline))
     return Batch(str(head), int(reply[1]), items, remaining=int(reply[3]))

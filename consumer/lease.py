@@ -29,7 +29,7 @@ import redis
 
 from consumer.batch import Batch
 from scheduler_core.deadlines import expire_due
-from scheduler_core.keys import QueueKeys
+from scheduler_core.keys import CLOCK_OFFSET, QueueKeys, queue_clock_us
 from scheduler_core.registry import REGISTER_EVERY_S, register_queue
 from scheduler_core.scripts import ScriptPipeline, Scripts, extend_lease_keys, requeue_keys
 
@@ -134,11 +134,11 @@ class LeaseKeeper:
         elif sweep.next_in_s is not None:
             self._deadline_at = now + sweep.next_in_s
 
-    def _arm(self, first: list[Any], redis_now: tuple[int, int]) -> None:
-        """Arm for the earliest deadline read with a renewal (zrange with scores)."""
+    def _arm(self, first: list[Any], now_us: int) -> None:
+        """Arm for the earliest deadline read with a renewal (zrange with scores), at the
+        queue's clock `now_us`."""
         if not first:
             return
-        now_us = redis_now[0] * 1_000_000 + redis_now[1]
         at = time.monotonic() + max(0.0, (first[0][1] - now_us) / 1e6)
         if self._deadline_at is None or at < self._deadline_at:
             self._deadline_at = at
@@ -250,6 +250,7 @@ class LeaseKeeper:
         pipe.command("hgetall", self._keys.policy)
         pipe.command("zrange", self._keys.deadlines, 0, 0, False, True)  # with scores
         pipe.command("time")
+        pipe.command("hget", self._keys.stats, CLOCK_OFFSET)
         replies = pipe.execute()
-        self._arm(replies[-2], replies[-1])
-        return int(replies[0]) != 0, replies[-3]
+        self._arm(replies[-3], queue_clock_us(replies[-2], replies[-1]))
+        return int(replies[0]) != 0, replies[-4]

@@ -267,8 +267,15 @@ class Worker:
     def _send_fetch(self) -> SentFetch:
         """The next pop sent now, read and decoded later: Redis pops while this thread
         works on the batch before."""
+        sent_s = time.monotonic()
         sent = SentScript(self.redis, *self._pop_call())
-        return SentFetch(sent.ready, lambda: self._decoded(self._parse(sent.reply())))
+
+        def receive() -> Next:
+            step = self._parse(sent.reply())
+            if isinstance(step, Batch):  # its reply may have waited unread for a model run
+                step.received_s = sent_s
+            return self._decoded(step)
+        return SentFetch(sent.ready, receive)
 
     def _decoded(self, outcome: Next) -> Next:
         if isinstance(outcome, Batch):
@@ -370,8 +377,7 @@ class Worker:
                     early[item.id] = (Outcome.DEAD_LETTER, encode_error(
                         item.id, "MalformedRequest", f"stored request is unreadable: {exc}"))
             elif item.state is Outcome.EXPIRED:
-                early[item.id] = (Outcome.EXPIRED, encode_error(
-                    item.id, DEADLINE, "deadline passed before a consumer ran it"))
+                early[item.id] = _expired(item)
             else:
                 early[item.id] = (Outcome.DEAD_LETTER, encode_error(
                     item.id, "DeadLettered", f"gave up after {item.attempts - 1} deliveries "
@@ -385,6 +391,8 @@ class Worker:
             self.delay.observe(batch)
         early, runnable = batch.prepared or self._prepare(batch)
         batch.prepared = None
+        if self.policy is None or self.policy.on_timeout == "reject":
+            runnable = self._drop_past_deadline(batch, early, runnable)
         self.batches_done += 1
         self.requests_done += len(batch.items)
         overlap = self._overlap
@@ -420,6 +428,19 @@ class Worker:
         if reply is not None:
             return self._parse(reply)
         return POP_NOW if batch.remaining else IDLE_UNTIL_WOKEN
+
+    def _drop_past_deadline(self, batch: Batch, early: Answers,
+                            runnable: list[tuple[Item, Any]]) -> list[tuple[Item, Any]]:
+        """A batch held since its pop (fetched ahead, sent for, or behind a slow
+        completion) may hold requests whose deadline passed meanwhile: they do not run,
+        and are answered DeadlineExceeded with the batch's other early answers (through
+        complete.lua, fenced by the batch id: once)."""
+        late = batch.past_deadline()
+        if not late:
+            return runnable
+        for item in late:
+            early[item.id] = _expired(item)
+        return [(item, payload) for item, payload in runnable if item.id not in early]
 
     def _shape(self, runnable: list[tuple[Item, Any]]) -> Shape:
         """(size, cost units) of the model's batch, by which its time is expected."""
@@ -692,6 +713,11 @@ class Worker:
             if batches:
                 log.warning("re-queued %d requests of %d batches whose lease expired",
                             requeued, batches)
+
+
+def _expired(item: Item) -> tuple[Outcome, bytes]:
+    return Outcome.EXPIRED, encode_error(item.id, DEADLINE,
+                                         "deadline passed before a consumer ran it")
 
 
 def _describe(exc: BaseException) -> str:

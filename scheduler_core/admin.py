@@ -4,6 +4,7 @@ the tooling's (scheduler_core/ops/stats.py)."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +18,7 @@ from scheduler_core.connection import (
 from scheduler_core.errors import InvalidPolicy, PolicyConflict
 from scheduler_core.keys import QueueKeys
 from scheduler_core.policy import Policy
+from scheduler_core.registry import register_queue
 from scheduler_core.scripts import Scripts, configure_keys
 from scheduler_core.shards import (
     physical_queues,
@@ -49,6 +51,19 @@ def store_policy(client: redis.Redis, queue: str, policy: Policy, replace: bool)
             _configure(client, name, stored, replace=True)  # also un-retires a re-added one
         return stored
     return _configure(client, queue, policy, replace)
+
+
+def change_policy(client: redis.Redis, queue: str,
+                  changes: dict[str, Any]) -> tuple[Policy | None, Policy]:
+    """The one way a user changes a stored policy (`policy set`, `plan --apply`, the
+    dashboard): `changes` applied to the stored policy by Policy.changed, stored, and the
+    queue registered. Returns (the policy before, the policy stored)."""
+    current = read_policy(client, queue)
+    stored = store_policy(client, queue, (current or Policy()).changed(**changes),
+                          replace=True)
+    with contextlib.suppress(redis.ResponseError):  # an ACL limited to the queue's keys
+        register_queue(client, queue)
+    return current, stored
 
 
 def _retire_dropped_shards(client: redis.Redis, queue: str, shards: int) -> None:

@@ -33,6 +33,7 @@ then the script's per-call keys (result:<id>, inbox:<producer>, idem:<key>).
 | `{bg:q}:wake:<consumer>`    | zset   | a consumer's private wake-up key (its own due timer)      |
 | `{bg:q}:consumers`          | zset   | consumer name -> last heartbeat (µs)                      |
 | `{bg:q}:stats`              | hash   | counters: processed, failed, batches, ...                 |
+|                             |        | and the queue's clock: clock_offset_us, clock_seen_us     |
 | `{bg:q}:samples:wait`       | list   | newest 10,000 queue waits (µs)                            |
 | `{bg:q}:samples:e2e`        | list   | newest 10,000 enqueue-to-result times (µs)                |
 | `{bg:q}:samples:model`      | list   | newest 10,000 batches as "size:model_us"                  |
@@ -82,6 +83,7 @@ from __future__ import annotations
 import functools
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from scheduler_core.errors import InvalidRequest
 from scheduler_core.policy import MAX_COST_BUCKETS
@@ -100,6 +102,19 @@ CONSUMER_ALIVE_S = 5.0
 # of each name. A script's per-call keys come after them.
 BUCKET_MARKERS = tuple(f"bucket_marker_{b}" for b in range(1, MAX_COST_BUCKETS + 2))
 BUCKET_SETS = tuple(f"bucket_set_{b}" for b in range(1, MAX_COST_BUCKETS + 2))
+# Fields of {bg:q}:stats that make the queue's clock, which the scripts read instead of
+# TIME (lua/_common.lua, queue_now): TIME + offset never runs behind the time last seen.
+CLOCK_OFFSET, CLOCK_SEEN = "clock_offset_us", "clock_seen_us"
+
+
+def queue_clock_us(time_reply: Any, offset: Any) -> int:
+    """The queue's clock (µs) from a TIME reply read beside its stats offset (None, or a
+    value written by hand that is not plain digits: 0, as queue_now reads it)."""
+    text = offset.decode() if isinstance(offset, bytes) else str(offset or 0)
+    return int(time_reply[0]) * 1_000_000 + int(time_reply[1]) + \
+        (int(text) if text.isdigit() and len(text) < 16 else 0)
+
+
 SHARED_KEYS = ("policy", "pending_high", "pending_normal", "pending_low", "jobs", "meta",
                "clock", "marker", "stats", "inflight", "owner", "batches", "seq", "consumers",
                "dead", "dead_reason", "wait_samples", "e2e_samples", "model_samples",

@@ -206,6 +206,22 @@ class Policy:
             values.setdefault("max_batch_size", DEFAULT_FIFO_BATCH_SIZE)
         return cls(strategy=strat, **values)
 
+    def changed(self, **changes: Any) -> Policy:
+        """This policy with `changes` (given values only; None = keep), as every policy
+        change applies them (`policy set`, `plan --apply`, the dashboard): a new strategy
+        without max_batch_size gets that strategy's default batch size;
+        max_queue_delay_ms="auto" switches delay_mode to auto (the stored fixed delay is
+        kept), a number switches it to fixed."""
+        values = {k: v for k, v in changes.items() if v is not None}
+        merged = self.to_dict()
+        if ("strategy" in values and "max_batch_size" not in values
+                and Strategy(values["strategy"]) is not self.strategy):
+            del merged["max_batch_size"]  # Policy.build supplies the new strategy's default
+        if "max_queue_delay_ms" in values:  # "auto" keeps the stored fixed delay
+            values = {**delay_fields(values.pop("max_queue_delay_ms")), **values}
+        merged.update(values)
+        return Policy.build(**merged)
+
     def to_dict(self) -> dict[str, Any]:
         """As JSON values: numbers as numbers (to_redis has strings, as Redis stores them)."""
         return {**asdict(self), "strategy": self.strategy.value}

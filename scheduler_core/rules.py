@@ -374,3 +374,20 @@ def apply(levels: Sequence[MutableSequence[Request]], decision: Decision) -> Non
             else:  # costs on: a bucket's requests, others left between them
                 for request in reversed(requests):
                     del levels[level][bisect.bisect_left(levels[level], request)]
+
+
+def queue_clock(time_us: int, offset_us: int, seen_us: int, last_arrival_us: int
+                ) -> tuple[int, int]:
+    """The `now_us` every script of a queue works with (lua/_common.lua's queue_now), and
+    the offset it leaves stored: Redis' TIME plus the queue's offset, raised so that the
+    clock never runs behind the latest time it showed nor the last arrival score issued
+    (a backward step of TIME is absorbed; the clock runs on from where it was), and
+    repaid at 1% of the time passed."""
+    passed = time_us + offset_us - seen_us
+    if offset_us > 0 and passed > 0:
+        offset_us = max(0, offset_us - passed // 100)
+    now = time_us + offset_us
+    latest = max(seen_us, last_arrival_us)
+    if now < latest:
+        return latest, latest - time_us
+    return now, offset_us

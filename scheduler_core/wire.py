@@ -290,17 +290,18 @@ def split_job(raw: bytes) -> tuple[JobMeta | None, bytes]:
                    int(r) if r else cost), raw[m.end():]
 
 
-def delivered_job(raw: bytes) -> tuple[int, str, int, int, bytes]:
+def delivered_job(raw: bytes) -> tuple[int, str, int, int, bytes, int]:
     """A jobs value as pop_batch.lua delivers it: (arrival_us, producer, cost, requested,
-    envelope); split_job's fields without its JobMeta, for the consumer's hot path. A value
-    without meta (pop_batch gives a hand-written one a meta of its own) reads as arrival
-    0, no producer, cost 1, and the whole value as its envelope."""
+    envelope, deadline_us); split_job's fields without its JobMeta, for the consumer's hot
+    path. A value without meta (pop_batch gives a hand-written one a meta of its own) reads
+    as arrival 0, no producer, cost 1, the whole value as its envelope and no deadline."""
     m = _JOB_META.match(raw)
     if m is None:
-        return 0, "", 1, 1, raw
-    _, a, _, _, _, producer, c, r = m.groups()
+        return 0, "", 1, 1, raw, 0
+    _, a, d, _, _, producer, c, r = m.groups()
     cost = int(c) if c else 1
-    return int(a), producer.decode(), cost, int(r) if r else cost, raw[m.end():]
+    return (int(a), producer.decode(), cost, int(r) if r else cost, raw[m.end():],
+            0 if d == b"0" else int(d))
 
 
 def format_job(meta: JobMeta, envelope: bytes) -> bytes:

@@ -257,3 +257,14 @@ def test_a_window_that_stays_nearly_empty_drops_the_delay_at_once(shared_redis):
     assert keeper.delay_ms == delay
     keeper.observe(batch(size=1, waited_ms=delay))
     assert keeper.delay_ms == 0
+
+
+def test_every_policy_change_applies_a_delay_the_same_way():
+    # Policy.changed is what `policy set`, `plan --apply` and the dashboard all apply.
+    auto = Policy.build("dynamic", max_queue_delay_ms="auto", slo_p99_ms=60)
+    fixed = auto.changed(max_queue_delay_ms=5, max_batch_size=8)
+    assert (fixed.delay_mode, fixed.max_queue_delay_ms, fixed.max_batch_size) == ("fixed", 5, 8)
+    again = fixed.changed(max_queue_delay_ms="auto")
+    assert (again.delay_mode, again.max_queue_delay_ms) == ("auto", 5)
+    assert auto.changed(aging_ms=100).delay_mode == "auto"  # other knobs leave the mode
+    assert fixed.changed(strategy="fifo").max_batch_size == 1  # the new strategy's default

@@ -16,7 +16,14 @@ import time
 
 import pytest
 import redis
-from helpers.failure_support import CountingProducer, executions, start, wait_for
+from helpers.failure_support import (
+    CountingProducer,
+    batches_held,
+    executions,
+    start,
+    wait_for,
+    wait_holding,
+)
 from helpers.processes import RedisServer
 
 from scheduler_core.keys import QueueKeys
@@ -78,15 +85,28 @@ def test_consumers_sigkilled_under_load(redis_server, queue, start_consumer, tmp
                        sleep_ms=60)]
     consumers += [start(start_consumer, url, queue, "Echo", "--lease-ms", "1000",
                         log=tmp_path, sleep_ms=60) for _ in range(2)]
-    stop, kills = threading.Event(), []
+    stop, kills, landed = threading.Event(), [], []
     rng = random.Random(0)
+    client = redis_server.client()
 
     def chaos() -> None:
-        while not stop.wait(kill_every):
+        # Each kill lands on a batch in flight: the victim is killed once it holds one
+        # (the batches hash says so), not whenever the timer fires. Kills go on past the
+        # load until one landed (10 tries at most), so that a re-queue is surely tested.
+        tries = 0
+        while not (stop.is_set() and (landed or tries >= 10)):
+            time.sleep(kill_every)
+            tries += stop.is_set()
             alive = [c for c in consumers if c.proc.poll() is None]
+            if not alive:
+                continue
             victim = rng.choice(alive)
+            if not wait_holding(client, queue, victim.proc.pid, kill_every):
+                continue
             victim.kill()
             kills.append(victim.proc.pid)
+            if batches_held(client, queue, victim.proc.pid):  # dead: held until re-queued
+                landed.append(victim.proc.pid)
             consumers.append(start(start_consumer, url, queue, "Echo", "--lease-ms", "1000",
                                    ready=False, log=tmp_path, sleep_ms=60))
 
@@ -98,8 +118,8 @@ def test_consumers_sigkilled_under_load(redis_server, queue, start_consumer, tmp
             handles = submit_paced(p, n, rate)
         finally:
             stop.set()
-            killer.join()
         check_exactly_once(p, handles, n, timeout=60 + n / 100)
+        killer.join()
     elapsed = time.monotonic() - began
     s = queue_stats(redis_server.client(), queue)
     runs = executions(tmp_path)
@@ -108,7 +128,7 @@ def test_consumers_sigkilled_under_load(redis_server, queue, start_consumer, tmp
           f"requeued {s.requeued}, re-executed {rerun}, processed {s.processed}, failed "
           f"{s.failed}, dead {s.dead_letters}; e2e p50/p99 {s.end_to_end_ms['p50']}/"
           f"{s.end_to_end_ms['p99']} ms")
-    assert len(kills) >= 3
+    assert len(kills) >= 3 and landed, (kills, landed)
     assert (s.processed, s.failed, s.dead_letters) == (n, 0, 0)
     assert s.requeued > 0  # crashes hit batches in flight, which were retried
     assert len(runs) == n and rerun <= s.requeued

@@ -397,3 +397,31 @@ def test_the_page_is_complete_without_the_live_feed(shared_redis, queue, dashboa
                 assert re.fullmatch(r"[\d,]+", plot.locator(".y-top").inner_text())
         finally:
             browser.close()
+
+
+def test_the_policy_action_on_an_auto_queue_applies_the_delay_posted(shared_redis, queue):
+    # The dashboard's action is the same change as `policy set`: a number for
+    # max_queue_delay_ms switches an auto queue to that fixed delay, "auto" back again
+    # (the fixed delay kept). The app in-process, against a real Redis.
+    from fastapi.testclient import TestClient
+
+    from batchgate.dashboard.app import create_app
+    from scheduler_core.admin import read_policy, store_policy
+    from scheduler_core.policy import Policy
+
+    client = shared_redis.client()
+    store_policy(client, queue, Policy.build("dynamic", max_queue_delay_ms="auto",
+                                             slo_p99_ms=60), replace=True)
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    with TestClient(create_app(client, token=TOKEN)) as http:
+        url = f"/api/queues/{queue}/policy"
+        answer = http.post(url, json={"max_queue_delay_ms": 7}, headers=auth)
+        assert answer.status_code == 200, answer.text
+        assert (answer.json()["policy"]["delay_mode"],
+                answer.json()["policy"]["max_queue_delay_ms"]) == ("fixed", 7)
+        stored = read_policy(client, queue)
+        assert (stored.delay_mode, stored.max_queue_delay_ms) == ("fixed", 7)
+        back = http.post(url, json={"max_queue_delay_ms": "auto"}, headers=auth)
+        assert back.status_code == 200, back.text
+        stored = read_policy(client, queue)
+        assert (stored.delay_mode, stored.max_queue_delay_ms) == ("auto", 7)

@@ -371,3 +371,26 @@ def test_each_expiry_is_answered_exactly_once(shared_redis, queue, start_consume
     assert all(seen[h.id] == 1 for h in handles), Counter(seen[h.id] for h in handles)
     assert queue_stats(client, queue).expired == 300
     assert model.payloads() == [{"sleep_ms": 3000}]
+
+
+def test_a_request_fetched_ahead_does_not_run_once_its_deadline_has_passed(
+        shared_redis, queue, start_consumer, tmp_path):
+    """fifo, batch 1: W (50 ms) teaches the consumer a batch's time, so behind W and A
+    (3 s) it fetches B (deadline 500 ms) ahead ~50 ms into A. B's deadline passes in the
+    consumer's hands: it must not run, and is answered DeadlineExceeded, once."""
+    model = RecordingModel(tmp_path)
+    model.start(start_consumer, shared_redis.url, queue, "--strategy", "fifo")
+    client, keys = shared_redis.client(), QueueKeys(queue)
+    with Producer(shared_redis.url, queue) as p:
+        w = p.submit({"sleep_ms": 50})  # the consumer learns the shape's time
+        a = p.submit({"sleep_ms": 3000})
+        b = p.submit({"B": 1}, deadline_ms=500)
+        # The precondition, made true rather than hoped for: B is popped (owned by a
+        # batch, out of the deadlines set) while A still runs.
+        wait_for(lambda: client.hexists(keys.owner, b.id), 2.5, "B to be fetched ahead")
+        assert client.zscore(keys.deadlines, b.id) is None and not a.done()
+        with pytest.raises(DeadlineExceeded):
+            b.result(timeout=15)
+        assert a.result(timeout=15) == {"sleep_ms": 3000} and w.result(timeout=1)
+    assert {"B": 1} not in model.payloads()
+    assert queue_stats(client, queue).expired == 1

@@ -163,3 +163,20 @@ def test_apply_stores_the_cost_settings_planned_with(shared_redis, queue):
     assert stored is not None
     assert (stored.cost_buckets, stored.cost_mode, stored.max_queue_size) == ("32", "padded", 500)
     assert stored.max_batch_size == out["policy"]["max_batch_size"]
+
+
+def test_apply_on_an_auto_queue_stores_the_fixed_delay_it_prints(shared_redis, queue):
+    # Every policy change goes through admin.change_policy: a planned delay is a fixed
+    # one, so an `auto` queue switches to fixed (consumers stop deriving their own).
+    client = shared_redis.client()
+    from scheduler_core.admin import store_policy
+    store_policy(client, queue, Policy.build("dynamic", max_queue_delay_ms="auto",
+                                             slo_p99_ms=80), replace=True)
+    out = plan("--rate", "1500", "--slo-p99-ms", "80", "--cost-ms", "4+0.25*b", "--queue",
+               queue, "--redis-url", shared_redis.url, "--apply")
+    assert out["feasible"] and out["applied"] is True
+    stored = read_policy(client, queue)
+    assert stored is not None and stored.delay_mode == "fixed"
+    assert (stored.strategy.value, stored.max_batch_size, stored.max_queue_delay_ms) == (
+        out["policy"]["strategy"], out["policy"]["max_batch_size"],
+        out["policy"]["max_queue_delay_ms"])

@@ -8,7 +8,6 @@ strips it, or --root-path / X-Forwarded-Prefix for one that does not).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
 import time
 from collections.abc import AsyncIterator
@@ -23,13 +22,13 @@ from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
 
 from batchgate.present import busy_first, for_people
-from scheduler_core.admin import read_policy, store_policy
+from scheduler_core.admin import change_policy
 from scheduler_core.deadletter import purge, retry
 from scheduler_core.errors import BatchgateError, InvalidRequest
 from scheduler_core.keys import validate_queue_name
 from scheduler_core.ops.snapshot import Rates, readable_snapshots, shown_queues
-from scheduler_core.policy import LIMITS, Policy, Strategy
-from scheduler_core.registry import DEFAULT_MAX_QUEUES, QueueFinder, register_queue
+from scheduler_core.policy import LIMITS, Strategy
+from scheduler_core.registry import DEFAULT_MAX_QUEUES, QueueFinder
 
 STATIC = Path(__file__).parent / "static"
 MAX_IDS = 1000  # dead-letter ids per action call
@@ -192,13 +191,7 @@ def create_app(client: redis.Redis, token: str | None = None, interval_s: float 
             if unknown:
                 raise InvalidRequest(unknown[0], f"not a policy field (known: "
                                                  f"{', '.join(sorted(known))})")
-            current = read_policy(client, queue)
-            merged: dict[str, Any] = current.to_dict() if current else {}
-            merged.update(body)
-            stored = store_policy(client, queue, Policy.build(**merged), replace=True)
-            with contextlib.suppress(redis.ResponseError):  # an ACL limited to the queue
-                register_queue(client, queue)
-            return {"policy": stored.to_dict()}
+            return {"policy": change_policy(client, queue, body)[1].to_dict()}
         return await act(request, queue, work)
 
     return app

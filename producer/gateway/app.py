@@ -80,7 +80,7 @@ from scheduler_core.connection import (
     slot_owner_async,
 )
 from scheduler_core.deadlines import expire_due_async
-from scheduler_core.keys import QueueKeys
+from scheduler_core.keys import CLOCK_OFFSET, QueueKeys, queue_clock_us
 from scheduler_core.lifetime import die_with_marked_parent
 from scheduler_core.ops.stats import QueueStats, queue_stats
 from scheduler_core.scripts import Scripts, cancel_keys
@@ -219,14 +219,15 @@ class Gateway:
         pipe = owner.pipeline(transaction=False)
         pipe.hget(keys.jobs, request_id)
         pipe.time()
+        pipe.hget(keys.stats, CLOCK_OFFSET)
         try:
-            job, (seconds, micros) = await pipe.execute()
+            job, time_reply, offset = await pipe.execute()
         except redis.RedisError as exc:
             await refresh_topology_async(self.redis, exc)
             raise
         meta = split_job(job)[0] if job is not None else None
         deadline_us = meta.deadline_us if meta is not None else 0
-        if not 0 < deadline_us <= seconds * 1_000_000 + micros:  # Redis' clock, as the Lua
+        if not 0 < deadline_us <= queue_clock_us(time_reply, offset):  # the scripts' clock
             return False
         # expire_due.lua, as every server-side expiry: DeadlineExceeded, or under
         # on_timeout = delay a move to the delayed set.

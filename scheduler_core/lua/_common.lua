@@ -7,6 +7,54 @@ local function now_us()
   return tonumber(t[1]) * 1000000 + tonumber(t[2])
 end
 
+-- The queue's clock (µs), which every script of a queue reads instead of TIME: TIME plus
+-- the stats field clock_offset_us, raised whenever TIME falls behind the latest time the
+-- queue showed (stats clock_seen_us) or the last arrival score issued (the clock key).
+-- A backward step of the server's clock (an NTP step, failover to a host whose clock
+-- lags) would otherwise leave every score written before it in the future: new arrivals
+-- due only after step + delay, waits, aging, leases and deadlines late by the step. So
+-- the queue's clock never goes back: after a step it runs on from where it was, 1% slower
+-- than TIME until the offset is repaid (100 x the step), so that a later forward step
+-- (the clock set right again) finds little of it left to add. A forward step is kept
+-- (nothing tells it from time passing): what waits ages by it.
+-- `later`: the caller may still refuse its arguments (then it writes nothing), and calls
+-- note_clock() once it writes.
+local unnoted  -- what queue_now read and note_clock has not written: {stats, now, offset}
+local function note_clock()
+  if not unnoted then return end
+  local stats, now, offset = unnoted[1], unnoted[2], unnoted[3]
+  unnoted = nil
+  if offset then  -- raised, or repaid in part
+    redis.call('HSET', stats, 'clock_offset_us', string.format('%d', offset),
+               'clock_seen_us', string.format('%d', now))
+  else
+    redis.call('HSET', stats, 'clock_seen_us', string.format('%d', now))
+  end
+end
+
+-- A stored clock value in µs; 0 for none or for one written by hand (not a number, nan,
+-- negative, or beyond 2^53).
+local function clock_value(s)
+  local n = tonumber(s)
+  if n and n >= 0 and n < 9007199254740992 then return math.floor(n) end
+  return 0
+end
+
+local function queue_now(clock, stats, later)
+  local t = now_us()
+  local kept = redis.call('HMGET', stats, 'clock_offset_us', 'clock_seen_us')
+  local offset, seen = clock_value(kept[1]), clock_value(kept[2])
+  local stored = offset
+  local passed = t + offset - seen  -- on the queue's clock, since its last call
+  if offset > 0 and passed > 0 then offset = math.max(0, offset - math.floor(passed / 100)) end
+  local now = t + offset
+  local latest = math.max(seen, clock_value(redis.call('GET', clock)))
+  if now < latest then offset, now = latest - t, latest end  -- TIME stepped back
+  unnoted = {stats, now, offset ~= stored and offset or nil}
+  if not later then note_clock() end
+  return now
+end
+
 -- An integer argument in [lo, hi] written as plain decimal digits, else nil. tonumber()
 -- alone accepts 'nan', 'inf', '1e300', '0x1f' and '1.5', which would reach a command
 -- (EX, ZADD, LIMIT) and fail half-way through a script, after some of its writes.

@@ -3,7 +3,8 @@
 KEYS[1..33] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
             this script uses:
 KEYS[5]  {bg:q}:jobs          hash   id -> "<meta>|<envelope>"
-KEYS[9]  {bg:q}:stats         hash   counters
+KEYS[7]  {bg:q}:clock         string last arrival score issued (the queue's clock: queue_now)
+KEYS[9]  {bg:q}:stats         hash   counters; the queue's clock
 KEYS[10] {bg:q}:inflight      zset   batch id -> lease deadline
 KEYS[11] {bg:q}:owner         hash   id -> batch id
 KEYS[12] {bg:q}:batches       hash   batch id -> "consumer|ids"
@@ -39,6 +40,7 @@ Work is bounded by n plus the batch's size.
 -- @include _queue.lua
 
 local jobs = KEYS[5]
+local clock = KEYS[7]
 local stats = KEYS[9]
 local inflight = KEYS[10]
 local owner = KEYS[11]
@@ -66,7 +68,7 @@ for i = 0, n - 1 do
 end
 if not redis.call('ZSCORE', inflight, batch_id) then return {-1} end
 
-local now = now_us()
+local now = queue_now(clock, stats)
 local accepted, refused, failed, expired = 0, 0, 0, 0
 local ids = {}
 for i = 0, n - 1 do ids[i + 1] = ARGV[4 + 3 * i] end

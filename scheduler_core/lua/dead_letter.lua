@@ -9,7 +9,7 @@ KEYS[4]  {bg:q}:pending:2     zset   LOW
 KEYS[5]  {bg:q}:jobs          hash   id -> "<meta>|<envelope>"
 KEYS[7]  {bg:q}:clock         string last arrival score issued
 KEYS[8]  {bg:q}:marker        zset   wake-up marker for idle consumers
-KEYS[9]  {bg:q}:stats         hash   counters (dead_retried, dead_purged)
+KEYS[9]  {bg:q}:stats         hash   counters (dead_retried, dead_purged); the queue's clock
 KEYS[15] {bg:q}:dead          zset   dead-lettered id -> time (µs)
 KEYS[16] {bg:q}:dead:reason   hash   id -> error envelope
 KEYS[24..28] {bg:q}:marker:<1..5> zset  wake-up markers of consumers dedicated to a cost bucket
@@ -68,7 +68,7 @@ for i = 1, n do
     skipped = skipped + 1
   else
     local raw = redis.call('HGET', jobs, id)
-    if not arrivals then arrivals = arrival_clock(clock, now_us()) end
+    if not arrivals then arrivals = arrival_clock(clock, queue_now(clock, stats)) end
     local m = parse_job(raw)
     local prio = (m and m.prio) or 1
     local arrival = arrivals.next()

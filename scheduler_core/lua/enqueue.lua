@@ -10,9 +10,10 @@ KEYS[2]  {bg:q}:pending:0   zset   HIGH
 KEYS[3]  {bg:q}:pending:1   zset   NORMAL
 KEYS[4]  {bg:q}:pending:2   zset   LOW
 KEYS[5]  {bg:q}:jobs        hash   id -> "<meta>|<envelope>" (_common.lua's format_job)
-KEYS[7]  {bg:q}:clock       string last arrival score issued
+KEYS[7]  {bg:q}:clock       string last arrival score issued (the queue's clock: queue_now)
 KEYS[8]  {bg:q}:marker      zset   wake-up marker for idle consumers
-KEYS[9]  {bg:q}:stats       hash   read on rejection: the recent service rate
+KEYS[9]  {bg:q}:stats       hash   read on rejection: the recent service rate; the
+                                   queue's clock (clock_offset_us, clock_seen_us)
 KEYS[20] {bg:q}:deadlines   zset   id -> deadline (µs) of each new request that has one
 KEYS[22] {bg:q}:arrivals    hash   epoch second (decimal string) -> requests enqueued in
                                    that second (scheduler_core/load.py reads the rate);
@@ -136,7 +137,7 @@ local costed = (tonumber(rules[6]) or 0) > 0 or (rules[7] and rules[7] ~= '')
 local bounds = parse_buckets(rules[7]) or {}
 local timeouts = read_timeouts(policy)
 if not timeouts then return {-3, 'policy'} end
-local now = now_us()
+local now = queue_now(clock, stats, true)  -- noted once it writes (pass 2)
 
 local pending = {pending_high, pending_normal, pending_low}
 local depth = {redis.call('ZCARD', pending_high), redis.call('ZCARD', pending_normal),
@@ -208,12 +209,13 @@ if limit > 0 and live + fresh > limit then
   -- (consumers stalled or gone): then it is at most rate_count / time since.
   local r = redis.call('HMGET', stats, 'rate_mrps', 'rate_since_us', 'rate_count')
   local rate, since = tonumber(r[1]) or 0, tonumber(r[2])
-  local idle = since and (now_us() - since) or 0
+  local idle = since and (now - since) or 0
   if idle > 2000000 then rate = math.min(rate, (tonumber(r[3]) or 0) * 1e9 / idle) end
   return {-1, live, limit, fresh, int(rate)}
 end
 
 -- Pass 2: write.
+note_clock()
 local first_deadline = redis.call('ZRANGE', deadlines, 0, 0, 'WITHSCORES')[2]
 first_deadline = first_deadline and tonumber(first_deadline) or math.huge
 local given = {}  -- the deadline each request got, ms
@@ -288,7 +290,8 @@ for b, adds in pairs(bucket_adds) do
   write_pairs('ZADD', bucket_sets[b], adds)
   wake_bucket(bucket_markers, b)
 end
-if fresh > 0 then count_arrivals(arrivals, now, fresh) end
+-- Counted by TIME's second, as scheduler_core/load.py reads them back.
+if fresh > 0 then count_arrivals(arrivals, now_us(), fresh) end
 
 local reply = {1, fresh, total}
 for i = 1, n do reply[#reply + 1] = effective[i] end

@@ -14,8 +14,9 @@ KEYS[2]  {bg:q}:pending:0   zset  HIGH
 KEYS[3]  {bg:q}:pending:1   zset  NORMAL
 KEYS[4]  {bg:q}:pending:2   zset  LOW
 KEYS[5]  {bg:q}:jobs        hash  id -> "<meta>|<envelope>" (deadline cleared when delayed)
+KEYS[7]  {bg:q}:clock       string last arrival score issued (the queue's clock: queue_now)
 KEYS[8]  {bg:q}:marker      zset  wake-up marker (a delayed request may be due at once)
-KEYS[9]  {bg:q}:stats       hash  counters: expired, delayed
+KEYS[9]  {bg:q}:stats       hash  counters: expired, delayed; the queue's clock
 KEYS[20] {bg:q}:deadlines   zset  pending id -> deadline (µs)
 KEYS[21] {bg:q}:delayed     zset  id -> arrival (µs): past its deadline, runs when idle
 KEYS[24..28] {bg:q}:marker:<1..5> zset  wake-up markers of consumers dedicated to a cost bucket
@@ -49,6 +50,7 @@ local pending_high = KEYS[2]
 local pending_normal = KEYS[3]
 local pending_low = KEYS[4]
 local jobs = KEYS[5]
+local clock = KEYS[7]
 local marker = KEYS[8]
 local stats = KEYS[9]
 local deadlines = KEYS[20]
@@ -90,11 +92,12 @@ local mode = ARGV[1]
 if mode ~= 'list' and mode ~= 'expire' then return {-3, 'mode'} end
 local timeouts = read_timeouts(policy)
 if not timeouts then return {-3, 'policy'} end
-local now = now_us()
+local now = queue_now(clock, stats, true)  -- noted once the arguments are checked
 
 if mode == 'list' then
   local limit = int_arg(ARGV[2], 1, 1000)
   if not limit or #ARGV ~= 2 then return {-3, 'limit'} end
+  note_clock()
   local due = redis.call('ZRANGEBYSCORE', deadlines, '-inf', int(now), 'LIMIT', 0, limit)
   local reply = {int(now), 0, 0}
   if timeouts.on_timeout == 'delay' then
@@ -124,6 +127,7 @@ local ttl_arg = int_arg(ARGV[2], 1, 315360000)
 if not ttl_arg then return {-3, 'result_ttl_s'} end
 local n = int_arg(ARGV[3], 1, 1000)
 if not n or #ARGV ~= 3 + 2 * n or #KEYS ~= 33 + 2 * n then return {-3, 'n'} end
+note_clock()
 -- The queue's current result_ttl_s, as the consumers use it, not the caller's copy.
 local ttl = int_arg(redis.call('HGET', policy, 'result_ttl_s'), 1, 315360000) or ttl_arg
 local expired, moved = 0, 0

@@ -35,8 +35,9 @@ KEYS[3]  {bg:q}:pending:1   zset  NORMAL
 KEYS[4]  {bg:q}:pending:2   zset  LOW
 KEYS[5]  {bg:q}:jobs        hash  id -> "<meta>|<envelope>" (read only: the delivery in
                                   progress is the stored attempts + 1)
+KEYS[7]  {bg:q}:clock       string last arrival score issued (the queue's clock: queue_now)
 KEYS[8]  {bg:q}:marker      zset  wake-up marker
-KEYS[9]  {bg:q}:stats       hash  counters
+KEYS[9]  {bg:q}:stats       hash  counters; the queue's clock (clock_offset_us, clock_seen_us)
 KEYS[10] {bg:q}:inflight    zset  batch id -> lease deadline (µs)
 KEYS[11] {bg:q}:owner       hash  id -> batch id
 KEYS[12] {bg:q}:batches     hash  batch id -> "consumer|ids"
@@ -105,6 +106,7 @@ local pending_high = KEYS[2]
 local pending_normal = KEYS[3]
 local pending_low = KEYS[4]
 local jobs = KEYS[5]
+local clock = KEYS[7]
 local marker = KEYS[8]
 local stats = KEYS[9]
 local inflight = KEYS[10]
@@ -549,7 +551,7 @@ if not rules then return err end
 rules.prefer, rules.only = math.max(bucket, 0), math.max(-bucket, 0)
 if rules.only == 1 and #rules.bounds == 0 then rules.only = 0 end  -- bucket 1 is all
 if delay_ms then rules.delay = delay_ms * 1000 end
-local now = now_us()
+local now = queue_now(clock, stats)
 redis.call('ZADD', consumers, int(now), consumer)
 local expired, first_deadline = past_deadline(now)
 if expired then return {-4} end

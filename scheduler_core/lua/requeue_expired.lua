@@ -11,8 +11,9 @@ KEYS[3]  {bg:q}:pending:1   zset  NORMAL
 KEYS[4]  {bg:q}:pending:2   zset  LOW
 KEYS[5]  {bg:q}:jobs        hash  id -> "<meta>|<envelope>": a returned request's attempts
                                   count the delivery that ended without a result
+KEYS[7]  {bg:q}:clock       string last arrival score issued (the queue's clock: queue_now)
 KEYS[8]  {bg:q}:marker      zset  wake-up marker
-KEYS[9]  {bg:q}:stats       hash  counters (requeued)
+KEYS[9]  {bg:q}:stats       hash  counters (requeued); the queue's clock
 KEYS[10] {bg:q}:inflight    zset  batch id -> lease deadline (µs)
 KEYS[11] {bg:q}:owner       hash  id -> batch id
 KEYS[12] {bg:q}:batches     hash  batch id -> "consumer|ids"
@@ -37,6 +38,7 @@ local pending_high = KEYS[2]
 local pending_normal = KEYS[3]
 local pending_low = KEYS[4]
 local jobs = KEYS[5]
+local clock = KEYS[7]
 local marker = KEYS[8]
 local stats = KEYS[9]
 local inflight = KEYS[10]
@@ -50,7 +52,7 @@ local bucket_sets = {KEYS[29], KEYS[30], KEYS[31], KEYS[32], KEYS[33]}
 local limit = int_arg(ARGV[1], 1, 1000)
 if not limit then return {-3, 'limit'} end
 local pending = {pending_high, pending_normal, pending_low}
-local now = now_us()
+local now = queue_now(clock, stats)
 -- Forget consumers silent for an hour, so the set does not grow with every restart.
 redis.call('ZREMRANGEBYSCORE', consumers, '-inf', int(now - 3600000000))
 local expired = redis.call('ZRANGEBYSCORE', inflight, '-inf', int(now), 'LIMIT', 0, limit)

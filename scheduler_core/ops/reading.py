@@ -11,7 +11,13 @@ import redis
 
 from scheduler_core.auto_delay import STATS_AT_US, STATS_DELAY_US
 from scheduler_core.connection import refresh_topology, slot_owner
-from scheduler_core.keys import CONSUMER_ALIVE_S, QueueKeys
+from scheduler_core.keys import (
+    CLOCK_OFFSET,
+    CLOCK_SEEN,
+    CONSUMER_ALIVE_S,
+    QueueKeys,
+    queue_clock_us,
+)
 from scheduler_core.shards import physical_queues
 
 SAMPLES_READ = 10_000  # the sample lists hold this many, plus up to 500 between trims
@@ -79,13 +85,15 @@ def _read_shard(owner: Any, keys: QueueKeys, samples: int) -> QueueReading:
     pipe.zcard(keys.delayed)
     (now_s, now_frac), policy, d0, d1, d2, o0, o1, o2, owned, batches, beats, counters, \
         dead, waits, e2e, model, arrivals, delayed = pipe.execute()
-    now_us = now_s * 1_000_000 + now_frac
+    numbers = _numbers(counters)
+    numbers.pop(CLOCK_SEEN, None)
+    now_us = queue_clock_us((now_s, now_frac), numbers.pop(CLOCK_OFFSET, 0))  # the scripts'
     return QueueReading(
         now_us=now_us, policy=policy, depth=[d0, d1, d2],
         oldest_us=[int(score) for first in (o0, o1, o2) for _, score in first],
         owned=owned, batches_in_flight=batches,
         heartbeats={name: int(beat) for name, beat in beats},
-        counters=_numbers(counters), dead=dead, waits=_ints(waits), e2e=_ints(e2e),
+        counters=numbers, dead=dead, waits=_ints(waits), e2e=_ints(e2e),
         model=_ints(sample.partition(b":")[2] for sample in model),  # "size:model_us"
         arrivals=_numbers(arrivals), delayed=delayed,
         past_deadline=owner.zcount(keys.deadlines, "-inf", now_us))  # at the TIME above

@@ -14,7 +14,7 @@ import redis
 
 from scheduler_core.connection import slot_owner
 from scheduler_core.deadletter import list_dead
-from scheduler_core.keys import QueueKeys
+from scheduler_core.keys import CLOCK_OFFSET, QueueKeys, queue_clock_us
 from scheduler_core.ops.stats import queue_stats
 from scheduler_core.registry import DEFAULT_MAX_QUEUES, QueueFinder, shown_queues
 from scheduler_core.shards import physical_queues
@@ -132,7 +132,7 @@ def _read_shard(client: redis.Redis, keys: QueueKeys, failures_shown: int) -> di
         except orjson.JSONDecodeError:
             continue
     return {
-        "now_us": now_s * 1_000_000 + now_frac,
+        "now_us": queue_clock_us((now_s, now_frac), raw_counters.get(CLOCK_OFFSET)),
         "consumers": consumers,
         "sizes": sizes,
         # The adaptive delay (max_queue_delay_ms=auto) where the queue has one: any stats

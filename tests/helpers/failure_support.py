@@ -13,6 +13,7 @@ from typing import Any
 
 from helpers.support import wait_for  # noqa: F401 - re-exported for the failure tests
 from producer import Producer, Result
+from scheduler_core.keys import QueueKeys
 
 HERE = Path(__file__).resolve().parent
 
@@ -31,6 +32,25 @@ def start(start_consumer: Callable[..., Any], url: str, queue: str, model: str,
     """A `batchgate consumer` process running failure_models.MODEL."""
     return start_consumer(url, queue, *model_args(model, **model_kwargs), *cli_args,
                           cwd=str(HERE), ready=ready, env=env)
+
+
+def batches_held(client: Any, queue: str, pid: int) -> list[str]:
+    """The batches in flight held by the consumer process `pid`: `{bg:q}:batches` maps a
+    batch id to "consumer|ids", and a consumer's default name is host:pid:random."""
+    held = client.hgetall(QueueKeys(queue).batches)
+    return [batch.decode() for batch, value in held.items()
+            if value.split(b"|", 1)[0].split(b":")[1:2] == [str(pid).encode()]]
+
+
+def wait_holding(client: Any, queue: str, pid: int, timeout: float) -> bool:
+    """Whether the consumer `pid` came to hold a batch within `timeout` (polled often:
+    a batch of a fast model is held for a few milliseconds)."""
+    deadline = time.monotonic() + timeout
+    while not batches_held(client, queue, pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.002)
+    return True
 
 
 class CountingProducer(Producer):

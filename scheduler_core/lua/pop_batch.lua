@@ -35,6 +35,10 @@ KEYS[3]  {bg:q}:pending:1   zset  NORMAL
 KEYS[4]  {bg:q}:pending:2   zset  LOW
 KEYS[5]  {bg:q}:jobs        hash  id -> "<meta>|<envelope>" (read only: the delivery in
                                   progress is the stored attempts + 1)
+KEYS[6]  {bg:q}:costs       hash  id -> "<cost>:<bucket>" of each waiting request: the
+                                  costs a pop reads (never the payload); a batch's
+                                  entries go. An id without one (listed by an older
+                                  version) is read from jobs
 KEYS[8]  {bg:q}:marker      zset  wake-up marker
 KEYS[9]  {bg:q}:stats       hash  counters
 KEYS[10] {bg:q}:inflight    zset  batch id -> lease deadline (µs)
@@ -50,10 +54,11 @@ KEYS[21] {bg:q}:delayed     zset  id -> arrival (µs), past its deadline, runs w
 KEYS[24..28] {bg:q}:marker:<1..5> zset  wake-up markers of the consumers dedicated to a
                                   cost bucket (set, with cost buckets, as the marker is)
 KEYS[29..33] {bg:q}:bucket:<1..5> zset  the ids waiting in each cost bucket (score =
-                                  arrival): a batch leaves them; a dedicated consumer reads
-                                  its own, drops the ids no longer waiting (cancelled,
-                                  expired) and moves those listed under an older
-                                  cost_buckets to their bucket's
+                                  arrival): a batch leaves the sets its costs entries name;
+                                  a dedicated consumer reads its own, drops the ids no
+                                  longer waiting (left by an older version) and moves
+                                  those listed under an older cost_buckets to their
+                                  bucket's
 
 ARGV[1]  consumer name (no '|')
 ARGV[2]  lease in ms (100..86400000)
@@ -78,7 +83,8 @@ Returns  {batch_id, now_us, lease_deadline_us, remaining, then per request 5 val
          state: 'run' | 'expired' (deadline passed: do not run) |
                 'exhausted' (max_attempts deliveries used: dead-letter it)
          {0, wait_us}  nothing due; µs until the next request falls due or the earliest
-               deadline passes, -1 if none
+               deadline passes, -1 if none; 0 (pop again at once) where a dedicated
+               consumer's read of its bucket's set stopped at STALE_BUDGET dead ids
          {-4}  a waiting request is past its deadline: run expire_due.lua, then pop again
                (nothing written but the heartbeat)
 Errors   {-1}  queue has no policy (no consumer configured it yet)
@@ -91,7 +97,9 @@ makes (written by hand) is dead-lettered here, never delivered; if that leaves n
 the reply is {0, 0} (pop again at once).
 Work is bounded: at most 2 x max_batch_size promotions and max_batch_size pops per call;
 with costs, at most (buckets x max_batch_size) requests read per level (at most 5 x 4096);
-a dedicated consumer reads as many of its bucket's set, and their levels (ZMSCORE).
+a dedicated consumer reads as many of its bucket's set, and their levels (ZMSCORE), plus
+at most STALE_BUDGET ids no longer waiting. Costs come from the costs hash: a pop's work
+does not grow with payload size (it reads the payloads of its batch only).
 The body runs as named steps: read_policy, past_deadline, promote_aged, read_views (a
 dedicated consumer), choose (pick_costed when costs are on) or take_delayed,
 drop_malformed, isolate_retried, commit.
@@ -105,6 +113,7 @@ local pending_high = KEYS[2]
 local pending_normal = KEYS[3]
 local pending_low = KEYS[4]
 local jobs = KEYS[5]
+local costs = KEYS[6]
 local marker = KEYS[8]
 local stats = KEYS[9]
 local inflight = KEYS[10]
@@ -185,44 +194,91 @@ end
 -- view_costs: id -> cost of each.
 local views, view_costs = nil, nil
 
--- Read the view from the bucket's set; returns the requests in view per level + 1. Ids
--- that wait nowhere now (cancelled, expired, or already taken: their entry was stale)
--- leave the set; one whose cost is of another bucket (listed under an older
--- cost_buckets) moves to that bucket's set.
+-- The costs of requests `ids` (a list, by index) and the bucket set each is listed in:
+-- from their costs entries; for one without (listed by an older version) its cost from
+-- its jobs value and its set nil.
+local function read_costs(ids)
+  local cost_of, set_of, missing = {}, {}, {}
+  if #ids == 0 then return cost_of, set_of end
+  local raw = read_in_chunks('HMGET', costs, ids)
+  for i = 1, #ids do
+    local c, b = read_cost_record(raw[i])
+    if c then cost_of[i], set_of[i] = c, b else missing[#missing + 1] = ids[i] end
+  end
+  if #missing > 0 then
+    local values, j = read_in_chunks('HMGET', jobs, missing), 0
+    for i = 1, #ids do
+      if not cost_of[i] then
+        j = j + 1
+        cost_of[i] = select(3, pop_fields(values[j])) or 1
+      end
+    end
+  end
+  return cost_of, set_of
+end
+
+-- Ids of its bucket's set a dedicated pop reads beyond its window, at most, when it meets
+-- ids that wait nowhere (bounded work per call; the next pop goes on at once).
+local STALE_BUDGET = 1024
+
+-- Read the view from the bucket's set; returns the requests in view per level + 1, and
+-- whether the read stopped at STALE_BUDGET with ids left unread. Ids that wait nowhere
+-- now (left by an older version, which kept cancelled and expired ids) leave the set;
+-- one whose cost is of another bucket (listed under an older cost_buckets) moves to that
+-- bucket's set, and its costs entry says so.
 local function read_views(rules)
   views, view_costs = {{}, {}, {}, {}}, {}
   local counts = {0, 0, 0, 0}
   local set = bucket_sets[rules.only]
-  local items = redis.call('ZRANGE', set, 0, rules.window - 1, 'WITHSCORES')
-  if #items == 0 then return counts end
-  local ids = {}
-  for i = 1, #items, 2 do ids[#ids + 1] = items[i] end
-  local level_of = {}
-  for level = 0, 3 do
-    for i, score in ipairs(read_in_chunks('ZMSCORE', pending[level + 1], ids)) do
-      if score then level_of[i] = level end
+  local kept, read = 0, 0  -- ids in view (they stay in the set), ids read
+  while kept < rules.window do
+    local n = math.min(rules.window - kept, rules.window + STALE_BUDGET - read)
+    if n <= 0 then return counts, true end
+    local items = redis.call('ZRANGE', set, kept, kept + n - 1, 'WITHSCORES')
+    if #items == 0 then break end
+    local ids, live, at = {}, {}, {}
+    for i = 1, #items, 2 do ids[#ids + 1] = items[i] end
+    read = read + #ids
+    local level_of = {}
+    for level = 0, 3 do
+      for i, score in ipairs(read_in_chunks('ZMSCORE', pending[level + 1], ids)) do
+        if score then level_of[i] = level end
+      end
     end
-  end
-  local raw = read_in_chunks('HMGET', jobs, ids)
-  local gone = {}
-  for i, id in ipairs(ids) do
-    local cost = level_of[i] and select(3, pop_fields(raw[i])) or 1
-    local b = bucket_of(rules.bounds, cost)
-    if level_of[i] == nil then
-      gone[#gone + 1] = id
-    elseif b ~= rules.only then
-      gone[#gone + 1] = id
-      redis.call('ZADD', bucket_sets[b], items[2 * i], id)
-    else
-      local view = views[level_of[i] + 1]
-      view[#view + 1] = id
-      view[#view + 1] = items[2 * i]
-      view_costs[id] = cost
-      counts[level_of[i] + 1] = counts[level_of[i] + 1] + 1
+    for i in ipairs(ids) do
+      if level_of[i] then live[#live + 1], at[#live + 1] = ids[i], i end
     end
+    local cost_of, set_of = read_costs(live)
+    local gone, seen = {}, {}
+    for j, id in ipairs(live) do
+      local i, cost, listed = at[j], cost_of[j], set_of[j]
+      local b = bucket_of(rules.bounds, cost)
+      seen[i] = true
+      if listed ~= b then  -- listed elsewhere too (or unrecorded): one set, the right one
+        if listed and listed > 0 and listed ~= rules.only then
+          redis.call('ZREM', bucket_sets[listed], id)
+        end
+        redis.call('HSET', costs, id, cost_record(cost, b))
+      end
+      if b ~= rules.only then
+        gone[#gone + 1] = id
+        redis.call('ZADD', bucket_sets[b], items[2 * i], id)
+      else
+        local view = views[level_of[i] + 1]
+        view[#view + 1] = id
+        view[#view + 1] = items[2 * i]
+        view_costs[id] = cost
+        counts[level_of[i] + 1] = counts[level_of[i] + 1] + 1
+        kept = kept + 1
+      end
+    end
+    for i, id in ipairs(ids) do
+      if not seen[i] then gone[#gone + 1] = id end
+    end
+    if #gone > 0 then call_in_chunks('ZREM', set, gone) end
+    if #ids < n then break end  -- the set's end
   end
-  if #gone > 0 then call_in_chunks('ZREM', set, gone) end
-  return counts
+  return counts, false
 end
 
 -- A level's first n (or more: callers stop at n) {id, score, ...}: from the zset, or the
@@ -316,16 +372,15 @@ end
 -- delay; nil if none is. Otherwise the group of the oldest request.
 local function pick_costed(rules, count, levels, now, due_only)
   local cands = take(count, levels, rules.window)
-  local raw = {}  -- a dedicated consumer read the costs with its view
+  local cost_of = {}  -- a dedicated consumer read the costs with its view
   if not view_costs then
     local ids = {}
     for i, c in ipairs(cands) do ids[i] = c.id end
-    raw = read_in_chunks('HMGET', jobs, ids)
+    cost_of = read_costs(ids)
   end
   local groups, order = {}, {}
   for i, c in ipairs(cands) do
-    local m = not view_costs and parse_job(raw[i])
-    c.cost = view_costs and view_costs[c.id] or (m and m.cost) or 1
+    c.cost = view_costs and view_costs[c.id] or cost_of[i]
     local b = bucket_of(rules.bounds, c.cost)
     if not groups[b] then
       groups[b] = {}
@@ -419,17 +474,19 @@ end
 -- Members whose id no producer makes (written by hand) leave the queue for the
 -- dead-letter set instead of a batch.
 local function drop_malformed(chosen, now)
-  local kept = {}
+  local kept, dropped = {}, {}
   for _, c in ipairs(chosen) do
     if valid_id(c.id) then
       kept[#kept + 1] = c
     else
+      dropped[#dropped + 1] = c.id
       redis.call('ZREM', pending[c.level + 1], c.id)
       add_dead_letter(dead, dead_reason, c.id, now, cjson.encode({v = 1, id = c.id,
         ok = false, error = {type = 'MalformedRequest', message = 'request id written ' ..
         'by hand: not 1-128 characters from letters, digits, _ . -'}}))
     end
   end
+  unlist_waiting(costs, bucket_sets, dropped)
   return kept
 end
 
@@ -437,28 +494,27 @@ end
 -- lost its lease) runs in a batch of its own, so a payload that kills its consumer cannot
 -- drag its batch-mates to max_attempts with it. Truncates `chosen` there; returns what
 -- commit needs of what is left: the ids, their raw jobs values and, per request (nil where
--- the meta is unreadable), its deadline, attempts and cost.
+-- the meta is unreadable), its deadline and attempts.
 local function isolate_retried(chosen)
   -- One variadic call per key rather than one per request: the script's cost is mostly
   -- the number of redis.call()s.
-  local ids, deadlines_of, attempts_of, costs_of = {}, {}, {}, {}
+  local ids, deadlines_of, attempts_of = {}, {}, {}
   for i, c in ipairs(chosen) do ids[i] = c.id end
   local raw = redis.call('HMGET', jobs, unpack(ids))
   for i in ipairs(chosen) do
-    local deadline, attempts, cost = pop_fields(raw[i])
+    local deadline, attempts = pop_fields(raw[i])
     local retried = attempts and attempts > 0
     if retried and i > 1 then
       for j = #chosen, i, -1 do chosen[j] = nil end
       break
     end
-    deadlines_of[i], attempts_of[i], costs_of[i] = deadline, attempts, cost
+    deadlines_of[i], attempts_of[i] = deadline, attempts
     if retried then
       for j = #chosen, 2, -1 do chosen[j] = nil end
       break
     end
   end
-  return {ids = ids, raw = raw, deadline = deadlines_of, attempts = attempts_of,
-          cost = costs_of}
+  return {ids = ids, raw = raw, deadline = deadlines_of, attempts = attempts_of}
 end
 
 -- The jobs value delivered for a member without (valid) meta, written by hand: its whole
@@ -508,17 +564,8 @@ local function commit(rules, consumer, lease_ms, chosen, read, total, now)
   end
   redis.call('ZREM', deadlines, unpack(ids))  -- deadlines holds waiting requests only
   call_in_chunks('HSET', owner, owner_fields)  -- 2 x max_batch_size values
-  local by_bucket = {}  -- with cost buckets: the batch leaves its bucket's set
-  if #rules.bounds > 0 then
-    for i, c in ipairs(chosen) do
-      local b = bucket_of(rules.bounds, read.cost[i] or 1)
-      by_bucket[b] = by_bucket[b] or {}
-      table.insert(by_bucket[b], c.id)
-    end
-    for b, members in pairs(by_bucket) do
-      redis.call('ZREM', bucket_sets[b], unpack(members))
-    end
-  end
+  -- The batch leaves costs and the bucket sets its entries name (those it was put in).
+  local by_bucket = unlist_waiting(costs, bucket_sets, ids)
   redis.call('ZADD', inflight, int(lease_deadline), batch_id)
   redis.call('HSET', batches, batch_id, consumer .. '|' .. table.concat(ids, ','))
   redis.call('HINCRBY', stats, 'batches', 1)
@@ -529,7 +576,9 @@ local function commit(rules, consumer, lease_ms, chosen, read, total, now)
   -- arrivals woke theirs).
   if total > #chosen then
     wake_consumers(marker)
-    for b in pairs(by_bucket) do wake_bucket(bucket_markers, b) end
+    for b in pairs(by_bucket) do
+      if b <= bucket_count(rules.bounds) then wake_bucket(bucket_markers, b) end
+    end
   end
   return reply
 end
@@ -560,11 +609,12 @@ local count = {redis.call('ZCARD', pending_high), redis.call('ZCARD', pending_no
 local waiting = count[1] + count[2] + count[3]
 local total = waiting + count[4]
 if total == 0 then return {0, -1} end
-local chosen, wait
+local chosen, wait, cut
 if rules.only > 0 then
   -- Dedicated: the rules see its bucket's requests only; the queue's totals still say
   -- whether delayed requests may run and what remains.
-  local mine = read_views(rules)
+  local mine
+  mine, cut = read_views(rules)
   if (waiting > 0 and mine[1] + mine[2] + mine[3] == 0) or (waiting == 0 and mine[4] == 0) then
     wait = {0, -1}  -- nothing of its bucket in view: until a wake-up (or the next deadline)
   elseif waiting == 0 then
@@ -578,6 +628,9 @@ else
   chosen, wait = choose(rules, count, waiting, now)
 end
 if not chosen then
+  -- A view cut short by dead ids: pop again at once (each pop clears STALE_BUDGET more)
+  -- rather than sleep behind them.
+  if cut then return {0, 0} end
   if first_deadline and (wait[2] < 0 or first_deadline - now < wait[2]) then
     wait[2] = first_deadline - now
   end

@@ -194,13 +194,27 @@ end
 -- view_costs: id -> cost of each.
 local views, view_costs = nil, nil
 
+-- The costs entries of requests `ids` (a list): HMGET, or all of costs at once where it is
+-- a listpack (a small hash: up to hash-max-listpack-entries, 512 by default), in which
+-- each field HMGET looks up is a scan of the whole hash.
+local function cost_entries(ids)
+  if redis.call('OBJECT', 'ENCODING', costs) ~= 'listpack'
+     or redis.call('HLEN', costs) > 16 * #ids then
+    return read_in_chunks('HMGET', costs, ids)
+  end
+  local all, by_id, raw = redis.call('HGETALL', costs), {}, {}
+  for k = 1, #all, 2 do by_id[all[k]] = all[k + 1] end
+  for i, id in ipairs(ids) do raw[i] = by_id[id] or false end
+  return raw
+end
+
 -- The costs of requests `ids` (a list, by index) and the bucket set each is listed in:
 -- from their costs entries; for one without (listed by an older version) its cost from
 -- its jobs value and its set nil.
 local function read_costs(ids)
   local cost_of, set_of, missing = {}, {}, {}
   if #ids == 0 then return cost_of, set_of end
-  local raw = read_in_chunks('HMGET', costs, ids)
+  local raw = cost_entries(ids)
   for i = 1, #ids do
     local c, b = read_cost_record(raw[i])
     if c then cost_of[i], set_of[i] = c, b else missing[#missing + 1] = ids[i] end
@@ -348,22 +362,59 @@ local function take(count, levels, n)
   return chosen
 end
 
--- The batch a bucket's requests (in arrival order) make within max_batch_size and the
--- budget, and whether it is full: max_batch_size reached, or the next request would
--- overrun the budget. The first request always fits: one above the budget runs alone.
-local function fit(rules, group)
+-- The batch a bucket's requests make within max_batch_size and the budget (`group`: their
+-- indexes in arrival order, `cost_of`: index -> cost), and whether it is full:
+-- max_batch_size reached, or the next request would overrun the budget. The first
+-- request always fits: one above the budget runs alone.
+local function fit(rules, group, cost_of)
   local chosen, sum, top = {}, 0, 0
-  for _, c in ipairs(group) do
+  for _, i in ipairs(group) do
     if #chosen == rules.batch_size then return chosen, true end
-    local s, t = sum + c.cost, math.max(top, c.cost)
+    local cost = cost_of[i]
+    local s, t = sum + cost, math.max(top, cost)
     if rules.budget > 0 and #chosen > 0 and
        (rules.padded and (#chosen + 1) * t or s) > rules.budget then
       return chosen, true
     end
-    chosen[#chosen + 1] = c
+    chosen[#chosen + 1] = i
     sum, top = s, t
   end
   return chosen, #chosen == rules.batch_size
+end
+
+-- pick_costed's candidates: the oldest `window` requests of `levels`, as ids (in arrival
+-- order) and a function giving {id, score, level} of a list of their indexes. Where one
+-- of the levels has requests (the usual case) its ids are read without their scores
+-- (formatting 5 x max_batch_size scores costs more than the rest of the pick): only the
+-- candidates that are used get theirs.
+local function candidates(rules, count, levels)
+  local single
+  if not views then
+    for _, level in ipairs(levels) do
+      if count[level + 1] > 0 then single = (single == nil) and level or false end
+    end
+  end
+  local ids = {}
+  if single then
+    ids = redis.call('ZRANGE', pending[single + 1], 0, rules.window - 1)
+    return ids, function(indexes)
+      local out, names = {}, {}
+      for k, i in ipairs(indexes) do names[k] = ids[i] end
+      if #names == 0 then return out end
+      local scores = redis.call('ZMSCORE', pending[single + 1], unpack(names))
+      for k, name in ipairs(names) do
+        out[k] = {id = name, score = tonumber(scores[k]), level = single}
+      end
+      return out
+    end
+  end
+  local cands = take(count, levels, rules.window)
+  for i, c in ipairs(cands) do ids[i] = c.id end
+  return ids, function(indexes)
+    local out = {}
+    for k, i in ipairs(indexes) do out[k] = cands[i] end
+    return out
+  end
 end
 
 -- The rule's batch with costs on: the oldest `window` requests of `levels`, grouped by
@@ -371,26 +422,34 @@ end
 -- in the order of their oldest requests, that is full or whose oldest has waited the
 -- delay; nil if none is. Otherwise the group of the oldest request.
 local function pick_costed(rules, count, levels, now, due_only)
-  local cands = take(count, levels, rules.window)
-  local cost_of = {}  -- a dedicated consumer read the costs with its view
-  if not view_costs then
-    local ids = {}
-    for i, c in ipairs(cands) do ids[i] = c.id end
+  local ids, entries = candidates(rules, count, levels)
+  local cost_of = {}
+  if view_costs then  -- a dedicated consumer read the costs with its view
+    for i, id in ipairs(ids) do cost_of[i] = view_costs[id] end
+  else
     cost_of = read_costs(ids)
   end
-  local groups, order = {}, {}
-  for i, c in ipairs(cands) do
-    c.cost = view_costs and view_costs[c.id] or cost_of[i]
-    local b = bucket_of(rules.bounds, c.cost)
-    if not groups[b] then
-      groups[b] = {}
+  local groups, order, bounds, bucket_by_cost = {}, {}, rules.bounds, {}
+  for i = 1, #ids do
+    local cost = cost_of[i]
+    local b = bucket_by_cost[cost]
+    if not b then
+      b = bucket_of(bounds, cost)
+      bucket_by_cost[cost] = b
+    end
+    local group = groups[b]
+    if not group then
+      group = {}
+      groups[b] = group
       order[#order + 1] = b
     end
-    table.insert(groups[b], c)
+    group[#group + 1] = i
   end
   local function due(b)
-    local chosen, full = fit(rules, groups[b])
-    if not due_only or full or now - groups[b][1].score >= rules.delay then return chosen end
+    local chosen, full = fit(rules, groups[b], cost_of)
+    if not due_only or full then return entries(chosen) end
+    local first = entries({groups[b][1]})[1]
+    if now - first.score >= rules.delay then return entries(chosen) end
     return nil
   end
   local preferred = groups[rules.prefer] and due(rules.prefer)

@@ -175,3 +175,28 @@ def test_a_pops_work_does_not_grow_with_the_payloads_of_the_requests_it_weighs(
     finally:
         client.config_set("slowlog-log-slower-than", 10_000)
     assert times[4 << 20] < 2 + 2 * times[1], times
+
+
+def test_after_a_cost_buckets_change_dedicated_consumers_find_every_request(
+        shared_redis, queue, start_consumer):
+    """Only consumers dedicated to a bucket run. 200 requests of cost 50 wait under
+    cost_buckets "32" (bucket 2) and 100 of cost 5 were enqueued before the queue had
+    cost buckets (in no set); the boundaries become "64": every one of them is bucket 1's
+    now, and the consumer dedicated to bucket 1 answers all 300 (the pops move them to
+    the set the new boundaries name, a bounded step each); the sets end empty."""
+    configure(shared_redis.url, queue, strategy="fifo", max_batch_size=16)
+    client, keys = shared_redis.client(), QueueKeys(queue)
+    with Producer(shared_redis.url, queue) as p:
+        unlisted = p.submit_many([f"u{i}" for i in range(100)], cost=5)
+        policy = read_policy(client, queue)
+        store_policy(client, queue, dataclasses.replace(policy, cost_buckets="32"),
+                     replace=True)
+        listed = p.submit_many([f"r{i}" for i in range(200)], cost=50)
+        assert bucket_ids(client, keys) == {2: 200}
+        store_policy(client, queue, dataclasses.replace(policy, cost_buckets="64"),
+                     replace=True)
+        start_consumer(shared_redis.url, queue, "--only-bucket", "1")
+        assert [h.result(timeout=60) for h in unlisted] == [f"u{i}" for i in range(100)]
+        assert [h.result(timeout=60) for h in listed] == [f"r{i}" for i in range(200)]
+    assert bucket_ids(client, keys) == {}
+    assert client.hlen(keys.costs) == 0

@@ -43,6 +43,12 @@ local function read_cost_record(raw)
   return nil
 end
 
+-- The costs field (not an id: '~' is no id's) that marks the bucket sets as listed under
+-- older cost_buckets: configure.lua sets it to '0' when the boundaries change; each pop
+-- then moves the next entries (an HSCAN cursor, its value) to the set the boundaries
+-- name, and removes it once the scan is through (pop_batch's relist_step).
+local RELIST = '~relist'
+
 -- A request starts waiting (enqueue, re-queue, dead-letter retry): its costs entry and,
 -- with cost buckets (`bounds` not empty), its bucket's set, score = arrival, so that a
 -- consumer dedicated to the bucket finds it however many requests of other buckets wait

@@ -38,7 +38,8 @@ KEYS[5]  {bg:q}:jobs        hash  id -> "<meta>|<envelope>" (read only: the deli
 KEYS[6]  {bg:q}:costs       hash  id -> "<cost>:<bucket>" of each waiting request: the
                                   costs a pop reads (never the payload); a batch's
                                   entries go. An id without one (listed by an older
-                                  version) is read from jobs
+                                  version) is read from jobs. Its RELIST field, while
+                                  set, is the cursor of relist_step
 KEYS[8]  {bg:q}:marker      zset  wake-up marker
 KEYS[9]  {bg:q}:stats       hash  counters
 KEYS[10] {bg:q}:inflight    zset  batch id -> lease deadline (µs)
@@ -84,7 +85,8 @@ Returns  {batch_id, now_us, lease_deadline_us, remaining, then per request 5 val
                 'exhausted' (max_attempts deliveries used: dead-letter it)
          {0, wait_us}  nothing due; µs until the next request falls due or the earliest
                deadline passes, -1 if none; 0 (pop again at once) where a dedicated
-               consumer's read of its bucket's set stopped at STALE_BUDGET dead ids
+               consumer's read of its bucket's set stopped at STALE_BUDGET dead ids, or
+               relist_step is not through
          {-4}  a waiting request is past its deadline: run expire_due.lua, then pop again
                (nothing written but the heartbeat)
 Errors   {-1}  queue has no policy (no consumer configured it yet)
@@ -100,7 +102,8 @@ with costs, at most (buckets x max_batch_size) requests read per level (at most 
 a dedicated consumer reads as many of its bucket's set, and their levels (ZMSCORE), plus
 at most STALE_BUDGET ids no longer waiting. Costs come from the costs hash: a pop's work
 does not grow with payload size (it reads the payloads of its batch only).
-The body runs as named steps: read_policy, past_deadline, promote_aged, read_views (a
+The body runs as named steps: read_policy, past_deadline, relist_step (after a
+cost_buckets change: at most RELIST_STEP costs entries), promote_aged, read_views (a
 dedicated consumer), choose (pick_costed when costs are on) or take_delayed,
 drop_malformed, isolate_retried, commit.
 ]]
@@ -293,6 +296,44 @@ local function read_views(rules)
     if #ids < n then break end  -- the set's end
   end
   return counts, false
+end
+
+-- After a cost_buckets change (configure.lua set costs' RELIST field): the next
+-- RELIST_STEP costs entries (HSCAN from the cursor RELIST holds) whose set is not the one
+-- the current boundaries name move there, so that each consumer dedicated to a bucket
+-- finds all of its bucket's requests again. True while the scan is not through.
+local RELIST_STEP = 1000
+local function relist_step(rules)
+  local cursor = redis.call('HGET', costs, RELIST)
+  if not cursor then return false end
+  local scan = redis.call('HSCAN', costs, cursor, 'COUNT', RELIST_STEP)
+  local entries, moved = scan[2], {}
+  for k = 1, #entries, 2 do
+    local id = entries[k]
+    local cost, listed = read_cost_record(entries[k + 1])
+    local want = cost and (#rules.bounds > 0 and bucket_of(rules.bounds, cost) or 0)
+    if want and want ~= listed then
+      local arrival = listed > 0 and redis.call('ZSCORE', bucket_sets[listed], id)
+      for level = 1, #pending do
+        if arrival then break end
+        arrival = redis.call('ZSCORE', pending[level], id)
+      end
+      if listed > 0 then redis.call('ZREM', bucket_sets[listed], id) end
+      if not arrival then
+        redis.call('HDEL', costs, id)  -- waits nowhere: a stale entry
+      else
+        if want > 0 then
+          redis.call('ZADD', bucket_sets[want], arrival, id)
+          moved[want] = true
+        end
+        redis.call('HSET', costs, id, cost_record(cost, want))
+      end
+    end
+  end
+  local done = scan[1] == '0'
+  if done then redis.call('HDEL', costs, RELIST) else redis.call('HSET', costs, RELIST, scan[1]) end
+  for b in pairs(moved) do wake_bucket(bucket_markers, b) end
+  return not done
 end
 
 -- A level's first n (or more: callers stop at n) {id, score, ...}: from the zset, or the
@@ -661,6 +702,7 @@ local now = now_us()
 redis.call('ZADD', consumers, int(now), consumer)
 local expired, first_deadline = past_deadline(now)
 if expired then return {-4} end
+local relisting = relist_step(rules)
 if rules.strategy == 'priority' and rules.aging > 0 then promote_aged(rules, now) end
 
 local count = {redis.call('ZCARD', pending_high), redis.call('ZCARD', pending_normal),
@@ -687,9 +729,9 @@ else
   chosen, wait = choose(rules, count, waiting, now)
 end
 if not chosen then
-  -- A view cut short by dead ids: pop again at once (each pop clears STALE_BUDGET more)
-  -- rather than sleep behind them.
-  if cut then return {0, 0} end
+  -- A view cut short by dead ids, or the sets not yet relisted after a cost_buckets
+  -- change: pop again at once (each pop does a bounded step more) rather than sleep.
+  if cut or (relisting and rules.only > 0) then return {0, 0} end
   if first_deadline and (wait[2] < 0 or first_deadline - now < wait[2]) then
     wait[2] = first_deadline - now
   end

@@ -1,16 +1,17 @@
 """What cost buckets add to a pop: pop_batch.lua's time inside Redis, with and without.
 
-    python -m bench.pop_cost [--pops 15] [--redis-server redis-server]
+    python -m bench.pop_cost [--pops 20] [--redis-server redis-server]
 
 Starts a private `redis-server` on a free port. For each shape (max_batch_size 64 with 4
-cost buckets, 256 with 5) and payload size (1 KB, 20 KB, 50 KB) it fills one fifo queue
-with requests whose costs cycle through every bucket, then pops --pops batches, once
-with the queue's policy naming no cost buckets and once with them: the same requests,
-the same batch size. Each pop's time is the Redis-side duration of its EVALSHA, from
-SLOWLOG (slowlog-log-slower-than 0), so the client and the network are not in it; after
-each pop the queue is topped up again and the popped requests are deleted (not timed),
-so every pop meets the same depth: max_batch_size x (buckets + 1) + max_batch_size
-waiting. Prints the median per point, side by side, and their ratio (with / without).
+cost buckets, 256 with 5) and payload size (1 KB, 20 KB, 50 KB) it fills two fifo queues
+with the same requests, whose costs cycle through every bucket: one whose policy names no
+cost buckets, one that names them. Then it pops --pops batches of each, in turns (the
+order alternating), so that both meet the same load on the host. Each pop's time is the
+Redis-side duration of its EVALSHA, from SLOWLOG (slowlog-log-slower-than 0): the client
+and the network are not in it. After each pop the queue is topped up again and the
+popped requests are deleted (not timed), so every pop meets the same depth:
+max_batch_size x (buckets + 1) + max_batch_size waiting. Prints, per point, the least and
+the median time of each side and their ratio (with / without).
 """
 
 from __future__ import annotations
@@ -92,38 +93,54 @@ def forget(client: redis.Redis, keys: QueueKeys, reply: list) -> int:
     return len(ids)
 
 
-def pop_times(client: redis.Redis, batch: int, buckets: str, payload_kb: int, costed: bool,
-              pops: int) -> list[float]:
-    """The Redis-side ms of each of `pops` pops of one queue."""
-    keys = QueueKeys(f"popcost-{uuid.uuid4().hex[:8]}")
-    scripts = Scripts(client)
-    store_policy(client, keys.queue, Policy(strategy=Strategy.FIFO, max_batch_size=batch,
-                                            max_queue_size=0,
-                                            cost_buckets=buckets if costed else ""),
-                 replace=True)
-    costs = bucket_costs(buckets)
+class Side:
+    """One queue of a point: its policy (with or without cost buckets), kept at its depth."""
+
+    def __init__(self, client: redis.Redis, batch: int, buckets: str, envelope: bytes,
+                 costed: bool) -> None:
+        self.client, self.scripts = client, Scripts(client)
+        self.keys = QueueKeys(f"popcost-{uuid.uuid4().hex[:8]}")
+        self.costs, self.envelope = bucket_costs(buckets), envelope
+        store_policy(client, self.keys.queue,
+                     Policy(strategy=Strategy.FIFO, max_batch_size=batch, max_queue_size=0,
+                            cost_buckets=buckets if costed else ""), replace=True)
+        self.added = batch * (len(self.costs) + 1) + batch
+        fill(client, self.scripts, self.keys, self.added, envelope, self.costs, 0)
+        self.pop = f"evalsha {self.scripts.pop_batch.sha} ".encode()
+        self.times: list[float] = []
+
+    def pop_once(self) -> None:
+        """One pop, timed by SLOWLOG; then the queue is topped up again (not timed)."""
+        self.client.slowlog_reset()
+        reply = self.scripts.pop_batch(keys=pop_keys(self.keys), args=["bench", LEASE_MS])
+        assert int(reply[0]) > 0, reply[:2]
+        took = [e["duration"] for e in self.client.slowlog_get(8)
+                if e["command"].lower().startswith(self.pop)]
+        assert took, "SLOWLOG holds no pop"
+        self.times.append(took[0] / 1000)
+        popped = forget(self.client, self.keys, reply)
+        fill(self.client, self.scripts, self.keys, popped, self.envelope, self.costs,
+             self.added)
+        self.added += popped
+
+
+def pop_times(client: redis.Redis, batch: int, buckets: str, payload_kb: int,
+              pops: int) -> tuple[list[float], list[float]]:
+    """The Redis-side ms of `pops` pops without cost buckets and `pops` with them, taken
+    in turns (the order alternating), so that both meet the same load on the host."""
     envelope = orjson.dumps({"v": 1, "payload": "x" * (payload_kb * 1024)})
-    depth = batch * (len(costs) + 1) + batch
-    fill(client, scripts, keys, depth, envelope, costs, 0)
-    added = depth
-    pop = f"evalsha {scripts.pop_batch.sha} ".encode()
+    sides = [Side(client, batch, buckets, envelope, costed) for costed in (False, True)]
     client.config_set("slowlog-log-slower-than", 0)
     client.config_set("slowlog-max-len", 128)
-    durations = []
-    for _ in range(pops):
-        client.slowlog_reset()
-        reply = scripts.pop_batch(keys=pop_keys(keys), args=["bench", LEASE_MS])
-        assert int(reply[0]) > 0, reply[:2]
-        took = [e["duration"] for e in client.slowlog_get(8)
-                if e["command"].lower().startswith(pop)]
-        assert took, "SLOWLOG holds no pop"
-        durations.append(took[0] / 1000)
-        popped = forget(client, keys, reply)
-        fill(client, scripts, keys, popped, envelope, costs, added)
-        added += popped
-    client.config_set("slowlog-log-slower-than", 10000)
-    client.delete(*keys.shared)
-    return durations
+    try:
+        for i in range(pops):
+            for side in (sides if i % 2 else sides[::-1]):
+                side.pop_once()
+    finally:
+        client.config_set("slowlog-log-slower-than", 10000)
+        for side in sides:
+            client.delete(*side.keys.shared)
+    return sides[0].times, sides[1].times
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,8 +156,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{'with':>7} {'ratio':>5} | {'median without':>14} {'with':>7} {'ratio':>5}")
         for batch, buckets in SHAPES:
             for kb in PAYLOAD_KB:
-                without = pop_times(client, batch, buckets, kb, False, args.pops)
-                with_ = pop_times(client, batch, buckets, kb, True, args.pops)
+                without, with_ = pop_times(client, batch, buckets, kb, args.pops)
                 lo = min(with_) / min(without)
                 mid = statistics.median(with_) / statistics.median(without)
                 ratios["min"].append(lo)

@@ -219,8 +219,13 @@ local function read_costs(ids)
   if #ids == 0 then return cost_of, set_of end
   local raw = cost_entries(ids)
   for i = 1, #ids do
-    local c, b = read_cost_record(raw[i])
-    if c then cost_of[i], set_of[i] = c, b else missing[#missing + 1] = ids[i] end
+    local v = raw[i]
+    local r = v and RECORDS[v]  -- read_cost_record's memo, looked up here: one call less
+    if r == nil and v then
+      read_cost_record(v)
+      r = RECORDS[v]
+    end
+    if r then cost_of[i], set_of[i] = r[1], r[2] else missing[#missing + 1] = ids[i] end
   end
   if #missing > 0 then
     local values, j = read_in_chunks('HMGET', jobs, missing), 0
@@ -458,11 +463,85 @@ local function candidates(rules, count, levels)
   end
 end
 
+-- pick_costed's batch read from the bucket sets instead of the window, where they list
+-- exactly the requests of the one level that waits: a bucket's group is the head of its
+-- set (up to the window's last arrival), so only the groups looked at are read, and the
+-- costs of their requests only (none without a budget). Returns false where that does
+-- not hold, and the window is read: other levels or delayed requests wait, the sets are
+-- being relisted, their sizes do not add up to the level's (an older version's ids),
+-- arrivals tie at the window's edge, or a chosen id does not wait in the level.
+local function pick_from_sets(rules, count, levels, now, due_only)
+  if views or #rules.bounds == 0 or rules.relisting then return false end
+  local level
+  for _, l in ipairs(levels) do
+    if count[l + 1] > 0 then
+      if level then return false end
+      level = l
+    end
+  end
+  if not level or count[1] + count[2] + count[3] + count[4] ~= count[level + 1] then
+    return false
+  end
+  local key, n, listed = pending[level + 1], count[level + 1], 0
+  for b = 1, #bucket_sets do listed = listed + redis.call('ZCARD', bucket_sets[b]) end
+  if listed ~= n then return false end
+  local bound = '+inf'
+  if n > rules.window then
+    local edge = redis.call('ZRANGE', key, rules.window - 1, rules.window, 'WITHSCORES')
+    if tonumber(edge[4]) == tonumber(edge[2]) then return false end
+    bound = edge[2]
+  end
+  local firsts = {}  -- per bucket in the window: its oldest, in arrival order
+  for b = 1, #bucket_sets do
+    local first = redis.call('ZRANGEBYSCORE', bucket_sets[b], '-inf', bound, 'WITHSCORES',
+                             'LIMIT', 0, 1)
+    if first[1] then
+      if b > bucket_count(rules.bounds) then return false end
+      firsts[#firsts + 1] = {bucket = b, id = first[1], score = tonumber(first[2])}
+    end
+  end
+  table.sort(firsts, function(x, y)
+    return x.score < y.score or (x.score == y.score and x.id < y.id)
+  end)
+  local function due(b, first)
+    local ids = redis.call('ZRANGEBYSCORE', bucket_sets[b], '-inf', bound, 'LIMIT', 0,
+                           rules.batch_size)
+    local cost_of, group = {}, {}
+    if rules.budget > 0 then cost_of = read_costs(ids) end
+    for i = 1, #ids do
+      group[i], cost_of[i] = i, cost_of[i] or 1
+    end
+    local chosen, full = fit(rules, group, cost_of)
+    if due_only and not full and now - first.score < rules.delay then return nil end
+    local names = {}
+    for k, i in ipairs(chosen) do names[k] = ids[i] end
+    local scores, out = redis.call('ZMSCORE', key, unpack(names)), {}
+    for k, name in ipairs(names) do
+      if not scores[k] then return false end
+      out[k] = {id = name, score = tonumber(scores[k]), level = level}
+    end
+    return out
+  end
+  for _, first in ipairs(firsts) do
+    if first.bucket == rules.prefer then
+      local chosen = due(first.bucket, first)
+      if chosen ~= nil then return chosen ~= false, chosen or nil end
+    end
+  end
+  for _, first in ipairs(firsts) do
+    local chosen = due(first.bucket, first)
+    if chosen ~= nil then return chosen ~= false, chosen or nil end
+  end
+  return true, nil
+end
+
 -- The rule's batch with costs on: the oldest `window` requests of `levels`, grouped by
 -- bucket, each group fitted to the budget. due_only (the dynamic rule): the first group,
 -- in the order of their oldest requests, that is full or whose oldest has waited the
 -- delay; nil if none is. Otherwise the group of the oldest request.
 local function pick_costed(rules, count, levels, now, due_only)
+  local handled, picked = pick_from_sets(rules, count, levels, now, due_only)
+  if handled then return picked end
   local ids, entries = candidates(rules, count, levels)
   local cost_of = {}
   if view_costs then  -- a dedicated consumer read the costs with its view
@@ -702,7 +781,7 @@ local now = now_us()
 redis.call('ZADD', consumers, int(now), consumer)
 local expired, first_deadline = past_deadline(now)
 if expired then return {-4} end
-local relisting = relist_step(rules)
+rules.relisting = relist_step(rules)
 if rules.strategy == 'priority' and rules.aging > 0 then promote_aged(rules, now) end
 
 local count = {redis.call('ZCARD', pending_high), redis.call('ZCARD', pending_normal),
@@ -731,7 +810,7 @@ end
 if not chosen then
   -- A view cut short by dead ids, or the sets not yet relisted after a cost_buckets
   -- change: pop again at once (each pop does a bounded step more) rather than sleep.
-  if cut or (relisting and rules.only > 0) then return {0, 0} end
+  if cut or (rules.relisting and rules.only > 0) then return {0, 0} end
   if first_deadline and (wait[2] < 0 or first_deadline - now < wait[2]) then
     wait[2] = first_deadline - now
   end

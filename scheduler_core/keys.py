@@ -20,7 +20,10 @@ then the script's per-call keys (result:<id>, inbox:<producer>, idem:<key>).
 |                             |        | listed in (1..5; 0: none), so that a pop learns costs    |
 |                             |        | without reading payloads and every exit (pop, cancel,    |
 |                             |        | expiry) removes the id from the set it was put in,       |
-|                             |        | whatever cost_buckets says now (wire.cost_record)        |
+|                             |        | whatever cost_buckets says now (wire.cost_record). Its   |
+|                             |        | field "~relist" (no id has '~'), while set after a      |
+|                             |        | cost_buckets change, is the HSCAN cursor of the pops     |
+|                             |        | re-listing the waiting requests (pop_batch relist_step)  |
 | `{bg:q}:owner`              | hash   | id -> batch id, while the request is in flight            |
 | `{bg:q}:inflight`           | zset   | batch id -> lease deadline (µs)                           |
 | `{bg:q}:batches`            | hash   | batch id -> "consumer|id,id,..."                          |

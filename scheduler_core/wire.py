@@ -317,7 +317,7 @@ def format_job(meta: JobMeta, envelope: bytes) -> bytes:
 # The value of `{bg:q}:costs[id]` while request `id` waits: "<cost>:<bucket>", the Lua
 # scripts' cost_record (scheduler_core/lua/_queue.lua). bucket: the cost bucket set
 # (`{bg:q}:bucket:<bucket>`) the request is listed in, 0 for none.
-_COST_RECORD = re.compile(rb"(\d{1,10}):([0-9])")
+_COST_RECORD = re.compile(rb"(\d{1,10}):([0-5])")
 
 
 def cost_record(cost: int, bucket: int) -> bytes:

@@ -18,7 +18,7 @@ from scheduler_core.admin import read_policy, store_policy
 from scheduler_core.deadlines import expire_due
 from scheduler_core.keys import QueueKeys
 from scheduler_core.scripts import NewRequest, Scripts, enqueue_call, pop_keys
-from scheduler_core.wire import split_job
+from scheduler_core.wire import split_cost_record, split_job
 
 IDLE_BLOCK_S = 1.0  # consumer/worker.py: how long an idle consumer blocks before it pops again
 SLACK_S = 3.0  # the machine is shared and loaded
@@ -108,6 +108,7 @@ def test_a_cost_buckets_change_leaves_no_id_in_the_old_bucket_set(shared_redis, 
     with Producer(shared_redis.url, queue) as p:
         handles = p.submit_many([f"r{i}" for i in range(300)], cost=50)
         assert bucket_ids(client, keys) == {2: 300}
+        assert split_cost_record(client.hget(keys.costs, handles[0].id)) == (50, 2)
         policy = read_policy(client, queue)
         store_policy(client, queue, dataclasses.replace(policy, cost_buckets="64"), replace=True)
         start_consumer(shared_redis.url, queue)

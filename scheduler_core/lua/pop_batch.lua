@@ -469,7 +469,8 @@ end
 -- costs of their requests only (none without a budget). Returns false where that does
 -- not hold, and the window is read: other levels or delayed requests wait, the sets are
 -- being relisted, their sizes do not add up to the level's (an older version's ids),
--- arrivals tie at the window's edge, or a chosen id does not wait in the level.
+-- arrivals tie (at the window's edge, or two buckets' oldest), or a chosen id does not
+-- wait in the level.
 local function pick_from_sets(rules, count, levels, now, due_only)
   if views or #rules.bounds == 0 or rules.relisting then return false end
   local level
@@ -500,9 +501,10 @@ local function pick_from_sets(rules, count, levels, now, due_only)
       firsts[#firsts + 1] = {bucket = b, id = first[1], score = tonumber(first[2])}
     end
   end
-  table.sort(firsts, function(x, y)
-    return x.score < y.score or (x.score == y.score and x.id < y.id)
-  end)
+  table.sort(firsts, function(x, y) return x.score < y.score end)
+  for k = 2, #firsts do  -- a tie: the zset's order (by id) decides, left to the window
+    if firsts[k].score == firsts[k - 1].score then return false end
+  end
   local function due(b, first)
     local ids = redis.call('ZRANGEBYSCORE', bucket_sets[b], '-inf', bound, 'LIMIT', 0,
                            rules.batch_size)

@@ -76,7 +76,7 @@ def test_cancels_expiries_and_answers_leave_no_id_in_the_bucket_sets(
 
 def test_a_dedicated_consumer_answers_past_dead_ids_an_older_version_left(
         shared_redis, queue, start_consumer):
-    """3,000 ids of requests that wait nowhere sit ahead in bucket 1's set (an older
+    """10,000 ids of requests that wait nowhere sit ahead in bucket 1's set (an older
     version left cancelled and expired ids there). A pop reads at most its window plus
     STALE_BUDGET of them and then pops again at once instead of blocking an idle block:
     a live request is answered within the delay and an idle block, and the dead ids are
@@ -85,7 +85,7 @@ def test_a_dedicated_consumer_answers_past_dead_ids_an_older_version_left(
     configure(shared_redis.url, queue, strategy="dynamic", max_batch_size=8,
               max_queue_delay_ms=delay_ms, cost_buckets="10")
     client, keys = shared_redis.client(), QueueKeys(queue)
-    client.zadd(keys.bucket_set(1), {f"dead{i}": i + 1 for i in range(3000)})
+    client.zadd(keys.bucket_set(1), {f"dead{i}": i + 1 for i in range(10_000)})
     start_consumer(shared_redis.url, queue, "--only-bucket", "1")
     with Producer(shared_redis.url, queue) as p:
         time.sleep(0.2)  # the consumer idles, blocked until a wake-up
@@ -118,8 +118,10 @@ def test_a_cost_buckets_change_leaves_no_id_in_the_old_bucket_set(shared_redis, 
 
 
 def _enqueue(scripts: Scripts, keys: QueueKeys, costs: list[int], envelope: bytes) -> list[str]:
-    requests = [NewRequest(id=uuid.uuid4().hex, priority=1, deadline_ms=0, envelope=envelope,
-                           cost=cost) for cost in costs]
+    """Requests of these costs, the cheap ones (<= 32) NORMAL and the others LOW: with two
+    levels waiting the pop weighs its window (the bucket sets alone list no one level)."""
+    requests = [NewRequest(id=uuid.uuid4().hex, priority=1 if cost <= 32 else 2,
+                           deadline_ms=0, envelope=envelope, cost=cost) for cost in costs]
     script_keys, args = enqueue_call(keys, "", requests, 60)
     assert int(scripts.enqueue(keys=script_keys, args=args)[0]) == 1
     return [r.id for r in requests]
@@ -127,10 +129,10 @@ def _enqueue(scripts: Scripts, keys: QueueKeys, costs: list[int], envelope: byte
 
 def test_a_pop_takes_costs_from_the_costs_hash_not_from_the_jobs_values(shared_redis,
                                                                         queue):
-    """fifo, cost_buckets "32", batch 4: one short request, then seven long ones. Their
-    jobs values are rewritten without meta (as if the pop could not read their cost from
-    them): the pop still groups them by the cost they were enqueued with, so the batch
-    is the short request alone."""
+    """fifo, cost_buckets "32", batch 4: one short request, then seven long ones (another
+    level: the pop weighs all eight). Their jobs values are rewritten without meta (as if
+    the pop could not read their cost from them): the pop still groups them by the cost
+    they were enqueued with, so the batch is the short request alone."""
     configure(shared_redis.url, queue, strategy="fifo", max_batch_size=4, cost_buckets="32")
     client, keys = shared_redis.client(), QueueKeys(queue)
     scripts = Scripts(client)
@@ -158,7 +160,7 @@ def _pop_ms(client, scripts: Scripts, keys: QueueKeys, pops: int) -> float:
 def test_a_pops_work_does_not_grow_with_the_payloads_of_the_requests_it_weighs(
         shared_redis, queue):
     """dynamic (nothing due for a minute), cost_buckets "32", batch 4: a pop weighs the
-    costs of the six waiting requests. With 4 MB payloads it takes no longer than with
+    costs of the six waiting requests (on two levels). With 4 MB payloads it takes no longer than with
     1-byte ones (reading them would copy 24 MB into the script: several ms at least):
     the least of 5 pops each, within 2 ms plus twice the small one's."""
     client = shared_redis.client()

@@ -160,9 +160,9 @@ def _pop_ms(client, scripts: Scripts, keys: QueueKeys, pops: int) -> float:
 def test_a_pops_work_does_not_grow_with_the_payloads_of_the_requests_it_weighs(
         shared_redis, queue):
     """dynamic (nothing due for a minute), cost_buckets "32", batch 4: a pop weighs the
-    costs of the six waiting requests (on two levels). With 4 MB payloads it takes no longer than with
-    1-byte ones (reading them would copy 24 MB into the script: several ms at least):
-    the least of 5 pops each, within 2 ms plus twice the small one's."""
+    costs of the six waiting requests (on two levels). With 4 MB payloads it takes no
+    longer than with 1-byte ones (reading them would copy 24 MB into the script: several
+    ms at least): the least of 5 pops each, within 2 ms plus twice the small one's."""
     client = shared_redis.client()
     scripts = Scripts(client)
     client.config_set("slowlog-log-slower-than", 0)

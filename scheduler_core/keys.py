@@ -15,8 +15,15 @@ then the script's per-call keys (result:<id>, inbox:<producer>, idem:<key>).
 |                             |        | then '|' and the request envelope (orjson bytes);       |
 |                             |        | attempts: deliveries ended without a result; keep: 1 if  |
 |                             |        | the result is stored by id (wire.JobMeta, split_job)     |
-| `{bg:q}:meta`               | -      | not written: a request's meta is in jobs (one hash field |
-|                             |        | per request). The name keeps its KEYS[6] place in scripts|
+| `{bg:q}:costs`              | hash   | id -> "<cost>:<bucket>" of each waiting request (pending |
+|                             |        | or delayed): its cost and the cost bucket set it is      |
+|                             |        | listed in (1..5; 0: none), so that a pop learns costs    |
+|                             |        | without reading payloads and every exit (pop, cancel,    |
+|                             |        | expiry) removes the id from the set it was put in,       |
+|                             |        | whatever cost_buckets says now (wire.cost_record). Its   |
+|                             |        | field "~relist" (no id has '~'), while set after a      |
+|                             |        | cost_buckets change, is the HSCAN cursor of the pops     |
+|                             |        | re-listing the waiting requests (pop_batch relist_step)  |
 | `{bg:q}:owner`              | hash   | id -> batch id, while the request is in flight            |
 | `{bg:q}:inflight`           | zset   | batch id -> lease deadline (µs)                           |
 | `{bg:q}:batches`            | hash   | batch id -> "consumer|id,id,..."                          |
@@ -28,8 +35,8 @@ then the script's per-call keys (result:<id>, inbox:<producer>, idem:<key>).
 |                             |        | arrivals (and by re-queues and batches that leave work)   |
 | `{bg:q}:bucket:<1..5>`      | zset   | with cost_buckets: the ids waiting in cost bucket 1..5,   |
 |                             |        | score = arrival (all levels and the delayed set), for the |
-|                             |        | consumers dedicated to it; cancel and expiry leave stale  |
-|                             |        | ids, which the next dedicated pop removes                 |
+|                             |        | consumers dedicated to it; a pop, cancel or expiry takes  |
+|                             |        | the id out of the set its costs entry names               |
 | `{bg:q}:wake:<consumer>`    | zset   | a consumer's private wake-up key (its own due timer)      |
 | `{bg:q}:consumers`          | zset   | consumer name -> last heartbeat (µs)                      |
 | `{bg:q}:stats`              | hash   | counters: processed, failed, batches, ...                 |
@@ -115,7 +122,7 @@ def queue_clock_us(time_reply: Any, offset: Any) -> int:
         (int(text) if text.isdigit() and len(text) < 16 else 0)
 
 
-SHARED_KEYS = ("policy", "pending_high", "pending_normal", "pending_low", "jobs", "meta",
+SHARED_KEYS = ("policy", "pending_high", "pending_normal", "pending_low", "jobs", "costs",
                "clock", "marker", "stats", "inflight", "owner", "batches", "seq", "consumers",
                "dead", "dead_reason", "wait_samples", "e2e_samples", "model_samples",
                "deadlines", "delayed", "arrivals", "cost_model", *BUCKET_MARKERS,
@@ -189,8 +196,8 @@ class QueueKeys:
         return self._k("jobs")
 
     @property
-    def meta(self) -> str:
-        return self._k("meta")
+    def costs(self) -> str:
+        return self._k("costs")
 
     @property
     def owner(self) -> str:

@@ -315,6 +315,24 @@ def format_job(meta: JobMeta, envelope: bytes) -> bytes:
     return text.encode() + b"|" + envelope
 
 
+# The value of `{bg:q}:costs[id]` while request `id` waits: "<cost>:<bucket>", the Lua
+# scripts' cost_record (scheduler_core/lua/_queue.lua). bucket: the cost bucket set
+# (`{bg:q}:bucket:<bucket>`) the request is listed in, 0 for none.
+_COST_RECORD = re.compile(rb"(\d{1,10}):([0-5])")
+
+
+def cost_record(cost: int, bucket: int) -> bytes:
+    """The costs value of a waiting request of `cost` listed in bucket set `bucket` (0:
+    none), as enqueue.lua writes it (tests and tools that write a request by hand)."""
+    return f"{cost}:{bucket}".encode()
+
+
+def split_cost_record(raw: bytes) -> tuple[int, int] | None:
+    """(cost, bucket) of a costs value; None where it is not one."""
+    m = _COST_RECORD.fullmatch(raw)
+    return (int(m[1]), int(m[2])) if m else None
+
+
 # Partial results (`{bg:q}:stream:<id>`, a Redis stream; docs/streaming.md). Each entry has
 # one field: STREAM_PART -> orjson of a part, or STREAM_RESTART -> the attempt that starts
 # over (a re-delivered request runs again from the start).

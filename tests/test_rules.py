@@ -38,7 +38,7 @@ from scheduler_core.rules import (
     decide,
 )
 from scheduler_core.scripts import Scripts, pop_keys
-from scheduler_core.wire import delivered_job
+from scheduler_core.wire import cost_record, delivered_job
 
 CASES = 4000
 NEAR_US = 2000  # a pipelined script call takes ~0.1-1 ms after the TIME read
@@ -180,10 +180,15 @@ def run_case(client, scripts: Scripts, rng: random.Random) -> tuple[
             with_deadline = {r.id: r.deadline_us for r in requests if r.deadline_us}
             if with_deadline:  # as enqueue.lua lists them
                 pipe.zadd(keys.deadlines, with_deadline)
-            if case.stored.bucket_bounds:  # as enqueue.lua (requeue, retry) list them
-                for r in requests:
-                    pipe.zadd(keys.bucket_set(case.stored.bucket_of(r.cost) + 1),
-                              {r.id: r.arrival_us})
+            listed = {r.id: case.stored.bucket_of(r.cost) + 1 if case.stored.bucket_bounds
+                      else 0 for r in requests}
+            for r in requests:
+                if listed[r.id]:  # as enqueue.lua (requeue, retry) list them
+                    pipe.zadd(keys.bucket_set(listed[r.id]), {r.id: r.arrival_us})
+            # Their costs entries, as enqueue.lua writes them; every other request has
+            # none, as if listed by an older version (the pop reads its jobs value).
+            pipe.hset(keys.costs, mapping={r.id: cost_record(r.cost, listed[r.id])
+                                           for r in requests[::2]})
     # ARGV[3] (prefer) and ARGV[4] (delay) are absent, as consumers without them send.
     optional = [case.prefer] if case.prefer or case.delay_ms is not None else []
     if case.delay_ms is not None:

@@ -19,13 +19,69 @@ local function wake_buckets(bucket_markers, n)
   for b = 1, n do wake_bucket(bucket_markers, b) end
 end
 
--- With cost buckets (`bounds` not empty) a waiting request is also listed in its bucket's
--- set, score = arrival, so that a consumer dedicated to the bucket finds it however many
--- requests of other buckets wait ahead of it (pop_batch's read_views).
-local function list_in_bucket(bucket_sets, bounds, id, cost, arrival)
-  if #bounds > 0 then
-    redis.call('ZADD', bucket_sets[bucket_of(bounds, cost)], int(arrival), id)
+-- costs[id] while request `id` waits (pending or delayed): "<cost>:<bucket>", its cost
+-- and the cost bucket set it is listed in (0: none), so that a pop learns costs without
+-- reading the jobs value (its payload), and every exit takes the id out of the set it
+-- was put in, whatever cost_buckets says by then (wire.cost_record).
+local function cost_record(cost, bucket)
+  return int(cost) .. ':' .. bucket
+end
+
+-- The cost and bucket set of a costs value; nil where there is none (a request listed
+-- before the costs hash existed, or written by hand). A queue has few distinct costs:
+-- each value is matched once per call.
+local RECORDS = {}
+local function read_cost_record(raw)
+  if not raw then return nil end
+  local r = RECORDS[raw]
+  if r == nil then
+    local c, b = string.match(raw, '^(%d+):([0-5])$')
+    r = (c and #c <= 10) and {tonumber(c), tonumber(b)} or false
+    RECORDS[raw] = r
   end
+  if r then return r[1], r[2] end
+  return nil
+end
+
+-- The costs field (not an id: '~' is no id's) that marks the bucket sets as listed under
+-- older cost_buckets: configure.lua sets it to '0' when the boundaries change; each pop
+-- then moves the next entries (an HSCAN cursor, its value) to the set the boundaries
+-- name, and removes it once the scan is through (pop_batch's relist_step).
+local RELIST = '~relist'
+
+-- A request starts waiting (enqueue, re-queue, dead-letter retry): its costs entry and,
+-- with cost buckets (`bounds` not empty), its bucket's set, score = arrival, so that a
+-- consumer dedicated to the bucket finds it however many requests of other buckets wait
+-- ahead of it (pop_batch's read_views).
+local function list_waiting(costs, bucket_sets, bounds, id, cost, arrival)
+  local b = 0
+  if #bounds > 0 then
+    b = bucket_of(bounds, cost)
+    redis.call('ZADD', bucket_sets[b], int(arrival), id)
+  end
+  redis.call('HSET', costs, id, cost_record(cost, b))
+end
+
+-- Requests `ids` stop waiting (popped, cancelled, expired, dropped): out of the bucket set
+-- their costs entry names and out of costs. An id without an entry was listed, if at
+-- all, under boundaries that may have changed since: it leaves every set. Returns the
+-- sets it took ids out of, bucket -> {id, ...}.
+local function unlist_waiting(costs, bucket_sets, ids)
+  if #ids == 0 then return {} end
+  local raw = read_in_chunks('HMGET', costs, ids)
+  local by_set = {}
+  for i, id in ipairs(ids) do
+    local _, b = read_cost_record(raw[i])
+    for s = b or 1, b or #bucket_sets do
+      if s > 0 then
+        by_set[s] = by_set[s] or {}
+        table.insert(by_set[s], id)
+      end
+    end
+  end
+  for s, members in pairs(by_set) do call_in_chunks('ZREM', bucket_sets[s], members) end
+  call_in_chunks('HDEL', costs, ids)
+  return by_set
 end
 
 -- Arrival scores: Redis time, strictly increasing per queue, so that ties keep arrival

@@ -7,10 +7,13 @@ KEYS[2]  {bg:q}:pending:0     zset  HIGH
 KEYS[3]  {bg:q}:pending:1     zset  NORMAL
 KEYS[4]  {bg:q}:pending:2     zset  LOW
 KEYS[5]  {bg:q}:jobs          hash  id -> "<meta>|<envelope>"
+KEYS[6]  {bg:q}:costs         hash  id -> "<cost>:<bucket>" while waiting
 KEYS[9]  {bg:q}:stats         hash  counters
 KEYS[11] {bg:q}:owner         hash  id -> batch id while in flight
 KEYS[20] {bg:q}:deadlines     zset  pending id -> deadline (µs)
 KEYS[21] {bg:q}:delayed       zset  past its deadline, waiting to run when idle
+KEYS[29..33] {bg:q}:bucket:<1..5> zset  the ids waiting in each cost bucket: a cancelled one
+                                  leaves the set its costs entry names
 KEYS[34] {bg:q}:result:<id>   string, written if the request asked for it (keep)
 KEYS[35] {bg:q}:inbox:<producer>  list, the producer's inbox (any key if none)
 
@@ -34,10 +37,12 @@ local pending_high = KEYS[2]
 local pending_normal = KEYS[3]
 local pending_low = KEYS[4]
 local jobs = KEYS[5]
+local costs = KEYS[6]
 local stats = KEYS[9]
 local owner = KEYS[11]
 local deadlines = KEYS[20]
 local delayed = KEYS[21]
+local bucket_sets = {KEYS[29], KEYS[30], KEYS[31], KEYS[32], KEYS[33]}
 local result = KEYS[34]
 local inbox = KEYS[35]
 
@@ -53,6 +58,7 @@ if redis.call('HEXISTS', owner, id) == 1 then return 2 end
 for _, pending in ipairs({pending_high, pending_normal, pending_low, delayed}) do
   if redis.call('ZREM', pending, id) == 1 then
     redis.call('ZREM', deadlines, id)
+    unlist_waiting(costs, bucket_sets, {id})
     local m = parse_job(redis.call('HGET', jobs, id))
     redis.call('HDEL', jobs, id)
     if not m or m.keep then store_result(result, envelope, ttl) end

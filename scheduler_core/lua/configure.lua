@@ -4,6 +4,9 @@ KEYS[1..33] the queue's shared keys, in the order of scheduler_core.keys.SHARED_
             this script uses:
 KEYS[1]  {bg:q}:policy   hash
 KEYS[5]  {bg:q}:jobs     hash   read by 'retire': the requests the queue holds
+KEYS[6]  {bg:q}:costs    hash   where cost_buckets changes and requests wait: its RELIST
+                                field set to '0' (the pops move every waiting request to
+                                the bucket set the new boundaries name, a bounded step each)
 
 ARGV[1]  mode: 'ensure' (write only if the queue has no policy yet) | 'replace' |
          'retire' (a shard that `policy set --shards` drops: set the policy's field
@@ -21,9 +24,11 @@ Errors   {-3, field} malformed argument, nothing written
 ]]
 -- @include _common.lua
 -- @include _policy.lua
+-- @include _queue.lua
 
 local policy = KEYS[1]
 local jobs = KEYS[5]
+local costs = KEYS[6]
 
 local mode = ARGV[1]
 if mode == 'retire' then
@@ -60,9 +65,15 @@ for field in pairs(LIMITS) do
 end
 local written = 0
 if mode == 'replace' or redis.call('EXISTS', policy) == 0 then
+  local before = parse_buckets(redis.call('HGET', policy, 'cost_buckets')) or {}
   redis.call('DEL', policy)
   redis.call('HSET', policy, unpack(ARGV, 2))
   written = 1
+  local after = parse_buckets(redis.call('HGET', policy, 'cost_buckets')) or {}
+  if table.concat(before, ',') ~= table.concat(after, ',')
+     and redis.call('EXISTS', costs) == 1 then
+    redis.call('HSET', costs, RELIST, '0')  -- from the start, even if a relist was under way
+  end
 end
 local reply = {written}
 for _, v in ipairs(redis.call('HGETALL', policy)) do reply[#reply + 1] = v end

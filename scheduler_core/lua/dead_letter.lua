@@ -7,6 +7,7 @@ KEYS[2]  {bg:q}:pending:0     zset   HIGH
 KEYS[3]  {bg:q}:pending:1     zset   NORMAL
 KEYS[4]  {bg:q}:pending:2     zset   LOW
 KEYS[5]  {bg:q}:jobs          hash   id -> "<meta>|<envelope>"
+KEYS[6]  {bg:q}:costs         hash   id -> "<cost>:<bucket>": a retried request's entry
 KEYS[7]  {bg:q}:clock         string last arrival score issued
 KEYS[8]  {bg:q}:marker        zset   wake-up marker for idle consumers
 KEYS[9]  {bg:q}:stats         hash   counters (dead_retried, dead_purged); the queue's clock
@@ -39,6 +40,7 @@ local pending_high = KEYS[2]
 local pending_normal = KEYS[3]
 local pending_low = KEYS[4]
 local jobs = KEYS[5]
+local costs = KEYS[6]
 local clock = KEYS[7]
 local marker = KEYS[8]
 local stats = KEYS[9]
@@ -79,7 +81,7 @@ for i = 1, n do
                                              envelope = m and m.envelope or raw}))
     redis.call('ZADD', pending[prio + 1], int(arrival), id)
     if not bounds then bounds = stored_bounds(policy) end
-    list_in_bucket(bucket_sets, bounds, id, m and m.cost or 1, arrival)
+    list_waiting(costs, bucket_sets, bounds, id, m and m.cost or 1, arrival)
     redis.call('ZREM', dead, id)
     redis.call('HDEL', dead_reason, id)
     redis.call('DEL', KEYS[33 + i])

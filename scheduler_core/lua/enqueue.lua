@@ -10,6 +10,8 @@ KEYS[2]  {bg:q}:pending:0   zset   HIGH
 KEYS[3]  {bg:q}:pending:1   zset   NORMAL
 KEYS[4]  {bg:q}:pending:2   zset   LOW
 KEYS[5]  {bg:q}:jobs        hash   id -> "<meta>|<envelope>" (_common.lua's format_job)
+KEYS[6]  {bg:q}:costs       hash   id -> "<cost>:<bucket>" of each new request (_queue.lua's
+                                   cost_record): what a pop reads of it to learn its cost
 KEYS[7]  {bg:q}:clock       string last arrival score issued (the queue's clock: queue_now)
 KEYS[8]  {bg:q}:marker      zset   wake-up marker for idle consumers
 KEYS[9]  {bg:q}:stats       hash   read on rejection: the recent service rate; the
@@ -105,6 +107,7 @@ local pending_high = KEYS[2]
 local pending_normal = KEYS[3]
 local pending_low = KEYS[4]
 local jobs = KEYS[5]
+local costs = KEYS[6]
 local clock = KEYS[7]
 local marker = KEYS[8]
 local stats = KEYS[9]
@@ -157,7 +160,7 @@ do
   end
 end
 local effective, fresh, seen_keys = {}, 0, {}
-local prios, deadlines_ms, costs = {}, {}, {}  -- per request, as validated: pass 2 reuses them
+local prios, deadlines_ms, asked = {}, {}, {}  -- per request, as validated: pass 2 reuses them
 local key_index = FIRST_IDEM
 for i = 0, n - 1 do
   local base = 4 + 7 * i
@@ -168,7 +171,7 @@ for i = 0, n - 1 do
   if not prio then return {-3, 'priority'} end
   if not deadline_ms then return {-3, 'deadline_ms'} end
   if not cost then return {-3, 'cost'} end
-  prios[i + 1], deadlines_ms[i + 1], costs[i + 1] = prio, deadline_ms, cost
+  prios[i + 1], deadlines_ms[i + 1], asked[i + 1] = prio, deadline_ms, cost
   if ARGV[base + 6] ~= '0' and ARGV[base + 6] ~= '1' then return {-3, 'keep'} end
   if max_cost > 0 and cost > max_cost and not truncate then
     return {-4, 'cost', i, cost, max_cost}
@@ -223,11 +226,12 @@ local scores = arrival_clock(clock, now)
 local wake = (strategy == 'fifo') or costed
 local pending_adds, job_fields, deadline_adds = {{}, {}, {}}, {}, {}
 local bucket_adds = {}  -- bucket -> {arrival, id, ...} of its new requests
+local cost_fields = {}  -- id, cost_record, ...: beside jobs, so that a pop reads no payload
 key_index = FIRST_IDEM
 for i = 0, n - 1 do
   local base = 4 + 7 * i
   local id, prio, deadline_ms = ARGV[base], prios[i + 1], deadlines_ms[i + 1]
-  local requested = costs[i + 1]
+  local requested = asked[i + 1]
   local cost = requested
   if max_cost > 0 and cost > max_cost then cost = max_cost end  -- truncate (checked above)
   local idem_key = nil
@@ -271,18 +275,22 @@ for i = 0, n - 1 do
       if prio == 0 or depth[prio + 1] == 0 or depth[prio + 1] + 1 >= batch_size
          or (prio == 2 and depth[1] + depth[2] == 0) then wake = true end
     end
+    local b = 0
     if #bounds > 0 then
-      local b = bucket_of(bounds, cost)
+      b = bucket_of(bounds, cost)
       bucket_adds[b] = bucket_adds[b] or {}
       table.insert(bucket_adds[b], arrival_s)
       table.insert(bucket_adds[b], id)
     end
+    cost_fields[#cost_fields + 1] = id
+    cost_fields[#cost_fields + 1] = cost_record(cost, b)
     depth[prio + 1] = depth[prio + 1] + 1
     total = total + 1
   end
 end
 for level = 1, 3 do write_pairs('ZADD', pending[level], pending_adds[level]) end
 write_pairs('HSET', jobs, job_fields)
+write_pairs('HSET', costs, cost_fields)
 write_pairs('ZADD', deadlines, deadline_adds)
 scores.save()
 if wake then wake_consumers(marker) end

@@ -14,12 +14,16 @@ KEYS[2]  {bg:q}:pending:0   zset  HIGH
 KEYS[3]  {bg:q}:pending:1   zset  NORMAL
 KEYS[4]  {bg:q}:pending:2   zset  LOW
 KEYS[5]  {bg:q}:jobs        hash  id -> "<meta>|<envelope>" (deadline cleared when delayed)
+KEYS[6]  {bg:q}:costs       hash  id -> "<cost>:<bucket>" while waiting: an expired one's
+                                  entry goes (a delayed one still waits: it keeps it)
 KEYS[7]  {bg:q}:clock       string last arrival score issued (the queue's clock: queue_now)
 KEYS[8]  {bg:q}:marker      zset  wake-up marker (a delayed request may be due at once)
 KEYS[9]  {bg:q}:stats       hash  counters: expired, delayed; the queue's clock
 KEYS[20] {bg:q}:deadlines   zset  pending id -> deadline (µs)
 KEYS[21] {bg:q}:delayed     zset  id -> arrival (µs): past its deadline, runs when idle
 KEYS[24..28] {bg:q}:marker:<1..5> zset  wake-up markers of consumers dedicated to a cost bucket
+KEYS[29..33] {bg:q}:bucket:<1..5> zset  the ids waiting in each cost bucket: an expired one
+                                  leaves the set its costs entry names
 KEYS[34+2i] {bg:q}:result:<id_i>       ('expire' only) result of listed request i
 KEYS[35+2i] {bg:q}:inbox:<producer_i>  ('expire' only) its producer's inbox (any key if
             it has none)
@@ -50,12 +54,14 @@ local pending_high = KEYS[2]
 local pending_normal = KEYS[3]
 local pending_low = KEYS[4]
 local jobs = KEYS[5]
+local costs = KEYS[6]
 local clock = KEYS[7]
 local marker = KEYS[8]
 local stats = KEYS[9]
 local deadlines = KEYS[20]
 local delayed = KEYS[21]
 local bucket_markers = {KEYS[24], KEYS[25], KEYS[26], KEYS[27], KEYS[28]}
+local bucket_sets = {KEYS[29], KEYS[30], KEYS[31], KEYS[32], KEYS[33]}
 
 local pending = {pending_high, pending_normal, pending_low}
 
@@ -141,6 +147,7 @@ for i = 0, n - 1 do
       local m = parse_job(redis.call('HGET', jobs, id))
       redis.call('ZREM', deadlines, id)
       if unqueue(id) then
+        unlist_waiting(costs, bucket_sets, {id})
         redis.call('HDEL', jobs, id)
         if not m or m.keep then store_result(KEYS[34 + 2 * i], envelope, ttl) end
         if m and m.producer ~= '' then deliver_results(KEYS[35 + 2 * i], ttl, envelope) end

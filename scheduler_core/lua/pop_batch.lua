@@ -35,6 +35,11 @@ KEYS[3]  {bg:q}:pending:1   zset  NORMAL
 KEYS[4]  {bg:q}:pending:2   zset  LOW
 KEYS[5]  {bg:q}:jobs        hash  id -> "<meta>|<envelope>" (read only: the delivery in
                                   progress is the stored attempts + 1)
+KEYS[6]  {bg:q}:costs       hash  id -> "<cost>:<bucket>" of each waiting request: the
+                                  costs a pop reads (never the payload); a batch's
+                                  entries go. An id without one (listed by an older
+                                  version) is read from jobs. Its RELIST field, while
+                                  set, is the cursor of relist_step
 KEYS[7]  {bg:q}:clock       string last arrival score issued (the queue's clock: queue_now)
 KEYS[8]  {bg:q}:marker      zset  wake-up marker
 KEYS[9]  {bg:q}:stats       hash  counters; the queue's clock (clock_offset_us, clock_seen_us)
@@ -51,10 +56,11 @@ KEYS[21] {bg:q}:delayed     zset  id -> arrival (µs), past its deadline, runs w
 KEYS[24..28] {bg:q}:marker:<1..5> zset  wake-up markers of the consumers dedicated to a
                                   cost bucket (set, with cost buckets, as the marker is)
 KEYS[29..33] {bg:q}:bucket:<1..5> zset  the ids waiting in each cost bucket (score =
-                                  arrival): a batch leaves them; a dedicated consumer reads
-                                  its own, drops the ids no longer waiting (cancelled,
-                                  expired) and moves those listed under an older
-                                  cost_buckets to their bucket's
+                                  arrival): a batch leaves the sets its costs entries name;
+                                  a dedicated consumer reads its own, drops the ids no
+                                  longer waiting (left by an older version) and moves
+                                  those listed under an older cost_buckets to their
+                                  bucket's
 
 ARGV[1]  consumer name (no '|')
 ARGV[2]  lease in ms (100..86400000)
@@ -79,7 +85,9 @@ Returns  {batch_id, now_us, lease_deadline_us, remaining, then per request 5 val
          state: 'run' | 'expired' (deadline passed: do not run) |
                 'exhausted' (max_attempts deliveries used: dead-letter it)
          {0, wait_us}  nothing due; µs until the next request falls due or the earliest
-               deadline passes, -1 if none
+               deadline passes, -1 if none; 0 (pop again at once) where a dedicated
+               consumer's read of its bucket's set stopped at STALE_BUDGET dead ids, or
+               relist_step is not through
          {-4}  a waiting request is past its deadline: run expire_due.lua, then pop again
                (nothing written but the heartbeat)
 Errors   {-1}  queue has no policy (no consumer configured it yet)
@@ -92,8 +100,11 @@ makes (written by hand) is dead-lettered here, never delivered; if that leaves n
 the reply is {0, 0} (pop again at once).
 Work is bounded: at most 2 x max_batch_size promotions and max_batch_size pops per call;
 with costs, at most (buckets x max_batch_size) requests read per level (at most 5 x 4096);
-a dedicated consumer reads as many of its bucket's set, and their levels (ZMSCORE).
-The body runs as named steps: read_policy, past_deadline, promote_aged, read_views (a
+a dedicated consumer reads as many of its bucket's set, and their levels (ZMSCORE), plus
+at most STALE_BUDGET ids no longer waiting. Costs come from the costs hash: a pop's work
+does not grow with payload size (it reads the payloads of its batch only).
+The body runs as named steps: read_policy, past_deadline, relist_step (after a
+cost_buckets change: at most RELIST_STEP costs entries), promote_aged, read_views (a
 dedicated consumer), choose (pick_costed when costs are on) or take_delayed,
 drop_malformed, isolate_retried, commit.
 ]]
@@ -106,6 +117,7 @@ local pending_high = KEYS[2]
 local pending_normal = KEYS[3]
 local pending_low = KEYS[4]
 local jobs = KEYS[5]
+local costs = KEYS[6]
 local clock = KEYS[7]
 local marker = KEYS[8]
 local stats = KEYS[9]
@@ -187,44 +199,148 @@ end
 -- view_costs: id -> cost of each.
 local views, view_costs = nil, nil
 
--- Read the view from the bucket's set; returns the requests in view per level + 1. Ids
--- that wait nowhere now (cancelled, expired, or already taken: their entry was stale)
--- leave the set; one whose cost is of another bucket (listed under an older
--- cost_buckets) moves to that bucket's set.
+-- The costs entries of requests `ids` (a list): HMGET, or all of costs at once where it is
+-- a listpack (a small hash: up to hash-max-listpack-entries, 512 by default), in which
+-- each field HMGET looks up is a scan of the whole hash.
+local function cost_entries(ids)
+  if redis.call('OBJECT', 'ENCODING', costs) ~= 'listpack'
+     or redis.call('HLEN', costs) > 16 * #ids then
+    return read_in_chunks('HMGET', costs, ids)
+  end
+  local all, by_id, raw = redis.call('HGETALL', costs), {}, {}
+  for k = 1, #all, 2 do by_id[all[k]] = all[k + 1] end
+  for i, id in ipairs(ids) do raw[i] = by_id[id] or false end
+  return raw
+end
+
+-- The costs of requests `ids` (a list, by index) and the bucket set each is listed in:
+-- from their costs entries; for one without (listed by an older version) its cost from
+-- its jobs value and its set nil.
+local function read_costs(ids)
+  local cost_of, set_of, missing = {}, {}, {}
+  if #ids == 0 then return cost_of, set_of end
+  local raw = cost_entries(ids)
+  for i = 1, #ids do
+    local v = raw[i]
+    local r = v and RECORDS[v]  -- read_cost_record's memo, looked up here: one call less
+    if r == nil and v then
+      read_cost_record(v)
+      r = RECORDS[v]
+    end
+    if r then cost_of[i], set_of[i] = r[1], r[2] else missing[#missing + 1] = ids[i] end
+  end
+  if #missing > 0 then
+    local values, j = read_in_chunks('HMGET', jobs, missing), 0
+    for i = 1, #ids do
+      if not cost_of[i] then
+        j = j + 1
+        cost_of[i] = select(3, pop_fields(values[j])) or 1
+      end
+    end
+  end
+  return cost_of, set_of
+end
+
+-- Ids of its bucket's set a dedicated pop reads beyond its window, at most, when it meets
+-- ids that wait nowhere (bounded work per call; the next pop goes on at once).
+local STALE_BUDGET = 1024
+
+-- Read the view from the bucket's set; returns the requests in view per level + 1, and
+-- whether the read stopped at STALE_BUDGET with ids left unread. Ids that wait nowhere
+-- now (left by an older version, which kept cancelled and expired ids) leave the set;
+-- one whose cost is of another bucket (listed under an older cost_buckets) moves to that
+-- bucket's set, and its costs entry says so.
 local function read_views(rules)
   views, view_costs = {{}, {}, {}, {}}, {}
   local counts = {0, 0, 0, 0}
   local set = bucket_sets[rules.only]
-  local items = redis.call('ZRANGE', set, 0, rules.window - 1, 'WITHSCORES')
-  if #items == 0 then return counts end
-  local ids = {}
-  for i = 1, #items, 2 do ids[#ids + 1] = items[i] end
-  local level_of = {}
-  for level = 0, 3 do
-    for i, score in ipairs(read_in_chunks('ZMSCORE', pending[level + 1], ids)) do
-      if score then level_of[i] = level end
+  local kept, read = 0, 0  -- ids in view (they stay in the set), ids read
+  while kept < rules.window do
+    local n = math.min(rules.window - kept, rules.window + STALE_BUDGET - read)
+    if n <= 0 then return counts, true end
+    local items = redis.call('ZRANGE', set, kept, kept + n - 1, 'WITHSCORES')
+    if #items == 0 then break end
+    local ids, live, at = {}, {}, {}
+    for i = 1, #items, 2 do ids[#ids + 1] = items[i] end
+    read = read + #ids
+    local level_of = {}
+    for level = 0, 3 do
+      for i, score in ipairs(read_in_chunks('ZMSCORE', pending[level + 1], ids)) do
+        if score then level_of[i] = level end
+      end
+    end
+    for i in ipairs(ids) do
+      if level_of[i] then live[#live + 1], at[#live + 1] = ids[i], i end
+    end
+    local cost_of, set_of = read_costs(live)
+    local gone, seen = {}, {}
+    for j, id in ipairs(live) do
+      local i, cost, listed = at[j], cost_of[j], set_of[j]
+      local b = bucket_of(rules.bounds, cost)
+      seen[i] = true
+      if listed ~= b then  -- listed elsewhere too (or unrecorded): one set, the right one
+        if listed and listed > 0 and listed ~= rules.only then
+          redis.call('ZREM', bucket_sets[listed], id)
+        end
+        redis.call('HSET', costs, id, cost_record(cost, b))
+      end
+      if b ~= rules.only then
+        gone[#gone + 1] = id
+        redis.call('ZADD', bucket_sets[b], items[2 * i], id)
+      else
+        local view = views[level_of[i] + 1]
+        view[#view + 1] = id
+        view[#view + 1] = items[2 * i]
+        view_costs[id] = cost
+        counts[level_of[i] + 1] = counts[level_of[i] + 1] + 1
+        kept = kept + 1
+      end
+    end
+    for i, id in ipairs(ids) do
+      if not seen[i] then gone[#gone + 1] = id end
+    end
+    if #gone > 0 then call_in_chunks('ZREM', set, gone) end
+    if #ids < n then break end  -- the set's end
+  end
+  return counts, false
+end
+
+-- After a cost_buckets change (configure.lua set costs' RELIST field): the next
+-- RELIST_STEP costs entries (HSCAN from the cursor RELIST holds) whose set is not the one
+-- the current boundaries name move there, so that each consumer dedicated to a bucket
+-- finds all of its bucket's requests again. True while the scan is not through.
+local RELIST_STEP = 1000
+local function relist_step(rules)
+  local cursor = redis.call('HGET', costs, RELIST)
+  if not cursor then return false end
+  local scan = redis.call('HSCAN', costs, cursor, 'COUNT', RELIST_STEP)
+  local entries, moved = scan[2], {}
+  for k = 1, #entries, 2 do
+    local id = entries[k]
+    local cost, listed = read_cost_record(entries[k + 1])
+    local want = cost and (#rules.bounds > 0 and bucket_of(rules.bounds, cost) or 0)
+    if want and want ~= listed then
+      local arrival = listed > 0 and redis.call('ZSCORE', bucket_sets[listed], id)
+      for level = 1, #pending do
+        if arrival then break end
+        arrival = redis.call('ZSCORE', pending[level], id)
+      end
+      if listed > 0 then redis.call('ZREM', bucket_sets[listed], id) end
+      if not arrival then
+        redis.call('HDEL', costs, id)  -- waits nowhere: a stale entry
+      else
+        if want > 0 then
+          redis.call('ZADD', bucket_sets[want], arrival, id)
+          moved[want] = true
+        end
+        redis.call('HSET', costs, id, cost_record(cost, want))
+      end
     end
   end
-  local raw = read_in_chunks('HMGET', jobs, ids)
-  local gone = {}
-  for i, id in ipairs(ids) do
-    local cost = level_of[i] and select(3, pop_fields(raw[i])) or 1
-    local b = bucket_of(rules.bounds, cost)
-    if level_of[i] == nil then
-      gone[#gone + 1] = id
-    elseif b ~= rules.only then
-      gone[#gone + 1] = id
-      redis.call('ZADD', bucket_sets[b], items[2 * i], id)
-    else
-      local view = views[level_of[i] + 1]
-      view[#view + 1] = id
-      view[#view + 1] = items[2 * i]
-      view_costs[id] = cost
-      counts[level_of[i] + 1] = counts[level_of[i] + 1] + 1
-    end
-  end
-  if #gone > 0 then call_in_chunks('ZREM', set, gone) end
-  return counts
+  local done = scan[1] == '0'
+  if done then redis.call('HDEL', costs, RELIST) else redis.call('HSET', costs, RELIST, scan[1]) end
+  for b in pairs(moved) do wake_bucket(bucket_markers, b) end
+  return not done
 end
 
 -- A level's first n (or more: callers stop at n) {id, score, ...}: from the zset, or the
@@ -294,22 +410,133 @@ local function take(count, levels, n)
   return chosen
 end
 
--- The batch a bucket's requests (in arrival order) make within max_batch_size and the
--- budget, and whether it is full: max_batch_size reached, or the next request would
--- overrun the budget. The first request always fits: one above the budget runs alone.
-local function fit(rules, group)
+-- The batch a bucket's requests make within max_batch_size and the budget (`group`: their
+-- indexes in arrival order, `cost_of`: index -> cost), and whether it is full:
+-- max_batch_size reached, or the next request would overrun the budget. The first
+-- request always fits: one above the budget runs alone.
+local function fit(rules, group, cost_of)
   local chosen, sum, top = {}, 0, 0
-  for _, c in ipairs(group) do
+  for _, i in ipairs(group) do
     if #chosen == rules.batch_size then return chosen, true end
-    local s, t = sum + c.cost, math.max(top, c.cost)
+    local cost = cost_of[i]
+    local s, t = sum + cost, math.max(top, cost)
     if rules.budget > 0 and #chosen > 0 and
        (rules.padded and (#chosen + 1) * t or s) > rules.budget then
       return chosen, true
     end
-    chosen[#chosen + 1] = c
+    chosen[#chosen + 1] = i
     sum, top = s, t
   end
   return chosen, #chosen == rules.batch_size
+end
+
+-- pick_costed's candidates: the oldest `window` requests of `levels`, as ids (in arrival
+-- order) and a function giving {id, score, level} of a list of their indexes. Where one
+-- of the levels has requests (the usual case) its ids are read without their scores
+-- (formatting 5 x max_batch_size scores costs more than the rest of the pick): only the
+-- candidates that are used get theirs.
+local function candidates(rules, count, levels)
+  local single
+  if not views then
+    for _, level in ipairs(levels) do
+      if count[level + 1] > 0 then single = (single == nil) and level or false end
+    end
+  end
+  local ids = {}
+  if single then
+    ids = redis.call('ZRANGE', pending[single + 1], 0, rules.window - 1)
+    return ids, function(indexes)
+      local out, names = {}, {}
+      for k, i in ipairs(indexes) do names[k] = ids[i] end
+      if #names == 0 then return out end
+      local scores = redis.call('ZMSCORE', pending[single + 1], unpack(names))
+      for k, name in ipairs(names) do
+        out[k] = {id = name, score = tonumber(scores[k]), level = single}
+      end
+      return out
+    end
+  end
+  local cands = take(count, levels, rules.window)
+  for i, c in ipairs(cands) do ids[i] = c.id end
+  return ids, function(indexes)
+    local out = {}
+    for k, i in ipairs(indexes) do out[k] = cands[i] end
+    return out
+  end
+end
+
+-- pick_costed's batch read from the bucket sets instead of the window, where they list
+-- exactly the requests of the one level that waits: a bucket's group is the head of its
+-- set (up to the window's last arrival), so only the groups looked at are read, and the
+-- costs of their requests only (none without a budget). Returns false where that does
+-- not hold, and the window is read: other levels or delayed requests wait, the sets are
+-- being relisted, their sizes do not add up to the level's (an older version's ids),
+-- arrivals tie (at the window's edge, or two buckets' oldest), or a chosen id does not
+-- wait in the level.
+local function pick_from_sets(rules, count, levels, now, due_only)
+  if views or #rules.bounds == 0 or rules.relisting then return false end
+  local level
+  for _, l in ipairs(levels) do
+    if count[l + 1] > 0 then
+      if level then return false end
+      level = l
+    end
+  end
+  if not level or count[1] + count[2] + count[3] + count[4] ~= count[level + 1] then
+    return false
+  end
+  local key, n, listed = pending[level + 1], count[level + 1], 0
+  for b = 1, #bucket_sets do listed = listed + redis.call('ZCARD', bucket_sets[b]) end
+  if listed ~= n then return false end
+  local bound = '+inf'
+  if n > rules.window then
+    local edge = redis.call('ZRANGE', key, rules.window - 1, rules.window, 'WITHSCORES')
+    if tonumber(edge[4]) == tonumber(edge[2]) then return false end
+    bound = edge[2]
+  end
+  local firsts = {}  -- per bucket in the window: its oldest, in arrival order
+  for b = 1, #bucket_sets do
+    local first = redis.call('ZRANGEBYSCORE', bucket_sets[b], '-inf', bound, 'WITHSCORES',
+                             'LIMIT', 0, 1)
+    if first[1] then
+      if b > bucket_count(rules.bounds) then return false end
+      firsts[#firsts + 1] = {bucket = b, id = first[1], score = tonumber(first[2])}
+    end
+  end
+  table.sort(firsts, function(x, y) return x.score < y.score end)
+  for k = 2, #firsts do  -- a tie: the zset's order (by id) decides, left to the window
+    if firsts[k].score == firsts[k - 1].score then return false end
+  end
+  local function due(b, first)
+    local ids = redis.call('ZRANGEBYSCORE', bucket_sets[b], '-inf', bound, 'LIMIT', 0,
+                           rules.batch_size)
+    local cost_of, group = {}, {}
+    if rules.budget > 0 then cost_of = read_costs(ids) end
+    for i = 1, #ids do
+      group[i], cost_of[i] = i, cost_of[i] or 1
+    end
+    local chosen, full = fit(rules, group, cost_of)
+    if due_only and not full and now - first.score < rules.delay then return nil end
+    local names = {}
+    for k, i in ipairs(chosen) do names[k] = ids[i] end
+    local scores, out = redis.call('ZMSCORE', key, unpack(names)), {}
+    for k, name in ipairs(names) do
+      if not scores[k] then return false end
+      out[k] = {id = name, score = tonumber(scores[k]), level = level}
+    end
+    return out
+  end
+  for _, first in ipairs(firsts) do
+    if first.bucket == rules.prefer then
+      local chosen = due(first.bucket, first)
+      if chosen ~= nil then return chosen ~= false, chosen or nil end
+    end
+  end
+  for _, first in ipairs(firsts) do
+    local chosen = due(first.bucket, first)
+    if chosen ~= nil then return chosen ~= false, chosen or nil end
+  end
+  return true, nil
 end
 
 -- The rule's batch with costs on: the oldest `window` requests of `levels`, grouped by
@@ -317,27 +544,36 @@ end
 -- in the order of their oldest requests, that is full or whose oldest has waited the
 -- delay; nil if none is. Otherwise the group of the oldest request.
 local function pick_costed(rules, count, levels, now, due_only)
-  local cands = take(count, levels, rules.window)
-  local raw = {}  -- a dedicated consumer read the costs with its view
-  if not view_costs then
-    local ids = {}
-    for i, c in ipairs(cands) do ids[i] = c.id end
-    raw = read_in_chunks('HMGET', jobs, ids)
+  local handled, picked = pick_from_sets(rules, count, levels, now, due_only)
+  if handled then return picked end
+  local ids, entries = candidates(rules, count, levels)
+  local cost_of = {}
+  if view_costs then  -- a dedicated consumer read the costs with its view
+    for i, id in ipairs(ids) do cost_of[i] = view_costs[id] end
+  else
+    cost_of = read_costs(ids)
   end
-  local groups, order = {}, {}
-  for i, c in ipairs(cands) do
-    local m = not view_costs and parse_job(raw[i])
-    c.cost = view_costs and view_costs[c.id] or (m and m.cost) or 1
-    local b = bucket_of(rules.bounds, c.cost)
-    if not groups[b] then
-      groups[b] = {}
+  local groups, order, bounds, bucket_by_cost = {}, {}, rules.bounds, {}
+  for i = 1, #ids do
+    local cost = cost_of[i]
+    local b = bucket_by_cost[cost]
+    if not b then
+      b = bucket_of(bounds, cost)
+      bucket_by_cost[cost] = b
+    end
+    local group = groups[b]
+    if not group then
+      group = {}
+      groups[b] = group
       order[#order + 1] = b
     end
-    table.insert(groups[b], c)
+    group[#group + 1] = i
   end
   local function due(b)
-    local chosen, full = fit(rules, groups[b])
-    if not due_only or full or now - groups[b][1].score >= rules.delay then return chosen end
+    local chosen, full = fit(rules, groups[b], cost_of)
+    if not due_only or full then return entries(chosen) end
+    local first = entries({groups[b][1]})[1]
+    if now - first.score >= rules.delay then return entries(chosen) end
     return nil
   end
   local preferred = groups[rules.prefer] and due(rules.prefer)
@@ -421,17 +657,19 @@ end
 -- Members whose id no producer makes (written by hand) leave the queue for the
 -- dead-letter set instead of a batch.
 local function drop_malformed(chosen, now)
-  local kept = {}
+  local kept, dropped = {}, {}
   for _, c in ipairs(chosen) do
     if valid_id(c.id) then
       kept[#kept + 1] = c
     else
+      dropped[#dropped + 1] = c.id
       redis.call('ZREM', pending[c.level + 1], c.id)
       add_dead_letter(dead, dead_reason, c.id, now, cjson.encode({v = 1, id = c.id,
         ok = false, error = {type = 'MalformedRequest', message = 'request id written ' ..
         'by hand: not 1-128 characters from letters, digits, _ . -'}}))
     end
   end
+  unlist_waiting(costs, bucket_sets, dropped)
   return kept
 end
 
@@ -439,28 +677,27 @@ end
 -- lost its lease) runs in a batch of its own, so a payload that kills its consumer cannot
 -- drag its batch-mates to max_attempts with it. Truncates `chosen` there; returns what
 -- commit needs of what is left: the ids, their raw jobs values and, per request (nil where
--- the meta is unreadable), its deadline, attempts and cost.
+-- the meta is unreadable), its deadline and attempts.
 local function isolate_retried(chosen)
   -- One variadic call per key rather than one per request: the script's cost is mostly
   -- the number of redis.call()s.
-  local ids, deadlines_of, attempts_of, costs_of = {}, {}, {}, {}
+  local ids, deadlines_of, attempts_of = {}, {}, {}
   for i, c in ipairs(chosen) do ids[i] = c.id end
   local raw = redis.call('HMGET', jobs, unpack(ids))
   for i in ipairs(chosen) do
-    local deadline, attempts, cost = pop_fields(raw[i])
+    local deadline, attempts = pop_fields(raw[i])
     local retried = attempts and attempts > 0
     if retried and i > 1 then
       for j = #chosen, i, -1 do chosen[j] = nil end
       break
     end
-    deadlines_of[i], attempts_of[i], costs_of[i] = deadline, attempts, cost
+    deadlines_of[i], attempts_of[i] = deadline, attempts
     if retried then
       for j = #chosen, 2, -1 do chosen[j] = nil end
       break
     end
   end
-  return {ids = ids, raw = raw, deadline = deadlines_of, attempts = attempts_of,
-          cost = costs_of}
+  return {ids = ids, raw = raw, deadline = deadlines_of, attempts = attempts_of}
 end
 
 -- The jobs value delivered for a member without (valid) meta, written by hand: its whole
@@ -510,17 +747,8 @@ local function commit(rules, consumer, lease_ms, chosen, read, total, now)
   end
   redis.call('ZREM', deadlines, unpack(ids))  -- deadlines holds waiting requests only
   call_in_chunks('HSET', owner, owner_fields)  -- 2 x max_batch_size values
-  local by_bucket = {}  -- with cost buckets: the batch leaves its bucket's set
-  if #rules.bounds > 0 then
-    for i, c in ipairs(chosen) do
-      local b = bucket_of(rules.bounds, read.cost[i] or 1)
-      by_bucket[b] = by_bucket[b] or {}
-      table.insert(by_bucket[b], c.id)
-    end
-    for b, members in pairs(by_bucket) do
-      redis.call('ZREM', bucket_sets[b], unpack(members))
-    end
-  end
+  -- The batch leaves costs and the bucket sets its entries name (those it was put in).
+  local by_bucket = unlist_waiting(costs, bucket_sets, ids)
   redis.call('ZADD', inflight, int(lease_deadline), batch_id)
   redis.call('HSET', batches, batch_id, consumer .. '|' .. table.concat(ids, ','))
   redis.call('HINCRBY', stats, 'batches', 1)
@@ -531,7 +759,9 @@ local function commit(rules, consumer, lease_ms, chosen, read, total, now)
   -- arrivals woke theirs).
   if total > #chosen then
     wake_consumers(marker)
-    for b in pairs(by_bucket) do wake_bucket(bucket_markers, b) end
+    for b in pairs(by_bucket) do
+      if b <= bucket_count(rules.bounds) then wake_bucket(bucket_markers, b) end
+    end
   end
   return reply
 end
@@ -555,6 +785,7 @@ local now = queue_now(clock, stats)
 redis.call('ZADD', consumers, int(now), consumer)
 local expired, first_deadline = past_deadline(now)
 if expired then return {-4} end
+rules.relisting = relist_step(rules)
 if rules.strategy == 'priority' and rules.aging > 0 then promote_aged(rules, now) end
 
 local count = {redis.call('ZCARD', pending_high), redis.call('ZCARD', pending_normal),
@@ -562,11 +793,12 @@ local count = {redis.call('ZCARD', pending_high), redis.call('ZCARD', pending_no
 local waiting = count[1] + count[2] + count[3]
 local total = waiting + count[4]
 if total == 0 then return {0, -1} end
-local chosen, wait
+local chosen, wait, cut
 if rules.only > 0 then
   -- Dedicated: the rules see its bucket's requests only; the queue's totals still say
   -- whether delayed requests may run and what remains.
-  local mine = read_views(rules)
+  local mine
+  mine, cut = read_views(rules)
   if (waiting > 0 and mine[1] + mine[2] + mine[3] == 0) or (waiting == 0 and mine[4] == 0) then
     wait = {0, -1}  -- nothing of its bucket in view: until a wake-up (or the next deadline)
   elseif waiting == 0 then
@@ -580,6 +812,9 @@ else
   chosen, wait = choose(rules, count, waiting, now)
 end
 if not chosen then
+  -- A view cut short by dead ids, or the sets not yet relisted after a cost_buckets
+  -- change: pop again at once (each pop does a bounded step more) rather than sleep.
+  if cut or (rules.relisting and rules.only > 0) then return {0, 0} end
   if first_deadline and (wait[2] < 0 or first_deadline - now < wait[2]) then
     wait[2] = first_deadline - now
   end

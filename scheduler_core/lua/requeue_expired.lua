@@ -11,6 +11,7 @@ KEYS[3]  {bg:q}:pending:1   zset  NORMAL
 KEYS[4]  {bg:q}:pending:2   zset  LOW
 KEYS[5]  {bg:q}:jobs        hash  id -> "<meta>|<envelope>": a returned request's attempts
                                   count the delivery that ended without a result
+KEYS[6]  {bg:q}:costs       hash  id -> "<cost>:<bucket>": a returned request's entry
 KEYS[7]  {bg:q}:clock       string last arrival score issued (the queue's clock: queue_now)
 KEYS[8]  {bg:q}:marker      zset  wake-up marker
 KEYS[9]  {bg:q}:stats       hash  counters (requeued); the queue's clock
@@ -38,6 +39,7 @@ local pending_high = KEYS[2]
 local pending_normal = KEYS[3]
 local pending_low = KEYS[4]
 local jobs = KEYS[5]
+local costs = KEYS[6]
 local clock = KEYS[7]
 local marker = KEYS[8]
 local stats = KEYS[9]
@@ -69,7 +71,7 @@ for _, batch_id in ipairs(expired) do
       end
       redis.call('ZADD', pending[prio + 1], int(arrival), id)
       bounds = bounds or stored_bounds(policy)
-      list_in_bucket(bucket_sets, bounds, id, m and m.cost or 1, arrival)
+      list_waiting(costs, bucket_sets, bounds, id, m and m.cost or 1, arrival)
       if m and m.deadline > 0 then redis.call('ZADD', deadlines, m.deadline_s, id) end
       redis.call('HDEL', owner, id)
       requeued = requeued + 1

@@ -169,7 +169,7 @@ def test_priority_and_deadline_are_honoured(shared_redis, queue, start_consumer,
         while http.get("/v1/stats").json()["depth"] != {"high": 1, "normal": 1, "low": 1}:
             assert time.monotonic() < end, http.get("/v1/stats").json()
             time.sleep(0.05)
-    start_consumer(shared_redis.url, queue, *GENERATOR)
+    start_consumer(shared_redis.url, queue, *GENERATOR, "--max-batch-size", "1")
     for thread in threads:
         thread.join(timeout=120)
     assert finished == ["high", "normal", "low"]

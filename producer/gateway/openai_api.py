@@ -104,6 +104,8 @@ def unknown_model(name: Any, served: Any) -> OpenAIError:
                             f"{', '.join(served)})", param="model", code="model_not_found")
 
 
+STATE_ERRORS = {"expired": DeadlineExceeded, "cancelled": RequestCancelled,
+                "failed": RequestFailed}
 NO_RETRY = [(b"x-should-retry", b"false")]  # the openai SDK retries 5xx unless told not to
 
 
@@ -484,7 +486,8 @@ class OpenAIPath:
         deadline_ms = deadline_of(scope)
         wait_s = deadline_ms / 1000 if deadline_ms is not None else MAX_WAIT_S
         handles = await gateway.sharded.submit_many(
-            job.payloads, priority=job.priority, deadline_ms=deadline_ms, cost=job.costs)
+            job.payloads, priority=job.priority, deadline_ms=deadline_ms, cost=job.costs,
+            store_result=True)  # how it ended, for until_answered (and GET /v1/requests)
         scope["batchgate.wait"] = True
         ids = handles[0].id
         if job.stream:
@@ -519,9 +522,15 @@ class OpenAIPath:
         except RequestFailed as exc:
             raise failure(exc) from None
         except TimeoutError:
-            raise OpenAIError(504, "no result within the request's timeout (it may still "
-                                   "run)", type="timeout_error", code="timeout",
-                              headers=NO_RETRY) from None
+            pass
+        for request_id in ids:  # its stored state: expired (the Gateway expires it if due)
+            state = await gateway.lookup(request_id)
+            if state is not None and state["status"] in STATE_ERRORS:
+                raise failure(STATE_ERRORS[state["status"]](
+                    request_id, (state.get("error") or {}).get("message", ""),
+                    (state.get("error") or {}).get("type", "RequestFailed")))
+        raise OpenAIError(504, "no result within the request's timeout (it may still run)",
+                          type="timeout_error", code="timeout", headers=NO_RETRY)
 
     async def stream(self, job: Job, gateway: Gateway, handle: Any, wait_s: float,
                      receive: Receive, send: Send) -> None:

@@ -1,0 +1,1 @@
+"""Benchmarks run from a checkout: `python -m bench.<name>`."""

@@ -341,6 +341,26 @@ async def infer(gateway: Gateway, name: str, body: bytes, header_length: str | N
     return write_outputs(name, request_id or handle.id, head, result)
 
 
+# The JSON inference request, for the spec (read by read_inputs; the binary extension
+# sends this header first, then the tensors' bytes).
+INFER_REQUEST = {"type": "object", "required": ["inputs"], "properties": {
+    "id": {"type": "string"},
+    "parameters": {"type": "object", "properties": {
+        "priority": {"type": "integer", "minimum": 0},
+        "timeout": {"type": "integer", "minimum": 1, "maximum": MAX_DEADLINE_MS * 1000},
+        "binary_data_output": {"type": "boolean"}}},
+    "inputs": {"type": "array", "minItems": 1, "items": {
+        "type": "object", "required": ["name", "shape", "datatype"], "properties": {
+            "name": {"type": "string"},
+            "shape": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+            "datatype": {"type": "string", "enum": [*FIXED, "BYTES"]},
+            "parameters": {"type": "object"},
+            "data": {"type": "array"}}}},
+    "outputs": {"type": "array", "items": {
+        "type": "object", "required": ["name"], "properties": {
+            "name": {"type": "string"}, "parameters": {"type": "object"}}}}}}
+
+
 class ModelMetadata(BaseModel):
     name: str
     versions: list[str]
@@ -368,6 +388,8 @@ def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
 def oip_router(auth: Any | None, gateways: Callable[[Request], dict[str, Any]]) -> APIRouter:
     router = APIRouter(prefix="/v2", tags=["Open Inference Protocol v2"])
     secured = [Depends(auth)] if auth else []
+    unauthorized = {401: {"model": OIPProblem, "description": "Missing or wrong bearer "
+                                                              "token."}} if auth else {}
 
     def gateway(request: Request, name: str) -> Gateway:
         served = gateways(request)
@@ -388,21 +410,23 @@ def oip_router(auth: Any | None, gateways: Callable[[Request], dict[str, Any]]) 
             return error_response(503, "Redis is unreachable")
         return Response(orjson.dumps({"ready": True}), media_type="application/json")
 
-    @router.get("", summary="Server metadata", dependencies=secured)
+    @router.get("", summary="Server metadata", dependencies=secured, responses=unauthorized)
     async def server_metadata() -> Response:
         return Response(orjson.dumps({"name": "batchgate", "version": VERSION,
                                       "extensions": ["binary_tensor_data"]}),
                         media_type="application/json")
 
     @router.get("/models/{name}", response_model=ModelMetadata, dependencies=secured,
-                responses=_errors(404), summary="Model metadata (`name`: the queue)")
+                responses={**_errors(404), **unauthorized},
+                summary="Model metadata (`name`: the queue)")
     async def metadata(name: str, request: Request) -> Response:
         gateway(request, name)
         return Response(orjson.dumps({"name": name, "versions": [VERSION],
                                       "platform": "batchgate", "inputs": [], "outputs": []}),
                         media_type="application/json")
 
-    @router.get("/models/{name}/ready", dependencies=secured, responses=_errors(404, 503),
+    @router.get("/models/{name}/ready", dependencies=secured,
+                responses={**_errors(404, 503), **unauthorized},
                 summary="A consumer of the queue is alive")
     async def model_ready(name: str, request: Request) -> Response:
         keys = gateway(request, name).keys
@@ -421,7 +445,10 @@ def oip_router(auth: Any | None, gateways: Callable[[Request], dict[str, Any]]) 
                                                     "application/octet-stream after an "
                                                     "Inference-Header-Content-Length JSON "
                                                     "header."},
-                               **_errors(400, 404, 409, 429, 500, 503, 504)}}
+                               **_errors(400, 404, 409, 429, 500, 503, 504),
+                               **unauthorized},
+                 "openapi_extra": {"requestBody": {"required": True, "content": {
+                     "application/json": {"schema": INFER_REQUEST}}}}}
 
     @router.post("/models/{name}/infer", **infer_doc)
     async def run(name: str, request: Request) -> Response:

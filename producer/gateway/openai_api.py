@@ -39,7 +39,7 @@ from producer.gateway import openai_schemas as s
 from producer.gateway import tokenizer
 from producer.gateway.guard import Receive, Scope, Send, header
 from producer.gateway.hotpath import error_answer, is_json, read_body
-from producer.gateway.schemas import MAX_WAIT_S, loads
+from producer.gateway.schemas import MAX_WAIT_S, Problem, loads
 from producer.validation import MAX_DEADLINE_MS
 from scheduler_core.errors import (
     DeadlineExceeded,
@@ -478,11 +478,12 @@ class OpenAIPath:
             parsed = loads(body)
         except (ValueError, RecursionError):
             raise invalid("body", "is not valid JSON") from None
-        job = Job(scope["path"], parsed)
         gateways = self.gateways()
-        gateway = gateways.get(job.model)
-        if gateway is None:
-            raise unknown_model(job.model, gateways)
+        model = parsed.get("model") if isinstance(parsed, dict) else None
+        if isinstance(model, str) and model not in gateways:  # first: whatever else is wrong
+            raise unknown_model(model, gateways)
+        job = Job(scope["path"], parsed)
+        gateway = gateways[job.model]
         deadline_ms = deadline_of(scope)
         wait_s = deadline_ms / 1000 if deadline_ms is not None else MAX_WAIT_S
         handles = await gateway.sharded.submit_many(
@@ -606,7 +607,10 @@ def model_card(name: str) -> dict[str, Any]:
 
 def models_router(auth: Any | None, gateways: Callable[[Request], dict[str, Any]]) -> APIRouter:
     router = APIRouter(prefix="/v1", tags=["OpenAI-compatible"],
-                       dependencies=[Depends(auth)] if auth else [])
+                       dependencies=[Depends(auth)] if auth else [],
+                       responses={401: {"model": Problem, "description": "Missing or wrong "
+                                                                         "bearer token."}}
+                       if auth else {})
     errors = s.ERRORS
 
     @router.get("/models", response_model=s.ModelList, summary="The queues, as models")

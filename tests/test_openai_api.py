@@ -3,10 +3,12 @@ real `batchgate gateway` process), served by real consumers of the built-in mode
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
 
+import orjson
 import pytest
 
 httpx = pytest.importorskip("httpx")
@@ -49,6 +51,10 @@ def test_the_sdk_completes_chats_streams_through_the_generator(
     assert (done.usage.prompt_tokens, done.usage.completion_tokens,
             done.usage.total_tokens) == (5, 5, 10)
 
+    # the SDK's timeout header, sent as a hostile client would: ignored, not a 500
+    odd = client.completions.create(model=queue, prompt="x", max_tokens=1,
+                                    extra_headers={"X-Stainless-Read-Timeout": "1e309"})
+    assert odd.usage.completion_tokens == 1
     two = client.completions.create(model=queue, prompt=["a", "bc"], max_tokens=3)
     assert [c.index for c in two.choices] == [0, 1]
     assert two.usage.prompt_tokens == 3 and two.usage.completion_tokens == 6
@@ -197,3 +203,41 @@ def test_the_sdk_embeds_through_minilm(shared_redis, queue, start_consumer, star
                                    encoding_format="float")
     assert max(abs(x - y) for x, y in zip(one.data[0].embedding, plain.data[0].embedding,
                                           strict=True)) < 1e-4
+
+
+def test_a_client_that_leaves_cancels_its_waiting_request(shared_redis, queue, start_gateway):
+    """Hostile clients: a stream (or a wait) whose client disconnects has its request
+    cancelled while it has not started; the OpenAI routes are not served under
+    /v1/queues/{queue}/ (404, not a 500)."""
+    gateway = start_gateway(shared_redis.url, queue)
+    with httpx.Client(base_url=gateway.url, timeout=20) as http:
+        with http.stream("POST", "/v1/completions", json={
+                "model": queue, "prompt": "x", "stream": True}) as response:
+            request_id = response.headers["x-request-id"]
+        # the connection is closed: the gateway cancels the request
+        assert poll_status(http, request_id) == "cancelled"
+        body = orjson.dumps({"model": queue, "prompt": "waits"})
+        with socket.create_connection(("127.0.0.1", gateway.port)) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: "
+                         b"application/json\r\nContent-Length: %d\r\n\r\n%s"
+                         % (len(body), body))
+            end = time.monotonic() + 10  # submitted, waiting for a consumer
+            while http.get("/v1/stats").json()["depth"]["normal"] != 1:
+                assert time.monotonic() < end
+                time.sleep(0.05)
+        end = time.monotonic() + 10  # the client left: cancelled, nothing waits
+        while http.get("/v1/stats").json()["depth"]["normal"] != 0:
+            assert time.monotonic() < end
+            time.sleep(0.05)
+        nested = http.post(f"/v1/queues/{queue}/completions", json={"model": queue,
+                                                                     "prompt": "x"})
+        assert nested.status_code == 404
+
+
+def poll_status(http: httpx.Client, request_id: str, timeout: float = 10.0) -> str:
+    end = time.monotonic() + timeout
+    while True:
+        status = http.get(f"/v1/requests/{request_id}").json().get("status")
+        if status != "queued" or time.monotonic() > end:
+            return status
+        time.sleep(0.05)

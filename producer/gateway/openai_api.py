@@ -181,7 +181,7 @@ def deadline_of(scope: Scope) -> int | None:
         seconds = float(raw) if raw is not None else math.nan
     except ValueError:
         return None  # the SDK's own header: not the caller's error
-    if not seconds > 0:  # NaN, negative, zero: none
+    if not 0 < seconds < math.inf:  # NaN, negative, zero, infinite: none
         return None
     return min(MAX_DEADLINE_MS, max(1, math.ceil(seconds * 1000)))
 

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 QUEUES_PREFIX = "/v1/queues/"
 QUEUE_PATH = QUEUES_PREFIX + "{queue}"  # the spec's prefix of the per-queue routes
 PATTERN_CHARS = frozenset("*?[")
+NATIVE = frozenset({"requests", "stats"})  # /v1/<these>... are the per-queue routes
 # The Gateway a request addresses, set by QueueRouter for the request's own task.
 selected: ContextVar[Gateway | None] = ContextVar("batchgate_gateway", default=None)
 
@@ -71,10 +72,10 @@ class QueueRouter:
         if scope["type"] != "http" or not scope["path"].startswith(QUEUES_PREFIX):
             await self.app(scope, receive, send)
             return
-        name, slash, rest = scope["path"][len(QUEUES_PREFIX):].partition("/")
+        name, _, rest = scope["path"][len(QUEUES_PREFIX):].partition("/")
         gateways = self.gateways()
         gateway = gateways.get(name)
-        if gateway is None or not slash or not rest:
+        if gateway is None or rest.partition("/")[0] not in NATIVE:
             status = 404
             body = unknown_queue(name, gateways) if gateway is None else \
                 {"error": "not_found", "message": f"no route {scope['path']!r}"}

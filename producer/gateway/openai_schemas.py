@@ -86,42 +86,44 @@ class Usage(BaseModel):
     total_tokens: int
 
 
-class CompletionChoice(BaseModel):
+class Choice(BaseModel):
     index: int
-    text: str
-    finish_reason: str
+    finish_reason: str = Field(description="The model's, else length (all of max_tokens "
+                                           "used) or stop.")
     logprobs: None = None
 
 
-class Completion(BaseModel):
+class CompletionChoice(Choice):
+    text: str
+
+
+class ChatChoice(Choice):
+    message: dict[str, str] = Field(description="{\"role\": \"assistant\", \"content\": "
+                                                "text}")
+
+
+class Answer(BaseModel):
+    id: str = Field(description="cmpl- or chatcmpl-, then the batchgate request id (of the "
+                                "first prompt)")
+    created: int
+    model: str
+    usage: Usage
+
+
+class Completion(Answer):
     """Streamed (stream=true): `text/event-stream` chunks of this shape, then
     `data: [DONE]`."""
 
-    id: str
     object: Literal["text_completion"]
-    created: int
-    model: str
     choices: list[CompletionChoice]
-    usage: Usage
 
 
-class ChatChoice(BaseModel):
-    index: int
-    message: dict[str, str]
-    finish_reason: str
-    logprobs: None = None
-
-
-class ChatCompletion(BaseModel):
+class ChatCompletion(Answer):
     """Streamed (stream=true): `chat.completion.chunk` objects with a `delta`, then
     `data: [DONE]`."""
 
-    id: str
     object: Literal["chat.completion"]
-    created: int
-    model: str
     choices: list[ChatChoice]
-    usage: Usage
 
 
 class Embedding(BaseModel):

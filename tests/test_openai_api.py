@@ -149,7 +149,9 @@ def test_priority_and_deadline_are_honoured(shared_redis, queue, start_consumer,
     requests wait in their class; a consumer taking one at a time then serves them high
     first. A deadline from X-Request-Timeout-Ms that passes in the queue is a 504
     deadline_exceeded, not retried by the SDK."""
-    store_policy(shared_redis.client(), queue, Policy(max_batch_size=1), replace=True)
+    # one request a batch; no aging while the consumer starts (its requests wait for it)
+    store_policy(shared_redis.client(), queue, Policy(max_batch_size=1, aging_ms=3_600_000),
+                 replace=True)
     gateway = start_gateway(shared_redis.url, queue)
     client = sdk(gateway)
 
@@ -162,7 +164,9 @@ def test_priority_and_deadline_are_honoured(shared_redis, queue, start_consumer,
     finished: list[str] = []
 
     def ask(name: str, priority: object) -> None:
-        client.completions.create(model=queue, prompt=name, max_tokens=2,
+        # 100 tokens each: one run takes long enough that the order the answers come
+        # back in is the order they ran in, however the threads are scheduled
+        client.completions.create(model=queue, prompt=name, max_tokens=100,
                                   extra_body={"priority": priority})
         finished.append(name)
 

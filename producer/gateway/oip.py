@@ -29,6 +29,7 @@ import redis
 from fastapi import APIRouter, Depends, Request, Response
 from pydantic import BaseModel, Field
 
+from producer.gateway.queues import listed
 from producer.gateway.schemas import MAX_WAIT_S
 from producer.validation import MAX_DEADLINE_MS
 from scheduler_core.errors import DeadlineExceeded, QueueFull, RequestCancelled, RequestFailed
@@ -395,7 +396,7 @@ def oip_router(auth: Any | None, gateways: Callable[[Request], dict[str, Any]]) 
         served = gateways(request)
         if name not in served:
             raise OIPError(404, f"model {name!r} is not served by this gateway (models: "
-                                f"{', '.join(served)})")
+                                f"{listed(served)})")
         return served[name]
 
     @router.get("/health/live", summary="The gateway is up")

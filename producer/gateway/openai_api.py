@@ -39,6 +39,7 @@ from producer.gateway import openai_schemas as s
 from producer.gateway import tokenizer
 from producer.gateway.guard import Receive, Scope, Send, header
 from producer.gateway.hotpath import error_answer, is_json, read_body
+from producer.gateway.queues import listed
 from producer.gateway.schemas import MAX_WAIT_S, Problem, loads
 from producer.validation import MAX_DEADLINE_MS
 from scheduler_core.errors import (
@@ -101,7 +102,7 @@ def invalid(param: str, message: str) -> OpenAIError:
 
 def unknown_model(name: Any, served: Any) -> OpenAIError:
     return OpenAIError(404, f"The model {name!r} does not exist on this gateway (models: "
-                            f"{', '.join(served)})", param="model", code="model_not_found")
+                            f"{listed(served)})", param="model", code="model_not_found")
 
 
 STATE_ERRORS = {"expired": DeadlineExceeded, "cancelled": RequestCancelled,
@@ -456,7 +457,7 @@ class OpenAIPath:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] != "POST" or \
-                scope["path"] not in PATHS or "batchgate.queue" in scope:
+                scope["path"] not in PATHS:
             await self.app(scope, receive, send)
             return
         scope["route"] = self.routes.get(scope["path"])

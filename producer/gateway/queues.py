@@ -35,9 +35,16 @@ def current(app: Any) -> Gateway:
     return selected.get() or app.state.gateway
 
 
+def listed(served: Iterable[str], most: int = 20) -> str:
+    """The served queues for an error message: the first `most`, then how many more."""
+    names = list(served)
+    more = f" and {len(names) - most} more" if len(names) > most else ""
+    return ", ".join(names[:most]) + more
+
+
 def unknown_queue(name: str, served: Iterable[str]) -> dict[str, Any]:
     return {"error": "not_found", "message": f"queue {name!r} is not served by this gateway "
-                                             f"(serving: {', '.join(served)})",
+                                             f"(serving: {listed(served)})",
             "field": "queue"}
 
 
@@ -76,10 +83,8 @@ class QueueRouter:
         gateways = self.gateways()
         gateway = gateways.get(name)
         if gateway is None or rest.partition("/")[0] not in NATIVE:
-            status = 404
-            body = unknown_queue(name, gateways) if gateway is None else \
-                {"error": "not_found", "message": f"no route {scope['path']!r}"}
-            await answer(send, status, body)
+            await answer(send, 404, unknown_queue(name, gateways) if gateway is None else
+                         {"error": "not_found", "message": f"no route {scope['path']!r}"})
             return
         prefix = f"{QUEUES_PREFIX}{name}".encode()
         token = selected.set(gateway)

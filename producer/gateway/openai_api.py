@@ -487,17 +487,25 @@ class OpenAIPath:
         gateway = gateways[job.model]
         deadline_ms = deadline_of(scope)
         wait_s = deadline_ms / 1000 if deadline_ms is not None else MAX_WAIT_S
-        handles = await gateway.sharded.submit_many(
-            job.payloads, priority=job.priority, deadline_ms=deadline_ms, cost=job.costs,
-            store_result=True)  # how it ended, for until_answered (and GET /v1/requests)
+        # store_result: how it ended, for until_answered (and GET /v1/requests/{id})
+        if len(job.payloads) == 1:
+            handles = [await gateway.sharded.submit(
+                job.payloads[0], priority=job.priority, deadline_ms=deadline_ms,
+                cost=job.costs[0], store_result=True)]
+        else:
+            handles = await gateway.sharded.submit_many(
+                job.payloads, priority=job.priority, deadline_ms=deadline_ms, cost=job.costs,
+                store_result=True)
         scope["batchgate.wait"] = True
         ids = handles[0].id
         if job.stream:
             await self.stream(job, gateway, handles[0], wait_s, receive, send)
             return
-        results = await self.until_answered(
-            asyncio.gather(*(handle.result(timeout=wait_s) for handle in handles)),
-            gateway, [handle.id for handle in handles], receive)
+        work = handles[0].result(timeout=wait_s) if len(handles) == 1 else \
+            asyncio.gather(*(handle.result(timeout=wait_s) for handle in handles))
+        results = await self.until_answered(work, gateway, [h.id for h in handles], receive)
+        if len(handles) == 1:
+            results = [results]
         if results is None:
             return  # the client left
         answer = embeddings_body(job, results) if job.path == EMBEDDINGS_PATH \
@@ -509,22 +517,33 @@ class OpenAIPath:
         """`work`'s outcome; None if the client left first (its requests are then cancelled
         if they have not started). A request that failed, or did not finish in time, raises
         its OpenAI error."""
-        task = asyncio.ensure_future(work)
+        # The work runs in this task, which the watcher cancels if the client leaves: one
+        # task more per request, not two and an asyncio.wait.
+        this = asyncio.current_task()
+        assert this is not None
+        left, over = [], []
+
+        def client_left(watcher: asyncio.Task[None]) -> None:
+            if not watcher.cancelled() and not over:  # not once the work is over
+                left.append(True)
+                this.cancel()
         watcher = asyncio.ensure_future(until_disconnect(receive))
+        watcher.add_done_callback(client_left)
         try:
-            await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watcher.cancel()
-        if not task.done():
-            task.cancel()
+            return await work
+        except asyncio.CancelledError:
+            if not left:
+                raise  # cancelled from outside, not by the client leaving
+            this.uncancel()
             await asyncio.gather(*(gateway.cancel(i) for i in ids), return_exceptions=True)
             return None
-        try:
-            return task.result()
         except RequestFailed as exc:
             raise failure(exc) from None
         except TimeoutError:
             pass
+        finally:
+            over.append(True)
+            watcher.cancel()
         for request_id in ids:  # its stored state: expired (the Gateway expires it if due)
             state = await gateway.lookup(request_id)
             if state is not None and state["status"] in STATE_ERRORS:

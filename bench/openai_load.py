@@ -157,6 +157,10 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
     if ratios:
         lines.append(f"openai/native: {statistics.median(ratios):.2f} (median of rounds; "
                      f"range {min(ratios):.2f}-{max(ratios):.2f}; target >= 0.8)")
+        lines.append(f"native/openai gateway CPU per request: "
+                     f"{median('native', 'cpu_us') / median('openai', 'cpu_us'):.2f} (the "
+                     "throughput one core of gateway would give, less sensitive to the "
+                     "host's other load)")
     return "\n".join(lines)
 
 

@@ -169,3 +169,26 @@ def test_queue_patterns_expand_to_registered_queues(shared_redis, queue, start_g
     with httpx.Client(base_url=gateway.url, timeout=20) as http:
         assert [m["id"] for m in http.get("/v1/models").json()["data"]] == \
             [f"{queue}-x", f"{queue}-y"]
+
+
+def test_tritonclient_runs_the_built_in_generator(shared_redis, queue, start_consumer,
+                                                  start_gateway):
+    """The built-in generator answers OIP as it is: `prompt` BYTES [1] and
+    `max_new_tokens` INT32 [1] are its payload; its result's keys are the outputs."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    start_consumer(shared_redis.url, queue, "--model", "consumer.models:generator",
+                   "--device", "cpu", "--torch-threads", "1",
+                   *(a for k, v in {"vocab": 512, "layers": 2, "dim": 32, "heads": 2,
+                                    "positions": 128}.items()
+                     for a in ("--model-arg", f"{k}={v}")))
+    gateway = start_gateway(shared_redis.url, queue)
+    client = triton_client(gateway)
+    prompt = triton.InferInput("prompt", [1], "BYTES")
+    prompt.set_data_from_numpy(np.array([b"hello"], dtype=np.object_))
+    budget = triton.InferInput("max_new_tokens", [1], "INT32")
+    budget.set_data_from_numpy(np.array([4], dtype=np.int32))
+    result = client.infer(queue, [prompt, budget])
+    assert result.as_numpy("new_tokens").tolist() == [4]
+    assert result.as_numpy("tokens").shape == (4,)
+    assert result.get_output("text")["datatype"] == "BYTES"

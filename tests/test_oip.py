@@ -110,6 +110,10 @@ def test_oip_priority_timeout_and_hostile_bodies(shared_redis, queue, start_gate
              "Inference-Header-Content-Length"),
             (b'{"inputs": [{"name": "x", "shape": [4000000000], "datatype": "INT8", '
              b'"data": [1]}]}', {}, "elements"),
+            (HEAD.replace(b'"INT32"', b'"FP32" ') + b"\x00\x00\xc0\x7f",  # NaN: not JSON
+             {"Inference-Header-Content-Length": str(len(HEAD))}, "NaN"),
+            (HEAD + b"\x01\x00\x00\x00\x00", {"Inference-Header-Content-Length":
+                                                str(len(HEAD))}, "belong to no input"),
         ]
         for body, headers, words in cases:
             response = http.post(url, content=body, headers=headers)

@@ -32,7 +32,13 @@ from pydantic import BaseModel, Field
 from producer.gateway.queues import listed
 from producer.gateway.schemas import MAX_WAIT_S
 from producer.validation import MAX_DEADLINE_MS
-from scheduler_core.errors import DeadlineExceeded, QueueFull, RequestCancelled, RequestFailed
+from scheduler_core.errors import (
+    DeadlineExceeded,
+    InvalidRequest,
+    QueueFull,
+    RequestCancelled,
+    RequestFailed,
+)
 from scheduler_core.keys import CONSUMER_ALIVE_S
 from scheduler_core.policy import Priority
 
@@ -329,6 +335,8 @@ async def infer(gateway: Gateway, name: str, body: bytes, header_length: str | N
     except QueueFull as exc:
         return error_response(429, str(exc),
                               {"Retry-After": str(max(1, math.ceil(exc.retry_after_s or 1)))})
+    except InvalidRequest as exc:  # the producer's checks: NaN, past 64 bits, over 1 MiB
+        raise OIPError(400, str(exc)) from None
     try:
         result = await handle.result(timeout=MAX_WAIT_S)
     except DeadlineExceeded as exc:

@@ -504,10 +504,10 @@ class OpenAIPath:
         work = handles[0].result(timeout=wait_s) if len(handles) == 1 else \
             asyncio.gather(*(handle.result(timeout=wait_s) for handle in handles))
         results = await self.until_answered(work, gateway, [h.id for h in handles], receive)
-        if len(handles) == 1:
-            results = [results]
         if results is None:
             return  # the client left
+        if len(handles) == 1:
+            results = [results]
         answer = embeddings_body(job, results) if job.path == EMBEDDINGS_PATH \
             else completion_body(job, ids, results)
         await send_json(send, 200, answer, [(b"x-request-id", ids.encode())])
@@ -570,6 +570,8 @@ class OpenAIPath:
             try:
                 async for part in handle.stream(timeout=wait_s):
                     if isinstance(part, Restart):
+                        if not sent:  # nothing to take back
+                            continue
                         raise OpenAIError(500, "the request restarted on another consumer "
                                                "after its first parts were sent",
                                           type="server_error", code="restarted")

@@ -185,7 +185,8 @@ def test_tritonclient_runs_the_built_in_generator(shared_redis, queue, start_con
                    "--device", "cpu", "--torch-threads", "1",
                    *(a for k, v in {"vocab": 512, "layers": 2, "dim": 32, "heads": 2,
                                     "positions": 128}.items()
-                     for a in ("--model-arg", f"{k}={v}")))
+                     for a in ("--model-arg", f"{k}={v}")),
+                   ready=False).wait_ready(timeout=240)  # importing torch: slow when busy
     gateway = start_gateway(shared_redis.url, queue)
     client = triton_client(gateway)
     prompt = triton.InferInput("prompt", [1], "BYTES")

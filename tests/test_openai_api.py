@@ -39,7 +39,8 @@ def sdk(gateway: ServerProcess, **kwargs) -> openai.OpenAI:
 
 def test_the_sdk_completes_chats_streams_through_the_generator(
         shared_redis, queue, start_consumer, start_gateway):
-    start_consumer(shared_redis.url, queue, *GENERATOR, "--model-arg", "stream=true")
+    start_consumer(shared_redis.url, queue, *GENERATOR, "--model-arg", "stream=true",
+                   ready=False).wait_ready(timeout=240)  # importing torch: slow when busy
     gateway = start_gateway(shared_redis.url, queue)
     client = sdk(gateway)
 
@@ -179,7 +180,8 @@ def test_priority_and_deadline_are_honoured(shared_redis, queue, start_consumer,
         while http.get("/v1/stats").json()["depth"] != {"high": 1, "normal": 1, "low": 1}:
             assert time.monotonic() < end, http.get("/v1/stats").json()
             time.sleep(0.05)
-    start_consumer(shared_redis.url, queue, *GENERATOR, "--max-batch-size", "1")
+    start_consumer(shared_redis.url, queue, *GENERATOR, "--max-batch-size", "1",
+                   ready=False).wait_ready(timeout=240)
     for thread in threads:
         thread.join(timeout=120)
     assert finished == ["high", "normal", "low"]

@@ -436,6 +436,7 @@ def event(data: Any) -> dict[str, Any]:
             "body": b"data: " + orjson.dumps(data) + b"\n\n"}
 
 
+LEFT = object()  # until_answered: the client left (a result may be None)
 DONE = {"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False}
 
 
@@ -504,8 +505,8 @@ class OpenAIPath:
         work = handles[0].result(timeout=wait_s) if len(handles) == 1 else \
             asyncio.gather(*(handle.result(timeout=wait_s) for handle in handles))
         results = await self.until_answered(work, gateway, [h.id for h in handles], receive)
-        if results is None:
-            return  # the client left
+        if results is LEFT:
+            return
         if len(handles) == 1:
             results = [results]
         answer = embeddings_body(job, results) if job.path == EMBEDDINGS_PATH \
@@ -514,7 +515,7 @@ class OpenAIPath:
 
     async def until_answered(self, work: Awaitable[Any], gateway: Gateway, ids: list[str],
                              receive: Receive) -> Any:
-        """`work`'s outcome; None if the client left first (its requests are then cancelled
+        """`work`'s outcome; LEFT if the client left first (its requests are then cancelled
         if they have not started). A request that failed, or did not finish in time, raises
         its OpenAI error."""
         # The work runs in this task, which the watcher cancels if the client leaves: one
@@ -536,7 +537,7 @@ class OpenAIPath:
                 raise  # cancelled from outside, not by the client leaving
             this.uncancel()
             await asyncio.gather(*(gateway.cancel(i) for i in ids), return_exceptions=True)
-            return None
+            return LEFT
         except RequestFailed as exc:
             raise failure(exc) from None
         except TimeoutError:
@@ -586,7 +587,7 @@ class OpenAIPath:
 
         try:
             outcome = await self.until_answered(relay(), gateway, [handle.id], receive)
-            if outcome is None:
+            if outcome is LEFT:
                 return
             result, sent = outcome
             text, tokens, said = text_of(result)

@@ -11,6 +11,11 @@ app's lifespan. Endpoints:
     GET    /healthz                     Redis reachable? (never needs a token)
     GET    /metrics                     Prometheus metrics (never needs a token)
 
+With several queues (`--queue a --queue b`), those routes serve the first, and
+`/v1/queues/{queue}/...` each of them (queues.py). The OpenAI-compatible routes
+(openai_api.py) and the Open Inference Protocol v2 routes (oip.py) name the queue as
+their model.
+
 A request goes through pure ASGI layers before FastAPI (GatewayAPI): metrics.py counts and
 times it; guard.py checks its token, its body's size and the time its body takes;
 hotpath.py answers the hot routes (submit, and a request's state) itself. FastAPI serves
@@ -27,7 +32,7 @@ import hmac
 import logging
 import os
 import re
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
@@ -60,6 +65,9 @@ from producer.gateway.hotpath import (
     not_found,
 )
 from producer.gateway.metrics import SUBMIT_PATH, GatewayMetrics, MetricsMiddleware
+from producer.gateway.oip import OIPError, oip_error, oip_router
+from producer.gateway.openai_api import OpenAIPath, models_router
+from producer.gateway.queues import QUEUE_PATH, QueueRouter, current
 from producer.gateway.schemas import (
     REQUEST_ID_PATTERN,
     Health,
@@ -248,7 +256,11 @@ class Gateway:
 
 
 def _gateway(request: Request) -> Gateway:
-    return request.app.state.gateway
+    return current(request.app)
+
+
+def _gateways(request: Request) -> dict[str, Gateway]:
+    return request.app.state.gateways
 
 
 BEARER = HTTPBearer(auto_error=False, description="`Authorization: Bearer <token>`, the "
@@ -395,41 +407,70 @@ def tune_collector() -> None:
     gc.set_threshold(GC_THRESHOLD, *gc.get_threshold()[1:])
 
 
-def create_app(redis_url: str = DEFAULT_REDIS_URL, queue: str = "default",
+def create_app(redis_url: str = DEFAULT_REDIS_URL, queue: str | Sequence[str] = "default",
                token: str | None = None, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
                wait_replicas: int = 0,
                wait_timeout_ms: int = ProducerConfig.wait_timeout_ms,
                tune_gc: bool = False) -> FastAPI:
-    """The gateway for `queue`; with `token`, /v1/* needs `Authorization: Bearer <token>`.
+    """The gateway for `queue` (or several: the first is the default); with `token`,
+    /v1/* and /v2/models/* need `Authorization: Bearer <token>`.
     Bodies over `max_body_bytes`, or not received within `request_timeout_s` of their
     headers, are refused (413, 408) before the app reads them. `wait_replicas`: a submit
     is accepted once that many replicas have it (AsyncProducer's). `tune_gc`: the app
     owns its process (`batchgate gateway`), tune its garbage collector at startup
     (tune_collector)."""
     # Validate the name and the WAIT knobs now, not on the first request.
-    ProducerConfig(queue=queue, wait_replicas=wait_replicas, wait_timeout_ms=wait_timeout_ms)
+    queues = [queue] if isinstance(queue, str) else list(dict.fromkeys(queue))
+    if not queues:
+        raise ValueError("a gateway needs at least one queue")
+    for name in queues:
+        ProducerConfig(queue=name, wait_replicas=wait_replicas,
+                       wait_timeout_ms=wait_timeout_ms)
+    queue = queues[0]
     metrics = GatewayMetrics()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        app.state.gateway = Gateway(redis_url, queue, wait_replicas, wait_timeout_ms)
-        await app.state.gateway.open()
+        app.state.gateways = {name: Gateway(redis_url, name, wait_replicas, wait_timeout_ms)
+                              for name in queues}
+        app.state.gateway = app.state.gateways[queue]
+        for gateway in app.state.gateways.values():
+            await gateway.open()
         if tune_gc:
             tune_collector()
         try:
             yield
         finally:
             hot.close()
-            await app.state.gateway.close()
+            for gateway in app.state.gateways.values():
+                await gateway.close()
 
     # No trailing-slash redirects: their Location would be built from the Host header.
     app = GatewayAPI(title="batchgate gateway", version="1", lifespan=lifespan,
                      redirect_slashes=False,
-                     description=f"Submit inference requests to batchgate queue `{queue}`.")
+                     description="Submit inference requests to batchgate queues "
+                                 f"{', '.join(f'`{name}`' for name in queues)}.")
     app.state.metrics = metrics
-    router = build_router(bearer_auth(token) if token else None)
+    auth = bearer_auth(token) if token else None
+    router = build_router(auth)
     app.include_router(router)
+    for route in list(router.routes):  # the spec of /v1/queues/{queue}/... (queues.py)
+        if isinstance(route, APIRoute):
+            app.add_api_route(
+                QUEUE_PATH + route.path.removeprefix("/v1"), route.endpoint,
+                methods=list(route.methods), response_model=route.response_model,
+                status_code=route.status_code, summary=f"{route.summary} (queue `queue`)",
+                responses={**route.responses, 404: _problem(
+                    "Unknown id, or `queue` is not served by this gateway.")},
+                dependencies=route.dependencies, name=f"queue_{route.name}",
+                openapi_extra={"parameters": [{"name": "queue", "in": "path",
+                                               "required": True,
+                                               "schema": {"type": "string"}}]})
+    openai_routes = models_router(auth, _gateways)
+    app.include_router(openai_routes)
+    app.include_router(oip_router(auth, _gateways))
+    app.add_exception_handler(OIPError, oip_error)
 
     def routes() -> Iterator[Any]:
         """Every route with a path (FastAPI may keep an included router's routes apart)."""
@@ -440,11 +481,15 @@ def create_app(redis_url: str = DEFAULT_REDIS_URL, queue: str = "default",
     for error in ERROR_ANSWERS:
         app.add_exception_handler(error, _expected_error)
     # Outermost first: metrics count every answer, the guard's included.
-    hot = HotPath(app.framework, lambda: app.state.gateway, metrics,
+    hot = HotPath(app.framework, lambda: current(app), metrics,
                   {route.path: route for route in router.routes
                    if isinstance(route, APIRoute) and route.path in (SUBMIT_PATH, REQUEST_PATH)},
                   DEFAULT_MAX_PAYLOAD_BYTES)  # the AsyncProducer's payload limit
-    app.front = MetricsMiddleware(RequestGuard(hot, token=token, max_body_bytes=max_body_bytes,
+    served = OpenAIPath(hot, lambda: app.state.gateways,
+                        {route.path: route for route in openai_routes.routes
+                         if isinstance(route, APIRoute) and "POST" in route.methods})
+    app.front = MetricsMiddleware(RequestGuard(QueueRouter(served, lambda: app.state.gateways),
+                                               token=token, max_body_bytes=max_body_bytes,
                                                request_timeout_s=request_timeout_s),
                                   metrics=metrics, routes=routes)
     health = {"ok": True}
@@ -477,7 +522,7 @@ def app_from_env() -> FastAPI:
     die_with_marked_parent()
     env = os.environ
     return create_app(env.get(WORKER_ENV["redis_url"], DEFAULT_REDIS_URL),
-                      env.get(WORKER_ENV["queue"], "default"),
+                      env.get(WORKER_ENV["queue"], "default").split(","),
                       token=env.get(WORKER_ENV["token"]) or None,
                       max_body_bytes=int(env.get(WORKER_ENV["max_body_bytes"],
                                                  DEFAULT_MAX_BODY_BYTES)),

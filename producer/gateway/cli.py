@@ -20,7 +20,7 @@ from producer.gateway.guard import (
 )
 from scheduler_core.compat import connect_checked
 from scheduler_core.lifetime import mark_parent
-from scheduler_core.ops.options import queue_option, redis_url_option, wait_replicas_options
+from scheduler_core.ops.options import redis_url_option, wait_replicas_options
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -29,7 +29,13 @@ PROTOCOL = "producer.gateway.protocol:HeaderTimeoutProtocol"
 
 @click.command("gateway")
 @redis_url_option
-@queue_option
+@click.option("--queue", "queues", envvar="BATCHGATE_QUEUE", multiple=True,
+              default=("default",), show_default=True,
+              help="Queue to serve (1-128 of A-Z a-z 0-9 _ . : -); repeat for several: the "
+                   "first is served on /v1/requests, each on /v1/queues/QUEUE/requests and "
+                   "as a model of the OpenAI and OIP routes. A glob pattern (`llm-*`, `*`) "
+                   "is every queue registered when the gateway starts that it matches. "
+                   "Env: BATCHGATE_QUEUE (names separated by spaces).")
 @click.option("--host", envvar="BATCHGATE_GATEWAY_HOST", default=DEFAULT_HOST,
               show_default=True,
               help="Address to listen on (0.0.0.0 in a container). Env: BATCHGATE_GATEWAY_HOST.")
@@ -62,11 +68,13 @@ PROTOCOL = "producer.gateway.protocol:HeaderTimeoutProtocol"
               help="Serve from this many processes (uvicorn workers) sharing the port, each "
                    "with its own AsyncProducer. Env: BATCHGATE_GATEWAY_WORKERS.")
 @wait_replicas_options("Accept a submitted request (202, or 200 with wait)")
-def gateway_command(redis_url: str, queue: str, host: str, port: int, token: str | None,
+def gateway_command(redis_url: str, queues: tuple[str, ...], host: str, port: int,
+                    token: str | None,
                     max_body_bytes: int, request_timeout_s: float, access_log: bool,
                     workers: int, wait_replicas: int, wait_timeout_ms: int) -> None:
-    """Serve an HTTP API for QUEUE: submit, fetch a result, cancel, stats, health and
-    Prometheus /metrics. OpenAPI spec at /openapi.json, interactive docs at /docs."""
+    """Serve an HTTP API for QUEUE (or several): submit, fetch a result, cancel, stats, health and
+    Prometheus /metrics; OpenAI-compatible and Open Inference Protocol v2 routes. OpenAPI
+    spec at /openapi.json, interactive docs at /docs."""
     try:
         import uvicorn
 
@@ -77,14 +85,17 @@ def gateway_command(redis_url: str, queue: str, host: str, port: int, token: str
     # Fail now on a Redis too old; an unreachable one may come up later (see /healthz).
     with contextlib.suppress(redis.ConnectionError, redis.TimeoutError):
         connect_checked(redis_url).close()
-    app = create_app(redis_url, queue, token=token or None, max_body_bytes=max_body_bytes,
+    queue_list = resolve_queues(redis_url, queues)
+    queue = ",".join(queue_list)  # as the worker processes read it (app_from_env)
+    app = create_app(redis_url, queue_list, token=token or None, max_body_bytes=max_body_bytes,
                      request_timeout_s=request_timeout_s, wait_replicas=wait_replicas,
                      wait_timeout_ms=wait_timeout_ms, tune_gc=True)  # validates first
     level = logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
     # uvloop (part of the gateway extra) where it installs; HTTP parsing is httptools'
     # (PROTOCOL builds on uvicorn's httptools protocol).
     loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
-    click.echo(f"batchgate gateway for queue {queue!r} on http://{host}:{port} "
+    click.echo(f"batchgate gateway for queue {', '.join(map(repr, queue_list))} on "
+               f"http://{host}:{port} "
                f"(auth: {'bearer token' if token else 'none'}, workers: {workers}, "
                f"loop: {loop})", err=True)
     options = {"host": host, "port": port, "access_log": access_log, "http": PROTOCOL,
@@ -106,3 +117,24 @@ def gateway_command(redis_url: str, queue: str, host: str, port: int, token: str
                        WORKER_ENV["wait_replicas"]: str(wait_replicas),
                        WORKER_ENV["wait_timeout_ms"]: str(wait_timeout_ms)})
     uvicorn.run("producer.gateway.app:app_from_env", factory=True, workers=workers, **options)
+
+
+def resolve_queues(redis_url: str, names: tuple[str, ...]) -> list[str]:
+    """The queues of the --queue values (queues.expand); patterns read the registry."""
+    from producer.gateway.queues import PATTERN_CHARS, expand
+
+    registered: list[str] = []
+    if any(PATTERN_CHARS & set(name) for name in names):
+        from scheduler_core.registry import known_queues
+
+        try:
+            client = connect_checked(redis_url)
+            registered = known_queues(client, prune=False)
+            client.close()
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            raise click.ClickException(f"--queue patterns read the registered queues, and "
+                                       f"Redis is unreachable: {exc}") from None
+    try:
+        return expand(names, registered)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--queue") from None

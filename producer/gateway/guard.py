@@ -1,8 +1,8 @@
 """What the HTTP gateway checks before its app sees a request (RequestGuard, a pure ASGI
 middleware), so that nobody can make it read, hold or parse more than it allows:
 
-1. The bearer token, when the gateway has one, for `/v1/*`: a request without it is
-   answered 401 from its headers; its body is never read.
+1. The bearer token, when the gateway has one, for `/v1/*` and `/v2/models/*`: a request
+   without it is answered 401 from its headers; its body is never read.
 2. The body's size: a Content-Length over `max_body_bytes` is answered 413 at once
    (nothing read); a body sent without one (chunked) is counted as it arrives and answered
    413 as soon as it crosses the limit. The whole body is read here, at most that much.
@@ -29,7 +29,8 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 # asyncio.timeout_at (3.11+) arms a timer; wait_for would run a task per message.
 _timeout_at = getattr(asyncio, "timeout_at", None)
 
-PROTECTED_PREFIXES = ("/v1/",)  # /healthz and /metrics stay open (docs/gateway.md)
+# /healthz, /metrics and /v2/health/* stay open (docs/gateway.md)
+PROTECTED_PREFIXES = ("/v1/", "/v2/models")
 # A body may be larger than the payload it carries (the other fields, whitespace, \u
 # escapes): twice the payload limit, plus 64 KiB.
 DEFAULT_MAX_BODY_BYTES = 2 * DEFAULT_MAX_PAYLOAD_BYTES + (64 << 10)

@@ -215,3 +215,48 @@ def test_a_sent_script_runs_before_its_reply_is_read(redis_server):
         lost.reply()
     redis_server.start()
     assert client.set("k", "4") and client.get("k") == b"4"
+
+
+def test_a_completion_reads_and_writes_the_queue_counters_once_each(redis_server, queue):
+    """complete.lua keeps the queue's counters, its service-rate window and its clock in
+    one read and one write of the stats hash (not a HINCRBY per counter): the counters
+    still add up, and a counter written by hand restarts from 0 rather than fail the
+    completion after its results were written."""
+    from consumer.batch import parse_pop
+    from producer.sync import Producer
+    from scheduler_core.admin import ensure_policy
+    from scheduler_core.wire import encode_result
+
+    client = redis_server.client()
+    keys = QueueKeys(queue)
+    ensure_policy(client, queue, {"strategy": "fifo", "max_batch_size": 4})
+    scripts = Scripts(client)
+    with Producer(redis_server.url, queue) as producer:
+        handles = producer.submit_many([{"i": i} for i in range(6)])
+
+        def complete(outcomes: list[str]) -> list[Any]:
+            batch = parse_pop(scripts.pop_batch(keys=pop_keys(keys), args=["c", 30000]))
+            items = batch.items[:len(outcomes)]
+            args: list[Any] = [batch.id, 600, len(items)]
+            for item, outcome in zip(items, outcomes, strict=True):
+                args += [item.id, outcome, encode_result(item.id, 1)]
+            client.config_resetstat()
+            reply = scripts.complete(keys=complete_keys(keys, [(i.id, i.producer)
+                                                               for i in items]), args=args)
+            calls = {name[len("cmdstat_"):]: v["calls"]
+                     for name, v in client.info("commandstats").items()}
+            assert "hincrby" not in calls
+            assert calls["hset"] == 1  # counters, rate window and clock in one write
+            assert calls["hmget"] == 3  # stats (with the clock), owners, jobs
+            return reply
+
+        assert complete(["ok", "ok", "err", "expired"])[:2] == [4, 0]
+        stats = client.hgetall(keys.stats)
+        assert (stats[b"processed"], stats[b"failed"], stats[b"expired"]) == (b"2", b"1", b"1")
+        assert b"rate_since_us" in stats and b"clock_seen_us" in stats
+        client.hset(keys.stats, "processed", "by hand")
+        assert complete(["ok", "ok"])[:2] == [2, 0]
+        stats = client.hgetall(keys.stats)
+        assert (stats[b"processed"], stats[b"failed"], stats[b"rate_count"]) == \
+            (b"2", b"1", b"2")
+        assert [h.result(timeout=10) for h in handles] == [1] * 6

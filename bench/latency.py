@@ -206,8 +206,8 @@ def load_cpu(bg_url: str, raw_url: str, n: int, out_dir: Path) -> None:
                     h.result(timeout=60)
 
             def batch32() -> None:
-                handles = [h for s in range(0, n, 1000)
-                           for h in many.submit_many([{"i": i} for i in range(s, s + 1000)])]
+                handles = [h for s in range(0, n, 1000) for h in
+                           many.submit_many([{"i": i} for i in range(s, min(n, s + 1000))])]
                 for h in handles:
                     h.result(timeout=60)
 

@@ -19,23 +19,16 @@ end
 -- (nothing tells it from time passing): what waits ages by it.
 -- `later`: the caller may still refuse its arguments (then it writes nothing), and calls
 -- note_clock() once it writes.
--- note_clock(...): further field/value pairs of stats ride in the same HSET (a caller
--- that updates its counters there saves a call); pass `stats` first when there may be
--- nothing to note.
 local unnoted  -- what queue_now read and note_clock has not written: {stats, now, offset}
-local function note_clock(...)
-  if not unnoted then
-    if select('#', ...) > 1 then redis.call('HSET', ...) end
-    return
-  end
+local function note_clock()
+  if not unnoted then return end
   local stats, now, offset = unnoted[1], unnoted[2], unnoted[3]
   unnoted = nil
-  local extra = {select(2, ...)}
   if offset then  -- raised, or repaid in part
     redis.call('HSET', stats, 'clock_offset_us', string.format('%d', offset),
-               'clock_seen_us', string.format('%d', now), unpack(extra))
+               'clock_seen_us', string.format('%d', now))
   else
-    redis.call('HSET', stats, 'clock_seen_us', string.format('%d', now), unpack(extra))
+    redis.call('HSET', stats, 'clock_seen_us', string.format('%d', now))
   end
 end
 
@@ -47,11 +40,9 @@ local function clock_value(s)
   return 0
 end
 
--- Further field names of stats, if given, are read in the same HMGET: their values follow
--- `now` in the return values.
-local function queue_now(clock, stats, later, ...)
+local function queue_now(clock, stats, later)
   local t = now_us()
-  local kept = redis.call('HMGET', stats, 'clock_offset_us', 'clock_seen_us', ...)
+  local kept = redis.call('HMGET', stats, 'clock_offset_us', 'clock_seen_us')
   local offset, seen = clock_value(kept[1]), clock_value(kept[2])
   local stored = offset
   local passed = t + offset - seen  -- on the queue's clock, since its last call
@@ -61,7 +52,7 @@ local function queue_now(clock, stats, later, ...)
   if now < latest then offset, now = latest - t, latest end  -- TIME stepped back
   unnoted = {stats, now, offset ~= stored and offset or nil}
   if not later then note_clock() end
-  return now, unpack(kept, 3)
+  return now
 end
 
 -- An integer argument in [lo, hi] written as plain decimal digits, else nil. tonumber()

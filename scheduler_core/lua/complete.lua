@@ -68,11 +68,7 @@ for i = 0, n - 1 do
 end
 if not redis.call('ZSCORE', inflight, batch_id) then return {-1} end
 
--- The counters and the rate window below are read with the clock and written with it:
--- one HMGET and one HSET of stats per call (HINCRBYs would be a call per counter).
-local now, rate_since, rate_count, processed, failed_total, expired_total =
-  queue_now(clock, stats, true, 'rate_since_us', 'rate_count', 'processed', 'failed',
-            'expired')
+local now = queue_now(clock, stats)
 local accepted, refused, failed, expired = 0, 0, 0, 0
 local ids = {}
 for i = 0, n - 1 do ids[i + 1] = ARGV[4 + 3 * i] end
@@ -137,30 +133,24 @@ if select(2, split_members(listed, true)) > accepted then
   end
 end
 if remaining == 0 then release_batch(inflight, batches, batch_id) end
-local counters = {stats}  -- note_clock's stats and the field/value pairs it writes
 if accepted > 0 then
-  -- A counter written by hand (not a number) starts again from 0 rather than fail here,
-  -- after the results were written (HINCRBY would).
-  local function put(field, value)
-    counters[#counters + 1] = field
-    counters[#counters + 1] = int(value)
-  end
-  put('processed', (tonumber(processed) or 0) + accepted - failed - expired)
-  put('failed', (tonumber(failed_total) or 0) + failed)
-  if expired > 0 then put('expired', (tonumber(expired_total) or 0) + expired) end
+  redis.call('HINCRBY', stats, 'processed', accepted - failed - expired)
+  redis.call('HINCRBY', stats, 'failed', failed)
+  if expired > 0 then redis.call('HINCRBY', stats, 'expired', expired) end
   -- Recent service rate (enqueue's retry-after hint): completions counted over windows of
   -- at least 1 s; rate_mrps = the last window's rate in milli-requests per second. A
   -- window longer than 10 s spanned an idle gap and is not published.
-  local since, count = tonumber(rate_since), (tonumber(rate_count) or 0) + accepted
+  local w = redis.call('HMGET', stats, 'rate_since_us', 'rate_count')
+  local since, count = tonumber(w[1]), (tonumber(w[2]) or 0) + accepted
   if not since or now - since >= 1000000 then
-    if since and now - since <= 10000000 then put('rate_mrps', count * 1e9 / (now - since)) end
-    put('rate_since_us', now)
-    put('rate_count', 0)
+    if since and now - since <= 10000000 then
+      redis.call('HSET', stats, 'rate_mrps', int(count * 1e9 / (now - since)))
+    end
+    redis.call('HSET', stats, 'rate_since_us', int(now), 'rate_count', 0)
   else
-    put('rate_count', count)
+    redis.call('HSET', stats, 'rate_count', count)
   end
 end
-note_clock(unpack(counters))
 if #e2e > 0 then push_samples(e2e_samples, unpack(e2e)) end
 if model_sample then push_samples(model_samples, model_sample) end
 return {accepted, refused, remaining}

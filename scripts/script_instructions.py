@@ -1,15 +1,19 @@
 """Redis' instructions per request in each stage of a no-op backlog, counted by valgrind.
 
-    python scripts/script_instructions.py [--requests 4000] [--batch 32]
+    python scripts/script_instructions.py [--requests 4000] [--batch 32] [--singles 200]
 
 Wall and CPU times on a shared VM swing by a third between runs of the same code; the
-instructions redis-server executes do not (within 0.5% here), so this is the measure to
-compare two versions of the Lua scripts by. It starts `valgrind --tool=callgrind
-redis-server` on a free port, then runs the stages of `bench.profile_stages` in
-this process: enqueue a backlog (priorities mixed 10/60/30, as the benchmark's), pop it
-with the consumer's own calls, complete every batch. Between stages it zeroes and dumps
+instructions redis-server executes while it processes commands do not, so this is the
+measure to compare two versions of the Lua scripts by. It starts `valgrind
+--tool=callgrind redis-server` on a free port, counting command processing only (the
+server's timers run per wall-clock second, and a run that lasts longer on a busy host
+would count more of them), then runs the stages of `bench.profile_stages` in this
+process: enqueue a backlog (priorities mixed 10/60/30, as the benchmark's), pop it with
+the consumer's own calls, complete every batch. Between stages it zeroes and dumps
 callgrind's counters (`callgrind_control`), and prints each stage's total over the
-requests. Needs valgrind (Debian: apt-get install valgrind).
+requests. Before the backlog: the cost of a call itself (EVALSHA of `return 1` without
+and with a queue's shared keys, an LPUSH) and of enqueue.lua at one request per call.
+Needs valgrind (Debian: apt-get install valgrind).
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ import redis
 # bench/ is the checkout's, not installed: found from the repository root.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.profile_stages import complete_all, drain_setup, pop_all  # noqa: E402
+from producer.sync import Producer  # noqa: E402
+from scheduler_core.keys import QueueKeys  # noqa: E402
 
 MIX = {0: 10, 1: 60, 2: 30}  # HIGH / NORMAL / LOW, as the benchmark's workloads
 
@@ -95,8 +101,39 @@ def run_stages(url: str, counter: Counter, n: int, batch: int) -> None:
     producer.close()
 
 
+def call_costs(url: str, counter: Counter, singles: int) -> None:
+    """What any call costs before a script's own work: EVALSHA of `return 1` without keys
+    and with a queue's shared keys (every batchgate script is passed them), an LPUSH for
+    scale; then enqueue.lua at one request per call, as `submit()` sends it."""
+    client = redis.Redis.from_url(url)
+    sha = client.script_load("return 1")
+    shared = list(QueueKeys("calls").shared)
+    calls = [("EVALSHA 'return 1', no keys", lambda: client.evalsha(sha, 0)),
+             (f"EVALSHA 'return 1', {len(shared)} keys",
+              lambda: client.evalsha(sha, len(shared), *shared)),
+             ("LPUSH", lambda: client.lpush("calls", b"x"))]
+    for label, call in calls:
+        call()
+        counter.zero()
+        for _ in range(100):
+            call()
+        print(f"{label:31s} {counter.since_zero() / 100 / 1000:7.1f} k instructions per call")
+    if singles:
+        producer = Producer(url, "singles")  # no consumer: enqueue.lua alone is counted
+        producer._ensure_listener = lambda: None  # type: ignore[method-assign]
+        producer.submit({"i": -1})  # loads the script
+        counter.zero()
+        for i in range(singles):
+            producer.submit({"i": i})
+        print(f"{'enqueue, one request per call':31s} "
+              f"{counter.since_zero() / singles / 1000:7.1f} k instructions per request")
+        producer.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--singles", type=int, default=200,
+                        help="single submits counted before the backlog (0 to skip)")
     parser.add_argument("--requests", type=int, default=4000)
     parser.add_argument("--batch", type=int, default=32)
     args = parser.parse_args()
@@ -106,7 +143,9 @@ def main() -> None:
     port = free_port()
     with tempfile.TemporaryDirectory() as out_dir:
         server = subprocess.Popen(
-            ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out_dir}/cg.%p",
+            # Command processing only: see the module docstring.
+            ["valgrind", "--tool=callgrind", "--toggle-collect=processInputBuffer",
+             f"--callgrind-out-file={out_dir}/cg.%p",
              "redis-server", "--port", str(port), "--save", "", "--appendonly", "no"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
@@ -118,7 +157,9 @@ def main() -> None:
                     break
                 except redis.ConnectionError:
                     time.sleep(0.1)
-            run_stages(url, Counter(server.pid, out_dir), args.requests, args.batch)
+            counter = Counter(server.pid, out_dir)
+            call_costs(url, counter, args.singles)
+            run_stages(url, counter, args.requests, args.batch)
         finally:
             server.terminate()
             server.wait(timeout=60)

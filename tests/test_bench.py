@@ -170,6 +170,24 @@ def test_profile_stages_smoke():
 
 
 @HEAVY
+def test_latency_smoke():
+    """bench/latency.py (the hop-by-hop figures in docs/benchmarks.md) runs both paths
+    and prints every hop, the ratios and the Redis CPU lines; a few requests."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.latency", "--requests", "5", "--rate", "200",
+         "--load", "64"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "5 batchgate and 5 raw requests" in out
+    for hop in ("submit -> enqueued in Redis", "listener receive -> handle resolved",
+                "total: LPUSH -> reply in hand", "ratio batchgate/raw: p50"):
+        assert hop in out, hop
+    for row in ("batchgate, batch 1", "batchgate, batch 32", "raw path"):
+        assert any(line.startswith(row) and "Redis CPU" in line
+                   for line in out.splitlines()), row
+
+
+@HEAVY
 @pytest.mark.skipif(not shutil.which("redis-server"), reason="redis-server is not on PATH")
 def test_load_step_smoke(tmp_path: Path):
     """bench/load_step.py (the load step in docs/benchmarks.md) runs its three

@@ -59,6 +59,8 @@ OTHER_COUNTERS = {
     "dead_retried": ("batchgate_queue_dead_letters_retried",
                      "Dead letters sent back to the queue (dead-letter retry)."),
     "dead_purged": ("batchgate_queue_dead_letters_purged", "Dead letters purged."),
+    "retried": ("batchgate_queue_retried_requests",
+                "Runs that raised a retry_on exception, scheduled to run again."),
 }
 # Policy knob -> (gauge, unit divisor to seconds or 1)
 POLICY_GAUGES = {

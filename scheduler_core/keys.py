@@ -15,8 +15,9 @@ then the script's per-call keys (result:<id>, inbox:<producer>, idem:<key>).
 |                             |        | then '|' and the request envelope (orjson bytes);       |
 |                             |        | attempts: deliveries ended without a result; keep: 1 if  |
 |                             |        | the result is stored by id (wire.JobMeta, split_job)     |
-| `{bg:q}:meta`               | -      | not written: a request's meta is in jobs (one hash field |
-|                             |        | per request). The name keeps its KEYS[6] place in scripts|
+| `{bg:q}:retry`              | zset   | id -> when it may run again (µs): its model raised a     |
+|                             |        | retry_on exception; pop_batch moves it back to its level |
+|                             |        | (arrival kept) once due, or at its deadline if earlier   |
 | `{bg:q}:owner`              | hash   | id -> batch id, while the request is in flight            |
 | `{bg:q}:inflight`           | zset   | batch id -> lease deadline (µs)                           |
 | `{bg:q}:batches`            | hash   | batch id -> "consumer|id,id,..."                          |
@@ -115,7 +116,7 @@ def queue_clock_us(time_reply: Any, offset: Any) -> int:
         (int(text) if text.isdigit() and len(text) < 16 else 0)
 
 
-SHARED_KEYS = ("policy", "pending_high", "pending_normal", "pending_low", "jobs", "meta",
+SHARED_KEYS = ("policy", "pending_high", "pending_normal", "pending_low", "jobs", "retry",
                "clock", "marker", "stats", "inflight", "owner", "batches", "seq", "consumers",
                "dead", "dead_reason", "wait_samples", "e2e_samples", "model_samples",
                "deadlines", "delayed", "arrivals", "cost_model", *BUCKET_MARKERS,
@@ -189,8 +190,8 @@ class QueueKeys:
         return self._k("jobs")
 
     @property
-    def meta(self) -> str:
-        return self._k("meta")
+    def retry(self) -> str:
+        return self._k("retry")
 
     @property
     def owner(self) -> str:

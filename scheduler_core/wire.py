@@ -60,6 +60,7 @@ class Outcome(str, Enum):
     FAILED = "err"
     EXPIRED = "expired"  # its deadline passed before a consumer ran it
     DEAD_LETTER = "dead"  # kept in the dead-letter set
+    RETRY = "retry"  # the model raised a retry_on exception: it runs again after a backoff
 
 
 # pop_batch.lua's item states: 'exhausted' (max_attempts deliveries used) is dead-lettered.

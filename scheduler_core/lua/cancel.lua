@@ -7,6 +7,7 @@ KEYS[2]  {bg:q}:pending:0     zset  HIGH
 KEYS[3]  {bg:q}:pending:1     zset  NORMAL
 KEYS[4]  {bg:q}:pending:2     zset  LOW
 KEYS[5]  {bg:q}:jobs          hash  id -> "<meta>|<envelope>"
+KEYS[6]  {bg:q}:retry         zset  waiting for a retry (its backoff)
 KEYS[9]  {bg:q}:stats         hash  counters
 KEYS[11] {bg:q}:owner         hash  id -> batch id while in flight
 KEYS[20] {bg:q}:deadlines     zset  pending id -> deadline (µs)
@@ -34,6 +35,7 @@ local pending_high = KEYS[2]
 local pending_normal = KEYS[3]
 local pending_low = KEYS[4]
 local jobs = KEYS[5]
+local retry = KEYS[6]
 local stats = KEYS[9]
 local owner = KEYS[11]
 local deadlines = KEYS[20]
@@ -50,7 +52,7 @@ local ttl = int_arg(redis.call('HGET', policy, 'result_ttl_s'), 1, 315360000)
 
 local id, envelope, counter = ARGV[1], ARGV[3], ARGV[4]
 if redis.call('HEXISTS', owner, id) == 1 then return 2 end
-for _, pending in ipairs({pending_high, pending_normal, pending_low, delayed}) do
+for _, pending in ipairs({pending_high, pending_normal, pending_low, delayed, retry}) do
   if redis.call('ZREM', pending, id) == 1 then
     redis.call('ZREM', deadlines, id)
     local m = parse_job(redis.call('HGET', jobs, id))

@@ -3,6 +3,7 @@
 KEYS[1..33] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
             this script uses:
 KEYS[5]  {bg:q}:jobs          hash   id -> "<meta>|<envelope>"
+KEYS[6]  {bg:q}:retry         zset   id -> when it may run again (µs), for 'retry'
 KEYS[7]  {bg:q}:clock         string last arrival score issued (the queue's clock: queue_now)
 KEYS[9]  {bg:q}:stats         hash   counters; the queue's clock
 KEYS[10] {bg:q}:inflight      zset   batch id -> lease deadline
@@ -19,8 +20,9 @@ KEYS[35+2i] {bg:q}:inbox:<producer_i>    its producer's inbox (any key if it has
 ARGV[1]  batch id (the fencing token returned by pop_batch)
 ARGV[2]  result TTL, seconds
 ARGV[3]  n, number of results (1..the largest max_batch_size of the policy LIMITS)
-ARGV[4+3i..6+3i] for result i: id, outcome ('ok' | 'err' | 'dead' | 'expired'), result
-         envelope; 'expired' (deadline passed, not run) counts as expired, not failed
+ARGV[4+3i..6+3i] for result i: id, outcome ('ok' | 'err' | 'dead' | 'expired' | 'retry'),
+         result envelope; 'expired' (deadline passed, not run) counts as expired, not
+         failed; for 'retry' the backoff in ms (0..86400000) instead of an envelope
 ARGV[4+3n] optional: the batch's model run as "size:model_us", pushed to KEYS[19]
 
 Returns  {accepted, refused, remaining}: results written; results refused because the
@@ -31,7 +33,10 @@ Errors   {-1}  stale batch: its lease expired and it was re-queued (or it never 
          {-3, field} malformed argument
 
 'dead' keeps the request in jobs, its attempts counting this delivery, and lists it in
-the dead-letter set. The result goes to the producer's inbox (if it has one); it is stored
+the dead-letter set. 'retry' answers nothing: it keeps the request in jobs, its attempts
+counting this delivery, and lists it in the retry set until now + backoff, or until its
+deadline if that is earlier (pop_batch moves it back to its level then); counted as
+`retried`. The result goes to the producer's inbox (if it has one); it is stored
 by id as well (result:<id>, Producer.fetch) only for a request enqueued with keep = 1.
 Work is bounded by n plus the batch's size.
 ]]
@@ -40,6 +45,7 @@ Work is bounded by n plus the batch's size.
 -- @include _queue.lua
 
 local jobs = KEYS[5]
+local retry = KEYS[6]
 local clock = KEYS[7]
 local stats = KEYS[9]
 local inflight = KEYS[10]
@@ -62,14 +68,17 @@ local model_sample = ARGV[4 + 3 * n]
 if model_sample and not string.match(model_sample, '^%d+:%d+$') then
   return {-3, 'model_sample'}
 end
-local outcomes = {ok = true, err = true, dead = true, expired = true}
+local outcomes = {ok = true, err = true, dead = true, expired = true, retry = true}
 for i = 0, n - 1 do
   if not outcomes[ARGV[5 + 3 * i]] then return {-3, 'outcome'} end
+  if ARGV[5 + 3 * i] == 'retry' and not int_arg(ARGV[6 + 3 * i], 0, 86400000) then
+    return {-3, 'backoff_ms'}
+  end
 end
 if not redis.call('ZSCORE', inflight, batch_id) then return {-1} end
 
 local now = queue_now(clock, stats)
-local accepted, refused, failed, expired = 0, 0, 0, 0
+local accepted, refused, failed, expired, retried = 0, 0, 0, 0, 0
 local ids = {}
 for i = 0, n - 1 do ids[i + 1] = ARGV[4 + 3 * i] end
 -- One variadic call per key rather than one per request: the script's cost is mostly
@@ -82,6 +91,20 @@ for i = 0, n - 1 do
   local id, outcome, envelope = ids[i + 1], ARGV[5 + 3 * i], ARGV[6 + 3 * i]
   if owners[i + 1] ~= batch_id or seen[id] then  -- a repeated id is delivered once
     refused = refused + 1
+  elseif outcome == 'retry' then  -- nothing delivered: it runs again
+    seen[id] = true
+    local m = parse_job(raw[i + 1])
+    local due = now + tonumber(envelope) * 1000
+    if m then
+      if m.deadline > 0 then due = math.min(due, m.deadline) end
+      m.attempts = m.attempts + 1
+      counted[#counted + 1] = id
+      counted[#counted + 1] = format_job(m)
+    end
+    redis.call('ZADD', retry, int(due), id)
+    done[#done + 1] = id
+    retried = retried + 1
+    accepted = accepted + 1
   else
     seen[id] = true
     local arrival, keep, producer = job_route(raw[i + 1])
@@ -134,7 +157,8 @@ if select(2, split_members(listed, true)) > accepted then
 end
 if remaining == 0 then release_batch(inflight, batches, batch_id) end
 if accepted > 0 then
-  redis.call('HINCRBY', stats, 'processed', accepted - failed - expired)
+  redis.call('HINCRBY', stats, 'processed', accepted - failed - expired - retried)
+  if retried > 0 then redis.call('HINCRBY', stats, 'retried', retried) end
   redis.call('HINCRBY', stats, 'failed', failed)
   if expired > 0 then redis.call('HINCRBY', stats, 'expired', expired) end
   -- Recent service rate (enqueue's retry-after hint): completions counted over windows of

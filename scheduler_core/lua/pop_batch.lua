@@ -23,6 +23,10 @@ This is where the scheduling rules live (docs/scheduling.md explains them):
 Deadlines: while any waiting request is past its deadline the reply is {-4}: the caller
             takes them out with expire_due.lua and pops again, so an expired request never
             fills or joins a batch. A wait ends no later than the earliest deadline.
+Retries:   requests whose model raised a retry_on exception wait in the retry set
+            (complete.lua) until their backoff, or their deadline, passes; each pop first
+            moves up to max_batch_size due ones back to their level, under their arrival
+            score, and a wait ends no later than the next one falls due.
 Delayed:   requests past their deadline under on_timeout = delay (expire_due.lua moved
             them) run only when no level has a request waiting: up to max_batch_size of
             them, oldest first (with costs, by pick_costed's rule), as level 3.
@@ -35,6 +39,7 @@ KEYS[3]  {bg:q}:pending:1   zset  NORMAL
 KEYS[4]  {bg:q}:pending:2   zset  LOW
 KEYS[5]  {bg:q}:jobs        hash  id -> "<meta>|<envelope>" (read only: the delivery in
                                   progress is the stored attempts + 1)
+KEYS[6]  {bg:q}:retry       zset  id -> when it may run again (µs): due ones leave it
 KEYS[7]  {bg:q}:clock       string last arrival score issued (the queue's clock: queue_now)
 KEYS[8]  {bg:q}:marker      zset  wake-up marker
 KEYS[9]  {bg:q}:stats       hash  counters; the queue's clock (clock_offset_us, clock_seen_us)
@@ -106,6 +111,7 @@ local pending_high = KEYS[2]
 local pending_normal = KEYS[3]
 local pending_low = KEYS[4]
 local jobs = KEYS[5]
+local retry = KEYS[6]
 local clock = KEYS[7]
 local marker = KEYS[8]
 local stats = KEYS[9]
@@ -553,6 +559,12 @@ if rules.only == 1 and #rules.bounds == 0 then rules.only = 0 end  -- bucket 1 i
 if delay_ms then rules.delay = delay_ms * 1000 end
 local now = queue_now(clock, stats)
 redis.call('ZADD', consumers, int(now), consumer)
+local retried, next_retry = promote_retries(retry, pending, jobs, deadlines, bucket_sets,
+                                            rules.bounds, now, rules.batch_size)
+if retried > 0 then  -- another consumer (or bucket) may be the one to run them
+  wake_consumers(marker)
+  wake_buckets(bucket_markers, bucket_count(rules.bounds))
+end
 local expired, first_deadline = past_deadline(now)
 if expired then return {-4} end
 if rules.strategy == 'priority' and rules.aging > 0 then promote_aged(rules, now) end
@@ -561,7 +573,7 @@ local count = {redis.call('ZCARD', pending_high), redis.call('ZCARD', pending_no
                redis.call('ZCARD', pending_low), redis.call('ZCARD', delayed)}
 local waiting = count[1] + count[2] + count[3]
 local total = waiting + count[4]
-if total == 0 then return {0, -1} end
+if total == 0 then return {0, next_retry and next_retry - now or -1} end
 local chosen, wait
 if rules.only > 0 then
   -- Dedicated: the rules see its bucket's requests only; the queue's totals still say
@@ -582,6 +594,9 @@ end
 if not chosen then
   if first_deadline and (wait[2] < 0 or first_deadline - now < wait[2]) then
     wait[2] = first_deadline - now
+  end
+  if next_retry and (wait[2] < 0 or next_retry - now < wait[2]) then
+    wait[2] = next_retry - now
   end
   return wait
 end

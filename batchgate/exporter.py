@@ -78,6 +78,10 @@ POLICY_GAUGES = {
     "timeout_low_ms": ("batchgate_queue_policy_timeout_low_seconds", 1000),
     "allow_timeout_override": ("batchgate_queue_policy_allow_timeout_override", 1),
     "shards": ("batchgate_queue_policy_shards", 1),
+    "retry_max": ("batchgate_queue_policy_retry_max", 1),
+    "retry_backoff_ms": ("batchgate_queue_policy_retry_backoff_seconds", 1000),
+    "retry_backoff_max_ms": ("batchgate_queue_policy_retry_backoff_max_seconds", 1000),
+    "retry_jitter": ("batchgate_queue_policy_retry_jitter", 1),
 }
 assert set(POLICY_GAUGES) == set(LIMITS), "every policy knob is exported"
 

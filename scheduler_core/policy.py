@@ -67,8 +67,8 @@ LIMITS: dict[str, tuple[int, int]] = {
     # Physical queues one logical queue is spread over (docs/scaling.md, "Sharded queues").
     "shards": (1, 64),
     # Retries of the exceptions named by retry_on (docs/failure-modes.md, "Retries"): the
-    # most runs of a request (1 = no retry; each run is a delivery, so at most
-    # max_attempts), and the backoff before run n+1: retry_backoff_ms x 2^(n-1), capped
+    # most runs of a request (1 = no retry; each run counts as a delivery, so that
+    # pop_batch dead-letters after max(max_attempts, retry_max) of them), and the backoff before run n+1: retry_backoff_ms x 2^(n-1), capped
     # at retry_backoff_max_ms; retry_jitter 1 draws it uniformly from [half, all] of that.
     "retry_max": (1, 100),
     "retry_backoff_ms": (0, 3_600_000),
@@ -188,10 +188,6 @@ class Policy:
                 raise InvalidPolicy(name, f"{getattr(self, name)!r}: use {' or '.join(allowed)}")
         object.__setattr__(self, "cost_buckets", format_buckets(self.cost_buckets))
         object.__setattr__(self, "retry_on", format_retry_on(self.retry_on))
-        if self.retry_max > self.max_attempts:
-            raise InvalidPolicy("retry_max", f"{self.retry_max} is over max_attempts "
-                                             f"({self.max_attempts}): each run is a "
-                                             "delivery; raise max_attempts too")
         if self.delay_mode == AUTO and self.slo_p99_ms < 1:
             high = LIMITS["slo_p99_ms"][1]
             raise InvalidPolicy("slo_p99_ms", "max_queue_delay_ms=auto needs a P99 target: "

@@ -152,7 +152,7 @@ end
 local function read_policy()
   local p = redis.call('HMGET', policy, 'strategy', 'max_batch_size', 'max_queue_delay_ms',
                        'aging_ms', 'max_attempts', 'max_batch_cost', 'cost_mode',
-                       'cost_buckets')
+                       'cost_buckets', 'retry_max')
   if not p[1] then return nil, {-1} end
   local rules = {strategy = p[1], batch_size = policy_int('max_batch_size', p[2]),
                  delay = policy_int('max_queue_delay_ms', p[3]),
@@ -163,6 +163,8 @@ local function read_policy()
     return nil, {-3, 'policy'}  -- altered by hand: nothing written
   end
   rules.delay, rules.aging = rules.delay * 1000, rules.aging * 1000
+  -- A retried run counts as a delivery: retry_max runs must fit (absent: 1, no retries).
+  rules.max_attempts = math.max(rules.max_attempts, policy_int('retry_max', p[9]) or 1)
   return rules
 end
 

@@ -128,7 +128,8 @@ POLICY_KNOBS: list[tuple[str, dict[str, Any], str]] = [
      "again, up to --retry-max runs; '' = none [default: '']."),
     ("--retry-max", {"type": int},
      f"Most runs of a request whose model raises a --retry-on exception, "
-     f"{_range('retry_max')}, at most --max-attempts; 1 = no retry [default: 1]."),
+     f"{_range('retry_max')}; 1 = no retry. Each run counts as a delivery: a request is "
+     "dead-lettered after the larger of --max-attempts and this [default: 1]."),
     ("--retry-backoff-ms", {"type": int},
      f"Wait before the 2nd run, ms, {_range('retry_backoff_ms')}; doubled for each further "
      "run [default: 1000]."),

@@ -67,9 +67,10 @@ LIMITS: dict[str, tuple[int, int]] = {
     # Physical queues one logical queue is spread over (docs/scaling.md, "Sharded queues").
     "shards": (1, 64),
     # Retries of the exceptions named by retry_on (docs/failure-modes.md, "Retries"): the
-    # most runs of a request (1 = no retry; each run counts as a delivery, so that
-    # pop_batch dead-letters after max(max_attempts, retry_max) of them), and the backoff before run n+1: retry_backoff_ms x 2^(n-1), capped
-    # at retry_backoff_max_ms; retry_jitter 1 draws it uniformly from [half, all] of that.
+    # most runs of a request (1 = no retry; each run counts as a delivery, so pop_batch
+    # dead-letters after max(max_attempts, retry_max) of them), and the backoff before
+    # run n+1: retry_backoff_ms x 2^(n-1), capped at retry_backoff_max_ms; retry_jitter 1
+    # draws it uniformly from [half, all] of that.
     "retry_max": (1, 100),
     "retry_backoff_ms": (0, 3_600_000),
     "retry_backoff_max_ms": (0, 86_400_000),

@@ -381,9 +381,17 @@ class Worker:
                 early[item.id] = _expired(item)
             else:
                 early[item.id] = (Outcome.DEAD_LETTER, encode_error(
-                    item.id, "DeadLettered", f"gave up after {item.attempts - 1} deliveries "
-                    "(max_attempts): the consumer running it crashed or hung each time"))
+                    item.id, "DeadLettered",
+                    f"gave up after {item.attempts - 1} deliveries {self._why_exhausted}"))
         return early, runnable
+
+    @property
+    def _why_exhausted(self) -> str:
+        """Why a request's deliveries ran out: under a retry policy, retries count too."""
+        if self.policy is not None and self.policy.retry_on and self.policy.retry_max > 1:
+            return ("(max_attempts, or retry_max if larger): each ended without a result: "
+                    "its consumer crashed or hung, or its model raised a retry_on exception")
+        return "(max_attempts): the consumer running it crashed or hung each time"
 
     def _process(self, batch: Batch) -> Next:
         """Run one batch and hand its answers over; returns what the loop does next."""

@@ -315,3 +315,39 @@ def test_sigkill_between_attempts_loses_nothing(redis_server, queue, start_consu
     assert executions(tmp_path)["7"] == 2
     s = queue_stats(client, queue)
     assert (s.processed, s.failed, s.retried, s.retrying) == (1, 0, 1, 0)
+
+
+def test_retry_max_lowered_below_the_runs_made_dead_letters_at_the_next_pop(
+        shared_redis, queue, inprocess_consumer):
+    """3 runs made (max_attempts 3, retry_max 5), then retry_max set to 2 while it waits:
+    its deliveries are used up; it is dead-lettered without a 4th run, and the message
+    says retries count."""
+    model = Scripted(forever=TimeoutError("slow"))
+    consumer_for(inprocess_consumer, shared_redis, queue, model, retry_on="TimeoutError",
+                 retry_max=5, retry_backoff_ms=300, retry_backoff_max_ms=1_500)
+    client = shared_redis.client()
+    with Producer(shared_redis.url, queue) as p:
+        handle = p.submit({"i": 0, "forever": True})
+        wait_for(lambda: len(model.runs[0]) == 3 and client.zcard(QueueKeys(queue).retry),
+                 what="three runs, the fourth waiting")
+        done = CliRunner().invoke(cli, ["policy", "set", "--redis-url", shared_redis.url,
+                                        "--queue", queue, "--retry-max", "2"])
+        assert done.exit_code == 0, done.output
+        with pytest.raises(RequestFailed, match="retry_on exception") as info:
+            handle.result(timeout=15)
+    assert info.value.error_type == "DeadLettered"
+    assert len(model.runs[0]) == 3
+
+
+def test_zero_backoff_forever_ends_after_retry_max_runs(shared_redis, queue,
+                                                       inprocess_consumer):
+    model = Scripted(forever=RuntimeError("always"))
+    consumer_for(inprocess_consumer, shared_redis, queue, model, retry_on="*",
+                 retry_max=100, retry_backoff_ms=0)
+    with Producer(shared_redis.url, queue) as p:
+        with pytest.raises(RequestFailed, match=r"always \(run 100\)"):
+            p.submit({"i": 0, "forever": True}).result(timeout=60)
+        assert p.submit({"i": 1}).result(timeout=15) == {"i": 1, "run": 1}
+    assert len(model.runs[0]) == 100
+    s = queue_stats(shared_redis.client(), queue)
+    assert (s.retried, s.dead_letters, s.retrying) == (99, 1, 0)

@@ -95,7 +95,8 @@ A request delivered before (its batch was re-queued after a crash or hang) is re
 in a batch of its own, so that a poison payload fails alone. A member whose id no producer
 makes (written by hand) is dead-lettered here, never delivered; if that leaves nothing,
 the reply is {0, 0} (pop again at once).
-Work is bounded: at most 2 x max_batch_size promotions and max_batch_size pops per call;
+Work is bounded: at most 2 x max_batch_size promotions, max_batch_size retries moved
+back and max_batch_size pops per call;
 with costs, at most (buckets x max_batch_size) requests read per level (at most 5 x 4096);
 a dedicated consumer reads as many of its bucket's set, and their levels (ZMSCORE).
 The body runs as named steps: read_policy, past_deadline, promote_aged, read_views (a

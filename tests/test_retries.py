@@ -65,6 +65,17 @@ def consumer_for(inprocess_consumer, server, queue, model, **policy):
     return inprocess_consumer(model, redis_url=server.url, queue=queue, **settings)
 
 
+def retry_listed(client, queue):
+    """Wait until one request waits out its backoff in the retry set."""
+    wait_for(lambda: client.zcard(QueueKeys(queue).retry) == 1, what="a retry listed")
+
+
+def policy_set(server, queue, *flags):
+    done = CliRunner().invoke(cli, ["policy", "set", "--redis-url", server.url, "--queue",
+                                    queue, *flags])
+    assert done.exit_code == 0, done.output
+
+
 def metric(registry, outcome):
     return registry.get_sample_value("batchgate_consumer_requests_total",
                                      {"queue": registry.queue, "outcome": outcome}) or 0
@@ -206,7 +217,7 @@ def test_the_sweep_expires_a_retry_at_its_deadline_without_its_producer(
     client = shared_redis.client()
     with Producer(shared_redis.url, queue) as p:
         handle = p.submit({"i": 0}, deadline_ms=1_500, store_result=True)
-        wait_for(lambda: client.zcard(QueueKeys(queue).retry) == 1, what="retry listed")
+        retry_listed(client, queue)
     result = wait_for(lambda: Producer(shared_redis.url, queue).fetch(handle.id),
                       timeout=1.5 + IDLE_BLOCK_S + SLACK_S, what="the deadline's answer")
     assert result.error_type == "DeadlineExceeded"
@@ -220,7 +231,7 @@ def test_cancel_during_the_backoff(shared_redis, queue, inprocess_consumer):
     client = shared_redis.client()
     with Producer(shared_redis.url, queue) as p:
         handle = p.submit({"i": 0})
-        wait_for(lambda: client.zcard(QueueKeys(queue).retry) == 1, what="retry listed")
+        retry_listed(client, queue)
         assert handle.cancel() == "cancelled"
         with pytest.raises(RequestCancelled):
             handle.result(timeout=5)
@@ -240,10 +251,8 @@ def test_a_policy_change_during_the_backoff_applies_to_the_next_run(
     client = shared_redis.client()
     with Producer(shared_redis.url, queue) as p:
         handle = p.submit({"i": 0})
-        wait_for(lambda: client.zcard(QueueKeys(queue).retry) == 1, what="retry listed")
-        result = CliRunner().invoke(cli, ["policy", "set", "--redis-url", shared_redis.url,
-                                          "--queue", queue, "--retry-on", ""])
-        assert result.exit_code == 0, result.output
+        retry_listed(client, queue)
+        policy_set(shared_redis, queue, "--retry-on", "")
         with pytest.raises(RequestFailed, match="second") as info:
             handle.result(timeout=15)
     assert info.value.error_type == "TimeoutError"
@@ -305,7 +314,7 @@ def test_sigkill_between_attempts_loses_nothing(redis_server, queue, start_consu
     client = redis_server.client()
     with CountingProducer(redis_server.url, queue) as p:
         handle = p.submit({"i": 7, "fail": 1})
-        wait_for(lambda: client.zcard(QueueKeys(queue).retry) == 1, what="retry listed")
+        retry_listed(client, queue)
         first.proc.send_signal(signal.SIGKILL)
         first.proc.wait(timeout=10)
         assert executions(tmp_path)["7"] == 1
@@ -330,9 +339,7 @@ def test_retry_max_lowered_below_the_runs_made_dead_letters_at_the_next_pop(
         handle = p.submit({"i": 0, "forever": True})
         wait_for(lambda: len(model.runs[0]) == 3 and client.zcard(QueueKeys(queue).retry),
                  what="three runs, the fourth waiting")
-        done = CliRunner().invoke(cli, ["policy", "set", "--redis-url", shared_redis.url,
-                                        "--queue", queue, "--retry-max", "2"])
-        assert done.exit_code == 0, done.output
+        policy_set(shared_redis, queue, "--retry-max", "2")
         with pytest.raises(RequestFailed, match="retry_on exception") as info:
             handle.result(timeout=15)
     assert info.value.error_type == "DeadLettered"

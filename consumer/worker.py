@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from dataclasses import fields, replace
 from typing import Any
 
+import orjson
 import redis
 
 from consumer.auto_delay import DelayKeeper
@@ -587,12 +588,33 @@ class Worker:
             return self._encode(item.id, ok, value)
         error_type, message = value[0], value[1]
         self._failed(item.id, error_type, message, attempt=item.attempts)
+        run = {"attempt": item.attempts, "type": error_type, "message": message[:1000]}
         if item.attempts < policy.retry_max:
             backoff_ms = policy.retry_backoff(item.attempts, random.random())
             log.info("request %s: run %d of %d raised %s; again in %d ms", item.id,
                      item.attempts, policy.retry_max, error_type, backoff_ms)
-            return RETRY, str(backoff_ms).encode()
-        return Outcome.DEAD_LETTER, encode_error(item.id, error_type, message)
+            return RETRY, f"{backoff_ms}|".encode() + orjson.dumps(run)
+        return Outcome.DEAD_LETTER, encode_error(item.id, error_type, message,
+                                                 self._runs_before(item) + [run])
+
+    def _runs_before(self, item: Item) -> list[Any]:
+        """The failed runs complete.lua kept of a request whose retries ran out (its dead
+        letter lists them); [] if Redis cannot say now: the last error is kept anyway.
+        Only this round's: a dead letter retried starts its attempts at 1 again."""
+        try:
+            listed = [orjson.loads(raw) for raw in
+                      self.redis.lrange(self.keys.attempts(item.id), 0, -1)]
+        except (redis.RedisError, orjson.JSONDecodeError) as exc:
+            log.warning("request %s: its earlier runs' errors are not in its dead letter: %s",
+                        item.id, exc)
+            return []
+        runs: list[Any] = []
+        for run in reversed(listed):  # newest first, while the attempts go down
+            if run.get("attempt", 0) >= (runs[-1] if runs else {"attempt": item.attempts}
+                                         )["attempt"]:
+                break
+            runs.append(run)
+        return runs[::-1]
 
     def _encode(self, request_id: str, ok: bool, value: Any) -> tuple[Outcome, bytes]:
         if not ok:
@@ -663,7 +685,8 @@ class Worker:
             args += [rid, outcomes[rid][0], outcomes[rid][1]]
         if model_sample is not None:
             args.append(model_sample)
-        keys = complete_keys(self.keys, [(rid, producers[rid]) for rid in ids])
+        keys = complete_keys(self.keys, [(rid, producers[rid]) for rid in ids],
+                             {rid for rid in ids if outcomes[rid][0] is RETRY})
         return self.scripts.complete, keys, args
 
     def _check_completion(self, batch: Batch, reply: list[Any]) -> None:

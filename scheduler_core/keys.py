@@ -50,6 +50,9 @@ then the script's per-call keys (result:<id>, inbox:<producer>, idem:<key>).
 | `{bg:q}:consumer:<name>`    | hash   | a consumer's host, pid, device, batches, current batch;   |
 |                             |        | written with each heartbeat, expires 30 s after the last  |
 | `{bg:q}:failures`           | list   | newest 100 failed requests (orjson), by the lease thread  |
+| `{bg:q}:attempts:<id>`      | list   | a retried request's failed runs (orjson: attempt, type,   |
+|                             |        | message), by complete.lua; read into its dead-letter      |
+|                             |        | entry when retries run out; expires (result_ttl_s + wait) |
 | `{bg:q}:result:<id>`        | string | result envelope, expires after result_ttl_s; written only |
 |                             |        | for a request submitted with store_result (or an          |
 |                             |        | idempotency key): the inbox gets every result             |
@@ -286,6 +289,10 @@ class QueueKeys:
 
     def result(self, request_id: str) -> str:
         return self._k(f"result:{request_id}")
+
+    def attempts(self, request_id: str) -> str:
+        """A retried request's failed runs (complete.lua's 'retry')."""
+        return self._k(f"attempts:{request_id}")
 
     def stream(self, request_id: str) -> str:
         return self._k(f"stream:{request_id}")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import re
+from collections.abc import Collection
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
@@ -432,11 +433,16 @@ def shared_keys(keys: QueueKeys) -> list[str]:
 pop_keys = requeue_keys = extend_lease_keys = configure_keys = shared_keys
 
 
-def complete_keys(keys: QueueKeys, items: list[tuple[str, str]]) -> list[str]:
-    """`items` are (request id, producer) pairs, in the order their results are passed."""
+def complete_keys(keys: QueueKeys, items: list[tuple[str, str]],
+                  retried: Collection[str] = ()) -> list[str]:
+    """`items` are (request id, producer) pairs, in the order their results are passed;
+    a request in `retried` (outcome 'retry') has its failed runs' list in place of its
+    result key."""
     script_keys = list(keys.shared)
     for request_id, producer in items:
-        script_keys += [keys.result(request_id), keys.inbox(producer)]
+        first = keys.attempts(request_id) if request_id in retried else \
+            keys.result(request_id)
+        script_keys += [first, keys.inbox(producer)]
     return script_keys
 
 

@@ -137,6 +137,11 @@ def test_exhausted_retries_fail_with_the_last_error_and_dead_letter_each_attempt
     total, dead = list_dead(shared_redis.client(), queue)
     assert total == 1
     assert (dead[0].id, dead[0].error_type, dead[0].attempts) == (handle.id, "TimeoutError", 3)
+    assert dead[0].runs == [{"attempt": n, "type": "TimeoutError",
+                             "message": f"upstream timed out (run {n})"} for n in (1, 2, 3)]
+    listed = CliRunner().invoke(cli, ["dead-letter", "list", "--redis-url", shared_redis.url,
+                                      "--queue", queue])
+    assert "    run 2: TimeoutError: upstream timed out (run 2)" in listed.output
     # Each run's error, in the consumer's failure list (written by its lease thread).
     failures_key = QueueKeys(queue).failures
 
@@ -358,3 +363,23 @@ def test_zero_backoff_forever_ends_after_retry_max_runs(shared_redis, queue,
     assert len(model.runs[0]) == 100
     s = queue_stats(shared_redis.client(), queue)
     assert (s.retried, s.dead_letters, s.retrying) == (99, 1, 0)
+
+
+def test_a_dead_letter_retried_lists_only_its_new_runs(shared_redis, queue,
+                                                      inprocess_consumer):
+    model = Scripted(forever=TimeoutError("down"))
+    consumer_for(inprocess_consumer, shared_redis, queue, model, retry_on="*", retry_max=3)
+    client = shared_redis.client()
+    with Producer(shared_redis.url, queue) as p:
+        with pytest.raises(RequestFailed, match=r"\(run 3\)"):
+            p.submit({"i": 0, "forever": True}, store_result=True).result(timeout=15)
+        (request_id,) = [e.id for e in list_dead(client, queue)[1]]
+        done = CliRunner().invoke(cli, ["dead-letter", "retry", "--redis-url",
+                                        shared_redis.url, "--queue", queue, request_id])
+        assert done.exit_code == 0, done.output
+        wait_for(lambda: len(model.runs[0]) == 6 and list_dead(client, queue)[0] == 1,
+                 what="dead-lettered again")
+    (dead,) = list_dead(client, queue)[1]
+    assert dead.id == request_id
+    assert [(r["attempt"], r["message"]) for r in dead.runs] == [
+        (n, f"down (run {n + 3})") for n in (1, 2, 3)]

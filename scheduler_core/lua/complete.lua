@@ -14,7 +14,8 @@ KEYS[16] {bg:q}:dead:reason   hash   dead-lettered id -> error envelope
 KEYS[18] {bg:q}:samples:e2e   list   recent enqueue-to-result times (µs)
 KEYS[19] {bg:q}:samples:model list   recent batches as "size:model_us"
 KEYS[34+2i] {bg:q}:result:<id_i>         result of request i (i = 0..n-1), written only if
-                                         its request asked for it (keep)
+                                         its request asked for it (keep); for a 'retry'
+                                         {bg:q}:attempts:<id_i>, its failed runs (list)
 KEYS[35+2i] {bg:q}:inbox:<producer_i>    its producer's inbox (any key if it has none)
 
 ARGV[1]  batch id (the fencing token returned by pop_batch)
@@ -22,7 +23,8 @@ ARGV[2]  result TTL, seconds
 ARGV[3]  n, number of results (1..the largest max_batch_size of the policy LIMITS)
 ARGV[4+3i..6+3i] for result i: id, outcome ('ok' | 'err' | 'dead' | 'expired' | 'retry'),
          result envelope; 'expired' (deadline passed, not run) counts as expired, not
-         failed; for 'retry' the backoff in ms (0..86400000) instead of an envelope
+         failed; for 'retry' "<backoff ms (0..86400000)>|<this run's error>" instead of
+         an envelope: the error is pushed onto KEYS[34+2i]
 ARGV[4+3n] optional: the batch's model run as "size:model_us", pushed to KEYS[19]
 
 Returns  {accepted, refused, remaining}: results written; results refused because the
@@ -71,7 +73,8 @@ end
 local outcomes = {ok = true, err = true, dead = true, expired = true, retry = true}
 for i = 0, n - 1 do
   if not outcomes[ARGV[5 + 3 * i]] then return {-3, 'outcome'} end
-  if ARGV[5 + 3 * i] == 'retry' and not int_arg(ARGV[6 + 3 * i], 0, 86400000) then
+  if ARGV[5 + 3 * i] == 'retry'
+     and not int_arg(string.match(ARGV[6 + 3 * i], '^(%d+)|'), 0, 86400000) then
     return {-3, 'backoff_ms'}
   end
 end
@@ -94,7 +97,11 @@ for i = 0, n - 1 do
   elseif outcome == 'retry' then  -- nothing delivered: it runs again
     seen[id] = true
     local m = parse_job(raw[i + 1])
-    local due = now + tonumber(envelope) * 1000
+    local backoff_ms, error = string.match(envelope, '^(%d+)|(.*)$')
+    local due = now + tonumber(backoff_ms) * 1000
+    -- Kept while it may still be read: until the result would expire after the wait.
+    redis.call('RPUSH', KEYS[34 + 2 * i], error)
+    redis.call('EXPIRE', KEYS[34 + 2 * i], ttl + math.ceil(tonumber(backoff_ms) / 1000))
     if m then
       if m.deadline > 0 then due = math.min(due, m.deadline) end
       m.attempts = m.attempts + 1

@@ -31,6 +31,8 @@ from scheduler_core.ops.stats import queue_stats
 from scheduler_core.policy import Policy
 
 IDLE_BLOCK_S = 1.0  # consumer/worker.py: an idle consumer pops at least this often
+# A consumer reads the stored policy every min(lease_ms / 3, 1 s) (consumer/lease.py).
+POLICY_FOLLOW_S = 1.0
 SLACK_S = 5.0  # a loaded test machine's scheduling, on top of the configured delays
 
 
@@ -248,11 +250,12 @@ def test_cancel_during_the_backoff(shared_redis, queue, inprocess_consumer):
 
 def test_a_policy_change_during_the_backoff_applies_to_the_next_run(
         shared_redis, queue, inprocess_consumer):
-    """retry_on cleared while the request waits: its next failure is final, at once."""
+    """retry_on cleared while the request waits (a wait longer than the consumer takes
+    to follow a policy change): its next failure is final, at once."""
     model = Scripted({0: [TimeoutError("first"), TimeoutError("second"),
                           TimeoutError("third")]})
     consumer_for(inprocess_consumer, shared_redis, queue, model, retry_on="TimeoutError",
-                 retry_max=4, retry_backoff_ms=1_000)
+                 retry_max=4, retry_backoff_ms=int(3 * POLICY_FOLLOW_S * 1000))
     client = shared_redis.client()
     with Producer(shared_redis.url, queue) as p:
         handle = p.submit({"i": 0})
@@ -338,7 +341,7 @@ def test_retry_max_lowered_below_the_runs_made_dead_letters_at_the_next_pop(
     says retries count."""
     model = Scripted(forever=TimeoutError("slow"))
     consumer_for(inprocess_consumer, shared_redis, queue, model, retry_on="TimeoutError",
-                 retry_max=5, retry_backoff_ms=300, retry_backoff_max_ms=1_500)
+                 retry_max=5, retry_backoff_ms=300, retry_backoff_max_ms=3_000)
     client = shared_redis.client()
     with Producer(shared_redis.url, queue) as p:
         handle = p.submit({"i": 0, "forever": True})

@@ -110,6 +110,9 @@ end
 -- moved and when the next one falls due (µs; nil if none waits).
 local function promote_retries(retry, pending, jobs, deadlines, bucket_sets, bounds, now,
                                limit)
+  -- One call in the usual case (none waits, or none is due): every pop runs this.
+  local first = redis.call('ZRANGE', retry, 0, 0, 'WITHSCORES')
+  if not first[2] or tonumber(first[2]) > now then return 0, first[2] and tonumber(first[2]) end
   local due = redis.call('ZRANGEBYSCORE', retry, '-inf', int(now), 'LIMIT', 0, limit)
   for _, id in ipairs(due) do
     local m = parse_job(redis.call('HGET', jobs, id))

@@ -44,6 +44,9 @@ def list_command(redis_url: str, queue: str, limit: int, offset: int, as_json: b
     click.echo(f"{total} dead-lettered request(s) in queue {queue!r}")
     for e in entries:
         click.echo(f"{e.id}  deliveries={e.attempts}  {e.error_type}: {e.message}")
+        for run in e.runs or ():  # a request whose retries ran out: each failed run
+            click.echo(f"    run {run.get('attempt')}: {run.get('type')}: "
+                       f"{run.get('message')}")
 
 
 @dead_letter_group.command("retry")

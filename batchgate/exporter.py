@@ -59,6 +59,8 @@ OTHER_COUNTERS = {
     "dead_retried": ("batchgate_queue_dead_letters_retried",
                      "Dead letters sent back to the queue (dead-letter retry)."),
     "dead_purged": ("batchgate_queue_dead_letters_purged", "Dead letters purged."),
+    "retried": ("batchgate_queue_retried_requests",
+                "Runs that raised a retry_on exception, scheduled to run again."),
 }
 # Policy knob -> (gauge, unit divisor to seconds or 1)
 POLICY_GAUGES = {
@@ -76,6 +78,10 @@ POLICY_GAUGES = {
     "timeout_low_ms": ("batchgate_queue_policy_timeout_low_seconds", 1000),
     "allow_timeout_override": ("batchgate_queue_policy_allow_timeout_override", 1),
     "shards": ("batchgate_queue_policy_shards", 1),
+    "retry_max": ("batchgate_queue_policy_retry_max", 1),
+    "retry_backoff_ms": ("batchgate_queue_policy_retry_backoff_seconds", 1000),
+    "retry_backoff_max_ms": ("batchgate_queue_policy_retry_backoff_max_seconds", 1000),
+    "retry_jitter": ("batchgate_queue_policy_retry_jitter", 1),
 }
 assert set(POLICY_GAUGES) == set(LIMITS), "every policy knob is exported"
 

@@ -139,6 +139,8 @@ def stats_table(stats: dict[str, Any], now_s: float | None = None) -> list[str]:
                          f"{stats.get('arrival_window_s', 10):g} s)"),
         ("answered", answered),
         ("requeued", f"{stats['requeued']:,} (their batch's lease expired)"),
+        ("retried", f"{stats.get('retried', 0):,} runs (the model raised a retry_on "
+                    f"exception), {stats.get('retrying', 0):,} waiting to run again"),
         ("dead letters", f"{stats['dead_letters']:,}"),
         ("batches", f"{stats['batches']:,}" + (f", mean size {mean:.1f} requests"
                                                if mean is not None else "")),

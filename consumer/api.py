@@ -116,11 +116,14 @@ class Consumer:
         require_redis_version(client)
         policy = ensure_policy(client, config.queue, config.policy)
         sharded = policy.shards > 1 or shard_count(client, config.queue) > 1
-        if config.otel_exporter == "console":
-            from consumer.tracing import install_console_provider
+        if config.otel_exporter != "none":
+            from consumer.tracing import install_console_provider, install_otlp_provider
 
             try:
-                install_console_provider()
+                if config.otel_exporter == "otlp":
+                    install_otlp_provider(config.otel_endpoint)
+                else:
+                    install_console_provider()
             except ValueError as exc:
                 raise InvalidRequest("otel_exporter", str(exc)) from None
         self.model = self._load_model()

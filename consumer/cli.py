@@ -129,8 +129,15 @@ def install_signal_handlers(consumer: Consumer) -> None:
 @env_option("--otel-exporter", envvar="BATCHGATE_OTEL_EXPORTER", default="none",
             show_default=True, type=click.Choice(OTEL_EXPORTERS),
             help="OpenTelemetry spans of each batch (needs the otel extra): console = one "
-                 "JSON line per span on stdout; none = to the TracerProvider the model "
-                 "module installed, if any, else nowhere.")
+                 "JSON line per span on stdout; otlp = to a collector over OTLP/HTTP "
+                 "(--otel-endpoint); none = to the TracerProvider the model module "
+                 "installed, if any, else nowhere.")
+@env_option("--otel-endpoint", envvar="BATCHGATE_OTEL_ENDPOINT", default=None,
+            metavar="URL",
+            help="With --otel-exporter otlp: the collector's OTLP/HTTP URL, e.g. "
+                 "http://collector:4318 (/v1/traces is added to a URL without a path) "
+                 "[default: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT, "
+                 "else http://localhost:4318/v1/traces].")
 @policy_options(env=True)
 @supervisor_options
 def consumer_command(model_spec: str, model_arg: tuple[str, ...], torch_threads: int | None,

@@ -13,6 +13,7 @@ import socket
 import uuid
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
+from urllib.parse import urlsplit
 
 from scheduler_core.connection import DEFAULT_REDIS_URL
 from scheduler_core.errors import InvalidRequest
@@ -39,7 +40,8 @@ OFF_OR_RANGES: dict[str, tuple[int | float, int, str]] = {  # (low, high, unit)
 }
 FLOAT_RANGES: dict[str, tuple[int, int]] = {"stop_timeout": (0, 86_400)}
 OPTIONAL = ("torch_threads", "metrics_port")
-OTEL_EXPORTERS = ("none", "console")
+OTEL_EXPORTERS = ("none", "console", "otlp")
+MAX_URL = 2048
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,9 @@ class ConsumerConfig:
     device: str | None = None  # given to a model factory as device=; shown in stats
     torch_threads: int | None = None  # cap torch's CPU threads (None: leave them be)
     otel_exporter: str = "none"  # "console": install a span printer (consumer/tracing.py)
+    # --otel-exporter otlp: the collector's OTLP/HTTP URL (a bare http://host:port gets
+    # /v1/traces); None: OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT, else localhost:4318.
+    otel_endpoint: str | None = None
     metrics_port: int | None = None  # serve Prometheus metrics on this port
     stop_timeout: float = 30.0  # s that stop() and leaving `with` wait for the loop
 
@@ -122,6 +127,14 @@ class ConsumerConfig:
         if self.otel_exporter not in OTEL_EXPORTERS:
             raise InvalidRequest("otel_exporter", f"{self.otel_exporter!r}: use "
                                                   f"{' or '.join(OTEL_EXPORTERS)}")
+        if self.otel_endpoint is not None:
+            if self.otel_exporter != "otlp":
+                raise InvalidRequest("otel_endpoint", "is for otel_exporter otlp, not "
+                                                      f"{self.otel_exporter!r}")
+            if not _http_url(self.otel_endpoint):
+                raise InvalidRequest("otel_endpoint", f"{self.otel_endpoint!r} is not an "
+                                     f"http:// or https:// URL with a host (at most "
+                                     f"{MAX_URL} characters)")
         if self.device is not None and not isinstance(self.device, str):
             raise InvalidRequest("device", f"{self.device!r} is not a device name (cpu, "
                                            "cuda:0, ...)")
@@ -132,6 +145,17 @@ class ConsumerConfig:
                                              f"{uuid.uuid4().hex[:6]}")
         if "|" in self.name:
             raise InvalidRequest("name", "must not contain '|'")
+
+
+def _http_url(value: Any) -> bool:
+    if not isinstance(value, str) or len(value) > MAX_URL or any(c.isspace() for c in value):
+        return False
+    try:
+        url = urlsplit(value)
+        url.port  # noqa: B018 - raises ValueError for a port out of range
+    except ValueError:
+        return False
+    return url.scheme in ("http", "https") and bool(url.hostname)
 
 
 def _number(value: Any, whole: bool = False) -> bool:

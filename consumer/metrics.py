@@ -18,9 +18,10 @@ recommended consumers) come from
 describe this consumer's batches: queue wait is enqueue to pop by Redis' clock,
 labelled with the priority the request was served at (aging may promote it); batch size
 counts the requests the model ran; outcome is ok, failed, expired (deadline passed before
-it ran) or dead_letter. The delay in use is the max_queue_delay_ms this consumer passes to
-pop_batch (under max_queue_delay_ms=auto the one it derived last, else the stored one);
-the arrival rate (requests/s) is the one it derived it from (0 under a fixed delay).
+it ran), dead_letter or retry (the model raised a retry_on exception: it runs again). The
+delay in use is the max_queue_delay_ms this consumer passes to pop_batch (under
+max_queue_delay_ms=auto the one it derived last, else the stored one); the arrival rate
+(requests/s) is the one it derived it from (0 under a fixed delay).
 """
 
 from __future__ import annotations

@@ -10,14 +10,18 @@ For every batch the model ran:
 - `batchgate model`: the model's run, a child of the batch span.
 
 `batchgate consumer --otel-exporter console` installs an SDK TracerProvider that prints
-each span as one JSON line on stdout; otherwise the global TracerProvider is used if the
-application set one (e.g. its model module). With neither, or without opentelemetry,
-the consumer records nothing and pays nothing (`tracer_for` returns None).
+each span as one JSON line on stdout; `--otel-exporter otlp` one that sends them to a
+collector over OTLP/HTTP (protobuf; `--otel-endpoint`), in batches from a thread of its
+own (the SDK's BatchSpanProcessor: OTEL_BSP_* apply), flushed at exit; otherwise the
+global TracerProvider is used if the application set one (e.g. its model module). With
+neither, or without opentelemetry, the consumer records nothing and pays nothing
+(`tracer_for` returns None).
 """
 
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from consumer.batch import Batch, Item
 from scheduler_core.tracing import AVAILABLE, extract
@@ -87,19 +91,52 @@ def tracer_for(queue: str) -> BatchTracer | None:
     return BatchTracer(queue, trace.get_tracer("batchgate.consumer"))
 
 
+OTLP_TRACES_PATH = "/v1/traces"  # OTLP/HTTP's path for traces
+
+
+def otlp_traces_url(endpoint: str) -> str:
+    """The URL spans are POSTed to: `endpoint` as given, or with /v1/traces added when it
+    names no path (http://collector:4318)."""
+    scheme, netloc, path, query, fragment = urlsplit(endpoint)
+    if path in ("", "/"):
+        path = OTLP_TRACES_PATH
+    return urlunsplit((scheme, netloc, path, query, fragment))
+
+
+def _sdk_provider(processor: Any) -> None:
+    from opentelemetry import trace
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+
+    # OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES apply (Resource.create reads them).
+    # The provider flushes its processor at exit (shutdown_on_exit).
+    provider = TracerProvider(resource=Resource.create({"service.name": "batchgate-consumer"}))
+    provider.add_span_processor(processor)
+    trace.set_tracer_provider(provider)
+
+
+def install_otlp_provider(endpoint: str | None = None) -> None:
+    """Install, globally, an SDK TracerProvider exporting spans over OTLP/HTTP to
+    `endpoint` (None: the exporter's OTEL_EXPORTER_OTLP_* variables, else
+    http://localhost:4318/v1/traces); ValueError without the exporter package."""
+    try:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    except ImportError:
+        raise ValueError("--otel-exporter otlp needs opentelemetry-sdk and "
+                         "opentelemetry-exporter-otlp-proto-http: pip install "
+                         "'batchgate[otel]'") from None
+    exporter = OTLPSpanExporter(endpoint=otlp_traces_url(endpoint) if endpoint else None)
+    _sdk_provider(BatchSpanProcessor(exporter))
+
+
 def install_console_provider() -> None:
     """Install, globally, an SDK TracerProvider printing one JSON line per span on stdout
     (`--otel-exporter console`); ValueError without opentelemetry-sdk."""
     try:
-        from opentelemetry import trace
-        from opentelemetry.sdk.resources import Resource
-        from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SimpleSpanProcessor
     except ImportError:
         raise ValueError("--otel-exporter console needs opentelemetry-sdk: pip install "
                          "'batchgate[otel]'") from None
-    # OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES apply (Resource.create reads them).
-    provider = TracerProvider(resource=Resource.create({"service.name": "batchgate-consumer"}))
-    provider.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter(
+    _sdk_provider(SimpleSpanProcessor(ConsoleSpanExporter(
         formatter=lambda span: span.to_json(indent=None) + "\n")))
-    trace.set_tracer_provider(provider)

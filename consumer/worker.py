@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import random
 import socket
 import threading
 import time
@@ -20,6 +21,7 @@ from collections.abc import Iterator
 from dataclasses import fields, replace
 from typing import Any
 
+import orjson
 import redis
 
 from consumer.auto_delay import DelayKeeper
@@ -79,7 +81,7 @@ COMPLETION_RETRIED = (redis.ConnectionError, redis.TimeoutError,
                       redis.exceptions.TryAgainError, redis.exceptions.MovedError,
                       redis.exceptions.ReadOnlyError)
 # Bound once: a member looked up through its Enum class is slow, and these run per request.
-RUN, OK, FAILED = Outcome.RUN, Outcome.OK, Outcome.FAILED
+RUN, OK, FAILED, RETRY = Outcome.RUN, Outcome.OK, Outcome.FAILED, Outcome.RETRY
 
 
 class Worker:
@@ -380,9 +382,17 @@ class Worker:
                 early[item.id] = _expired(item)
             else:
                 early[item.id] = (Outcome.DEAD_LETTER, encode_error(
-                    item.id, "DeadLettered", f"gave up after {item.attempts - 1} deliveries "
-                    "(max_attempts): the consumer running it crashed or hung each time"))
+                    item.id, "DeadLettered",
+                    f"gave up after {item.attempts - 1} deliveries {self._why_exhausted}"))
         return early, runnable
+
+    @property
+    def _why_exhausted(self) -> str:
+        """Why a request's deliveries ran out: under a retry policy, retries count too."""
+        if self.policy is not None and self.policy.retry_on and self.policy.retry_max > 1:
+            return ("(max_attempts, or retry_max if larger): each ended without a result: "
+                    "its consumer crashed or hung, or its model raised a retry_on exception")
+        return "(max_attempts): the consumer running it crashed or hung each time"
 
     def _process(self, batch: Batch) -> Next:
         """Run one batch and hand its answers over; returns what the loop does next."""
@@ -513,7 +523,7 @@ class Worker:
         if job.call is None:
             outcomes = dict(job.outcomes)
             for item, (ok, value) in zip(job.runnable, job.results, strict=True):
-                outcomes[item.id] = self._encode(item.id, ok, value)
+                outcomes[item.id] = self._retry_or_encode(item, ok, value)
             if job.last and self.observer is not None:
                 self.observer.on_batch(job.batch, len(job.runnable), job.model_us,
                                        {**job.answered_early, **outcomes})
@@ -569,6 +579,43 @@ class Worker:
         finally:  # Redis answered (or this loop is gone): its part of the outage is over
             backoff.succeeded()
 
+    def _retry_or_encode(self, item: Item, ok: bool, value: Any) -> tuple[Outcome, bytes]:
+        """A request whose model raised a retry_on exception (value: its type, message
+        and the names of its class and bases) runs again after its backoff, until its
+        run is the policy's retry_max-th: then it is dead-lettered with that error."""
+        policy = self.policy
+        if ok or len(value) < 3 or policy is None or not policy.retries(value[2]):
+            return self._encode(item.id, ok, value)
+        error_type, message = value[0], value[1]
+        self._failed(item.id, error_type, message, attempt=item.attempts)
+        run = {"attempt": item.attempts, "type": error_type, "message": message[:1000]}
+        if item.attempts < policy.retry_max:
+            backoff_ms = policy.retry_backoff(item.attempts, random.random())
+            log.info("request %s: run %d of %d raised %s; again in %d ms", item.id,
+                     item.attempts, policy.retry_max, error_type, backoff_ms)
+            return RETRY, f"{backoff_ms}|".encode() + orjson.dumps(run)
+        return Outcome.DEAD_LETTER, encode_error(item.id, error_type, message,
+                                                 self._runs_before(item) + [run])
+
+    def _runs_before(self, item: Item) -> list[Any]:
+        """The failed runs complete.lua kept of a request whose retries ran out (its dead
+        letter lists them); [] if Redis cannot say now: the last error is kept anyway.
+        Only this round's: a dead letter retried starts its attempts at 1 again."""
+        try:
+            listed = [orjson.loads(raw) for raw in
+                      self.redis.lrange(self.keys.attempts(item.id), 0, -1)]
+        except (redis.RedisError, orjson.JSONDecodeError) as exc:
+            log.warning("request %s: its earlier runs' errors are not in its dead letter: %s",
+                        item.id, exc)
+            return []
+        runs: list[Any] = []
+        for run in reversed(listed):  # newest first, while the attempts go down
+            if run.get("attempt", 0) >= (runs[-1] if runs else {"attempt": item.attempts}
+                                         )["attempt"]:
+                break
+            runs.append(run)
+        return runs[::-1]
+
     def _encode(self, request_id: str, ok: bool, value: Any) -> tuple[Outcome, bytes]:
         if not ok:
             self._failed(request_id, value[0], value[1])
@@ -579,10 +626,13 @@ class Worker:
             self._failed(request_id, "InvalidResult", str(exc))
             return FAILED, encode_error(request_id, "InvalidResult", str(exc))
 
-    def _failed(self, request_id: str, error_type: str, message: str) -> None:
-        self.failures.append({"id": request_id, "type": str(error_type),
-                              "message": str(message)[:200], "consumer": self.config.name,
-                              "at_ms": int(time.time() * 1000)})
+    def _failed(self, request_id: str, error_type: str, message: str,
+                attempt: int | None = None) -> None:
+        entry = {"id": request_id, "type": str(error_type), "message": str(message)[:200],
+                 "consumer": self.config.name, "at_ms": int(time.time() * 1000)}
+        if attempt is not None:  # a retry_on error: each run's is listed
+            entry["attempt"] = attempt
+        self.failures.append(entry)
 
     def _stream_writer(self, batch: Batch, items: list[Item]) -> StreamWriter:
         return StreamWriter(self.redis, self.scripts.stream_append, self.keys, batch.id, items,
@@ -606,7 +656,9 @@ class Worker:
             if len(payloads) == 1:
                 message = _describe(exc)
                 log.warning("model raised on a request: %s: %s", type(exc).__name__, message)
-                return [(False, (type(exc).__name__, message))]
+                # The names of its class and bases: retry_on may name any of them.
+                names = tuple(cls.__name__ for cls in type(exc).__mro__)
+                return [(False, (type(exc).__name__, message, names))]
             half, size = len(payloads) // 2, len(payloads)
             return self._run_isolated(payloads[:half],
                                       None if costs is None else costs[:half],
@@ -633,7 +685,8 @@ class Worker:
             args += [rid, outcomes[rid][0], outcomes[rid][1]]
         if model_sample is not None:
             args.append(model_sample)
-        keys = complete_keys(self.keys, [(rid, producers[rid]) for rid in ids])
+        keys = complete_keys(self.keys, [(rid, producers[rid]) for rid in ids],
+                             {rid for rid in ids if outcomes[rid][0] is RETRY})
         return self.scripts.complete, keys, args
 
     def _check_completion(self, batch: Batch, reply: list[Any]) -> None:

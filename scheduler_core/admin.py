@@ -139,7 +139,8 @@ def queue_lookup(pipe: Any, keys: QueueKeys, request_id: str) -> None:
     transaction, so a request moving between states is seen in one of them."""
     pipe.get(keys.result(request_id))
     pipe.hexists(keys.owner, request_id)
-    for key in [*keys.pending_all, keys.delayed]:  # delayed: past its deadline, queued
+    # delayed: past its deadline; retry: waiting out a retry's backoff; both queued
+    for key in [*keys.pending_all, keys.delayed, keys.retry]:
         pipe.zscore(key, request_id)
     pipe.hget(keys.dead_reason, request_id)
 

@@ -36,6 +36,9 @@ class DeadLetter:
     attempts: int | None  # deliveries made: times it reached a model (None: no readable meta)
     priority: int | None
     payload_preview: str | None  # the stored request envelope, truncated (None: missing)
+    # A request whose retries ran out (docs/failure-modes.md, "Retries"): each failed run,
+    # {"attempt", "type", "message"}, oldest first; None for other dead letters.
+    runs: list[dict[str, Any]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -45,14 +48,16 @@ def _text(value: Any) -> str:
     return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
 
-def _reason(raw: bytes | None) -> tuple[str, str]:
+def _reason(raw: bytes | None) -> tuple[str, str, list[dict[str, Any]] | None]:
     if raw is None:
-        return "unknown", ""
+        return "unknown", "", None
     try:
         error = orjson.loads(raw).get("error") or {}
-        return str(error.get("type", "unknown")), str(error.get("message", ""))
+        runs = error.get("attempts")
+        return (str(error.get("type", "unknown")), str(error.get("message", "")),
+                runs if isinstance(runs, list) else None)
     except (orjson.JSONDecodeError, AttributeError):
-        return "unknown", _text(raw)[:PREVIEW_CHARS]
+        return "unknown", _text(raw)[:PREVIEW_CHARS], None
 
 
 def list_dead(client: redis.Redis, queue: str, limit: int = 50,
@@ -84,14 +89,14 @@ def _describe(client: redis.Redis, keys: QueueKeys, member: bytes, score: float)
     meta, envelope = split_job(job) if job is not None else (None, None)
     if meta is not None:
         priority, attempts = meta.priority, meta.attempts
-    error_type, message = _reason(reason)
+    error_type, message, runs = _reason(reason)
     if attempts and error_type == "DeadLettered":
         # Its dead-lettering counted one more attempt, but delivered nothing: the
         # count here is the one its "gave up after N deliveries" names.
         attempts -= 1
     preview = None if envelope is None else _text(envelope)[:PREVIEW_CHARS]
     return DeadLetter(_text(member), score / 1e6, error_type, message, attempts, priority,
-                      preview)
+                      preview, runs)
 
 
 def _act(client: redis.Redis, queue: str, action: str, ids: list[str] | None) -> tuple[int, int]:

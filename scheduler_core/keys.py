@@ -2,7 +2,7 @@
 
 All keys of a queue share the hash tag `{bg:<queue>}`, so they live in one cluster slot
 and one Lua script may touch them all. Every key a script touches is passed in KEYS: the
-queue's shared keys first, as KEYS[1..33] in the order of SHARED_KEYS in every script,
+queue's shared keys first, as KEYS[1..34] in the order of SHARED_KEYS in every script,
 then the script's per-call keys (result:<id>, inbox:<producer>, idem:<key>).
 
 | key                         | type   | holds                                                     |
@@ -24,6 +24,9 @@ then the script's per-call keys (result:<id>, inbox:<producer>, idem:<key>).
 |                             |        | field "~relist" (no id has '~'), while set after a      |
 |                             |        | cost_buckets change, is the HSCAN cursor of the pops     |
 |                             |        | re-listing the waiting requests (pop_batch relist_step)  |
+| `{bg:q}:retry`              | zset   | id -> when it may run again (µs): its model raised a     |
+|                             |        | retry_on exception; pop_batch moves it back to its level |
+|                             |        | (arrival kept) once due, or at its deadline if earlier   |
 | `{bg:q}:owner`              | hash   | id -> batch id, while the request is in flight            |
 | `{bg:q}:inflight`           | zset   | batch id -> lease deadline (µs)                           |
 | `{bg:q}:batches`            | hash   | batch id -> "consumer|id,id,..."                          |
@@ -56,6 +59,9 @@ then the script's per-call keys (result:<id>, inbox:<producer>, idem:<key>).
 | `{bg:q}:consumer:<name>`    | hash   | a consumer's host, pid, device, batches, current batch;   |
 |                             |        | written with each heartbeat, expires 30 s after the last  |
 | `{bg:q}:failures`           | list   | newest 100 failed requests (orjson), by the lease thread  |
+| `{bg:q}:attempts:<id>`      | list   | a retried request's failed runs (orjson: attempt, type,   |
+|                             |        | message), by complete.lua; read into its dead-letter      |
+|                             |        | entry when retries run out; expires (result_ttl_s + wait) |
 | `{bg:q}:result:<id>`        | string | result envelope, expires after result_ttl_s; written only |
 |                             |        | for a request submitted with store_result (or an          |
 |                             |        | idempotency key): the inbox gets every result             |
@@ -103,7 +109,7 @@ _SHARD_INDEX = re.compile(r"[1-9][0-9]{0,2}")
 # (it heartbeats at least every second while running).
 CONSUMER_ALIVE_S = 5.0
 
-# The queue's shared keys, as every script receives them (KEYS[1..33], this order) and
+# The queue's shared keys, as every script receives them (KEYS[1..34], this order) and
 # names them at the top of its body (`local pending_high = KEYS[2]`; the per-bucket keys
 # as one table each, `local bucket_markers = {KEYS[24], ...}`); QueueKeys has a property
 # of each name. A script's per-call keys come after them.
@@ -126,7 +132,7 @@ SHARED_KEYS = ("policy", "pending_high", "pending_normal", "pending_low", "jobs"
                "clock", "marker", "stats", "inflight", "owner", "batches", "seq", "consumers",
                "dead", "dead_reason", "wait_samples", "e2e_samples", "model_samples",
                "deadlines", "delayed", "arrivals", "cost_model", *BUCKET_MARKERS,
-               *BUCKET_SETS)
+               *BUCKET_SETS, "retry")
 
 
 def validate_queue_name(name: object, field: str = "queue") -> str:
@@ -184,12 +190,14 @@ class QueueKeys:
 
     @functools.cached_property
     def shared(self) -> tuple[str, ...]:
-        """KEYS[1..33] of every script: the keys of SHARED_KEYS, in that order."""
-        buckets = range(1, len(BUCKET_MARKERS) + 1)
-        named = tuple(getattr(self, name) for name in SHARED_KEYS
-                      if name not in BUCKET_MARKERS + BUCKET_SETS)
-        return named + tuple(self.bucket_marker(b) for b in buckets) + \
-            tuple(self.bucket_set(b) for b in buckets)
+        """KEYS[1..34] of every script: the keys of SHARED_KEYS, in that order."""
+        def key(name: str) -> str:
+            if name in BUCKET_MARKERS:
+                return self.bucket_marker(BUCKET_MARKERS.index(name) + 1)
+            if name in BUCKET_SETS:
+                return self.bucket_set(BUCKET_SETS.index(name) + 1)
+            return getattr(self, name)
+        return tuple(key(name) for name in SHARED_KEYS)
 
     @property
     def jobs(self) -> str:
@@ -198,6 +206,10 @@ class QueueKeys:
     @property
     def costs(self) -> str:
         return self._k("costs")
+
+    @property
+    def retry(self) -> str:
+        return self._k("retry")
 
     @property
     def owner(self) -> str:
@@ -292,6 +304,10 @@ class QueueKeys:
 
     def result(self, request_id: str) -> str:
         return self._k(f"result:{request_id}")
+
+    def attempts(self, request_id: str) -> str:
+        """A retried request's failed runs (complete.lua's 'retry')."""
+        return self._k(f"attempts:{request_id}")
 
     def stream(self, request_id: str) -> str:
         return self._k(f"stream:{request_id}")

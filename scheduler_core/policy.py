@@ -66,6 +66,15 @@ LIMITS: dict[str, tuple[int, int]] = {
     "allow_timeout_override": (0, 1),  # 1: a request's own deadline_ms replaces the default
     # Physical queues one logical queue is spread over (docs/scaling.md, "Sharded queues").
     "shards": (1, 64),
+    # Retries of the exceptions named by retry_on (docs/failure-modes.md, "Retries"): the
+    # most runs of a request (1 = no retry; each run counts as a delivery, so pop_batch
+    # dead-letters after max(max_attempts, retry_max) of them), and the backoff before
+    # run n+1: retry_backoff_ms x 2^(n-1), capped at retry_backoff_max_ms; retry_jitter 1
+    # draws it uniformly from [half, all] of that.
+    "retry_max": (1, 100),
+    "retry_backoff_ms": (0, 3_600_000),
+    "retry_backoff_max_ms": (0, 86_400_000),
+    "retry_jitter": (0, 1),
 }
 
 
@@ -108,8 +117,12 @@ CHOICES: dict[str, tuple[str, ...]] = {
 # The values a consumer (its flags, Consumer's keywords) or `policy set` may give;
 # delay_mode follows max_queue_delay_ms ("auto" or a number).
 KNOBS = ("strategy", *LIMITS, *(name for name in CHOICES if name != "delay_mode"),
-         "cost_buckets")
+         "cost_buckets", "retry_on")
 _DIGITS = re.compile(r"[0-9]{1,10}")
+# retry_on: exception class names (a model's exception or any of its bases), or "*".
+_CLASS_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+RETRY_ANY = "*"
+MAX_RETRY_ON = 256  # bytes: configure.lua keeps a string field of at most this
 MAX_COST_BUCKETS = 4  # boundaries in cost_buckets: at most 5 buckets
 
 DEFAULT_MAX_BATCH_SIZE = 32
@@ -144,6 +157,12 @@ class Policy:
     allow_timeout_override: int = 1  # 1: a request's own deadline_ms replaces its default
     on_timeout: str = "reject"  # reject (DeadlineExceeded) or delay
     shards: int = 1  # physical queues (scheduler_core/shards.py); 1 = today's single queue
+    # Retries (LIMITS above): exception class names that are retried, "*" = any; "" = none.
+    retry_on: str = ""
+    retry_max: int = 1
+    retry_backoff_ms: int = 1_000
+    retry_backoff_max_ms: int = 60_000
+    retry_jitter: int = 0
 
     def batch_cost(self, costs: Sequence[int]) -> int:
         """A batch's cost as cost_mode counts it: Σcost, or padded, its size × its largest
@@ -169,6 +188,7 @@ class Policy:
             if getattr(self, name) not in allowed:
                 raise InvalidPolicy(name, f"{getattr(self, name)!r}: use {' or '.join(allowed)}")
         object.__setattr__(self, "cost_buckets", format_buckets(self.cost_buckets))
+        object.__setattr__(self, "retry_on", format_retry_on(self.retry_on))
         if self.delay_mode == AUTO and self.slo_p99_ms < 1:
             high = LIMITS["slo_p99_ms"][1]
             raise InvalidPolicy("slo_p99_ms", "max_queue_delay_ms=auto needs a P99 target: "
@@ -231,6 +251,21 @@ class Policy:
         data["strategy"] = self.strategy.value
         return {k: str(v) for k, v in data.items()}
 
+    def retries(self, error_types: Sequence[str]) -> bool:
+        """Whether a model's exception is retried: `error_types` are its class's name and
+        its bases' (type(exc).__mro__), matched against retry_on."""
+        names = self.retry_on.split(",") if self.retry_on else []
+        return self.retry_max > 1 and (RETRY_ANY in names or any(t in names
+                                                                  for t in error_types))
+
+    def retry_backoff(self, run: int, draw: float = 1.0) -> int:
+        """ms to wait before run `run` + 1 (`run`: the run that failed, 1-based):
+        retry_backoff_ms x 2^(run-1), capped at retry_backoff_max_ms; under retry_jitter
+        scaled by 0.5 + draw / 2 (`draw` uniform in [0, 1])."""
+        ms = min(self.retry_backoff_ms * 2 ** min(max(run - 1, 0), 40),
+                 self.retry_backoff_max_ms)
+        return int(ms * (0.5 + draw / 2)) if self.retry_jitter else int(ms)
+
     def timeout_ms(self, priority: int) -> int:
         """The default deadline of a request submitted at `priority` (0 = none)."""
         return (self.timeout_high_ms, self.timeout_normal_ms, self.timeout_low_ms)[priority]
@@ -262,6 +297,8 @@ class Policy:
                 want = Strategy(want)
             elif name == "cost_buckets" and want is not None:
                 want = format_buckets(want)
+            elif name == "retry_on" and want is not None:
+                want = format_retry_on(want)
             elif name == "max_queue_delay_ms" and want is not None:
                 # "auto" asks for delay_mode auto; a number, for that fixed delay
                 if is_auto(want):
@@ -297,6 +334,31 @@ def format_buckets(value: object) -> str:
         raise InvalidPolicy("cost_buckets", f"{len(bounds)} boundaries, over the limit of "
                                             f"{MAX_COST_BUCKETS}")
     return ",".join(str(b) for b in bounds)
+
+
+def format_retry_on(value: object) -> str:
+    """retry_on in its stored form: "" (none), "*" (any exception) or class names
+    separated by commas ("TimeoutError,ConnectionError"); InvalidPolicy naming retry_on
+    otherwise."""
+    if isinstance(value, (list, tuple)):
+        parts = [str(p).strip() for p in value]
+    elif isinstance(value, str):
+        parts = [p.strip() for p in value.split(",")] if value.strip() else []
+    else:
+        raise InvalidPolicy("retry_on", f"must be a string like 'TimeoutError,OSError', "
+                                        f"got {value!r}")
+    names: list[str] = []
+    for part in parts:
+        if part != RETRY_ANY and not _CLASS_NAME.fullmatch(part):
+            raise InvalidPolicy("retry_on", f"{part!r} is not an exception class name "
+                                            "(letters, digits, '_', at most 64) or '*'")
+        if part not in names:
+            names.append(part)
+    text = RETRY_ANY if RETRY_ANY in names else ",".join(names)
+    if len(text) > MAX_RETRY_ON:
+        raise InvalidPolicy("retry_on", f"{len(text)} characters, over the limit of "
+                                        f"{MAX_RETRY_ON}")
+    return text
 
 
 # -- for people: the policy in the CLI's own words ------------------------------------

@@ -4,7 +4,7 @@ Each script is one file in `lua/` whose header documents KEYS, ARGV, return valu
 error codes. `-- @include NAME` inlines the helpers of a shared file that the script uses;
 `-- @render policy` (in `_policy.lua`) becomes the policy's STRATEGIES and LIMITS, rendered
 from scheduler_core/policy.py, their one source. Every queue script receives the queue's shared
-keys first, as KEYS[1..33] in the order of keys.SHARED_KEYS, then its per-call keys; the
+keys first, as KEYS[1..34] in the order of keys.SHARED_KEYS, then its per-call keys; the
 `*_keys` builders below are the one place that builds each script's KEYS list.
 
 Scripts are called through `Scripts`, which registers them as redis-py's Script objects:
@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import re
+from collections.abc import Collection
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
@@ -432,11 +433,16 @@ def shared_keys(keys: QueueKeys) -> list[str]:
 pop_keys = requeue_keys = extend_lease_keys = configure_keys = shared_keys
 
 
-def complete_keys(keys: QueueKeys, items: list[tuple[str, str]]) -> list[str]:
-    """`items` are (request id, producer) pairs, in the order their results are passed."""
+def complete_keys(keys: QueueKeys, items: list[tuple[str, str]],
+                  retried: Collection[str] = ()) -> list[str]:
+    """`items` are (request id, producer) pairs, in the order their results are passed;
+    a request in `retried` (outcome 'retry') has its failed runs' list in place of its
+    result key."""
     script_keys = list(keys.shared)
     for request_id, producer in items:
-        script_keys += [keys.result(request_id), keys.inbox(producer)]
+        first = keys.attempts(request_id) if request_id in retried else \
+            keys.result(request_id)
+        script_keys += [first, keys.inbox(producer)]
     return script_keys
 
 

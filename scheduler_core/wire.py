@@ -60,6 +60,7 @@ class Outcome(str, Enum):
     FAILED = "err"
     EXPIRED = "expired"  # its deadline passed before a consumer ran it
     DEAD_LETTER = "dead"  # kept in the dead-letter set
+    RETRY = "retry"  # the model raised a retry_on exception: it runs again after a backoff
 
 
 # pop_batch.lua's item states: 'exhausted' (max_attempts deliveries used) is dead-lettered.
@@ -204,13 +205,14 @@ def encode_result(request_id: str, value: Any, max_bytes: int = DEFAULT_MAX_RESU
         WIRE_VERSION, orjson.dumps(request_id), body)
 
 
-def encode_error(request_id: str, error_type: str, message: str) -> bytes:
-    return orjson.dumps({
-        "v": WIRE_VERSION,
-        "id": request_id,
-        "ok": False,
-        "error": {"type": error_type, "message": message[:4000]},
-    })
+def encode_error(request_id: str, error_type: str, message: str,
+                 attempts: list[Any] | None = None) -> bytes:
+    """A failed request's result envelope; `attempts`: the failed runs of a request whose
+    retries ran out (each {"attempt", "type", "message"}), kept in its dead letter."""
+    error: dict[str, Any] = {"type": error_type, "message": message[:4000]}
+    if attempts is not None:
+        error["attempts"] = attempts
+    return orjson.dumps({"v": WIRE_VERSION, "id": request_id, "ok": False, "error": error})
 
 
 @dataclass(frozen=True)

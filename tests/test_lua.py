@@ -67,11 +67,10 @@ def test_script_names_the_shared_keys_in_the_one_order(name):
 
 def test_every_keys_builder_starts_with_the_shared_keys():
     q = QueueKeys("order")
-    shared = [getattr(q, name) for name in SHARED_KEYS
-              if name not in BUCKET_MARKERS + BUCKET_SETS]
-    shared += [q.bucket_marker(b) for b in range(1, len(BUCKET_MARKERS) + 1)]
-    shared += [q.bucket_set(b) for b in range(1, len(BUCKET_SETS) + 1)]
-    assert list(q.shared) == shared and len(shared) == 33
+    shared = [q.bucket_marker(BUCKET_MARKERS.index(name) + 1) if name in BUCKET_MARKERS
+              else q.bucket_set(BUCKET_SETS.index(name) + 1) if name in BUCKET_SETS
+              else getattr(q, name) for name in SHARED_KEYS]
+    assert list(q.shared) == shared and len(shared) == 34
     for keys in (pop_keys(q), requeue_keys(q), extend_lease_keys(q), configure_keys(q)):
         assert keys == shared
     assert enqueue_call(q, "p", [], 60)[0] == shared

@@ -37,6 +37,11 @@ POLICY_RANGES = {
     "timeout_low_ms": (0, 86_400_000),
     "allow_timeout_override": (0, 1),
     "shards": (1, 64),  # docs/scaling.md
+    # docs/failure-modes.md, "Retries"
+    "retry_max": (1, 100),
+    "retry_backoff_ms": (0, 3_600_000),
+    "retry_backoff_max_ms": (0, 86_400_000),
+    "retry_jitter": (0, 1),
 }
 CONSUMER_RANGES = {"lease_ms": (100, 86_400_000), "max_result_bytes": (16, 536_870_912)}
 PRODUCER_RANGES = {"max_payload_bytes": (16, 512 << 20), "idempotency_ttl_s": (1, 2_592_000)}
@@ -257,7 +262,9 @@ def test_policy_set_reaches_running_consumers_and_show_prints_it(shared_redis, q
                               "slo_p99_ms": 0, "delay_mode": "fixed",
                               "timeout_high_ms": 0, "timeout_normal_ms": 0,
                               "timeout_low_ms": 0, "allow_timeout_override": 1,
-                              "on_timeout": "reject", "shards": 1}
+                              "on_timeout": "reject", "shards": 1, "retry_on": "",
+                              "retry_max": 1, "retry_backoff_ms": 1000,
+                              "retry_backoff_max_ms": 60000, "retry_jitter": 0}
     with Producer(url, queue) as p:
         waiting = p.submit({"i": 0})
         wait_for(lambda: client.zcard(QueueKeys(queue).pending(1)) == 1, what="it to queue")

@@ -159,3 +159,26 @@ local function deliver_results(inbox, ttl, ...)
   redis.call('RPUSH', inbox, ...)
   redis.call('EXPIRE', inbox, ttl)
 end
+
+-- Requests whose retry is due (complete.lua's 'retry': listed in the retry set until
+-- their backoff, or their deadline, passes) go back to their level under their arrival
+-- score, with their deadline listed again, at most `limit` per call. Returns how many
+-- moved and when the next one falls due (µs; nil if none waits).
+local function promote_retries(retry, pending, jobs, costs, deadlines, bucket_sets, bounds,
+                               now, limit)
+  -- One call in the usual case (none waits, or none is due): every pop runs this.
+  local first = redis.call('ZRANGE', retry, 0, 0, 'WITHSCORES')
+  if not first[2] or tonumber(first[2]) > now then return 0, first[2] and tonumber(first[2]) end
+  local due = redis.call('ZRANGEBYSCORE', retry, '-inf', int(now), 'LIMIT', 0, limit)
+  for _, id in ipairs(due) do
+    local m = parse_job(redis.call('HGET', jobs, id))
+    local prio, arrival = 2, now
+    if m then prio, arrival = m.prio, m.arrival end
+    redis.call('ZADD', pending[prio + 1], int(arrival), id)
+    list_waiting(costs, bucket_sets, bounds, id, m and m.cost or 1, arrival)
+    if m and m.deadline > 0 then redis.call('ZADD', deadlines, m.deadline_s, id) end
+  end
+  if #due > 0 then redis.call('ZREM', retry, unpack(due)) end
+  local next_due = redis.call('ZRANGE', retry, 0, 0, 'WITHSCORES')
+  return #due, next_due[2] and tonumber(next_due[2])
+end

@@ -1,6 +1,6 @@
 --[[ cancel: remove a waiting request so that it never runs.
 
-KEYS[1..33] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
+KEYS[1..34] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
             this script uses:
 KEYS[1]  {bg:q}:policy        hash  its result_ttl_s, when set, overrides ARGV[2]
 KEYS[2]  {bg:q}:pending:0     zset  HIGH
@@ -14,8 +14,9 @@ KEYS[20] {bg:q}:deadlines     zset  pending id -> deadline (µs)
 KEYS[21] {bg:q}:delayed       zset  past its deadline, waiting to run when idle
 KEYS[29..33] {bg:q}:bucket:<1..5> zset  the ids waiting in each cost bucket: a cancelled one
                                   leaves the set its costs entry names
-KEYS[34] {bg:q}:result:<id>   string, written if the request asked for it (keep)
-KEYS[35] {bg:q}:inbox:<producer>  list, the producer's inbox (any key if none)
+KEYS[34] {bg:q}:retry         zset  waiting for a retry (its backoff)
+KEYS[35] {bg:q}:result:<id>   string, written if the request asked for it (keep)
+KEYS[36] {bg:q}:inbox:<producer>  list, the producer's inbox (any key if none)
 
 ARGV[1]  request id
 ARGV[2]  result TTL, seconds, if the queue has no policy
@@ -43,19 +44,20 @@ local owner = KEYS[11]
 local deadlines = KEYS[20]
 local delayed = KEYS[21]
 local bucket_sets = {KEYS[29], KEYS[30], KEYS[31], KEYS[32], KEYS[33]}
-local result = KEYS[34]
-local inbox = KEYS[35]
+local retry = KEYS[34]
+local result = KEYS[35]
+local inbox = KEYS[36]
 
 if ARGV[4] ~= 'cancelled' and ARGV[4] ~= 'expired' then return {-3, 'counter'} end
 if not int_arg(ARGV[2], 1, 315360000) then return {-3, 'result_ttl_s'} end
-if #ARGV ~= 4 or #KEYS ~= 35 then return {-3, 'args'} end
+if #ARGV ~= 4 or #KEYS ~= 36 then return {-3, 'args'} end
 -- The queue's current result_ttl_s, as the consumers use it, not the caller's copy.
 local ttl = int_arg(redis.call('HGET', policy, 'result_ttl_s'), 1, 315360000)
   or tonumber(ARGV[2])
 
 local id, envelope, counter = ARGV[1], ARGV[3], ARGV[4]
 if redis.call('HEXISTS', owner, id) == 1 then return 2 end
-for _, pending in ipairs({pending_high, pending_normal, pending_low, delayed}) do
+for _, pending in ipairs({pending_high, pending_normal, pending_low, delayed, retry}) do
   if redis.call('ZREM', pending, id) == 1 then
     redis.call('ZREM', deadlines, id)
     unlist_waiting(costs, bucket_sets, {id})

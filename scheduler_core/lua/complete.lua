@@ -1,8 +1,9 @@
 --[[ complete: record results of (part of) a batch, fenced by the batch id.
 
-KEYS[1..33] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
+KEYS[1..34] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
             this script uses:
 KEYS[5]  {bg:q}:jobs          hash   id -> "<meta>|<envelope>"
+KEYS[34] {bg:q}:retry        zset   id -> when it may run again (µs), for 'retry'
 KEYS[7]  {bg:q}:clock         string last arrival score issued (the queue's clock: queue_now)
 KEYS[9]  {bg:q}:stats         hash   counters; the queue's clock
 KEYS[10] {bg:q}:inflight      zset   batch id -> lease deadline
@@ -12,15 +13,18 @@ KEYS[15] {bg:q}:dead          zset   dead-lettered id -> time
 KEYS[16] {bg:q}:dead:reason   hash   dead-lettered id -> error envelope
 KEYS[18] {bg:q}:samples:e2e   list   recent enqueue-to-result times (µs)
 KEYS[19] {bg:q}:samples:model list   recent batches as "size:model_us"
-KEYS[34+2i] {bg:q}:result:<id_i>         result of request i (i = 0..n-1), written only if
-                                         its request asked for it (keep)
-KEYS[35+2i] {bg:q}:inbox:<producer_i>    its producer's inbox (any key if it has none)
+KEYS[35+2i] {bg:q}:result:<id_i>         result of request i (i = 0..n-1), written only if
+                                         its request asked for it (keep); for a 'retry'
+                                         {bg:q}:attempts:<id_i>, its failed runs (list)
+KEYS[36+2i] {bg:q}:inbox:<producer_i>    its producer's inbox (any key if it has none)
 
 ARGV[1]  batch id (the fencing token returned by pop_batch)
 ARGV[2]  result TTL, seconds
 ARGV[3]  n, number of results (1..the largest max_batch_size of the policy LIMITS)
-ARGV[4+3i..6+3i] for result i: id, outcome ('ok' | 'err' | 'dead' | 'expired'), result
-         envelope; 'expired' (deadline passed, not run) counts as expired, not failed
+ARGV[4+3i..6+3i] for result i: id, outcome ('ok' | 'err' | 'dead' | 'expired' | 'retry'),
+         result envelope; 'expired' (deadline passed, not run) counts as expired, not
+         failed; for 'retry' "<backoff ms (0..86400000)>|<this run's error>" instead of
+         an envelope: the error is pushed onto KEYS[35+2i]
 ARGV[4+3n] optional: the batch's model run as "size:model_us", pushed to KEYS[19]
 
 Returns  {accepted, refused, remaining}: results written; results refused because the
@@ -31,7 +35,10 @@ Errors   {-1}  stale batch: its lease expired and it was re-queued (or it never 
          {-3, field} malformed argument
 
 'dead' keeps the request in jobs, its attempts counting this delivery, and lists it in
-the dead-letter set. The result goes to the producer's inbox (if it has one); it is stored
+the dead-letter set. 'retry' answers nothing: it keeps the request in jobs, its attempts
+counting this delivery, and lists it in the retry set until now + backoff, or until its
+deadline if that is earlier (pop_batch moves it back to its level then); counted as
+`retried`. The result goes to the producer's inbox (if it has one); it is stored
 by id as well (result:<id>, Producer.fetch) only for a request enqueued with keep = 1.
 Work is bounded by n plus the batch's size.
 ]]
@@ -40,6 +47,7 @@ Work is bounded by n plus the batch's size.
 -- @include _queue.lua
 
 local jobs = KEYS[5]
+local retry = KEYS[34]
 local clock = KEYS[7]
 local stats = KEYS[9]
 local inflight = KEYS[10]
@@ -49,27 +57,31 @@ local dead = KEYS[15]
 local dead_reason = KEYS[16]
 local e2e_samples = KEYS[18]
 local model_samples = KEYS[19]
--- KEYS[34 + 2i], KEYS[35 + 2i]: result:<id> and inbox:<producer> of result i
+-- KEYS[35 + 2i], KEYS[36 + 2i]: result:<id> and inbox:<producer> of result i
 
 local batch_id = ARGV[1]
 local _, most_results = policy_range('max_batch_size')  -- a batch's results fit one call
 local ttl, n = int_arg(ARGV[2], 1, 315360000), int_arg(ARGV[3], 1, most_results)
 if not ttl then return {-3, 'result_ttl_s'} end
-if not n or (#ARGV ~= 3 + 3 * n and #ARGV ~= 4 + 3 * n) or #KEYS ~= 33 + 2 * n then
+if not n or (#ARGV ~= 3 + 3 * n and #ARGV ~= 4 + 3 * n) or #KEYS ~= 34 + 2 * n then
   return {-3, 'n'}
 end
 local model_sample = ARGV[4 + 3 * n]
 if model_sample and not string.match(model_sample, '^%d+:%d+$') then
   return {-3, 'model_sample'}
 end
-local outcomes = {ok = true, err = true, dead = true, expired = true}
+local outcomes = {ok = true, err = true, dead = true, expired = true, retry = true}
 for i = 0, n - 1 do
   if not outcomes[ARGV[5 + 3 * i]] then return {-3, 'outcome'} end
+  if ARGV[5 + 3 * i] == 'retry'
+     and not int_arg(string.match(ARGV[6 + 3 * i], '^(%d+)|'), 0, 86400000) then
+    return {-3, 'backoff_ms'}
+  end
 end
 if not redis.call('ZSCORE', inflight, batch_id) then return {-1} end
 
 local now = queue_now(clock, stats)
-local accepted, refused, failed, expired = 0, 0, 0, 0
+local accepted, refused, failed, expired, retried = 0, 0, 0, 0, 0
 local ids = {}
 for i = 0, n - 1 do ids[i + 1] = ARGV[4 + 3 * i] end
 -- One variadic call per key rather than one per request: the script's cost is mostly
@@ -82,13 +94,31 @@ for i = 0, n - 1 do
   local id, outcome, envelope = ids[i + 1], ARGV[5 + 3 * i], ARGV[6 + 3 * i]
   if owners[i + 1] ~= batch_id or seen[id] then  -- a repeated id is delivered once
     refused = refused + 1
+  elseif outcome == 'retry' then  -- nothing delivered: it runs again
+    seen[id] = true
+    local m = parse_job(raw[i + 1])
+    local backoff_ms, error = string.match(envelope, '^(%d+)|(.*)$')
+    local due = now + tonumber(backoff_ms) * 1000
+    -- Kept while it may still be read: until the result would expire after the wait.
+    redis.call('RPUSH', KEYS[35 + 2 * i], error)
+    redis.call('EXPIRE', KEYS[35 + 2 * i], ttl + math.ceil(tonumber(backoff_ms) / 1000))
+    if m then
+      if m.deadline > 0 then due = math.min(due, m.deadline) end
+      m.attempts = m.attempts + 1
+      counted[#counted + 1] = id
+      counted[#counted + 1] = format_job(m)
+    end
+    redis.call('ZADD', retry, int(due), id)
+    done[#done + 1] = id
+    retried = retried + 1
+    accepted = accepted + 1
   else
     seen[id] = true
     local arrival, keep, producer = job_route(raw[i + 1])
     -- Without readable meta (written by hand) the result is stored: no inbox to take it.
-    if not arrival or keep then store_result(KEYS[34 + 2 * i], envelope, ttl) end
+    if not arrival or keep then store_result(KEYS[35 + 2 * i], envelope, ttl) end
     if arrival and producer ~= '' then
-      local inbox = KEYS[35 + 2 * i]
+      local inbox = KEYS[36 + 2 * i]
       if not inboxes[inbox] then
         inboxes[inbox] = {}
         inbox_order[#inbox_order + 1] = inbox
@@ -134,7 +164,8 @@ if select(2, split_members(listed, true)) > accepted then
 end
 if remaining == 0 then release_batch(inflight, batches, batch_id) end
 if accepted > 0 then
-  redis.call('HINCRBY', stats, 'processed', accepted - failed - expired)
+  redis.call('HINCRBY', stats, 'processed', accepted - failed - expired - retried)
+  if retried > 0 then redis.call('HINCRBY', stats, 'retried', retried) end
   redis.call('HINCRBY', stats, 'failed', failed)
   if expired > 0 then redis.call('HINCRBY', stats, 'expired', expired) end
   -- Recent service rate (enqueue's retry-after hint): completions counted over windows of

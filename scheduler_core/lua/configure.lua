@@ -1,6 +1,6 @@
 --[[ configure: store a queue's policy, atomically.
 
-KEYS[1..33] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
+KEYS[1..34] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
             this script uses:
 KEYS[1]  {bg:q}:policy   hash
 KEYS[5]  {bg:q}:jobs     hash   read by 'retire': the requests the queue holds

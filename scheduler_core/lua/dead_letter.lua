@@ -1,6 +1,6 @@
 --[[ dead_letter: retry or purge dead-lettered requests (`batchgate dead-letter`).
 
-KEYS[1..33] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
+KEYS[1..34] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
             this script uses:
 KEYS[1]  {bg:q}:policy        hash   read: cost_buckets (the bucket sets and markers)
 KEYS[2]  {bg:q}:pending:0     zset   HIGH
@@ -15,7 +15,7 @@ KEYS[15] {bg:q}:dead          zset   dead-lettered id -> time (µs)
 KEYS[16] {bg:q}:dead:reason   hash   id -> error envelope
 KEYS[24..28] {bg:q}:marker:<1..5> zset  wake-up markers of consumers dedicated to a cost bucket
 KEYS[29..33] {bg:q}:bucket:<1..5> zset  the ids waiting in each cost bucket (score = arrival)
-KEYS[33+i] {bg:q}:result:<id_i>  the stored result of request i (for i = 1..n)
+KEYS[34+i] {bg:q}:result:<id_i>  the stored result of request i (for i = 1..n)
 
 ARGV[1]  action: 'retry' | 'purge'
 ARGV[2]  n, the number of ids (1..1000)
@@ -52,7 +52,7 @@ local bucket_sets = {KEYS[29], KEYS[30], KEYS[31], KEYS[32], KEYS[33]}
 local action = ARGV[1]
 if action ~= 'retry' and action ~= 'purge' then return {-3, 'action'} end
 local n = int_arg(ARGV[2], 1, 1000)
-if not n or #ARGV ~= 2 + n or #KEYS ~= 33 + n then return {-3, 'n'} end
+if not n or #ARGV ~= 2 + n or #KEYS ~= 34 + n then return {-3, 'n'} end
 
 local pending = {pending_high, pending_normal, pending_low}
 local done, skipped = 0, 0
@@ -84,7 +84,7 @@ for i = 1, n do
     list_waiting(costs, bucket_sets, bounds, id, m and m.cost or 1, arrival)
     redis.call('ZREM', dead, id)
     redis.call('HDEL', dead_reason, id)
-    redis.call('DEL', KEYS[33 + i])
+    redis.call('DEL', KEYS[34 + i])
     done = done + 1
   end
 end

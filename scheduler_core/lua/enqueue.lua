@@ -1,6 +1,6 @@
 --[[ enqueue: add N requests to a queue atomically (all or none).
 
-KEYS[1..33] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
+KEYS[1..34] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
             this script uses:
 KEYS[1]  {bg:q}:policy      hash   read: strategy, max_batch_size, max_queue_size, max_cost,
                                    over_cost, max_batch_cost, cost_buckets, retired and
@@ -24,7 +24,7 @@ KEYS[24..28] {bg:q}:marker:<1..5> zset  wake-up marker of the consumers dedicate
                                    bucket: set for each bucket a new request falls in
 KEYS[29..33] {bg:q}:bucket:<1..5> zset  with cost buckets: each new request's id, in its
                                    bucket's set (score = arrival)
-KEYS[34..] {bg:q}:idem:<key> string one per request whose idem flag is 1, in order
+KEYS[35..] {bg:q}:idem:<key> string one per request whose idem flag is 1, in order
 read, not passed: {bg:q}:result:<id> of the id an idempotency key names (the caller cannot
          know it; same hash tag, so the slot of the keys above)
 
@@ -115,7 +115,7 @@ local deadlines = KEYS[20]
 local arrivals = KEYS[22]
 local bucket_markers = {KEYS[24], KEYS[25], KEYS[26], KEYS[27], KEYS[28]}
 local bucket_sets = {KEYS[29], KEYS[30], KEYS[31], KEYS[32], KEYS[33]}
-local FIRST_IDEM = 34  -- KEYS[34..]: the idempotency keys, in order
+local FIRST_IDEM = 35  -- KEYS[35..]: the idempotency keys, in order
 
 local n = int_arg(ARGV[2], 1, 10000)
 if not n or #ARGV ~= 3 + 7 * n then return {-3, 'n'} end

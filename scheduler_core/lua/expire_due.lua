@@ -7,7 +7,7 @@ pushed to the producer's inbox (and stored under result:<id> if the request aske
 it) as cancel.lua and complete.lua do. A request is answered only while it still waits past its deadline, so
 of several callers (consumers, their lease threads, producers) exactly one delivers it.
 
-KEYS[1..33] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
+KEYS[1..34] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
             this script uses:
 KEYS[1]  {bg:q}:policy      hash  on_timeout, result_ttl_s, cost_buckets
 KEYS[2]  {bg:q}:pending:0   zset  HIGH
@@ -24,8 +24,8 @@ KEYS[21] {bg:q}:delayed     zset  id -> arrival (µs): past its deadline, runs w
 KEYS[24..28] {bg:q}:marker:<1..5> zset  wake-up markers of consumers dedicated to a cost bucket
 KEYS[29..33] {bg:q}:bucket:<1..5> zset  the ids waiting in each cost bucket: an expired one
                                   leaves the set its costs entry names
-KEYS[34+2i] {bg:q}:result:<id_i>       ('expire' only) result of listed request i
-KEYS[35+2i] {bg:q}:inbox:<producer_i>  ('expire' only) its producer's inbox (any key if
+KEYS[35+2i] {bg:q}:result:<id_i>       ('expire' only) result of listed request i
+KEYS[36+2i] {bg:q}:inbox:<producer_i>  ('expire' only) its producer's inbox (any key if
             it has none)
 
 ARGV[1]  mode: 'list' | 'expire'
@@ -132,7 +132,7 @@ end
 local ttl_arg = int_arg(ARGV[2], 1, 315360000)
 if not ttl_arg then return {-3, 'result_ttl_s'} end
 local n = int_arg(ARGV[3], 1, 1000)
-if not n or #ARGV ~= 3 + 2 * n or #KEYS ~= 33 + 2 * n then return {-3, 'n'} end
+if not n or #ARGV ~= 3 + 2 * n or #KEYS ~= 34 + 2 * n then return {-3, 'n'} end
 note_clock()
 -- The queue's current result_ttl_s, as the consumers use it, not the caller's copy.
 local ttl = int_arg(redis.call('HGET', policy, 'result_ttl_s'), 1, 315360000) or ttl_arg
@@ -149,8 +149,8 @@ for i = 0, n - 1 do
       if unqueue(id) then
         unlist_waiting(costs, bucket_sets, {id})
         redis.call('HDEL', jobs, id)
-        if not m or m.keep then store_result(KEYS[34 + 2 * i], envelope, ttl) end
-        if m and m.producer ~= '' then deliver_results(KEYS[35 + 2 * i], ttl, envelope) end
+        if not m or m.keep then store_result(KEYS[35 + 2 * i], envelope, ttl) end
+        if m and m.producer ~= '' then deliver_results(KEYS[36 + 2 * i], ttl, envelope) end
         expired = expired + 1
       end
     end

@@ -23,11 +23,15 @@ This is where the scheduling rules live (docs/scheduling.md explains them):
 Deadlines: while any waiting request is past its deadline the reply is {-4}: the caller
             takes them out with expire_due.lua and pops again, so an expired request never
             fills or joins a batch. A wait ends no later than the earliest deadline.
+Retries:   requests whose model raised a retry_on exception wait in the retry set
+            (complete.lua) until their backoff, or their deadline, passes; each pop first
+            moves up to max_batch_size due ones back to their level, under their arrival
+            score, and a wait ends no later than the next one falls due.
 Delayed:   requests past their deadline under on_timeout = delay (expire_due.lua moved
             them) run only when no level has a request waiting: up to max_batch_size of
             them, oldest first (with costs, by pick_costed's rule), as level 3.
 
-KEYS[1..33] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
+KEYS[1..34] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
             this script uses:
 KEYS[1]  {bg:q}:policy      hash  read; each field within policy LIMITS
 KEYS[2]  {bg:q}:pending:0   zset  HIGH    (score = arrival, µs)
@@ -61,6 +65,7 @@ KEYS[29..33] {bg:q}:bucket:<1..5> zset  the ids waiting in each cost bucket (sco
                                   longer waiting (left by an older version) and moves
                                   those listed under an older cost_buckets to their
                                   bucket's
+KEYS[34] {bg:q}:retry       zset  id -> when it may run again (µs): due ones leave it
 
 ARGV[1]  consumer name (no '|')
 ARGV[2]  lease in ms (100..86400000)
@@ -98,7 +103,8 @@ A request delivered before (its batch was re-queued after a crash or hang) is re
 in a batch of its own, so that a poison payload fails alone. A member whose id no producer
 makes (written by hand) is dead-lettered here, never delivered; if that leaves nothing,
 the reply is {0, 0} (pop again at once).
-Work is bounded: at most 2 x max_batch_size promotions and max_batch_size pops per call;
+Work is bounded: at most 2 x max_batch_size promotions, max_batch_size retries moved
+back and max_batch_size pops per call;
 with costs, at most (buckets x max_batch_size) requests read per level (at most 5 x 4096);
 a dedicated consumer reads as many of its bucket's set, and their levels (ZMSCORE), plus
 at most STALE_BUDGET ids no longer waiting. Costs come from the costs hash: a pop's work
@@ -133,6 +139,7 @@ local deadlines = KEYS[20]
 local delayed = KEYS[21]
 local bucket_markers = {KEYS[24], KEYS[25], KEYS[26], KEYS[27], KEYS[28]}
 local bucket_sets = {KEYS[29], KEYS[30], KEYS[31], KEYS[32], KEYS[33]}
+local retry = KEYS[34]
 
 local pending = {pending_high, pending_normal, pending_low, delayed}  -- by level + 1
 
@@ -158,7 +165,7 @@ end
 local function read_policy()
   local p = redis.call('HMGET', policy, 'strategy', 'max_batch_size', 'max_queue_delay_ms',
                        'aging_ms', 'max_attempts', 'max_batch_cost', 'cost_mode',
-                       'cost_buckets')
+                       'cost_buckets', 'retry_max')
   if not p[1] then return nil, {-1} end
   local rules = {strategy = p[1], batch_size = policy_int('max_batch_size', p[2]),
                  delay = policy_int('max_queue_delay_ms', p[3]),
@@ -169,6 +176,8 @@ local function read_policy()
     return nil, {-3, 'policy'}  -- altered by hand: nothing written
   end
   rules.delay, rules.aging = rules.delay * 1000, rules.aging * 1000
+  -- A retried run counts as a delivery: retry_max runs must fit (absent: 1, no retries).
+  rules.max_attempts = math.max(rules.max_attempts, policy_int('retry_max', p[9]) or 1)
   return rules
 end
 
@@ -783,6 +792,12 @@ if rules.only == 1 and #rules.bounds == 0 then rules.only = 0 end  -- bucket 1 i
 if delay_ms then rules.delay = delay_ms * 1000 end
 local now = queue_now(clock, stats)
 redis.call('ZADD', consumers, int(now), consumer)
+local retried, next_retry = promote_retries(retry, pending, jobs, costs, deadlines,
+                                            bucket_sets, rules.bounds, now, rules.batch_size)
+if retried > 0 then  -- another consumer (or bucket) may be the one to run them
+  wake_consumers(marker)
+  wake_buckets(bucket_markers, bucket_count(rules.bounds))
+end
 local expired, first_deadline = past_deadline(now)
 if expired then return {-4} end
 rules.relisting = relist_step(rules)
@@ -792,7 +807,7 @@ local count = {redis.call('ZCARD', pending_high), redis.call('ZCARD', pending_no
                redis.call('ZCARD', pending_low), redis.call('ZCARD', delayed)}
 local waiting = count[1] + count[2] + count[3]
 local total = waiting + count[4]
-if total == 0 then return {0, -1} end
+if total == 0 then return {0, next_retry and next_retry - now or -1} end
 local chosen, wait, cut
 if rules.only > 0 then
   -- Dedicated: the rules see its bucket's requests only; the queue's totals still say
@@ -817,6 +832,9 @@ if not chosen then
   if cut or (rules.relisting and rules.only > 0) then return {0, 0} end
   if first_deadline and (wait[2] < 0 or first_deadline - now < wait[2]) then
     wait[2] = first_deadline - now
+  end
+  if next_retry and (wait[2] < 0 or next_retry - now < wait[2]) then
+    wait[2] = next_retry - now
   end
   return wait
 end

@@ -3,7 +3,7 @@ queues (any live consumer runs this sweep). A request keeps its arrival time, so
 back to the head of its original priority; pop_batch dead-letters it once it has been
 delivered max_attempts times.
 
-KEYS[1..33] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
+KEYS[1..34] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
             this script uses:
 KEYS[1]  {bg:q}:policy      hash  read: cost_buckets (the bucket sets and markers)
 KEYS[2]  {bg:q}:pending:0   zset  HIGH

@@ -122,6 +122,22 @@ POLICY_KNOBS: list[tuple[str, dict[str, Any], str]] = [
      f"Physical queues (shards) the queue is spread over, {_range('shards')}; each has its "
      "own cluster slot; ordering is strict within a shard only (docs/scaling.md) "
      "[default: 1]."),
+    ("--retry-on", {"type": str},
+     "Exception class names (the model's exception or a base class), comma-separated, "
+     "e.g. TimeoutError,ConnectionError, or '*' = any: a request whose run raises one runs "
+     "again, up to --retry-max runs; '' = none [default: '']."),
+    ("--retry-max", {"type": int},
+     f"Most runs of a request whose model raises a --retry-on exception, "
+     f"{_range('retry_max')}; 1 = no retry. Each run counts as a delivery: a request is "
+     "dead-lettered after the larger of --max-attempts and this [default: 1]."),
+    ("--retry-backoff-ms", {"type": int},
+     f"Wait before the 2nd run, ms, {_range('retry_backoff_ms')}; doubled for each further "
+     "run [default: 1000]."),
+    ("--retry-backoff-max-ms", {"type": int},
+     f"Longest wait between runs, ms, {_range('retry_backoff_max_ms')} [default: 60000]."),
+    ("--retry-jitter", {"type": int},
+     "1: each wait is drawn uniformly from [half, all] of the backoff; 0: exact "
+     "[default: 0]."),
 ]
 
 
@@ -141,5 +157,5 @@ def policy_options(func: Any = None, *, env: bool = False) -> Any:
 
 
 def policy_values(kwargs: dict[str, Any]) -> dict[str, Any]:
-    names = ["strategy", *LIMITS, *CHOICES, "cost_buckets"]
+    names = ["strategy", *LIMITS, *CHOICES, "cost_buckets", "retry_on"]
     return {name: kwargs.pop(name, None) for name in names}

@@ -45,6 +45,7 @@ class QueueReading:
     arrivals: dict[str, int]  # epoch second -> requests enqueued
     delayed: int  # past their deadline under on_timeout=delay, run when idle
     past_deadline: int  # waiting past their deadline, about to be expired
+    retrying: int = 0  # waiting out a retry's backoff (the retry set)
 
     @property
     def consumers_alive(self) -> int:
@@ -83,8 +84,9 @@ def _read_shard(owner: Any, keys: QueueKeys, samples: int) -> QueueReading:
     pipe.lrange(keys.model_samples, 0, samples - 1)
     pipe.hgetall(keys.arrivals)
     pipe.zcard(keys.delayed)
+    pipe.zcard(keys.retry)
     (now_s, now_frac), policy, d0, d1, d2, o0, o1, o2, owned, batches, beats, counters, \
-        dead, waits, e2e, model, arrivals, delayed = pipe.execute()
+        dead, waits, e2e, model, arrivals, delayed, retrying = pipe.execute()
     numbers = _numbers(counters)
     numbers.pop(CLOCK_SEEN, None)
     now_us = queue_clock_us((now_s, now_frac), numbers.pop(CLOCK_OFFSET, 0))  # the scripts'
@@ -95,7 +97,7 @@ def _read_shard(owner: Any, keys: QueueKeys, samples: int) -> QueueReading:
         heartbeats={name: int(beat) for name, beat in beats},
         counters=numbers, dead=dead, waits=_ints(waits), e2e=_ints(e2e),
         model=_ints(sample.partition(b":")[2] for sample in model),  # "size:model_us"
-        arrivals=_numbers(arrivals), delayed=delayed,
+        arrivals=_numbers(arrivals), delayed=delayed, retrying=retrying,
         past_deadline=owner.zcount(keys.deadlines, "-inf", now_us))  # at the TIME above
 
 
@@ -126,7 +128,8 @@ def _summed(readings: list[QueueReading]) -> QueueReading:
         e2e=sorted(x for r in readings for x in r.e2e),
         model=sorted(x for r in readings for x in r.model),
         arrivals=arrivals, delayed=sum(r.delayed for r in readings),
-        past_deadline=sum(r.past_deadline for r in readings))
+        past_deadline=sum(r.past_deadline for r in readings),
+        retrying=sum(r.retrying for r in readings))
 
 
 def _numbers(raw: dict[bytes, bytes]) -> dict[Any, int]:

@@ -37,6 +37,8 @@ class QueueStats:
     model_ms: dict[str, float | None]  # per batch
     delayed: int = 0  # waiting past their deadline (on_timeout = delay), run when idle
     past_deadline: int = 0  # waiting past their deadline, about to be expired
+    retried: int = 0  # runs that raised a retry_on exception and were scheduled again
+    retrying: int = 0  # waiting out a retry's backoff now
     # requests/s enqueued over the last 10 complete seconds (enqueue.lua's counts)
     arrival_rate_rps: float = 0.0
     # the max_queue_delay_ms pop_batch applies: the stored one, or under
@@ -85,6 +87,8 @@ def queue_stats(client: redis.Redis, queue: str) -> QueueStats:
         model_ms=_percentiles(r.model),
         delayed=r.delayed,
         past_deadline=r.past_deadline,
+        retried=counters.get("retried", 0),
+        retrying=r.retrying,
         arrival_rate_rps=rate_from(r.arrivals, r.now_us // 1_000_000),
         max_queue_delay_ms_in_use=delay_in_use(stored, counters,
                                                 r.now_us - CONSUMER_ALIVE_S * 1_000_000),

@@ -95,6 +95,22 @@ class Poison(_Base):
             time.sleep(3600)
 
 
+class Flaky(_Base):
+    """Raises TimeoutError for a payload {"i": ..., "fail": k} on its first k runs, counted
+    across every process by the run log (`log` is required)."""
+
+    def check(self, payload: Any) -> None:
+        if not isinstance(payload, dict) or not payload.get("fail"):
+            return
+        runs = 0
+        for name in os.listdir(self.log):
+            if name.endswith(".log"):
+                with open(os.path.join(self.log, name)) as f:
+                    runs += f.read().split().count(str(payload.get("i")))
+        if runs <= int(payload["fail"]):
+            raise TimeoutError(f"run {runs} of payload {payload.get('i')} timed out")
+
+
 class Big(_Base):
     """Answers each payload {"size": n} with a string of n bytes."""
 

@@ -11,6 +11,7 @@ from helpers.processes import ConsumerProcess, RedisServer
 from helpers.topology import TopologyServer
 
 from consumer import Consumer
+from consumer.worker import Worker
 
 
 @pytest.fixture(scope="session")
@@ -88,6 +89,10 @@ def inprocess_consumer() -> Iterator:
 
     yield start
     for consumer in started:
+        consumer.stopping.set()
+    for consumer in started:
+        if isinstance(consumer.loop, Worker):  # wake it from its idle block (up to 1 s)
+            consumer.loop._self_wake(consumer.loop.keys.wake(consumer.name))
         consumer.stop()
 
 

@@ -159,7 +159,7 @@ def test_cost_model_from_the_stored_hash_or_the_consumers_own_samples():
 
 # -- real consumers ---------------------------------------------------------------------
 def test_auto_at_light_load_does_not_wait_the_stored_delay(shared_redis, queue,
-                                                           start_consumer):
+                                                           inprocess_consumer):
     """The stored fixed delay is 3 s; under auto with a 100 ms target, single requests at
     ~5/s are answered in about t(1) = 2 ms, not after the window."""
     runner = CliRunner()
@@ -170,9 +170,8 @@ def test_auto_at_light_load_does_not_wait_the_stored_delay(shared_redis, queue,
                                queue, "--max-queue-delay-ms", "auto", "--slo-p99-ms", "100"])
     assert done.exit_code == 0, done.output
     port = free_port()
-    start_consumer(shared_redis.url, queue, "--model", "consumer.models:synthetic",
-                   "--model-arg", "base_ms=2", "--model-arg", "per_item_ms=0",
-                   "--metrics-port", str(port))
+    inprocess_consumer("consumer.models:synthetic", redis_url=shared_redis.url, queue=queue,
+                       model_args={"base_ms": 2, "per_item_ms": 0}, metrics_port=port)
     latencies = []
     with Producer(shared_redis.url, queue) as producer:
         for i in range(15):
@@ -194,7 +193,7 @@ def test_auto_at_light_load_does_not_wait_the_stored_delay(shared_redis, queue,
     assert "batchgate_queue_arrival_rate" not in metrics
 
 
-def test_auto_under_load_waits_and_forms_batches(shared_redis, queue, start_consumer):
+def test_auto_under_load_waits_and_forms_batches(shared_redis, queue, inprocess_consumer):
     """~150 requests/s with a 400 ms target: the derived delay is above 0, batches hold
     several requests, and `stats --json` shows the delay in use and the rate."""
     client = shared_redis.client()
@@ -202,9 +201,8 @@ def test_auto_under_load_waits_and_forms_batches(shared_redis, queue, start_cons
                                     "--queue", queue, "--strategy", "dynamic",
                                     "--max-queue-delay-ms", "auto", "--slo-p99-ms", "400"])
     assert done.exit_code == 0, done.output
-    start_consumer(shared_redis.url, queue, "--model", "consumer.models:synthetic",
-                   "--model-arg", "base_ms=5", "--model-arg", "per_item_ms=0.5",
-                   "--lease-ms", "3000")
+    inprocess_consumer("consumer.models:synthetic", redis_url=shared_redis.url, queue=queue,
+                       model_args={"base_ms": 5, "per_item_ms": 0.5}, lease_ms=3000)
     with Producer(shared_redis.url, queue) as producer:
         handles, seen = [], []
         end = time.monotonic() + 4

@@ -49,7 +49,7 @@ def test_queue_full_without_recent_completions_has_no_retry_hint(shared_redis, q
         assert snapshot(client, queue_pattern(queue)) == before  # nothing written
 
 
-def test_unix_socket_url_round_trip(queue, start_consumer):
+def test_unix_socket_url_round_trip(queue, inprocess_consumer):
     # A short path: Redis shows at most 77 characters of a client's address (CLIENT LIST),
     # and pytest-xdist's per-worker tmp_path is longer than that.
     folder = tempfile.TemporaryDirectory(prefix="bg-")
@@ -57,7 +57,7 @@ def test_unix_socket_url_round_trip(queue, start_consumer):
     server = RedisServer("--unixsocket", str(socket), "--unixsocketperm", "700")
     try:
         url = f"unix://{socket}?db=0"
-        start_consumer(url, queue, "--model", "consumer.models:noop")
+        inprocess_consumer("consumer.models:noop", redis_url=url, queue=queue)
         with Producer(url, queue) as p:
             assert p.submit({"over": "unix"}).result(timeout=15) == {"over": "unix"}
 
@@ -181,7 +181,7 @@ def test_an_enqueue_resent_while_its_request_runs_is_not_added_again(
     assert queue_stats(client, queue).processed == 1
 
 
-def test_latency_sample_lists_stay_bounded(shared_redis, queue, start_consumer):
+def test_latency_sample_lists_stay_bounded(shared_redis, queue, inprocess_consumer):
     """The queue-wait, end-to-end and model-time samples `stats` reads are capped lists:
     at most 10,000 entries kept (plus at most 500 between trims), newest first."""
     client, keys = shared_redis.client(), QueueKeys(queue)
@@ -189,9 +189,8 @@ def test_latency_sample_lists_stay_bounded(shared_redis, queue, start_consumer):
     for key, filler in ((keys.wait_samples, b"7"), (keys.e2e_samples, b"7"),
                         (keys.model_samples, b"1:7")):
         client.lpush(key, *[filler] * (kept + slack))
-    start_consumer(shared_redis.url, queue, "--model", "consumer.models:noop",
-                   "--strategy", "dynamic", "--max-batch-size", "4",
-                   "--max-queue-delay-ms", "100")
+    inprocess_consumer("consumer.models:noop", redis_url=shared_redis.url, queue=queue,
+                       strategy="dynamic", max_batch_size=4, max_queue_delay_ms=100)
     with Producer(shared_redis.url, queue) as p:
         for h in p.submit_many([{"i": i} for i in range(4)]):
             h.result(timeout=15)

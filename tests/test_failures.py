@@ -16,7 +16,7 @@ import time
 import pytest
 import redis
 from click.testing import CliRunner
-from helpers.failure_support import CountingProducer, executions, start, wait_for
+from helpers.failure_support import CountingProducer, executions, serve, start, wait_for
 from helpers.support import alive, configure, started
 
 from batchgate.cli import main as cli
@@ -33,9 +33,10 @@ def stats(server, queue):
 
 # -- poison input -----------------------------------------------------------------------
 def test_model_raising_for_one_payload_fails_only_that_request(shared_redis, queue,
-                                                                start_consumer, tmp_path):
-    start(start_consumer, shared_redis.url, queue, "Poison", "--strategy", "dynamic",
-          "--max-batch-size", "16", "--max-queue-delay-ms", "200", log=tmp_path)
+                                                                inprocess_consumer, tmp_path):
+    serve(inprocess_consumer, shared_redis.url, queue, "Poison",
+          {"strategy": "dynamic", "max_batch_size": 16, "max_queue_delay_ms": 200},
+          log=tmp_path)
     with CountingProducer(shared_redis.url, queue) as p:
         handles = p.submit_many([{"i": i, "raise": i == 5} for i in range(16)])
         for i, h in enumerate(handles):
@@ -55,11 +56,11 @@ def test_model_raising_for_one_payload_fails_only_that_request(shared_redis, que
 
 
 def test_a_model_exception_that_cannot_be_printed_fails_only_its_request(
-        shared_redis, queue, start_consumer, tmp_path):
+        shared_redis, queue, inprocess_consumer, tmp_path):
     """str() of the model's exception raises: the request fails with the type's name and
     "<unprintable>"; the consumer lives on and its batch-mates are answered, not re-run."""
-    consumer = start(start_consumer, shared_redis.url, queue, "Poison", "--strategy",
-                     "dynamic", "--max-batch-size", "4", "--max-queue-delay-ms", "200",
+    consumer = serve(inprocess_consumer, shared_redis.url, queue, "Poison",
+                     {"strategy": "dynamic", "max_batch_size": 4, "max_queue_delay_ms": 200},
                      log=tmp_path)
     with CountingProducer(shared_redis.url, queue) as p:
         handles = p.submit_many([{"i": i, "unprintable": i == 2} for i in range(4)])
@@ -69,7 +70,7 @@ def test_a_model_exception_that_cannot_be_printed_fails_only_its_request(
         assert [h.result(timeout=15)["echo"]["i"] for i, h in enumerate(handles)
                 if i != 2] == [0, 1, 3]
         assert p.delivered_once(handles)
-    assert consumer.proc.poll() is None
+    assert not consumer.stopping.is_set()  # it lives on
     s = stats(shared_redis, queue)
     assert (s.processed, s.failed, s.requeued) == (3, 1, 0)
 
@@ -457,9 +458,10 @@ def test_a_crash_with_a_fast_model_re_runs_the_pop_sent_ahead(redis_server, queu
 
 
 # -- cancellation -----------------------------------------------------------------------
-def test_cancel_waiting_running_and_finished(redis_server, queue, start_consumer, tmp_path):
-    start(start_consumer, redis_server.url, queue, "Echo", "--strategy", "fifo", log=tmp_path,
-          sleep_ms=1000)
+def test_cancel_waiting_running_and_finished(redis_server, queue, inprocess_consumer,
+                                            tmp_path):
+    serve(inprocess_consumer, redis_server.url, queue, "Echo", {"strategy": "fifo"},
+          log=tmp_path, sleep_ms=1000)
     with CountingProducer(redis_server.url, queue) as p:
         running = p.submit({"i": "running"})
         wait_for(lambda: executions(tmp_path), 15, "the first request to start")

@@ -1,7 +1,8 @@
 """batchgate on Redis Cluster and on Sentinel (docs/deploy.md "Cluster and Sentinel"):
 the core behaviour tests run again, unchanged, on a real 6-node cluster and a real
 sentinel set (started once for the session, tests/conftest.py), with consumers started
-as `batchgate consumer --redis-url redis+cluster://...`; then every other entry point
+as `batchgate consumer --redis-url redis+cluster://...` (in the test process where the
+core test runs its consumer there: the same connect()); then every other entry point
 (CLI, gateway, bulk jobs), the URL forms, the version check and `wait_replicas`."""
 
 from __future__ import annotations
@@ -41,12 +42,12 @@ from scheduler_core.scripts import acks_key
 # -- the core behaviour, again ---------------------------------------------------------
 
 
-def test_strategy_dynamic(topology, queue, start_consumer, tmp_path) -> None:
-    dynamic_full(topology, queue, start_consumer, tmp_path)
+def test_strategy_dynamic(topology, queue, inprocess_consumer, tmp_path) -> None:
+    dynamic_full(topology, queue, inprocess_consumer, tmp_path)
 
 
-def test_strategy_priority(topology, queue, start_consumer, tmp_path) -> None:
-    priority_order(topology, queue, start_consumer, tmp_path)
+def test_strategy_priority(topology, queue, inprocess_consumer, tmp_path) -> None:
+    priority_order(topology, queue, inprocess_consumer, tmp_path)
 
 
 def test_exactly_once_with_several_consumers(topology, queue, start_consumer,
@@ -58,12 +59,12 @@ def test_crash_recovery_after_sigkill(topology, queue, start_consumer, tmp_path)
     recovery(topology, queue, start_consumer, tmp_path)
 
 
-def test_async_producer(topology, queue, start_consumer) -> None:
-    async_round_trip(topology, queue, start_consumer)
+def test_async_producer(topology, queue, inprocess_consumer) -> None:
+    async_round_trip(topology, queue, inprocess_consumer)
 
 
-def test_connect(topology, queue, start_consumer) -> None:
-    connect_ahead(topology, queue, start_consumer)
+def test_connect(topology, queue, inprocess_consumer) -> None:
+    connect_ahead(topology, queue, inprocess_consumer)
 
 
 def test_streaming(topology, queue, start_consumer) -> None:
@@ -75,8 +76,8 @@ def test_async_cancel_and_deadline(topology, queue) -> None:
     async_cancel_and_deadline(topology, queue)
 
 
-def test_deadline_while_waiting(topology, queue, start_consumer, tmp_path) -> None:
-    deadline_while_waiting(topology, queue, start_consumer, tmp_path)
+def test_deadline_while_waiting(topology, queue, inprocess_consumer, tmp_path) -> None:
+    deadline_while_waiting(topology, queue, inprocess_consumer, tmp_path)
 
 
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "asyncio"])

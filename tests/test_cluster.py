@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
 import uuid
 
 import httpx
 import pytest
-from helpers.processes import BATCHGATE
+from helpers.cli import Ran, batchgate
 from helpers.servers import gateway_factory
 from helpers.support import configure, queue_pattern, snapshot
 from test_api import BAD_SUBMITS
@@ -127,14 +126,14 @@ def test_bad_input_names_the_field_and_writes_nothing(topology, queue) -> None:
 # -- every entry point takes the URL --------------------------------------------------
 
 
-def bg(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run([BATCHGATE, *args], capture_output=True, text=True, timeout=60)
+def bg(*args: str, check: bool = True) -> Ran:
+    result = batchgate(*args)
     assert not check or result.returncode == 0, result.stderr
     return result
 
 
-def test_cli_commands(topology, queue, start_consumer) -> None:
-    start_consumer(topology.url, queue, "--model", "consumer.models:noop")
+def test_cli_commands(topology, queue, inprocess_consumer) -> None:
+    inprocess_consumer("consumer.models:noop", redis_url=topology.url, queue=queue)
     assert bg("submit", "--redis-url", topology.url, "--queue", queue, '{"x": 1}',
               "--wait").stdout.strip() == '{"x":1}'
     acks = acks_key(QueueKeys(queue).policy)
@@ -164,8 +163,8 @@ def test_cli_commands(topology, queue, start_consumer) -> None:
     assert auto["policy"]["delay_mode"] == "auto" and auto["arrival_rate_rps"] >= 0
 
 
-def test_gateway(topology, queue, start_consumer) -> None:
-    start_consumer(topology.url, queue, "--model", "consumer.models:noop")
+def test_gateway(topology, queue, inprocess_consumer) -> None:
+    inprocess_consumer("consumer.models:noop", redis_url=topology.url, queue=queue)
     factory = gateway_factory()
     start = next(factory)
     try:
@@ -182,9 +181,9 @@ def test_gateway(topology, queue, start_consumer) -> None:
         next(factory, None)
 
 
-def test_bulk_run(topology, queue, start_consumer, tmp_path) -> None:
+def test_bulk_run(topology, queue, inprocess_consumer, tmp_path) -> None:
     """A bulk job's keys (batchgate:bulk:<job>, its lease) lie outside the queue's slot."""
-    start_consumer(topology.url, queue, "--model", "consumer.models:noop")
+    inprocess_consumer("consumer.models:noop", redis_url=topology.url, queue=queue)
     source = tmp_path / "in.jsonl"
     source.write_text("".join(f'{{"i": {i}}}\n' for i in range(50)))
     job = uuid.uuid4().hex

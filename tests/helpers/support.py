@@ -53,7 +53,8 @@ class Recorder:
 
 
 class RecordingModel:
-    """The recorder module written into `root`; consumers run it with cwd=root."""
+    """The recorder module written into `root`: `batchgate consumer` runs it with
+    cwd=root (start), a Consumer in this process loads the same file (serve)."""
 
     def __init__(self, root: Path):
         self.root = root

@@ -492,15 +492,15 @@ os._exit(0)  # gone: never reads a result, never closes
 """
 
 
-def test_results_of_dead_producers_expire(redis_server, queue, start_consumer):
+def test_results_of_dead_producers_expire(redis_server, queue, inprocess_consumer):
     """Producers that submit and die: their inboxes and the results stored by id (half
     of the requests ask for it) expire after result_ttl_s and Redis returns to its key
     count and (about) its memory of before."""
     full = os.environ.get("BATCHGATE_FULL") == "1"
     producers, per_producer = (10, 10_000) if full else (4, 500)
     url, r, ttl = redis_server.url, redis_server.client(), 2
-    start(start_consumer, url, queue, "Echo", "--strategy", "dynamic", "--max-batch-size",
-          "64", "--max-queue-delay-ms", "5", "--result-ttl-s", str(ttl))
+    serve(inprocess_consumer, url, queue, "Echo", {"strategy": "dynamic", "max_batch_size": 64,
+                                                   "max_queue_delay_ms": 5, "result_ttl_s": ttl})
     keys = QueueKeys(queue)
     with Producer(url, queue) as p:  # warm-up: creates the queue's standing keys
         warm = p.submit({"i": -1})
@@ -517,9 +517,9 @@ def test_results_of_dead_producers_expire(redis_server, queue, start_consumer):
 
     baseline_keys, baseline_mem = standing(), r.info("memory")["used_memory"]
     started = time.monotonic()
-    for _ in range(producers):
-        subprocess.run([sys.executable, "-c", DEAD_PRODUCER, url, queue, str(per_producer)],
-                       check=True, timeout=120)
+    dead = [subprocess.Popen([sys.executable, "-c", DEAD_PRODUCER, url, queue,
+                              str(per_producer)]) for _ in range(producers)]  # together
+    assert [proc.wait(timeout=120) for proc in dead] == [0] * producers
     total = producers * per_producer
     wait_for(lambda: stats(redis_server, queue).processed == total + 1, 60 + total / 500,
              "every request to be processed")

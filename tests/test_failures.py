@@ -685,9 +685,11 @@ def test_consumers_follow_a_changed_policy_and_flag_a_conflict_loudly(shared_red
     assert not flagged.stopping.is_set() and not plain.stopping.is_set()
 
 
-def test_running_consumers_apply_a_changed_result_ttl_s(shared_redis, queue, start_consumer):
+def test_running_consumers_apply_a_changed_result_ttl_s(shared_redis, queue, inprocess_consumer,
+                                                        caplog):
+    caplog.set_level(logging.INFO, logger="batchgate")
     url, r, keys = shared_redis.url, shared_redis.client(), QueueKeys(queue)
-    consumer = start_consumer(url, queue, "--model", "consumer.models:noop")
+    inprocess_consumer("consumer.models:noop", redis_url=url, queue=queue)
     with Producer(url, queue) as p:
         first = p.submit({"i": 0}, store_result=True)
         first.result(timeout=15)
@@ -701,7 +703,7 @@ def test_running_consumers_apply_a_changed_result_ttl_s(shared_redis, queue, sta
 
         # The consumer re-reads the policy every min(lease_ms / 3, 1 s).
         wait_for(stored_for_5_s, 15, "a result stored for the new result_ttl_s", 0.1)
-    assert "result_ttl_s 600 -> 5" in consumer.output()
+    assert "result_ttl_s 600 -> 5" in caplog.text
 
 
 def test_cancelled_and_expired_results_get_the_queue_result_ttl_s(shared_redis, queue):

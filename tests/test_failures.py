@@ -597,36 +597,39 @@ def test_overload_fails_fast_with_a_retry_hint_and_answers_all_accepted(
     assert peak_mem - baseline_mem < 16 << 20
 
 
-def test_consumer_survives_redis_out_of_memory(redis_server, queue, start_consumer):
+def test_consumer_survives_redis_out_of_memory(redis_server, queue, inprocess_consumer,
+                                               caplog):
     """maxmemory reached under noeviction: Redis refuses writes with OOM. The consumer
     waits it out with backoff instead of exiting, and serves again once there is room."""
-    consumer = start_consumer(redis_server.url, queue, "--model", "consumer.models:noop")
+    caplog.set_level(logging.INFO, logger="batchgate")
+    inprocess_consumer("consumer.models:noop", redis_url=redis_server.url, queue=queue)
     client = redis_server.client()
     client.config_set("maxmemory", "1mb")  # below what is used: every write gets OOM
     with pytest.raises(redis.exceptions.OutOfMemoryError):
         client.set("probe", "x")
     # The idle consumer's pops (each heartbeats: a write) now fail.
-    wait_for(lambda: "maxmemory" in consumer.output(), 15, "a pop refused for OOM")
-    assert consumer.proc.poll() is None, consumer.output()
+    wait_for(lambda: "maxmemory" in caplog.text, 15, "a pop refused for OOM")
     client.config_set("maxmemory", "0")
-    with Producer(redis_server.url, queue) as p:
+    with Producer(redis_server.url, queue) as p:  # the one consumer serves again
         assert p.submit({"after": "oom"}).result(timeout=20) == {"after": "oom"}
-    assert consumer.output().count("Redis unavailable") == 1  # logged once, not per attempt
+    assert caplog.text.count("Redis unavailable") == 1  # logged once, not per attempt
 
 
 def test_results_computed_while_redis_is_out_of_memory_are_kept(redis_server, queue,
-                                                                start_consumer, tmp_path):
+                                                                inprocess_consumer, tmp_path,
+                                                                caplog):
     """maxmemory reached while a batch runs: complete.lua gets OOM. The results are
     offered again with backoff (the lease kept), not thrown away and the batch re-run."""
+    caplog.set_level(logging.INFO, logger="batchgate")
     url, client = redis_server.url, redis_server.client()
-    consumer = start(start_consumer, url, queue, "Echo", "--strategy", "dynamic",
-                     "--max-batch-size", "8", "--max-queue-delay-ms", "100", "--lease-ms",
-                     "5000", log=tmp_path, sleep_ms=1000)
+    serve(inprocess_consumer, url, queue, "Echo", {"strategy": "dynamic", "max_batch_size": 8,
+                                                   "max_queue_delay_ms": 100, "lease_ms": 5000},
+          log=tmp_path, sleep_ms=1000)
     with CountingProducer(url, queue) as p:
         handles = p.submit_many([{"i": i} for i in range(8)])
         wait_for(lambda: len(executions(tmp_path)) == 8, 15, "the batch to start")
         client.config_set("maxmemory", "1mb")
-        wait_for(lambda: "maxmemory" in consumer.output(), 15, "the completion refused")
+        wait_for(lambda: "maxmemory" in caplog.text, 15, "the completion refused")
         client.config_set("maxmemory", "0")
         assert [h.result(timeout=20)["echo"]["i"] for h in handles] == list(range(8))
         assert p.delivered_once(handles)

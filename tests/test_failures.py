@@ -1,7 +1,9 @@
 """Failure guarantees (docs/guarantees.md), each injected for real: poison input, hung and
 CPU-bound models, graceful shutdown, cancellation, dead producers, overload. Real
-redis-server processes, real `batchgate consumer` processes; a crash is os._exit or
-SIGKILL, a hang is SIGSTOP or a model that sleeps past --max-batch-ms."""
+redis-server processes, real `batchgate consumer` processes where a process dies, hangs
+or is signalled (a crash is os._exit or SIGKILL, a hang is SIGSTOP or a model that sleeps
+past --max-batch-ms); a Consumer in the test process for the rest (its log read through
+caplog)."""
 
 from __future__ import annotations
 
@@ -639,19 +641,21 @@ def test_results_computed_while_redis_is_out_of_memory_are_kept(redis_server, qu
 
 
 # -- the policy, as it changes under running consumers -----------------------------------
-def test_the_policy_survives_redis_losing_its_data(redis_server, queue, start_consumer):
+def test_the_policy_survives_redis_losing_its_data(redis_server, queue, inprocess_consumer,
+                                                   caplog):
     """Redis restarted without persistence: every key is gone. A consumer started
     without flags stores the policy it last ran with again, not the defaults."""
     url = redis_server.url
     configure(url, queue, strategy="dynamic", max_batch_size=8, max_queue_delay_ms=5,
               max_queue_size=1000, result_ttl_s=60)
-    consumer = start_consumer(url, queue, "--model", "consumer.models:noop")
+    caplog.set_level(logging.INFO, logger="batchgate")
+    inprocess_consumer("consumer.models:noop", redis_url=url, queue=queue)
     before = read_policy(redis_server.client(), queue)
     redis_server.restart()
     client = redis_server.client()
     assert wait_for(lambda: read_policy(client, queue), 15, "the policy again") == before
-    # Its log line can reach the pipe after the policy reaches Redis.
-    assert wait_for(lambda: "lost its policy" in consumer.output(), 10, "the consumer to say")
+    # Its log line can come after the policy reaches Redis.
+    assert wait_for(lambda: "lost its policy" in caplog.text, 10, "the consumer to say")
     with Producer(url, queue) as p:
         assert p.submit({"after": "loss"}).result(timeout=15) == {"after": "loss"}
 

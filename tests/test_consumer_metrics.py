@@ -1,4 +1,5 @@
-"""`batchgate consumer --metrics-port`: Prometheus metrics scraped from a running consumer."""
+"""A consumer's --metrics-port (metrics_port=): Prometheus metrics scraped from a running
+consumer."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """Hardening of the producer side (docs/guarantees.md): requests Redis lost fail their
 handles with RequestLost instead of being waited on forever, an idempotency key whose
 request is gone is free again, and names with a trailing newline are refused. Real
-redis-server processes, real `batchgate consumer` processes."""
+redis-server processes; a consumer as a `batchgate consumer` process where the test reads
+its output, in the test process (the Consumer API) otherwise."""
 
 from __future__ import annotations
 

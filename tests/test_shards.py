@@ -1,5 +1,6 @@
 """Sharded queues (docs/scaling.md, "Sharded queues"), end to end: real redis-server,
-consumers started as `batchgate consumer`, producers as users make them."""
+consumers in the test process (the Consumer API) or, where a test measures, kills or
+restarts one, started as `batchgate consumer`; producers as users make them."""
 
 from __future__ import annotations
 

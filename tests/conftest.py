@@ -11,6 +11,8 @@ from helpers.processes import ConsumerProcess, RedisServer
 from helpers.topology import TopologyServer
 
 from consumer import Consumer
+from consumer.sharded import ShardedConsumer
+from consumer.worker import Worker
 
 
 @pytest.fixture(scope="session")
@@ -88,7 +90,19 @@ def inprocess_consumer() -> Iterator:
 
     yield start
     for consumer in started:
+        consumer.stopping.set()
+    for consumer in started:
+        _wake(consumer)
         consumer.stop()
+
+
+def _wake(consumer: Consumer) -> None:
+    """End an idle consumer's block (up to IDLE_BLOCK_S, 1 s) now, through the wake key
+    its own due timer pushes to (a sharded one on one Redis: shard 0's)."""
+    loop = consumer.loop
+    first = loop.shards[0] if isinstance(loop, ShardedConsumer) else loop
+    if isinstance(first, Worker):
+        first._self_wake(first.keys.wake(consumer.name))
 
 
 @pytest.fixture(autouse=True)

@@ -1,6 +1,7 @@
 """Aging, the priority strategy's headline promise (docs/strategies.md, docs/scheduling.md
 "The priority rules, exactly"), checked against pop_batch.lua on a real Redis with a real
-`batchgate consumer` while a producer keeps HIGH requests waiting all the time:
+Consumer (in the test process, as `batchgate consumer` runs one) while a producer keeps
+HIGH requests waiting all the time:
 
 - NORMAL waits at most about aging_ms, LOW about 2 x aging_ms, plus the batch in
   progress, and neither runs earlier (it is promoted, not let in by an idle gap);
@@ -102,17 +103,17 @@ def check_promoted(model: RecordingModel, payload: Any, submitted_at: float, mar
     return waited
 
 
-def start_flooded(shared_redis, queue, start_consumer, tmp_path, aging_ms: int):
+def start_flooded(shared_redis, queue, inprocess_consumer, tmp_path, aging_ms: int):
     configure(shared_redis.url, queue, strategy="priority", max_batch_size=BATCH,
               max_queue_delay_ms=50, aging_ms=aging_ms)
     model = RecordingModel(tmp_path)
-    model.start(start_consumer, shared_redis.url, queue, delay_ms=MODEL_MS)
+    model.serve(inprocess_consumer, shared_redis.url, queue, delay_ms=MODEL_MS)
     return model
 
 
 def test_normal_and_low_are_promoted_within_aging_under_a_high_flood(
-        shared_redis, queue, start_consumer, tmp_path):
-    model = start_flooded(shared_redis, queue, start_consumer, tmp_path, AGING_MS)
+        shared_redis, queue, inprocess_consumer, tmp_path):
+    model = start_flooded(shared_redis, queue, inprocess_consumer, tmp_path, AGING_MS)
     with Producer(shared_redis.url, queue) as p, HighFlood(shared_redis.url, queue) as flood:
         wait_for(lambda: len(model.batches()) >= 3, what="the flood to be served")
         normal, normal_at, normal_mark = flood.submit_marked(p, {"n": 0}, "normal")
@@ -132,8 +133,8 @@ def test_normal_and_low_are_promoted_within_aging_under_a_high_flood(
 
 
 def test_aging_zero_turns_aging_off_so_low_starves_under_the_flood(
-        shared_redis, queue, start_consumer, tmp_path):
-    model = start_flooded(shared_redis, queue, start_consumer, tmp_path, 0)
+        shared_redis, queue, inprocess_consumer, tmp_path):
+    model = start_flooded(shared_redis, queue, inprocess_consumer, tmp_path, 0)
     # Longer than LOW would wait with aging on (the test above): still not served.
     flood_s = bound_s(2) + 0.5
     with Producer(shared_redis.url, queue) as p:
@@ -156,7 +157,7 @@ def test_aging_zero_turns_aging_off_so_low_starves_under_the_flood(
     assert batch_of(model, {"n": 0})[0] < batch_of(model, {"l": 0})[0]
 
 
-def test_promoted_requests_keep_their_arrival_time(shared_redis, queue, start_consumer,
+def test_promoted_requests_keep_their_arrival_time(shared_redis, queue, inprocess_consumer,
                                                    tmp_path):
     """While a long HIGH batch runs, a LOW, a NORMAL and then two HIGH requests arrive.
     When the batch ends the LOW one has waited over 2 x aging_ms and the NORMAL one over
@@ -167,7 +168,7 @@ def test_promoted_requests_keep_their_arrival_time(shared_redis, queue, start_co
     configure(shared_redis.url, queue, strategy="priority", max_batch_size=BATCH,
               max_queue_delay_ms=50, aging_ms=aging_ms)
     model = RecordingModel(tmp_path)
-    model.start(start_consumer, shared_redis.url, queue)
+    model.serve(inprocess_consumer, shared_redis.url, queue)
     blocker = {"blocker": 1, "sleep_ms": 2 * aging_ms + 500}
     with Producer(shared_redis.url, queue) as p:
         handles = [p.submit(blocker, priority="high")]
@@ -181,14 +182,14 @@ def test_promoted_requests_keep_their_arrival_time(shared_redis, queue, start_co
 
 
 def test_an_idle_consumer_wakes_up_when_a_request_would_age(shared_redis, queue,
-                                                            start_consumer):
+                                                            inprocess_consumer):
     """A lone NORMAL request not due for a minute (max_queue_delay_ms): the consumer
     sleeps until it would age (docs/scheduling.md, rule 3), not until its own due time nor
     for its whole idle block (1 s), and serves it as HIGH after aging_ms."""
     aging_ms = 200
     configure(shared_redis.url, queue, strategy="priority", max_batch_size=BATCH,
               max_queue_delay_ms=60_000, aging_ms=aging_ms)
-    start_consumer(shared_redis.url, queue, "--model", "consumer.models:noop")
+    inprocess_consumer("consumer.models:noop", redis_url=shared_redis.url, queue=queue)
     with Producer(shared_redis.url, queue) as p:
         assert p.submit({"n": 0}).result(timeout=10) == {"n": 0}
     (waited_ms,) = wait_samples_ms(shared_redis.client(), queue)  # by Redis' clock

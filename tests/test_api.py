@@ -31,7 +31,7 @@ from scheduler_core.scripts import Scripts
 # -- deadlines -----------------------------------------------------------------------
 
 
-def test_deadline_passed_while_waiting_is_not_run(shared_redis, queue, start_consumer,
+def test_deadline_passed_while_waiting_is_not_run(shared_redis, queue, inprocess_consumer,
                                                   tmp_path):
     """No consumer is free: the waiting handle gives up at its deadline and removes the
     request, which no consumer ever runs afterwards."""
@@ -51,17 +51,17 @@ def test_deadline_passed_while_waiting_is_not_run(shared_redis, queue, start_con
         stored = p.fetch(handle.id)
         assert stored is not None and not stored.ok and stored.error_type == "DeadlineExceeded"
         # A consumer arriving later never sees it.
-        model.start(start_consumer, shared_redis.url, queue)
+        model.serve(inprocess_consumer, shared_redis.url, queue)
         assert p.submit({"on_time": 1}).result(timeout=10) == {"on_time": 1}
     assert model.payloads() == [{"on_time": 1}]
 
 
 def test_deadline_passed_before_a_consumer_pops_it_is_not_run(shared_redis, queue,
-                                                              start_consumer, tmp_path):
+                                                              inprocess_consumer, tmp_path):
     """The consumer pops a request whose deadline passed while it was busy: it answers
     DeadlineExceeded without running it."""
     model = RecordingModel(tmp_path)
-    model.start(start_consumer, shared_redis.url, queue, "--strategy", "fifo")
+    model.serve(inprocess_consumer, shared_redis.url, queue, strategy="fifo")
     with Producer(shared_redis.url, queue) as p:
         blocker = p.submit({"sleep_ms": 700})
         wait_for(lambda: model.batches(), what="the blocker to start")
@@ -186,8 +186,8 @@ def test_bad_queue_name(redis_server, name):
 # -- results: fetch by id, failures, cancel ---------------------------------------------
 
 
-def test_fetch_by_id_from_another_producer(shared_redis, queue, start_consumer):
-    start_consumer(shared_redis.url, queue, "--model", "consumer.models:noop")
+def test_fetch_by_id_from_another_producer(shared_redis, queue, inprocess_consumer):
+    inprocess_consumer("consumer.models:noop", redis_url=shared_redis.url, queue=queue)
     with Producer(shared_redis.url, queue) as p:
         handle = p.submit({"x": [1, "two", None, 3.5]}, priority=Priority.HIGH,
                           store_result=True)
@@ -200,10 +200,10 @@ def test_fetch_by_id_from_another_producer(shared_redis, queue, start_consumer):
         assert other.fetch("0" * 32) is None
 
 
-def test_a_result_is_stored_by_id_only_when_asked(shared_redis, queue, start_consumer):
+def test_a_result_is_stored_by_id_only_when_asked(shared_redis, queue, inprocess_consumer):
     """Every result reaches its handle (the inbox); only store_result=True, or an
     idempotency key, also stores it under result:<id> for fetch."""
-    start_consumer(shared_redis.url, queue, "--model", "consumer.models:noop")
+    inprocess_consumer("consumer.models:noop", redis_url=shared_redis.url, queue=queue)
     client, keys = shared_redis.client(), QueueKeys(queue)
     with Producer(shared_redis.url, queue) as p:
         plain = p.submit_many([{"i": i} for i in range(20)])
@@ -224,10 +224,10 @@ def test_a_result_is_stored_by_id_only_when_asked(shared_redis, queue, start_con
         assert snapshot(client, queue_pattern(queue)) == before
 
 
-def test_a_failing_request_fails_alone(shared_redis, queue, start_consumer):
-    start_consumer(shared_redis.url, queue, "--model", "consumer.models:synthetic",
-                   "--model-arg", "base_ms=0", "--model-arg", "per_item_ms=0",
-                   "--strategy", "dynamic", "--max-batch-size", "4")
+def test_a_failing_request_fails_alone(shared_redis, queue, inprocess_consumer):
+    inprocess_consumer("consumer.models:synthetic", redis_url=shared_redis.url, queue=queue,
+                       model_args={"base_ms": 0, "per_item_ms": 0}, strategy="dynamic",
+                       max_batch_size=4)
     with Producer(shared_redis.url, queue) as p:
         handles = p.submit_many([{"i": 0}, {"fail": True}, {"i": 2}, {"i": 3}],
                                 store_result=True)
@@ -241,7 +241,7 @@ def test_a_failing_request_fails_alone(shared_redis, queue, start_consumer):
     assert stats.processed == 3 and stats.failed == 1
 
 
-def test_cancel_a_waiting_request(shared_redis, queue, start_consumer, tmp_path):
+def test_cancel_a_waiting_request(shared_redis, queue, inprocess_consumer, tmp_path):
     model = RecordingModel(tmp_path)
     configure(shared_redis.url, queue, strategy="fifo")
     client = shared_redis.client()
@@ -255,15 +255,15 @@ def test_cancel_a_waiting_request(shared_redis, queue, start_consumer, tmp_path)
         assert sum(queue_stats(client, queue).depth.values()) == 0
         assert queue_stats(client, queue).cancelled == 1
         assert handle.cancel() == "finished"
-        model.start(start_consumer, shared_redis.url, queue)
+        model.serve(inprocess_consumer, shared_redis.url, queue)
         assert p.submit({"keep": 1}).result(timeout=10) == {"keep": 1}
     assert model.payloads() == [{"keep": 1}]
 
 
-def test_cancel_a_running_or_finished_request(shared_redis, queue, start_consumer,
+def test_cancel_a_running_or_finished_request(shared_redis, queue, inprocess_consumer,
                                               tmp_path):
     model = RecordingModel(tmp_path)
-    model.start(start_consumer, shared_redis.url, queue, "--strategy", "fifo")
+    model.serve(inprocess_consumer, shared_redis.url, queue, strategy="fifo")
     with Producer(shared_redis.url, queue) as p:
         handle = p.submit({"sleep_ms": 500})
         wait_for(lambda: model.batches(), what="the request to start")
@@ -275,9 +275,9 @@ def test_cancel_a_running_or_finished_request(shared_redis, queue, start_consume
 # -- asyncio ---------------------------------------------------------------------------
 
 
-def test_async_producer_round_trip(shared_redis, queue, start_consumer):
-    start_consumer(shared_redis.url, queue, "--model", "consumer.models:noop",
-                   "--strategy", "priority")
+def test_async_producer_round_trip(shared_redis, queue, inprocess_consumer):
+    inprocess_consumer("consumer.models:noop", redis_url=shared_redis.url, queue=queue,
+                       strategy="priority")
 
     async def main() -> None:
         async with AsyncProducer(shared_redis.url, queue) as p:
@@ -294,7 +294,7 @@ def test_async_producer_round_trip(shared_redis, queue, start_consumer):
     asyncio.run(main())
 
 
-def test_connect_does_the_first_submits_setup_ahead(redis_server, queue, start_consumer):
+def test_connect_does_the_first_submits_setup_ahead(redis_server, queue, inprocess_consumer):
     """connect(), sync and asyncio: the enqueue script is loaded and the result listener
     runs before any request (so the first request does not pay for them); submits then
     work as before, and a closed producer refuses it."""
@@ -306,7 +306,7 @@ def test_connect_does_the_first_submits_setup_ahead(redis_server, queue, start_c
         return sum(t.name.startswith("batchgate-listener-") for t in threading.enumerate())
 
     before = listeners()
-    start_consumer(redis_server.url, queue, "--model", "consumer.models:noop")
+    inprocess_consumer("consumer.models:noop", redis_url=redis_server.url, queue=queue)
     with Producer(redis_server.url, queue) as p:
         assert p.connect() is p
         assert client.script_exists(sha) == [True]
@@ -328,7 +328,7 @@ def test_connect_does_the_first_submits_setup_ahead(redis_server, queue, start_c
 
 
 def test_consumer_loads_its_scripts_before_the_first_batch(redis_server, queue,
-                                                           start_consumer):
+                                                           inprocess_consumer):
     """A started consumer has loaded the scripts of its loop (pop, complete, lease, the
     sweeps) before any request arrives, so that the first batch's completion is not a
     NOSCRIPT, a load and a second call on its requests' time."""
@@ -338,7 +338,7 @@ def test_consumer_loads_its_scripts_before_the_first_batch(redis_server, queue,
     loop = [scripts.pop_batch, scripts.complete, scripts.extend_lease,
             scripts.requeue_expired, scripts.expire_due]
     assert client.script_exists(*(s.sha for s in loop)) == [False] * len(loop)
-    start_consumer(redis_server.url, queue, "--model", "consumer.models:noop")
+    inprocess_consumer("consumer.models:noop", redis_url=redis_server.url, queue=queue)
     assert client.script_exists(*(s.sha for s in loop)) == [True] * len(loop)
     with Producer(redis_server.url, queue) as p:
         assert p.submit({"a": 1}).result(timeout=10) == {"a": 1}

@@ -123,11 +123,11 @@ def test_bulk_job_on_rq_keeps_high_latency(shared_redis, queue, start_consumer, 
     assert len(latencies) >= 20
 
 
-def test_killed_rq_worker_resumes_without_duplicates(shared_redis, queue, start_consumer,
+def test_killed_rq_worker_resumes_without_duplicates(shared_redis, queue, inprocess_consumer,
                                                      tmp_path):
     url, lines = shared_redis.url, 2000
     recorder = RecordingModel(tmp_path)
-    recorder.start(start_consumer, url, queue, "--max-batch-size", "32", delay_ms=40)
+    recorder.serve(inprocess_consumer, url, queue, max_batch_size=32, delay_ms=40)
     write_input(tmp_path / "in.jsonl", lines)
     job_id, rq_queue = f"job-{queue}", f"bulk-{queue}"
     bg("bulk", "submit", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"),
@@ -161,12 +161,12 @@ def test_killed_rq_worker_resumes_without_duplicates(shared_redis, queue, start_
     assert (final["state"], final["done"], final["runs"]) == ("done", lines, 2)
 
 
-def test_bulk_run_foreground_resubmits_vanished_requests(shared_redis, queue, start_consumer,
+def test_bulk_run_foreground_resubmits_vanished_requests(shared_redis, queue, inprocess_consumer,
                                                          tmp_path):
     """`bulk run`: a line whose earlier request vanished (its result expired before a
     resumed job read it) is submitted again; a finished job run again does nothing."""
     url = shared_redis.url
-    start_consumer(url, queue, "--model", "consumer.models:noop")
+    inprocess_consumer("consumer.models:noop", redis_url=url, queue=queue)
     write_input(tmp_path / "in.jsonl", 200)
     spec = BulkSpec(job_id=f"fg-{queue}", input=str(tmp_path / "in.jsonl"),
                     output=str(tmp_path / "out.jsonl"), redis_url=url, queue=queue,
@@ -199,12 +199,12 @@ ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\r")
 
 
 def test_total_counts_records_and_the_progress_fits_80_columns(shared_redis, queue,
-                                                               start_consumer, tmp_path):
+                                                               inprocess_consumer, tmp_path):
     """2,000 lines whose last is blank are 1,999 records: total and done say 1,999; the
     bar shows them whole in 80 columns; a log line printed while the bar is live lands
     on a line of its own."""
     url = shared_redis.url
-    start_consumer(url, queue, "--model", "consumer.models:noop")
+    inprocess_consumer("consumer.models:noop", redis_url=url, queue=queue)
     write_input(tmp_path / "in.jsonl", 2000, {2000: b""})
     job_id = "a-long-job-id-" + "x" * 50  # 64 characters, the longest allowed
     terminal = {**os.environ, "COLUMNS": "80", "TTY_COMPATIBLE": "1", "TTY_INTERACTIVE": "1"}

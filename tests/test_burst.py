@@ -20,8 +20,8 @@ from producer import AsyncProducer, DeadlineExceeded, Producer, QueueFull, Reque
 from scheduler_core.connection import DEFAULT_MAX_CONNECTIONS
 from scheduler_core.ops.stats import queue_stats
 
-NOOP = ["--model", "consumer.models:noop", "--strategy", "dynamic", "--max-batch-size", "256",
-        "--max-queue-delay-ms", "2"]
+# The consumer (in the test process): answers at once, in batches of up to 256.
+NOOP = {"strategy": "dynamic", "max_batch_size": 256, "max_queue_delay_ms": 2}
 NAME = "burst-producer"
 # The producer's pool, its listener's own connection, and a reconnect in between.
 CONNECTION_BOUND = DEFAULT_MAX_CONNECTIONS + 1 + 1
@@ -55,8 +55,9 @@ def evalsha_calls(admin) -> int:
     return int(admin.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
 
 
-def test_10000_concurrent_async_submits(shared_redis, queue, start_consumer):
-    start_consumer(shared_redis.url, queue, *NOOP)
+def test_10000_concurrent_async_submits(shared_redis, queue, inprocess_consumer):
+    inprocess_consumer("consumer.models:noop", redis_url=shared_redis.url, queue=queue,
+                       **NOOP)
     admin = shared_redis.client()
 
     async def burst() -> list[object]:
@@ -75,8 +76,9 @@ def test_10000_concurrent_async_submits(shared_redis, queue, start_consumer):
     assert 2 <= max(counts) <= CONNECTION_BOUND, counts
 
 
-def test_1000_threads_through_one_sync_producer(shared_redis, queue, start_consumer):
-    start_consumer(shared_redis.url, queue, *NOOP)
+def test_1000_threads_through_one_sync_producer(shared_redis, queue, inprocess_consumer):
+    inprocess_consumer("consumer.models:noop", redis_url=shared_redis.url, queue=queue,
+                       **NOOP)
     admin = shared_redis.client()
     results: list[object] = [None] * 1000
     go = threading.Event()
@@ -117,9 +119,10 @@ async def post_json(port: int, path: str, body: object, token: str = "") -> tupl
     return int(head.split(b" ", 2)[1]), orjson.loads(payload)
 
 
-def test_2000_concurrent_http_requests_at_the_gateway(shared_redis, queue, start_consumer,
+def test_2000_concurrent_http_requests_at_the_gateway(shared_redis, queue, inprocess_consumer,
                                                        start_gateway):
-    start_consumer(shared_redis.url, queue, *NOOP)
+    inprocess_consumer("consumer.models:noop", redis_url=shared_redis.url, queue=queue,
+                       **NOOP)
     gateway = start_gateway(shared_redis.url, queue, "--workers", "2", "--token", "s3cret")
 
     async def burst() -> list[tuple[int, object] | BaseException]:
@@ -178,8 +181,9 @@ def test_coalesced_submits_keep_their_own_all_or_nothing(redis_server, queue):
     assert evalsha_calls(admin) - calls <= 50
 
 
-def test_concurrent_submits_with_one_idempotency_key(shared_redis, queue, start_consumer):
-    start_consumer(shared_redis.url, queue, *NOOP)
+def test_concurrent_submits_with_one_idempotency_key(shared_redis, queue, inprocess_consumer):
+    inprocess_consumer("consumer.models:noop", redis_url=shared_redis.url, queue=queue,
+                       **NOOP)
 
     async def same_key() -> list[tuple[str, object]]:
         async with AsyncProducer(shared_redis.url, queue) as p:
@@ -194,8 +198,9 @@ def test_concurrent_submits_with_one_idempotency_key(shared_redis, queue, start_
     assert queue_stats(shared_redis.client(), queue).processed == 1
 
 
-def test_done_callbacks_and_as_completed(shared_redis, queue, start_consumer):
-    start_consumer(shared_redis.url, queue, *NOOP)
+def test_done_callbacks_and_as_completed(shared_redis, queue, inprocess_consumer):
+    inprocess_consumer("consumer.models:noop", redis_url=shared_redis.url, queue=queue,
+                       **NOOP)
     seen: list[str] = []
     with Producer(shared_redis.url, queue) as p:
         handles = p.submit_many([{"i": i, "fail": i % 50 == 0} for i in range(500)])

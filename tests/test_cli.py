@@ -1,6 +1,7 @@
 """The `batchgate` command as operators use it: consumer lifecycle (SIGTERM), policy
-conflicts, model arguments and environment variables, `submit`, `result`, `policy`,
-`stats --json`."""
+conflicts, model arguments and environment variables (real `batchgate consumer`
+processes); `submit`, `result`, `policy`, `stats --json` (through click's CliRunner, a
+consumer in the test process serving them)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import subprocess
 import sys
 from importlib.metadata import version
 
+from helpers.cli import Ran, batchgate
 from helpers.failure_support import HERE
-from helpers.processes import BATCHGATE
 from helpers.support import RecordingModel, configure, queue_pattern, snapshot, wait_for
 
 from producer import Producer
@@ -20,11 +21,6 @@ from scheduler_core.admin import read_policy
 from scheduler_core.cost_model import CostModel, write_cost_model
 from scheduler_core.keys import QueueKeys
 from scheduler_core.ops.stats import queue_stats
-
-
-def batchgate(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([BATCHGATE, *args], capture_output=True, text=True, timeout=timeout)
-
 
 # -- consumer lifecycle ----------------------------------------------------------------
 
@@ -122,20 +118,20 @@ def test_conflicting_policy_flags_are_refused(shared_redis, queue, start_consume
 # -- submit ----------------------------------------------------------------------------
 
 
-def test_submit_wait_prints_the_result(shared_redis, queue, start_consumer):
-    start_consumer(shared_redis.url, queue, "--model", "consumer.models:noop")
+def test_submit_wait_prints_the_result(shared_redis, queue, inprocess_consumer):
+    inprocess_consumer("consumer.models:noop", redis_url=shared_redis.url, queue=queue)
     done = batchgate("submit", "--redis-url", shared_redis.url, "--queue", queue,
                      "--priority", "high", "--wait", '{"a": [1, 2, {"b": null}]}')
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == {"a": [1, 2, {"b": None}]}
 
 
-def test_submit_prints_the_id_to_fetch_later(shared_redis, queue, start_consumer):
+def test_submit_prints_the_id_to_fetch_later(shared_redis, queue, inprocess_consumer):
     done = batchgate("submit", "--redis-url", shared_redis.url, "--queue", queue,
                      "--priority", "low", '"hello"')
     assert done.returncode == 0, done.stderr
     request_id = done.stdout.strip()
-    start_consumer(shared_redis.url, queue, "--model", "consumer.models:noop")
+    inprocess_consumer("consumer.models:noop", redis_url=shared_redis.url, queue=queue)
     with Producer(shared_redis.url, queue) as p:
         stored = wait_for(lambda: p.fetch(request_id), what="the result")
     assert stored.ok and stored.value == "hello"
@@ -172,7 +168,7 @@ def stats_json(url: str, queue: str) -> dict:
     return json.loads(done.stdout)
 
 
-def test_stats_json(shared_redis, queue, start_consumer):
+def test_stats_json(shared_redis, queue, inprocess_consumer):
     with Producer(shared_redis.url, queue) as p:
         p.submit_many([{"h": i} for i in range(2)], priority="high")
         p.submit_many([{"l": i} for i in range(3)], priority="low")
@@ -183,8 +179,8 @@ def test_stats_json(shared_redis, queue, start_consumer):
         assert waiting["consumers_alive"] == 0 and waiting["processed"] == 0
         assert waiting["policy"] is None  # no consumer has configured the queue yet
 
-        start_consumer(shared_redis.url, queue, "--model", "consumer.models:noop",
-                       "--strategy", "priority", "--max-batch-size", "8")
+        inprocess_consumer("consumer.models:noop", redis_url=shared_redis.url, queue=queue,
+                           strategy="priority", max_batch_size=8)
         handles = p.submit_many([{"n": i} for i in range(8)])
         for h in handles:
             h.result(timeout=10)
@@ -320,7 +316,7 @@ def test_torch_threads_flag_caps_torch_in_the_consumer(shared_redis, queue, star
 # -- policy ----------------------------------------------------------------------------
 
 
-def policy_cli(url: str, queue: str, *args: str) -> subprocess.CompletedProcess[str]:
+def policy_cli(url: str, queue: str, *args: str) -> Ran:
     return batchgate("policy", *args, "--redis-url", url, "--queue", queue)
 
 
@@ -356,12 +352,12 @@ def test_policy_set_applies_the_new_strategys_batch_size_and_show_prints_numbers
 # -- result ----------------------------------------------------------------------------
 
 
-def result_cli(url: str, queue: str, *args: str) -> subprocess.CompletedProcess[str]:
+def result_cli(url: str, queue: str, *args: str) -> Ran:
     return batchgate("result", "--redis-url", url, "--queue", queue, *args)
 
 
 def test_result_prints_a_stored_result_with_documented_exit_codes(shared_redis, queue,
-                                                                  start_consumer):
+                                                                  inprocess_consumer):
     url = shared_redis.url
     with Producer(url, queue) as p:
         ok = p.submit({"v": [1, "é"]}, store_result=True)
@@ -370,7 +366,7 @@ def test_result_prints_a_stored_result_with_documented_exit_codes(shared_redis, 
         assert queued.returncode == 3 and "queued" in queued.stderr
         waited_out = result_cli(url, queue, ok.id, "--wait", "--timeout", "0.3")
         assert waited_out.returncode == 3 and "within 0.3s" in waited_out.stderr
-        start_consumer(url, queue, "--model", "consumer.models:synthetic")
+        inprocess_consumer("consumer.models:synthetic", redis_url=url, queue=queue)
         waited = result_cli(url, queue, ok.id, "--wait", "--timeout", "20")
         assert waited.returncode == 0, waited.stderr
         assert json.loads(waited.stdout) == {"v": [1, "é"]}

@@ -1,19 +1,19 @@
 """batchgate on Redis Cluster and on Sentinel (docs/deploy.md "Cluster and Sentinel"):
 the core behaviour tests run again, unchanged, on a real 6-node cluster and a real
 sentinel set (started once for the session, tests/conftest.py), with consumers started
-as `batchgate consumer --redis-url redis+cluster://...`; then every other entry point
+as `batchgate consumer --redis-url redis+cluster://...` (in the test process where the
+core test runs its consumer there: the same connect()); then every other entry point
 (CLI, gateway, bulk jobs), the URL forms, the version check and `wait_replicas`."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
 import uuid
 
 import httpx
 import pytest
-from helpers.processes import BATCHGATE
+from helpers.cli import Ran, batchgate
 from helpers.servers import gateway_factory
 from helpers.support import configure, queue_pattern, snapshot
 from test_api import BAD_SUBMITS
@@ -41,12 +41,12 @@ from scheduler_core.scripts import acks_key
 # -- the core behaviour, again ---------------------------------------------------------
 
 
-def test_strategy_dynamic(topology, queue, start_consumer, tmp_path) -> None:
-    dynamic_full(topology, queue, start_consumer, tmp_path)
+def test_strategy_dynamic(topology, queue, inprocess_consumer, tmp_path) -> None:
+    dynamic_full(topology, queue, inprocess_consumer, tmp_path)
 
 
-def test_strategy_priority(topology, queue, start_consumer, tmp_path) -> None:
-    priority_order(topology, queue, start_consumer, tmp_path)
+def test_strategy_priority(topology, queue, inprocess_consumer, tmp_path) -> None:
+    priority_order(topology, queue, inprocess_consumer, tmp_path)
 
 
 def test_exactly_once_with_several_consumers(topology, queue, start_consumer,
@@ -58,12 +58,12 @@ def test_crash_recovery_after_sigkill(topology, queue, start_consumer, tmp_path)
     recovery(topology, queue, start_consumer, tmp_path)
 
 
-def test_async_producer(topology, queue, start_consumer) -> None:
-    async_round_trip(topology, queue, start_consumer)
+def test_async_producer(topology, queue, inprocess_consumer) -> None:
+    async_round_trip(topology, queue, inprocess_consumer)
 
 
-def test_connect(topology, queue, start_consumer) -> None:
-    connect_ahead(topology, queue, start_consumer)
+def test_connect(topology, queue, inprocess_consumer) -> None:
+    connect_ahead(topology, queue, inprocess_consumer)
 
 
 def test_streaming(topology, queue, start_consumer) -> None:
@@ -75,8 +75,8 @@ def test_async_cancel_and_deadline(topology, queue) -> None:
     async_cancel_and_deadline(topology, queue)
 
 
-def test_deadline_while_waiting(topology, queue, start_consumer, tmp_path) -> None:
-    deadline_while_waiting(topology, queue, start_consumer, tmp_path)
+def test_deadline_while_waiting(topology, queue, inprocess_consumer, tmp_path) -> None:
+    deadline_while_waiting(topology, queue, inprocess_consumer, tmp_path)
 
 
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "asyncio"])
@@ -126,14 +126,14 @@ def test_bad_input_names_the_field_and_writes_nothing(topology, queue) -> None:
 # -- every entry point takes the URL --------------------------------------------------
 
 
-def bg(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run([BATCHGATE, *args], capture_output=True, text=True, timeout=60)
+def bg(*args: str, check: bool = True) -> Ran:
+    result = batchgate(*args)
     assert not check or result.returncode == 0, result.stderr
     return result
 
 
-def test_cli_commands(topology, queue, start_consumer) -> None:
-    start_consumer(topology.url, queue, "--model", "consumer.models:noop")
+def test_cli_commands(topology, queue, inprocess_consumer) -> None:
+    inprocess_consumer("consumer.models:noop", redis_url=topology.url, queue=queue)
     assert bg("submit", "--redis-url", topology.url, "--queue", queue, '{"x": 1}',
               "--wait").stdout.strip() == '{"x":1}'
     acks = acks_key(QueueKeys(queue).policy)
@@ -163,8 +163,8 @@ def test_cli_commands(topology, queue, start_consumer) -> None:
     assert auto["policy"]["delay_mode"] == "auto" and auto["arrival_rate_rps"] >= 0
 
 
-def test_gateway(topology, queue, start_consumer) -> None:
-    start_consumer(topology.url, queue, "--model", "consumer.models:noop")
+def test_gateway(topology, queue, inprocess_consumer) -> None:
+    inprocess_consumer("consumer.models:noop", redis_url=topology.url, queue=queue)
     factory = gateway_factory()
     start = next(factory)
     try:
@@ -181,9 +181,9 @@ def test_gateway(topology, queue, start_consumer) -> None:
         next(factory, None)
 
 
-def test_bulk_run(topology, queue, start_consumer, tmp_path) -> None:
+def test_bulk_run(topology, queue, inprocess_consumer, tmp_path) -> None:
     """A bulk job's keys (batchgate:bulk:<job>, its lease) lie outside the queue's slot."""
-    start_consumer(topology.url, queue, "--model", "consumer.models:noop")
+    inprocess_consumer("consumer.models:noop", redis_url=topology.url, queue=queue)
     source = tmp_path / "in.jsonl"
     source.write_text("".join(f'{{"i": {i}}}\n' for i in range(50)))
     job = uuid.uuid4().hex

@@ -1,4 +1,5 @@
-"""`batchgate consumer --metrics-port`: Prometheus metrics scraped from a running consumer."""
+"""A consumer's --metrics-port (metrics_port=): Prometheus metrics scraped from a running
+consumer."""
 
 from __future__ import annotations
 
@@ -13,11 +14,10 @@ from scheduler_core.errors import RequestFailed
 pytest.importorskip("prometheus_client.parser")
 
 
-def test_metrics_scraped_from_a_running_consumer(shared_redis, queue, start_consumer):
+def test_metrics_scraped_from_a_running_consumer(shared_redis, queue, inprocess_consumer):
     port = free_port()
-    start_consumer(shared_redis.url, queue, "--model", "consumer.models:synthetic",
-                   "--model-arg", "base_ms=1", "--model-arg", "per_item_ms=0",
-                   "--metrics-port", str(port))
+    inprocess_consumer("consumer.models:synthetic", redis_url=shared_redis.url, queue=queue,
+                       model_args={"base_ms": 1, "per_item_ms": 0}, metrics_port=port)
     before = scrape(port)
     assert value(before, "batchgate_consumer_redis_up", queue=queue) == 1
     assert value(before, "batchgate_consumer_requests_total", queue=queue, outcome="ok") == 0

@@ -1,21 +1,22 @@
 """Requests of different cost (docs/scheduling.md, "Requests of different cost"), end to end:
-a real redis-server, consumers started as `batchgate consumer`, a model that opts into
-the costs (helpers/cost_models.py). The cost is validated at the edge with nothing
-written; max_cost refuses or caps; max_batch_cost bounds every batch (sum and padded), a
-request above it runs alone; cost buckets are never mixed in a batch and each bucket's
-oldest waits at most the delay (bounds from the configured delay, with generous slack)."""
+a real redis-server, real Consumers in the test process (as `batchgate consumer` runs
+one; a process where one is SIGKILLed), a model that opts into the costs
+(helpers/cost_models.py); the CLI through click's CliRunner. The cost is validated at
+the edge with nothing written; max_cost refuses or caps; max_batch_cost bounds every
+batch (sum and padded), a request above it runs alone; cost buckets are never mixed in a
+batch and each bucket's oldest waits at most the delay (bounds from the configured delay,
+with generous slack)."""
 
 from __future__ import annotations
 
 import asyncio
-import subprocess
 import time
 
 import pytest
 import redis
-from helpers.cost_models import batches
+from helpers.cli import batchgate
+from helpers.cost_models import CostRecorder, batches
 from helpers.failure_support import HERE
-from helpers.processes import BATCHGATE
 from helpers.support import configure, queue_pattern, snapshot
 
 from producer import AsyncProducer, InvalidRequest, Producer
@@ -29,14 +30,18 @@ from scheduler_core.wire import split_job
 SLACK_MS = 3000  # the machine is shared and loaded
 
 
-def batchgate(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([BATCHGATE, *args], capture_output=True, text=True, timeout=60)
-
-
 def start_recorder(start_consumer, url: str, queue: str, out, *args: str):
+    """A `batchgate consumer` process running CostRecorder (for a test that kills it)."""
     out.mkdir(exist_ok=True)
     return start_consumer(url, queue, "--model", "cost_models:CostRecorder", "--model-arg",
                           f"out={out}", *args, cwd=str(HERE))
+
+
+def serve_recorder(inprocess_consumer, url: str, queue: str, out, model=None, **settings):
+    """A Consumer in this process running CostRecorder(out, **model)."""
+    out.mkdir(exist_ok=True)
+    return inprocess_consumer(CostRecorder(str(out), **(model or {})), redis_url=url,
+                              queue=queue, **settings)
 
 
 # -- a cost per request: validated at the edge --------------------------------------------
@@ -109,9 +114,9 @@ def test_max_cost_reject_refuses_at_enqueue_and_writes_nothing(shared_redis, que
 
 
 def test_max_cost_truncate_caps_the_cost_and_tells_the_model(shared_redis, queue,
-                                                            start_consumer, tmp_path):
+                                                            inprocess_consumer, tmp_path):
     configure(shared_redis.url, queue, max_cost=100, over_cost="truncate", strategy="fifo")
-    start_recorder(start_consumer, shared_redis.url, queue, tmp_path / "out")
+    serve_recorder(inprocess_consumer, shared_redis.url, queue, tmp_path / "out")
     with Producer(shared_redis.url, queue) as p:
         long = p.submit("long", cost=5000).result(timeout=15)
         short = p.submit("short", cost=30).result(timeout=15)
@@ -124,8 +129,8 @@ def test_max_cost_truncate_caps_the_cost_and_tells_the_model(shared_redis, queue
     ("sum", 10, [4, 4, 4, 4, 20, 1, 1], [[4, 4], [4, 4], [20], [1, 1]]),
     ("padded", 32, [2, 2, 2, 8, 8, 8, 8, 40, 1], [[2, 2, 2, 8], [8, 8, 8], [40], [1]]),
 ])
-def test_a_batch_never_exceeds_max_batch_cost(shared_redis, queue, start_consumer, tmp_path,
-                                             mode, budget, costs, expected):
+def test_a_batch_never_exceeds_max_batch_cost(shared_redis, queue, inprocess_consumer,
+                                             tmp_path, mode, budget, costs, expected):
     """The backlog is queued first, then one consumer takes it: batches in arrival order,
     each within the budget (sum of costs, or size x largest), a request above the budget
     alone; the last partial batch waits out the delay."""
@@ -134,7 +139,7 @@ def test_a_batch_never_exceeds_max_batch_cost(shared_redis, queue, start_consume
               max_queue_delay_ms=delay_ms, max_batch_cost=budget, cost_mode=mode)
     with Producer(shared_redis.url, queue) as p:
         handles = p.submit_many(list(range(len(costs))), cost=costs)
-        start_recorder(start_consumer, shared_redis.url, queue, tmp_path / "out")
+        serve_recorder(inprocess_consumer, shared_redis.url, queue, tmp_path / "out")
         results = [h.result(timeout=20) for h in handles]
     assert [r["cost"] for r in results] == costs
     ran = [b["costs"] for b in batches(tmp_path / "out")]
@@ -144,14 +149,14 @@ def test_a_batch_never_exceeds_max_batch_cost(shared_redis, queue, start_consume
         assert size <= budget or len(b) == 1, ran
 
 
-def test_a_batch_full_by_its_budget_leaves_at_once(shared_redis, queue, start_consumer,
+def test_a_batch_full_by_its_budget_leaves_at_once(shared_redis, queue, inprocess_consumer,
                                                    tmp_path):
     """Two requests of cost 8 under a budget of 10: the first is a full batch as soon as the
     second arrives (it does not fit), though the queue is far from max_batch_size."""
-    delay_ms = 4000
-    start_recorder(start_consumer, shared_redis.url, queue, tmp_path / "out",
-                   "--strategy", "dynamic", "--max-batch-size", "32",
-                   "--max-queue-delay-ms", str(delay_ms), "--max-batch-cost", "10")
+    delay_ms = 1500
+    serve_recorder(inprocess_consumer, shared_redis.url, queue, tmp_path / "out",
+                   strategy="dynamic", max_batch_size=32, max_queue_delay_ms=delay_ms,
+                   max_batch_cost=10)
     with Producer(shared_redis.url, queue) as p:
         first = p.submit("a", cost=8)
         time.sleep(0.2)
@@ -168,11 +173,11 @@ def test_a_batch_full_by_its_budget_leaves_at_once(shared_redis, queue, start_co
 
 # -- cost buckets --------------------------------------------------------------------------
 def test_buckets_are_never_mixed_and_each_bucket_waits_at_most_the_delay(
-        shared_redis, queue, start_consumer, tmp_path):
+        shared_redis, queue, inprocess_consumer, tmp_path):
     delay_ms = 500
-    start_recorder(start_consumer, shared_redis.url, queue, tmp_path / "out",
-                   "--strategy", "dynamic", "--max-batch-size", "8",
-                   "--max-queue-delay-ms", str(delay_ms), "--cost-buckets", "32,1024")
+    serve_recorder(inprocess_consumer, shared_redis.url, queue, tmp_path / "out",
+                   strategy="dynamic", max_batch_size=8, max_queue_delay_ms=delay_ms,
+                   cost_buckets="32,1024")
     client = shared_redis.client()
     assert read_policy(client, queue).cost_buckets == "32,1024"
     costs = [16, 512, 16, 4000, 16, 512, 8, 900, 32, 33, 2000, 1]
@@ -201,11 +206,11 @@ def test_buckets_are_never_mixed_and_each_bucket_waits_at_most_the_delay(
 
 
 def test_a_full_bucket_leaves_at_once_while_another_waits_its_delay(
-        shared_redis, queue, start_consumer, tmp_path):
-    delay_ms = 2000
-    start_recorder(start_consumer, shared_redis.url, queue, tmp_path / "out",
-                   "--strategy", "priority", "--max-batch-size", "4",
-                   "--max-queue-delay-ms", str(delay_ms), "--cost-buckets", "32")
+        shared_redis, queue, inprocess_consumer, tmp_path):
+    delay_ms = 1000
+    serve_recorder(inprocess_consumer, shared_redis.url, queue, tmp_path / "out",
+                   strategy="priority", max_batch_size=4, max_queue_delay_ms=delay_ms,
+                   cost_buckets="32")
     with Producer(shared_redis.url, queue) as p:
         short = p.submit("short", cost=16)
         started = time.monotonic()
@@ -257,20 +262,21 @@ def test_configure_lua_refuses_a_bad_cost_setting(shared_redis, queue, field, va
 
 
 def test_a_policy_stored_before_the_cost_settings_runs_without_them(shared_redis, queue,
-                                                                   start_consumer, tmp_path):
+                                                                   inprocess_consumer,
+                                                                   tmp_path):
     client = shared_redis.client()
     store_policy(client, queue, Policy(strategy="fifo"), replace=True)
     key = QueueKeys(queue).policy
     client.hdel(key, "max_cost", "over_cost", "max_batch_cost", "cost_mode", "cost_buckets")
     assert read_policy(client, queue).cost_buckets == ""
-    start_recorder(start_consumer, shared_redis.url, queue, tmp_path / "out")
+    serve_recorder(inprocess_consumer, shared_redis.url, queue, tmp_path / "out")
     with Producer(shared_redis.url, queue) as p:
         assert p.submit("x", cost=9).result(timeout=15)["cost"] == 9
 
 
 # -- the gateway's "cost" ------------------------------------------------------------------
-def test_the_gateway_takes_a_cost_and_refuses_a_bad_one(shared_redis, queue, start_consumer,
-                                                        tmp_path):
+def test_the_gateway_takes_a_cost_and_refuses_a_bad_one(shared_redis, queue,
+                                                        inprocess_consumer, tmp_path):
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("fastapi")
     from helpers.servers import gateway_factory
@@ -291,7 +297,7 @@ def test_the_gateway_takes_a_cost_and_refuses_a_bad_one(shared_redis, queue, sta
             assert over.status_code == 422 and over.json()["field"] == "cost"
             assert "100" in over.json()["message"]
             assert snapshot(client, queue_pattern(queue)) == before
-            start_recorder(start_consumer, shared_redis.url, queue, tmp_path / "out")
+            serve_recorder(inprocess_consumer, shared_redis.url, queue, tmp_path / "out")
             done = http.post("/v1/requests", json={"payload": "x", "cost": 64, "wait": True})
             assert done.status_code == 200, done.text
             assert done.json()["result"]["cost"] == 64
@@ -300,7 +306,7 @@ def test_the_gateway_takes_a_cost_and_refuses_a_bad_one(shared_redis, queue, sta
 
 
 def test_a_consumer_serves_its_preferred_bucket_first_when_it_is_due(
-        shared_redis, queue, start_consumer, tmp_path):
+        shared_redis, queue, inprocess_consumer, tmp_path):
     """Both buckets due when the consumer starts: without a preference the older (short)
     goes first; --prefer-bucket 2 takes the long one first."""
     configure(shared_redis.url, queue, strategy="dynamic", max_batch_size=8,
@@ -308,8 +314,8 @@ def test_a_consumer_serves_its_preferred_bucket_first_when_it_is_due(
     with Producer(shared_redis.url, queue) as p:
         handles = [p.submit("short", cost=16), p.submit("long", cost=100)]
         time.sleep(0.3)  # both past their delay
-        start_recorder(start_consumer, shared_redis.url, queue, tmp_path / "out",
-                       "--prefer-bucket", "2")
+        serve_recorder(inprocess_consumer, shared_redis.url, queue, tmp_path / "out",
+                       prefer_bucket=2)
         assert [h.result(timeout=15)["cost"] for h in handles] == [16, 100]
     assert [b["costs"] for b in batches(tmp_path / "out")] == [[100], [16]]
 
@@ -331,18 +337,18 @@ def test_prefer_and_only_bucket_are_validated():
 
 
 def test_a_consumer_dedicated_to_a_bucket_serves_it_alone_past_a_busy_long_batch(
-        shared_redis, queue, start_consumer, tmp_path):
+        shared_redis, queue, inprocess_consumer, tmp_path):
     """--only-bucket 1 beside a consumer that serves every bucket: while that one runs a
-    long batch (3 s), short requests are answered by the dedicated one within their
+    long batch (2 s), short requests are answered by the dedicated one within their
     delay and a fraction of the long batch; the dedicated consumer never runs a long
     request, even idle with longs waiting."""
-    delay_ms, slow_ms = 50, 3000
+    delay_ms, slow_ms = 50, 2000
     configure(shared_redis.url, queue, strategy="dynamic", max_batch_size=4,
               max_queue_delay_ms=delay_ms, cost_buckets="32")
-    model = ("--model-arg", "slow_over=32", "--model-arg", f"slow_ms={slow_ms}")
-    start_recorder(start_consumer, shared_redis.url, queue, tmp_path / "any", *model)
-    start_recorder(start_consumer, shared_redis.url, queue, tmp_path / "short", *model,
-                   "--only-bucket", "1")
+    model = {"slow_over": 32, "slow_ms": slow_ms}
+    serve_recorder(inprocess_consumer, shared_redis.url, queue, tmp_path / "any", model)
+    serve_recorder(inprocess_consumer, shared_redis.url, queue, tmp_path / "short", model,
+                   only_bucket=1)
     with Producer(shared_redis.url, queue) as p:
         longs = p.submit_many([f"l{i}" for i in range(8)], cost=100)  # two full batches
         client, keys = shared_redis.client(), QueueKeys(queue)
@@ -365,16 +371,16 @@ def test_a_consumer_dedicated_to_a_bucket_serves_it_alone_past_a_busy_long_batch
 
 
 def test_an_arrival_for_another_bucket_wakes_a_consumer_that_serves_it(
-        shared_redis, queue, start_consumer, tmp_path):
+        shared_redis, queue, inprocess_consumer, tmp_path):
     """Idle consumers: one dedicated to bucket 1, one serving every bucket. A long request
     wakes the second at once (the dedicated one blocks on its bucket's own marker, so it
     cannot take the wake-up and leave the long request until an idle block times out)."""
     delay_ms = 20
     configure(shared_redis.url, queue, strategy="dynamic", max_batch_size=4,
               max_queue_delay_ms=delay_ms, cost_buckets="32")
-    start_recorder(start_consumer, shared_redis.url, queue, tmp_path / "any")
-    start_recorder(start_consumer, shared_redis.url, queue, tmp_path / "short",
-                   "--only-bucket", "1")
+    serve_recorder(inprocess_consumer, shared_redis.url, queue, tmp_path / "any")
+    serve_recorder(inprocess_consumer, shared_redis.url, queue, tmp_path / "short",
+                   only_bucket=1)
     with Producer(shared_redis.url, queue) as p:
         assert p.submit("warm", cost=100).result(timeout=15)["cost"] == 100
         took = []
@@ -389,7 +395,7 @@ def test_an_arrival_for_another_bucket_wakes_a_consumer_that_serves_it(
 
 
 def test_a_dedicated_consumer_finds_its_bucket_behind_a_long_backlog(
-        shared_redis, queue, start_consumer, tmp_path):
+        shared_redis, queue, inprocess_consumer, tmp_path):
     """Only a consumer dedicated to bucket 1 runs: 300 long requests wait ahead of the
     short ones (far beyond the max_batch_size x buckets requests a pop reads of a level),
     yet it answers the short ones, including one sent after a cancelled one, and leaves
@@ -400,8 +406,8 @@ def test_a_dedicated_consumer_finds_its_bucket_behind_a_long_backlog(
         longs = p.submit_many([f"l{i}" for i in range(300)], cost=100)
         cancelled = p.submit("gone", cost=8)
         assert cancelled.cancel() == "cancelled"
-        start_recorder(start_consumer, shared_redis.url, queue, tmp_path / "short",
-                       "--only-bucket", "1")
+        serve_recorder(inprocess_consumer, shared_redis.url, queue, tmp_path / "short",
+                       only_bucket=1)
         shorts = p.submit_many([f"s{i}" for i in range(3)], cost=8)
         assert [h.result(timeout=15)["payload"] for h in shorts] == ["s0", "s1", "s2"]
         assert not any(h.done() for h in longs)
@@ -413,7 +419,7 @@ def test_a_dedicated_consumer_finds_its_bucket_behind_a_long_backlog(
 
 
 def test_a_short_request_re_queued_after_a_crash_reaches_its_dedicated_consumer(
-        shared_redis, queue, start_consumer, tmp_path):
+        shared_redis, queue, start_consumer, inprocess_consumer, tmp_path):
     """A consumer dedicated to bucket 1 is SIGKILLed mid-batch; its request goes back to
     the queue (and to its bucket's set) when the lease lapses, and the next dedicated
     consumer runs it: nothing accepted is lost with dedicated consumers only."""
@@ -430,7 +436,7 @@ def test_a_short_request_re_queued_after_a_crash_reaches_its_dedicated_consumer(
             time.sleep(0.005)
         assert client.zcard(keys.bucket_set(1)) == 0  # in flight: out of its set
         doomed.kill()
-        start_recorder(start_consumer, shared_redis.url, queue, tmp_path / "next",
-                       "--lease-ms", "300", "--only-bucket", "1")
+        serve_recorder(inprocess_consumer, shared_redis.url, queue, tmp_path / "next",
+                       lease_ms=300, only_bucket=1)
         assert handle.result(timeout=20)["payload"] == "short"
     assert [b["payloads"] for b in batches(tmp_path / "next")] == [["short"]]

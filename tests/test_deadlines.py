@@ -4,19 +4,19 @@ an expired request never fills a batch nor holds a place under max_queue_size; p
 default timeouts, with and without override; on_timeout = delay; each expiry answered
 exactly once.
 
-Bounds come from the configured deadlines with generous slack (the machine is loaded);
-the lateness measured is printed (run with -s)."""
+Consumers run in the test process (the public Consumer API, as `batchgate consumer` runs
+one); the CLI through click's CliRunner. Bounds come from the configured deadlines with
+generous slack (the machine is loaded); the lateness measured is printed (run with -s)."""
 
 from __future__ import annotations
 
 import asyncio
-import subprocess
 import threading
 import time
 from collections import Counter
 
 import pytest
-from helpers.processes import BATCHGATE
+from helpers.cli import batchgate
 from helpers.support import RecordingModel, configure, wait_for
 
 from producer import AsyncProducer, DeadlineExceeded, Priority, Producer
@@ -54,11 +54,11 @@ def _enqueue_raw(client, queue: str, deadline_ms: int, priority: int = 1) -> str
 
 
 def test_a_request_ends_at_its_deadline_while_nobody_waits_and_the_model_is_busy(
-        shared_redis, queue, start_consumer, tmp_path):
+        shared_redis, queue, inprocess_consumer, tmp_path):
     model = RecordingModel(tmp_path)
-    model.start(start_consumer, shared_redis.url, queue, "--strategy", "fifo")
+    model.serve(inprocess_consumer, shared_redis.url, queue, strategy="fifo")
     with Producer(shared_redis.url, queue) as p:
-        blocker = p.submit({"sleep_ms": 4000})
+        blocker = p.submit({"sleep_ms": 2500})  # past the bound below
         wait_for(model.batches, what="the blocker to start")
         submitted = time.monotonic()
         a = p.submit({"a": 1}, deadline_ms=500, store_result=True)
@@ -73,24 +73,23 @@ def test_a_request_ends_at_its_deadline_while_nobody_waits_and_the_model_is_busy
         found = request_state(shared_redis.client(), queue, a.id)
         assert found is not None and found.status == "expired"
         # `batchgate result` says so too (exit status 1: expired).
-        shown = subprocess.run([BATCHGATE, "result", "--redis-url", shared_redis.url,
-                                "--queue", queue, "--json", a.id], capture_output=True,
-                               text=True, timeout=60)
+        shown = batchgate("result", "--redis-url", shared_redis.url, "--queue", queue,
+                          "--json", a.id)
         assert shown.returncode == 1 and '"expired"' in shown.stdout, shown
-        assert blocker.result(timeout=15) == {"sleep_ms": 4000}
+        assert blocker.result(timeout=15) == {"sleep_ms": 2500}
     assert {"a": 1} not in model.payloads()
 
 
 def test_with_its_producer_gone_a_busy_consumer_expires_it(shared_redis, queue,
-                                                           start_consumer, tmp_path):
+                                                           inprocess_consumer, tmp_path):
     """No producer timer knows the deadline: the busy consumer's lease thread, armed at
     the earliest deadline it read, takes it out (it reads the deadlines at each renewal,
     at most 1 s apart)."""
     model = RecordingModel(tmp_path)
-    model.start(start_consumer, shared_redis.url, queue, "--strategy", "fifo")
+    model.serve(inprocess_consumer, shared_redis.url, queue, strategy="fifo")
     client = shared_redis.client()
     with Producer(shared_redis.url, queue) as p:
-        blocker = p.submit({"sleep_ms": 5000})
+        blocker = p.submit({"sleep_ms": int((0.7 + 1.0 + SLACK_S) * 1000) + 1000})
         wait_for(model.batches, what="the blocker to start")
         started = time.monotonic()
         rid = _enqueue_raw(client, queue, 700)
@@ -105,12 +104,12 @@ def test_with_its_producer_gone_a_busy_consumer_expires_it(shared_redis, queue,
 
 
 def test_with_its_producer_gone_an_idle_consumer_expires_it(shared_redis, queue,
-                                                            start_consumer, tmp_path):
+                                                            inprocess_consumer, tmp_path):
     """The idle consumer's due timer is armed at the earliest deadline (enqueue wakes it
     when a deadline is the earliest), not at the end of a 5 s batch window."""
     model = RecordingModel(tmp_path)
-    model.start(start_consumer, shared_redis.url, queue, "--strategy", "dynamic",
-                "--max-batch-size", "8", "--max-queue-delay-ms", "5000")
+    model.serve(inprocess_consumer, shared_redis.url, queue, strategy="dynamic",
+                max_batch_size=8, max_queue_delay_ms=5000)
     client = shared_redis.client()
     started = time.monotonic()
     rid = _enqueue_raw(client, queue, 400)
@@ -150,9 +149,9 @@ def test_an_async_producer_times_its_deadlines_too(shared_redis, queue):
 
 
 def test_a_request_popped_in_time_runs_though_its_deadline_passes_while_it_runs(
-        shared_redis, queue, start_consumer, tmp_path):
+        shared_redis, queue, inprocess_consumer, tmp_path):
     model = RecordingModel(tmp_path)
-    model.start(start_consumer, shared_redis.url, queue, "--strategy", "fifo")
+    model.serve(inprocess_consumer, shared_redis.url, queue, strategy="fifo")
     with Producer(shared_redis.url, queue) as p:
         handle = p.submit({"sleep_ms": 900}, deadline_ms=300)
         assert handle.result(timeout=15) == {"sleep_ms": 900}
@@ -163,10 +162,10 @@ def test_a_request_popped_in_time_runs_though_its_deadline_passes_while_it_runs(
 
 
 def test_an_expired_request_does_not_count_toward_a_full_batch(shared_redis, queue,
-                                                               start_consumer, tmp_path):
+                                                               inprocess_consumer, tmp_path):
     model = RecordingModel(tmp_path)
-    model.start(start_consumer, shared_redis.url, queue, "--strategy", "dynamic",
-                "--max-batch-size", "3", "--max-queue-delay-ms", "2000")
+    model.serve(inprocess_consumer, shared_redis.url, queue, strategy="dynamic",
+                max_batch_size=3, max_queue_delay_ms=2000)
     with Producer(shared_redis.url, queue) as p:
         blockers = p.submit_many([{"sleep_ms": 1200}, {"b": 0}, {"b": 1}])  # a full batch
         wait_for(model.batches, what="the blockers to start")
@@ -231,8 +230,7 @@ def test_expired_requests_hold_no_place_under_max_queue_size(shared_redis, queue
 
 
 def _policy_set(url: str, queue: str, *flags: str) -> str:
-    done = subprocess.run([BATCHGATE, "policy", "set", "--redis-url", url, "--queue", queue,
-                           *flags], capture_output=True, text=True, timeout=60)
+    done = batchgate("policy", "set", "--redis-url", url, "--queue", queue, *flags)
     assert done.returncode == 0, done.stderr
     return done.stdout
 
@@ -272,9 +270,8 @@ def test_timeouts_are_validated_naming_the_field_and_limit(shared_redis, queue):
                         (["--allow-timeout-override", "2"],
                          "allow_timeout_override: 2 is outside [0, 1]"),
                         (["--on-timeout", "drop"], "'--on-timeout'")):  # click: the choices
-        done = subprocess.run([BATCHGATE, "policy", "set", "--redis-url", shared_redis.url,
-                               "--queue", queue, *flags], capture_output=True, text=True,
-                              timeout=60)
+        done = batchgate("policy", "set", "--redis-url", shared_redis.url, "--queue", queue,
+                         *flags)
         assert done.returncode == 2 and says in done.stderr, (flags, done.stderr)
     with pytest.raises(InvalidPolicy) as info:
         Policy(on_timeout="drop")  # type: ignore[arg-type]
@@ -286,10 +283,10 @@ def test_timeouts_are_validated_naming_the_field_and_limit(shared_redis, queue):
 
 
 def test_on_timeout_delay_runs_the_request_only_when_nothing_else_waits(
-        shared_redis, queue, start_consumer, tmp_path):
+        shared_redis, queue, inprocess_consumer, tmp_path):
     model = RecordingModel(tmp_path)
-    model.start(start_consumer, shared_redis.url, queue, "--strategy", "priority",
-                "--max-queue-delay-ms", "0", "--on-timeout", "delay")
+    model.serve(inprocess_consumer, shared_redis.url, queue, strategy="priority",
+                max_queue_delay_ms=0, on_timeout="delay")
     client = shared_redis.client()
     with Producer(shared_redis.url, queue) as p:
         blocker = p.submit({"sleep_ms": 1500}, priority=Priority.HIGH)
@@ -327,13 +324,13 @@ def test_a_flood_of_expiries_is_taken_in_bounded_chunks_and_all_of_them_end(shar
 # -- exactly once ------------------------------------------------------------------------
 
 
-def test_each_expiry_is_answered_exactly_once(shared_redis, queue, start_consumer,
+def test_each_expiry_is_answered_exactly_once(shared_redis, queue, inprocess_consumer,
                                               tmp_path):
     """Many requests falling due together while the producer's timer, the busy consumer's
     lease thread and four more sweepers race to expire them: each result reaches the
     inbox once."""
     model = RecordingModel(tmp_path)
-    model.start(start_consumer, shared_redis.url, queue, "--strategy", "fifo")
+    model.serve(inprocess_consumer, shared_redis.url, queue, strategy="fifo")
     client = shared_redis.client()
     seen: Counter[str] = Counter()
     lock = threading.Lock()

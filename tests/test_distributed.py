@@ -223,7 +223,7 @@ def test_stale_consumer_late_completion_is_refused(redis_server, queue):
     assert queue_stats(client, queue).processed == 2
 
 
-def test_request_is_dead_lettered_after_max_attempts(redis_server, queue, start_consumer,
+def test_request_is_dead_lettered_after_max_attempts(redis_server, queue, inprocess_consumer,
                                                      tmp_path):
     client = redis_server.client()
     scripts, keys = Scripts(client), QueueKeys(queue)
@@ -238,7 +238,7 @@ def test_request_is_dead_lettered_after_max_attempts(redis_server, queue, start_
             assert scripts.requeue_expired(keys=requeue_keys(keys), args=[10]) == [1, 1]
         # A real consumer gets the third delivery: it must not run it, but fail it into
         # the dead-letter set.
-        model.start(start_consumer, redis_server.url, queue)
+        model.serve(inprocess_consumer, redis_server.url, queue)
         with pytest.raises(RequestFailed, match="DeadLettered"):
             handle.result(timeout=10)
     assert model.payloads() == []

@@ -1,11 +1,14 @@
 """Failure guarantees (docs/guarantees.md), each injected for real: poison input, hung and
 CPU-bound models, graceful shutdown, cancellation, dead producers, overload. Real
-redis-server processes, real `batchgate consumer` processes; a crash is os._exit or
-SIGKILL, a hang is SIGSTOP or a model that sleeps past --max-batch-ms."""
+redis-server processes, real `batchgate consumer` processes where a process dies, hangs
+or is signalled (a crash is os._exit or SIGKILL, a hang is SIGSTOP or a model that sleeps
+past --max-batch-ms); a Consumer in the test process for the rest (its log read through
+caplog)."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -16,7 +19,7 @@ import time
 import pytest
 import redis
 from click.testing import CliRunner
-from helpers.failure_support import CountingProducer, executions, start, wait_for
+from helpers.failure_support import CountingProducer, executions, serve, start, wait_for
 from helpers.support import alive, configure, started
 
 from batchgate.cli import main as cli
@@ -33,9 +36,10 @@ def stats(server, queue):
 
 # -- poison input -----------------------------------------------------------------------
 def test_model_raising_for_one_payload_fails_only_that_request(shared_redis, queue,
-                                                                start_consumer, tmp_path):
-    start(start_consumer, shared_redis.url, queue, "Poison", "--strategy", "dynamic",
-          "--max-batch-size", "16", "--max-queue-delay-ms", "200", log=tmp_path)
+                                                                inprocess_consumer, tmp_path):
+    serve(inprocess_consumer, shared_redis.url, queue, "Poison",
+          {"strategy": "dynamic", "max_batch_size": 16, "max_queue_delay_ms": 200},
+          log=tmp_path)
     with CountingProducer(shared_redis.url, queue) as p:
         handles = p.submit_many([{"i": i, "raise": i == 5} for i in range(16)])
         for i, h in enumerate(handles):
@@ -55,11 +59,11 @@ def test_model_raising_for_one_payload_fails_only_that_request(shared_redis, que
 
 
 def test_a_model_exception_that_cannot_be_printed_fails_only_its_request(
-        shared_redis, queue, start_consumer, tmp_path):
+        shared_redis, queue, inprocess_consumer, tmp_path):
     """str() of the model's exception raises: the request fails with the type's name and
     "<unprintable>"; the consumer lives on and its batch-mates are answered, not re-run."""
-    consumer = start(start_consumer, shared_redis.url, queue, "Poison", "--strategy",
-                     "dynamic", "--max-batch-size", "4", "--max-queue-delay-ms", "200",
+    consumer = serve(inprocess_consumer, shared_redis.url, queue, "Poison",
+                     {"strategy": "dynamic", "max_batch_size": 4, "max_queue_delay_ms": 200},
                      log=tmp_path)
     with CountingProducer(shared_redis.url, queue) as p:
         handles = p.submit_many([{"i": i, "unprintable": i == 2} for i in range(4)])
@@ -69,7 +73,7 @@ def test_a_model_exception_that_cannot_be_printed_fails_only_its_request(
         assert [h.result(timeout=15)["echo"]["i"] for i, h in enumerate(handles)
                 if i != 2] == [0, 1, 3]
         assert p.delivered_once(handles)
-    assert consumer.proc.poll() is None
+    assert not consumer.stopping.is_set()  # it lives on
     s = stats(shared_redis, queue)
     assert (s.processed, s.failed, s.requeued) == (3, 1, 0)
 
@@ -457,9 +461,10 @@ def test_a_crash_with_a_fast_model_re_runs_the_pop_sent_ahead(redis_server, queu
 
 
 # -- cancellation -----------------------------------------------------------------------
-def test_cancel_waiting_running_and_finished(redis_server, queue, start_consumer, tmp_path):
-    start(start_consumer, redis_server.url, queue, "Echo", "--strategy", "fifo", log=tmp_path,
-          sleep_ms=1000)
+def test_cancel_waiting_running_and_finished(redis_server, queue, inprocess_consumer,
+                                            tmp_path):
+    serve(inprocess_consumer, redis_server.url, queue, "Echo", {"strategy": "fifo"},
+          log=tmp_path, sleep_ms=1000)
     with CountingProducer(redis_server.url, queue) as p:
         running = p.submit({"i": "running"})
         wait_for(lambda: executions(tmp_path), 15, "the first request to start")
@@ -490,15 +495,15 @@ os._exit(0)  # gone: never reads a result, never closes
 """
 
 
-def test_results_of_dead_producers_expire(redis_server, queue, start_consumer):
+def test_results_of_dead_producers_expire(redis_server, queue, inprocess_consumer):
     """Producers that submit and die: their inboxes and the results stored by id (half
     of the requests ask for it) expire after result_ttl_s and Redis returns to its key
     count and (about) its memory of before."""
     full = os.environ.get("BATCHGATE_FULL") == "1"
     producers, per_producer = (10, 10_000) if full else (4, 500)
     url, r, ttl = redis_server.url, redis_server.client(), 2
-    start(start_consumer, url, queue, "Echo", "--strategy", "dynamic", "--max-batch-size",
-          "64", "--max-queue-delay-ms", "5", "--result-ttl-s", str(ttl))
+    serve(inprocess_consumer, url, queue, "Echo", {"strategy": "dynamic", "max_batch_size": 64,
+                                                   "max_queue_delay_ms": 5, "result_ttl_s": ttl})
     keys = QueueKeys(queue)
     with Producer(url, queue) as p:  # warm-up: creates the queue's standing keys
         warm = p.submit({"i": -1})
@@ -515,9 +520,9 @@ def test_results_of_dead_producers_expire(redis_server, queue, start_consumer):
 
     baseline_keys, baseline_mem = standing(), r.info("memory")["used_memory"]
     started = time.monotonic()
-    for _ in range(producers):
-        subprocess.run([sys.executable, "-c", DEAD_PRODUCER, url, queue, str(per_producer)],
-                       check=True, timeout=120)
+    dead = [subprocess.Popen([sys.executable, "-c", DEAD_PRODUCER, url, queue,
+                              str(per_producer)]) for _ in range(producers)]  # together
+    assert [proc.wait(timeout=120) for proc in dead] == [0] * producers
     total = producers * per_producer
     wait_for(lambda: stats(redis_server, queue).processed == total + 1, 60 + total / 500,
              "every request to be processed")
@@ -594,36 +599,39 @@ def test_overload_fails_fast_with_a_retry_hint_and_answers_all_accepted(
     assert peak_mem - baseline_mem < 16 << 20
 
 
-def test_consumer_survives_redis_out_of_memory(redis_server, queue, start_consumer):
+def test_consumer_survives_redis_out_of_memory(redis_server, queue, inprocess_consumer,
+                                               caplog):
     """maxmemory reached under noeviction: Redis refuses writes with OOM. The consumer
     waits it out with backoff instead of exiting, and serves again once there is room."""
-    consumer = start_consumer(redis_server.url, queue, "--model", "consumer.models:noop")
+    caplog.set_level(logging.INFO, logger="batchgate")
+    inprocess_consumer("consumer.models:noop", redis_url=redis_server.url, queue=queue)
     client = redis_server.client()
     client.config_set("maxmemory", "1mb")  # below what is used: every write gets OOM
     with pytest.raises(redis.exceptions.OutOfMemoryError):
         client.set("probe", "x")
     # The idle consumer's pops (each heartbeats: a write) now fail.
-    wait_for(lambda: "maxmemory" in consumer.output(), 15, "a pop refused for OOM")
-    assert consumer.proc.poll() is None, consumer.output()
+    wait_for(lambda: "maxmemory" in caplog.text, 15, "a pop refused for OOM")
     client.config_set("maxmemory", "0")
-    with Producer(redis_server.url, queue) as p:
+    with Producer(redis_server.url, queue) as p:  # the one consumer serves again
         assert p.submit({"after": "oom"}).result(timeout=20) == {"after": "oom"}
-    assert consumer.output().count("Redis unavailable") == 1  # logged once, not per attempt
+    assert caplog.text.count("Redis unavailable") == 1  # logged once, not per attempt
 
 
 def test_results_computed_while_redis_is_out_of_memory_are_kept(redis_server, queue,
-                                                                start_consumer, tmp_path):
+                                                                inprocess_consumer, tmp_path,
+                                                                caplog):
     """maxmemory reached while a batch runs: complete.lua gets OOM. The results are
     offered again with backoff (the lease kept), not thrown away and the batch re-run."""
+    caplog.set_level(logging.INFO, logger="batchgate")
     url, client = redis_server.url, redis_server.client()
-    consumer = start(start_consumer, url, queue, "Echo", "--strategy", "dynamic",
-                     "--max-batch-size", "8", "--max-queue-delay-ms", "100", "--lease-ms",
-                     "5000", log=tmp_path, sleep_ms=1000)
+    serve(inprocess_consumer, url, queue, "Echo", {"strategy": "dynamic", "max_batch_size": 8,
+                                                   "max_queue_delay_ms": 100, "lease_ms": 5000},
+          log=tmp_path, sleep_ms=1000)
     with CountingProducer(url, queue) as p:
         handles = p.submit_many([{"i": i} for i in range(8)])
         wait_for(lambda: len(executions(tmp_path)) == 8, 15, "the batch to start")
         client.config_set("maxmemory", "1mb")
-        wait_for(lambda: "maxmemory" in consumer.output(), 15, "the completion refused")
+        wait_for(lambda: "maxmemory" in caplog.text, 15, "the completion refused")
         client.config_set("maxmemory", "0")
         assert [h.result(timeout=20)["echo"]["i"] for h in handles] == list(range(8))
         assert p.delivered_once(handles)
@@ -633,19 +641,21 @@ def test_results_computed_while_redis_is_out_of_memory_are_kept(redis_server, qu
 
 
 # -- the policy, as it changes under running consumers -----------------------------------
-def test_the_policy_survives_redis_losing_its_data(redis_server, queue, start_consumer):
+def test_the_policy_survives_redis_losing_its_data(redis_server, queue, inprocess_consumer,
+                                                   caplog):
     """Redis restarted without persistence: every key is gone. A consumer started
     without flags stores the policy it last ran with again, not the defaults."""
     url = redis_server.url
     configure(url, queue, strategy="dynamic", max_batch_size=8, max_queue_delay_ms=5,
               max_queue_size=1000, result_ttl_s=60)
-    consumer = start_consumer(url, queue, "--model", "consumer.models:noop")
+    caplog.set_level(logging.INFO, logger="batchgate")
+    inprocess_consumer("consumer.models:noop", redis_url=url, queue=queue)
     before = read_policy(redis_server.client(), queue)
     redis_server.restart()
     client = redis_server.client()
     assert wait_for(lambda: read_policy(client, queue), 15, "the policy again") == before
-    # Its log line can reach the pipe after the policy reaches Redis.
-    assert wait_for(lambda: "lost its policy" in consumer.output(), 10, "the consumer to say")
+    # Its log line can come after the policy reaches Redis.
+    assert wait_for(lambda: "lost its policy" in caplog.text, 10, "the consumer to say")
     with Producer(url, queue) as p:
         assert p.submit({"after": "loss"}).result(timeout=15) == {"after": "loss"}
 
@@ -657,26 +667,36 @@ def _policy_set(url: str, queue: str, *args: str) -> None:
 
 
 def test_consumers_follow_a_changed_policy_and_flag_a_conflict_loudly(shared_redis, queue,
-                                                                      start_consumer):
+                                                                      inprocess_consumer,
+                                                                      caplog):
+    """Two consumers in this process, one started with --strategy dynamic: both follow the
+    change; only that one (the other has no flag to contradict) says so loudly."""
+    caplog.set_level(logging.INFO, logger="batchgate")
     url = shared_redis.url
-    flagged = start_consumer(url, queue, "--model", "consumer.models:noop", "--strategy",
-                             "dynamic")
-    plain = start_consumer(url, queue, "--model", "consumer.models:noop")
+    flagged = inprocess_consumer("consumer.models:noop", redis_url=url, queue=queue,
+                                 strategy="dynamic")
+    plain = inprocess_consumer("consumer.models:noop", redis_url=url, queue=queue)
+
+    def said(text: str) -> list[str]:
+        return [r.getMessage() for r in caplog.records if text in r.getMessage()]
+
     _policy_set(url, queue, "--strategy", "fifo")
-    wait_for(lambda: "contradicts this consumer's flags" in flagged.output(), 15,
+    wait_for(lambda: len(said("policy changed (strategy dynamic -> fifo")) == 2, 15,
+             "both consumers to notice")
+    wait_for(lambda: said("contradicts this consumer's flags"), 15,
              "the flagged consumer to object")
-    assert "strategy=fifo (flag: dynamic)" in flagged.output()
-    wait_for(lambda: "policy changed (strategy dynamic -> fifo" in plain.output(), 15,
-             "the other consumer to notice")
-    assert "contradicts" not in plain.output()
+    (objection,) = said("contradicts")  # one consumer objects: the flagged one
+    assert "strategy=fifo (flag: dynamic)" in objection
     with Producer(url, queue) as p:  # both keep serving, under the stored policy
         assert p.submit({"i": 1}).result(timeout=15) == {"i": 1}
-    assert flagged.proc.poll() is None and plain.proc.poll() is None
+    assert not flagged.stopping.is_set() and not plain.stopping.is_set()
 
 
-def test_running_consumers_apply_a_changed_result_ttl_s(shared_redis, queue, start_consumer):
+def test_running_consumers_apply_a_changed_result_ttl_s(shared_redis, queue, inprocess_consumer,
+                                                        caplog):
+    caplog.set_level(logging.INFO, logger="batchgate")
     url, r, keys = shared_redis.url, shared_redis.client(), QueueKeys(queue)
-    consumer = start_consumer(url, queue, "--model", "consumer.models:noop")
+    inprocess_consumer("consumer.models:noop", redis_url=url, queue=queue)
     with Producer(url, queue) as p:
         first = p.submit({"i": 0}, store_result=True)
         first.result(timeout=15)
@@ -690,7 +710,7 @@ def test_running_consumers_apply_a_changed_result_ttl_s(shared_redis, queue, sta
 
         # The consumer re-reads the policy every min(lease_ms / 3, 1 s).
         wait_for(stored_for_5_s, 15, "a result stored for the new result_ttl_s", 0.1)
-    assert "result_ttl_s 600 -> 5" in consumer.output()
+    assert "result_ttl_s 600 -> 5" in caplog.text
 
 
 def test_cancelled_and_expired_results_get_the_queue_result_ttl_s(shared_redis, queue):

@@ -1,7 +1,8 @@
 """Hardening of the producer side (docs/guarantees.md): requests Redis lost fail their
 handles with RequestLost instead of being waited on forever, an idempotency key whose
 request is gone is free again, and names with a trailing newline are refused. Real
-redis-server processes, real `batchgate consumer` processes."""
+redis-server processes; a consumer as a `batchgate consumer` process where the test reads
+its output, in the test process (the Consumer API) otherwise."""
 
 from __future__ import annotations
 
@@ -107,23 +108,23 @@ def test_flushall_fails_waiting_and_running_requests_and_the_consumer_says_why(
         assert producer.submit("fresh").result(timeout=15) == "fresh"
 
 
-def test_a_request_still_known_is_not_taken_for_lost(redis_server, queue, start_consumer):
+def test_a_request_still_known_is_not_taken_for_lost(redis_server, queue, inprocess_consumer):
     """Requests that wait, run or finish for longer than the check's age are answered
     normally, never RequestLost."""
-    start_consumer(redis_server.url, queue, "--model", "consumer.models:synthetic",
-                   "--model-arg", "base_ms=1500", "--strategy", "fifo")
+    inprocess_consumer("consumer.models:synthetic", redis_url=redis_server.url, queue=queue,
+                       model_args={"base_ms": 1500}, strategy="fifo")
     with Producer(redis_server.url, queue) as producer:
         handles = producer.submit_many([{"i": i} for i in range(4)])  # ~6 s one by one
         assert [h.result(timeout=30) for h in handles] == [{"i": i} for i in range(4)]
 
 
 def test_results_waiting_unread_in_the_inbox_are_not_taken_for_lost(redis_server, queue,
-                                                                     start_consumer):
+                                                                     inprocess_consumer):
     """Results not stored by id exist only in the inbox: while some wait there unread (a
     listener slower than the consumers), the handles past the lost check's age are not
     failed with RequestLost, they are answered."""
-    start_consumer(redis_server.url, queue, "--model", "consumer.models:noop",
-                   "--strategy", "dynamic", "--max-batch-size", "64")
+    inprocess_consumer("consumer.models:noop", redis_url=redis_server.url, queue=queue,
+                       strategy="dynamic", max_batch_size=64)
     n = 1200
 
     def slow(_result) -> None:  # the listener delivers ~4 ms per result: ~5 s in all
@@ -141,7 +142,7 @@ def test_results_waiting_unread_in_the_inbox_are_not_taken_for_lost(redis_server
         [o for o in outcomes if isinstance(o, Exception)][:3]
 
 
-def test_a_bulk_job_submits_its_lost_requests_again(redis_server, queue, start_consumer,
+def test_a_bulk_job_submits_its_lost_requests_again(redis_server, queue, inprocess_consumer,
                                                    tmp_path, caplog):
     """The queue's keys vanish while a bulk job's window waits (no consumer yet): the lines'
     handles fail with RequestLost and the job submits them again, it does not record
@@ -165,7 +166,7 @@ def test_a_bulk_job_submits_its_lost_requests_again(redis_server, queue, start_c
         # again; the producer finds the others lost meanwhile.
         wait_for(lambda: "no longer exist in Redis" in caplog.text, lost_within(1.0),
                  "the producer finding the requests lost")
-        start_consumer(redis_server.url, queue, "--model", "consumer.models:noop")
+        inprocess_consumer("consumer.models:noop", redis_url=redis_server.url, queue=queue)
     finally:
         job.join(60)
     final = outcome[0]
@@ -175,9 +176,9 @@ def test_a_bulk_job_submits_its_lost_requests_again(redis_server, queue, start_c
 
 
 def test_an_idempotency_key_whose_result_expired_runs_again(redis_server, queue,
-                                                           start_consumer):
+                                                           inprocess_consumer):
     configure(redis_server.url, queue, result_ttl_s=1)
-    start_consumer(redis_server.url, queue, "--model", "consumer.models:noop")
+    inprocess_consumer("consumer.models:noop", redis_url=redis_server.url, queue=queue)
     client = redis_server.client()
     keys = QueueKeys(queue)
     with Producer(redis_server.url, queue) as producer:

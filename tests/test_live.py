@@ -25,10 +25,10 @@ from scheduler_core.registry import known_queues, register_queue
 
 
 def test_consumers_producers_and_policy_set_register_their_queue(redis_server, queue,
-                                                                 start_consumer):
+                                                                 inprocess_consumer):
     client = redis_server.client()
     assert known_queues(client) == []
-    start_consumer(redis_server.url, queue + "-c", "--model", "consumer.models:noop")
+    inprocess_consumer("consumer.models:noop", redis_url=redis_server.url, queue=queue + "-c")
     assert known_queues(client) == [queue + "-c"]  # at start, before its first heartbeat
 
     with Producer(redis_server.url, queue + "-p") as producer:
@@ -70,10 +70,10 @@ def test_a_queue_with_no_keys_left_drops_out_after_stale_s_and_one_with_keys_sta
     assert known_queues(client) == [queue, queue + "-new"]
 
 
-def test_snapshot_of_a_busy_queue(redis_server, queue, start_consumer):
+def test_snapshot_of_a_busy_queue(redis_server, queue, inprocess_consumer):
     client = redis_server.client()
-    start_consumer(redis_server.url, queue, "--model", "consumer.models:synthetic",
-                   "--model-arg", "base_ms=40", "--max-batch-size", "8", "--device", "cpu")
+    inprocess_consumer("consumer.models:synthetic", redis_url=redis_server.url, queue=queue,
+                       model_args={"base_ms": 40}, max_batch_size=8, device="cpu")
     rates = Rates()
     first = rates.update(queue_snapshot(client, queue))
     assert first["rates"] is None  # rates need two snapshots
@@ -117,9 +117,9 @@ def test_a_consumer_that_stops_leaves_no_info_behind(redis_server, queue, start_
     assert not client.exists(QueueKeys(queue).consumer_info(name))
 
 
-def test_top_shows_a_busy_queue_and_exits(redis_server, queue, start_consumer):
-    start_consumer(redis_server.url, queue, "--model", "consumer.models:synthetic",
-                   "--model-arg", "base_ms=200", "--max-batch-size", "2")
+def test_top_shows_a_busy_queue_and_exits(redis_server, queue, inprocess_consumer):
+    inprocess_consumer("consumer.models:synthetic", redis_url=redis_server.url, queue=queue,
+                       model_args={"base_ms": 200}, max_batch_size=2)
     with Producer(redis_server.url, queue) as producer:
         for i in range(200):  # 20 s of work: still busy however slowly top starts
             producer.submit({"i": i}, priority="low")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from helpers.failure_support import CountingProducer, executions, start
+from helpers.failure_support import CountingProducer, executions, serve
 from helpers.processes import RedisServer
 from helpers.support import configure, queue_pattern, snapshot, wait_for
 
@@ -49,7 +49,7 @@ def test_queue_full_without_recent_completions_has_no_retry_hint(shared_redis, q
         assert snapshot(client, queue_pattern(queue)) == before  # nothing written
 
 
-def test_unix_socket_url_round_trip(queue, start_consumer):
+def test_unix_socket_url_round_trip(queue, inprocess_consumer):
     # A short path: Redis shows at most 77 characters of a client's address (CLIENT LIST),
     # and pytest-xdist's per-worker tmp_path is longer than that.
     folder = tempfile.TemporaryDirectory(prefix="bg-")
@@ -57,7 +57,7 @@ def test_unix_socket_url_round_trip(queue, start_consumer):
     server = RedisServer("--unixsocket", str(socket), "--unixsocketperm", "700")
     try:
         url = f"unix://{socket}?db=0"
-        start_consumer(url, queue, "--model", "consumer.models:noop")
+        inprocess_consumer("consumer.models:noop", redis_url=url, queue=queue)
         with Producer(url, queue) as p:
             assert p.submit({"over": "unix"}).result(timeout=15) == {"over": "unix"}
 
@@ -138,12 +138,13 @@ def test_dead_letter_retry_and_purge_work_through_more_than_1000_ids(redis_serve
     assert not any(client.hexists(keys.jobs, rid) for rid in doomed[::97])
 
 
-def test_consumers_silent_for_an_hour_are_pruned(shared_redis, queue, start_consumer):
+def test_consumers_silent_for_an_hour_are_pruned(shared_redis, queue, inprocess_consumer):
     client, keys = shared_redis.client(), QueueKeys(queue)
     now = redis_now_us(client)
     client.zadd(keys.consumers, {"gone-host:1:old": now - 3601 * 1_000_000,
                                  "quiet-host:2:young": now - 3500 * 1_000_000})
-    consumer = start_consumer(shared_redis.url, queue, "--model", "consumer.models:noop")
+    consumer = inprocess_consumer("consumer.models:noop", redis_url=shared_redis.url,
+                                  queue=queue)
     # The consumer's first sweep prunes the set: only entries silent for over an hour.
     # Its own entry comes with its first heartbeat, which a loaded host may run later.
     wait_for(lambda: client.zscore(keys.consumers, "gone-host:1:old") is None
@@ -151,17 +152,17 @@ def test_consumers_silent_for_an_hour_are_pruned(shared_redis, queue, start_cons
              "the hour-old entry to be pruned and the consumer's own to appear")
     names = {m.decode() for m in client.zrange(keys.consumers, 0, -1)}
     assert "quiet-host:2:young" in names and len(names) == 2
-    assert consumer.proc.poll() is None
+    assert not consumer.stopping.is_set()
     assert queue_stats(client, queue).consumers_alive == 1
 
 
 def test_an_enqueue_resent_while_its_request_runs_is_not_added_again(
-        redis_server, queue, start_consumer, tmp_path):
+        redis_server, queue, inprocess_consumer, tmp_path):
     """What redis-py's retry does when an enqueue's reply was lost: it sends the same
     request (same id) again. While the request is in flight it is not queued again: it
     runs once and its result is delivered once."""
     url, client, keys = redis_server.url, redis_server.client(), QueueKeys(queue)
-    start(start_consumer, url, queue, "Echo", "--strategy", "fifo", log=tmp_path,
+    serve(inprocess_consumer, url, queue, "Echo", {"strategy": "fifo"}, log=tmp_path,
           sleep_ms=800)
     with CountingProducer(url, queue) as p:
         handle = p.submit({"i": "once"})
@@ -181,7 +182,7 @@ def test_an_enqueue_resent_while_its_request_runs_is_not_added_again(
     assert queue_stats(client, queue).processed == 1
 
 
-def test_latency_sample_lists_stay_bounded(shared_redis, queue, start_consumer):
+def test_latency_sample_lists_stay_bounded(shared_redis, queue, inprocess_consumer):
     """The queue-wait, end-to-end and model-time samples `stats` reads are capped lists:
     at most 10,000 entries kept (plus at most 500 between trims), newest first."""
     client, keys = shared_redis.client(), QueueKeys(queue)
@@ -189,9 +190,8 @@ def test_latency_sample_lists_stay_bounded(shared_redis, queue, start_consumer):
     for key, filler in ((keys.wait_samples, b"7"), (keys.e2e_samples, b"7"),
                         (keys.model_samples, b"1:7")):
         client.lpush(key, *[filler] * (kept + slack))
-    start_consumer(shared_redis.url, queue, "--model", "consumer.models:noop",
-                   "--strategy", "dynamic", "--max-batch-size", "4",
-                   "--max-queue-delay-ms", "100")
+    inprocess_consumer("consumer.models:noop", redis_url=shared_redis.url, queue=queue,
+                       strategy="dynamic", max_batch_size=4, max_queue_delay_ms=100)
     with Producer(shared_redis.url, queue) as p:
         for h in p.submit_many([{"i": i} for i in range(4)]):
             h.result(timeout=15)

@@ -238,16 +238,16 @@ def test_submit_accepts_exactly_the_documented_ranges_and_writes_nothing_else(
 
 # -- policy set / show on a live queue ----------------------------------------------------
 def test_policy_set_reaches_running_consumers_and_show_prints_it(shared_redis, queue,
-                                                                 start_consumer, tmp_path):
+                                                                 inprocess_consumer,
+                                                                 tmp_path):
     """A consumer keeps running; `policy set` changes what it does from its next batch on:
     a partial batch that would have waited a minute is released, the batch size changes,
     results are kept for the new result_ttl_s."""
     url, client = shared_redis.url, shared_redis.client()
     runner = CliRunner()
     model = RecordingModel(tmp_path)
-    consumer = model.start(start_consumer, url, queue, "--strategy", "dynamic",
-                           "--max-batch-size", "8", "--max-queue-delay-ms", "60000",
-                           "--lease-ms", "400")
+    consumer = model.serve(inprocess_consumer, url, queue, strategy="dynamic",
+                           max_batch_size=8, max_queue_delay_ms=60000, lease_ms=400)
 
     def policy(*args: str) -> dict:
         done = runner.invoke(cli, ["policy", *args, "--redis-url", url, "--queue", queue])
@@ -288,11 +288,12 @@ def test_policy_set_reaches_running_consumers_and_show_prints_it(shared_redis, q
         assert [h.result(timeout=15) for h in handles] == [{"i": i} for i in range(1, 7)]
     sizes = [len(b["payloads"]) for b in model.batches() if "i" in b["payloads"][0]]
     assert sizes[0] == 1 and sizes[1:] and max(sizes[1:]) == 2, sizes
-    assert consumer.proc.poll() is None  # the same process all along
+    assert not consumer.stopping.is_set()  # the same consumer all along
 
 
-@pytest.mark.parametrize("flags", [(), ("--only-bucket", "1")], ids=["every-bucket", "dedicated"])
-def test_the_largest_batch_runs_with_cost_buckets(shared_redis, queue, start_consumer, flags):
+@pytest.mark.parametrize("only_bucket", [0, 1], ids=["every-bucket", "dedicated"])
+def test_the_largest_batch_runs_with_cost_buckets(shared_redis, queue, inprocess_consumer,
+                                                  only_bucket):
     """max_batch_size 4096 (the top of its range) with two cost buckets: a pop reads
     2 x 4096 waiting requests, a batch moves 4096 in flight (8,192 values for its owners),
     its completion answers 4096 at once; none of it may exceed what one Lua call takes."""
@@ -300,7 +301,8 @@ def test_the_largest_batch_runs_with_cost_buckets(shared_redis, queue, start_con
               max_queue_delay_ms=0, cost_buckets="32")
     with Producer(shared_redis.url, queue) as p:
         handles = [h for i in range(9) for h in p.submit_many(list(range(1000)), cost=8)]
-        start_consumer(shared_redis.url, queue, "--model", "consumer.models:noop", *flags)
+        inprocess_consumer("consumer.models:noop", redis_url=shared_redis.url, queue=queue,
+                           only_bucket=only_bucket)
         assert sum(1 for h in handles if h.result(timeout=60) is not None) == 9000
     keys = QueueKeys(queue)
     batches = shared_redis.client().hget(keys.stats, "batches")

@@ -1,19 +1,19 @@
 """Sharded queues (docs/scaling.md, "Sharded queues"), end to end: real redis-server,
-consumers started as `batchgate consumer`, producers as users make them."""
+consumers in the test process (the Consumer API) or, where a test measures, kills or
+restarts one, started as `batchgate consumer`; producers as users make them."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import os
-import subprocess
-import sys
 import threading
 import time
 import zlib
 
 import pytest
 from click.testing import CliRunner
+from helpers.cli import batchgate
 from helpers.failure_support import start as start_failing
 from helpers.support import RecordingModel, configure, wait_for
 
@@ -47,7 +47,7 @@ def depth(client, keys: QueueKeys) -> int:
 
 
 def test_requests_spread_over_shards_are_answered_exactly_once(
-        shared_redis, queue, start_consumer, tmp_path):
+        shared_redis, queue, inprocess_consumer, tmp_path):
     url, client = shared_redis.url, shared_redis.client()
     configure(url, queue, shards=S, strategy="dynamic", max_batch_size=8,
               max_queue_delay_ms=20)
@@ -61,9 +61,9 @@ def test_requests_spread_over_shards_are_answered_exactly_once(
         assert tags == {f"{{bg:{shard_name(queue, i)}" for i in range(S)}
 
         model = RecordingModel(tmp_path)
-        procs = [model.start(start_consumer, url, queue) for _ in range(2)]
+        for _ in range(2):  # a consumer's error would be raised at its stop (teardown)
+            model.serve(inprocess_consumer, url, queue)
         assert [h.result(timeout=30) for h in handles] == [{"i": i} for i in range(60)]
-        assert all(c.proc.poll() is None for c in procs), [c.output() for c in procs]
         assert sorted(x["i"] for x in model.payloads()) == list(range(60))  # each once
         assert len({b["pid"] for b in model.batches()}) >= 1
 
@@ -81,9 +81,7 @@ def test_requests_spread_over_shards_are_answered_exactly_once(
     assert stats.queue_wait_ms["samples"] == 60
     # each consumer counted once, not once per shard (heartbeats: at most 1 s apart)
     wait_for(lambda: queue_stats(client, queue).consumers_alive == 2, 10, "2 consumers")
-    out = subprocess.run([sys.executable, "-m", "batchgate.cli", "stats", "--redis-url", url,
-                          "--queue", queue, "--json"], capture_output=True, text=True,
-                         check=True)
+    out = batchgate("stats", "--redis-url", url, "--queue", queue, "--json")
     assert json.loads(out.stdout)["processed"] == 60
     assert json.loads(out.stdout)["policy"]["shards"] == S
     # readers list the logical queue only
@@ -100,7 +98,7 @@ def test_requests_spread_over_shards_are_answered_exactly_once(
 
 
 def test_high_on_another_shard_runs_before_a_due_normal_batch(
-        shared_redis, queue, start_consumer, tmp_path):
+        shared_redis, queue, inprocess_consumer, tmp_path):
     """Full NORMAL batches wait on shards 0 and 1 (older), one HIGH on shard 2: the
     consumer's first batch is the HIGH one, though round robin starts at shard 0."""
     url = shared_redis.url
@@ -112,7 +110,7 @@ def test_high_on_another_shard_runs_before_a_due_normal_batch(
         high = p.submit({"high": 1}, priority=Priority.HIGH)  # shard 2
         assert [depth(shared_redis.client(), k) for k in shard_keys(queue)] == [4, 4, 1]
         model = RecordingModel(tmp_path)
-        model.start(start_consumer, url, queue)
+        model.serve(inprocess_consumer, url, queue)
         assert high.result(timeout=30) == {"high": 1}
         assert [h.result(timeout=30) for h in normal] == [{"n": i} for i in range(8)]
     batches = [b["payloads"] for b in model.batches()]
@@ -228,9 +226,7 @@ def test_dead_letters_are_listed_across_shards(redis_server, queue, start_consum
 def test_bad_shards_value_is_refused_naming_the_field_and_limit(shared_redis, queue):
     url, client = shared_redis.url, shared_redis.client()
     for bad in ("0", "65"):
-        out = subprocess.run([sys.executable, "-m", "batchgate.cli", "consumer",
-                              "--redis-url", url, "--queue", queue, "--shards", bad],
-                             capture_output=True, text=True, timeout=60)
+        out = batchgate("consumer", "--redis-url", url, "--queue", queue, "--shards", bad)
         assert out.returncode != 0
         assert "shards" in out.stderr and "[1, 64]" in out.stderr, out.stderr
         out = CliRunner().invoke(cli, ["policy", "set", "--redis-url", url, "--queue", queue,
@@ -248,9 +244,7 @@ def test_shard_count_conflicts_and_cannot_drop_a_busy_shard(shared_redis, queue)
     assert out.exit_code == 0, out.output
     # every shard's policy mirrors the logical one
     assert all(read_policy(client, shard_name(queue, i)).shards == 3 for i in range(3))
-    out = subprocess.run([sys.executable, "-m", "batchgate.cli", "consumer", "--redis-url",
-                          url, "--queue", queue, "--shards", "2"], capture_output=True,
-                         text=True, timeout=60)
+    out = batchgate("consumer", "--redis-url", url, "--queue", queue, "--shards", "2")
     assert out.returncode != 0 and "shards=3 (asked 2)" in out.stderr, out.stderr
     with ShardedProducer(url, queue) as p:
         for i in range(3):
@@ -262,7 +256,7 @@ def test_shard_count_conflicts_and_cannot_drop_a_busy_shard(shared_redis, queue)
 
 
 def test_a_dropped_shard_takes_no_request_from_a_producer_that_missed_the_change(
-        shared_redis, queue, start_consumer, tmp_path):
+        shared_redis, queue, inprocess_consumer, tmp_path):
     """`policy set --shards 2` retires shard 2 atomically while it is empty: a producer
     still placing on 3 shards is refused there (nothing written), re-reads the count and
     places the request on a live shard, where a consumer answers it."""
@@ -285,7 +279,7 @@ def test_a_dropped_shard_takes_no_request_from_a_producer_that_missed_the_change
         dropped = QueueKeys(shard_name(queue, 2))
         assert client.hlen(dropped.jobs) == 0 and depth(client, dropped) == 0
         model = RecordingModel(tmp_path)
-        model.start(start_consumer, url, queue)
+        model.serve(inprocess_consumer, url, queue)
         assert [h.result(timeout=30) for h in handles] == [{"i": i} for i in range(9)]
         assert [h.result(timeout=30) for h in many] == [{"k": i} for i in range(6)]
     assert queue_stats(client, queue).processed == 15
@@ -329,7 +323,7 @@ def test_producers_and_the_gateway_place_on_added_shards_without_a_restart(
         assert {shard_of(client, queue, i) for i in ids} == {0, 1, 2}
 
 
-def test_shards_on_different_cluster_nodes(redis_cluster, queue, start_consumer, tmp_path):
+def test_shards_on_different_cluster_nodes(redis_cluster, queue, inprocess_consumer, tmp_path):
     """On a real 6-node cluster the shards' hash tags fall on different primaries; two
     consumers (waking on each shard's marker from a thread per shard) answer every
     request once, and a HIGH on another shard still goes first."""
@@ -343,11 +337,11 @@ def test_shards_on_different_cluster_nodes(redis_cluster, queue, start_consumer,
     with ShardedProducer(url, queue) as p:
         normal = p.submit_many([{"n": i} for i in range(4)])  # shard 0
         high = p.submit({"high": 1}, priority=Priority.HIGH)  # shard 1
-        model.start(start_consumer, url, queue)
+        model.serve(inprocess_consumer, url, queue)
         assert high.result(timeout=30) == {"high": 1}
         assert [h.result(timeout=30) for h in normal] == [{"n": i} for i in range(4)]
         assert model.batches()[0]["payloads"] == [{"high": 1}]
-        model.start(start_consumer, url, queue)
+        model.serve(inprocess_consumer, url, queue)
         # idle consumers wake for arrivals on any shard
         handles = [p.submit({"i": i}) for i in range(40)]
         assert [h.result(timeout=30) for h in handles] == [{"i": i} for i in range(40)]
@@ -356,10 +350,10 @@ def test_shards_on_different_cluster_nodes(redis_cluster, queue, start_consumer,
     assert queue_stats(client, queue).processed == 45
 
 
-def test_async_sharded_producer_round_trip(shared_redis, queue, start_consumer, tmp_path):
+def test_async_sharded_producer_round_trip(shared_redis, queue, inprocess_consumer, tmp_path):
     url = shared_redis.url
     configure(url, queue, shards=S, strategy="fifo")
-    RecordingModel(tmp_path).start(start_consumer, url, queue)
+    RecordingModel(tmp_path).serve(inprocess_consumer, url, queue)
 
     async def main() -> None:
         async with AsyncShardedProducer(url, queue, placement="least_depth") as p:
@@ -375,13 +369,13 @@ def test_async_sharded_producer_round_trip(shared_redis, queue, start_consumer, 
     assert queue_stats(shared_redis.client(), queue).processed == 12
 
 
-def test_sharded_producers_connect_every_shard_ahead(shared_redis, queue, start_consumer,
+def test_sharded_producers_connect_every_shard_ahead(shared_redis, queue, inprocess_consumer,
                                                      tmp_path):
     """connect() sets up each shard's producer before traffic (its result listener, the
     enqueue script), sync and asyncio; submits then work as before."""
     url = shared_redis.url
     configure(url, queue, shards=S, strategy="fifo")
-    RecordingModel(tmp_path).start(start_consumer, url, queue)
+    RecordingModel(tmp_path).serve(inprocess_consumer, url, queue)
 
     def listeners() -> int:
         return sum(t.name.startswith("batchgate-listener-") for t in threading.enumerate())
@@ -454,11 +448,11 @@ def shard_of(client, queue: str, request_id: str) -> int:
     return held[0]
 
 
-def test_gateway_places_over_the_shards_and_answers(shared_redis, queue, start_consumer,
+def test_gateway_places_over_the_shards_and_answers(shared_redis, queue, inprocess_consumer,
                                                     start_gateway, tmp_path):
     url, client = shared_redis.url, shared_redis.client()
     model = RecordingModel(tmp_path)
-    model.start(start_consumer, url, queue, "--shards", str(S))  # stores shards=3
+    model.serve(inprocess_consumer, url, queue, shards=S)  # stores shards=3
     with gateway_http(start_gateway, url, queue) as http:
         ids = []
         for i in range(6):
@@ -507,7 +501,7 @@ def test_gateway_finds_and_cancels_requests_on_any_shard(shared_redis, queue, st
     assert queue_stats(client, queue).cancelled == 1
 
 
-def test_cli_submit_and_result_on_a_sharded_queue(shared_redis, queue, start_consumer,
+def test_cli_submit_and_result_on_a_sharded_queue(shared_redis, queue, inprocess_consumer,
                                                   tmp_path):
     url, client = shared_redis.url, shared_redis.client()
     configure(url, queue, shards=S)
@@ -520,7 +514,7 @@ def test_cli_submit_and_result_on_a_sharded_queue(shared_redis, queue, start_con
     assert sorted(shard_of(client, queue, rid) for rid in ids) == [0, 1, 2]
     queued = CliRunner().invoke(cli, ["result", *base, "--json", ids[2]])
     assert queued.exit_code == 3 and "queued" in queued.output, queued.output
-    RecordingModel(tmp_path).start(start_consumer, url, queue)
+    RecordingModel(tmp_path).serve(inprocess_consumer, url, queue)
     for i, rid in enumerate(ids):
         got = CliRunner().invoke(cli, ["result", *base, "--wait", "--timeout", "30", rid])
         assert got.exit_code == 0 and json.loads(got.stdout) == {"i": i}, got.output
@@ -528,7 +522,7 @@ def test_cli_submit_and_result_on_a_sharded_queue(shared_redis, queue, start_con
     assert waited.exit_code == 0 and json.loads(waited.stdout) == {"i": 9}, waited.output
 
 
-def test_bulk_run_spreads_its_lines_over_the_shards(shared_redis, queue, start_consumer,
+def test_bulk_run_spreads_its_lines_over_the_shards(shared_redis, queue, inprocess_consumer,
                                                     tmp_path):
     """Each line goes to the shard its idempotency key hashes to; a line whose earlier
     request vanished (a key left by a run that died long ago, on that key's shard) is
@@ -538,7 +532,7 @@ def test_bulk_run_spreads_its_lines_over_the_shards(shared_redis, queue, start_c
 
     url, client = shared_redis.url, shared_redis.client()
     model = RecordingModel(tmp_path)
-    model.start(start_consumer, url, queue, "--shards", str(S), delay_ms=5)
+    model.serve(inprocess_consumer, url, queue, shards=S, delay_ms=5)
     lines = 90
     (tmp_path / "in.jsonl").write_text("".join(json.dumps({"i": i}) + "\n"
                                                for i in range(1, lines + 1)))
@@ -560,7 +554,7 @@ def test_bulk_run_spreads_its_lines_over_the_shards(shared_redis, queue, start_c
     assert sum(processed) == lines and all(n > 0 for n in processed), processed
 
 
-def test_gateway_on_a_sharded_queue_across_cluster_nodes(redis_cluster, queue, start_consumer,
+def test_gateway_on_a_sharded_queue_across_cluster_nodes(redis_cluster, queue, inprocess_consumer,
                                                           start_gateway, tmp_path):
     """The gateway's one pipeline over the shards spans several primaries."""
     url, client = redis_cluster.url, redis_cluster.client()
@@ -575,7 +569,7 @@ def test_gateway_on_a_sharded_queue_across_cluster_nodes(redis_cluster, queue, s
             assert got.status_code == 202 and got.json()["status"] == "queued", got.text
         assert http.delete(f"/v1/requests/{queued[4].id}").status_code == 200
         assert http.get(f"/v1/requests/{queued[4].id}").status_code == 410
-        RecordingModel(tmp_path).start(start_consumer, url, queue)
+        RecordingModel(tmp_path).serve(inprocess_consumer, url, queue)
         ids = []
         for i in range(shards):
             done = http.post("/v1/requests", json={"payload": {"i": i}, "wait": True})

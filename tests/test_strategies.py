@@ -1,5 +1,6 @@
 """The scheduling rules (docs/scheduling.md) as users observe them, end to end:
-real redis-server, consumers started as `batchgate consumer`, timings from Redis' clock."""
+real redis-server, a real Consumer in the test process (as `batchgate consumer` runs one),
+timings from Redis' clock."""
 
 from __future__ import annotations
 
@@ -16,12 +17,12 @@ from scheduler_core.ops.stats import queue_stats
 # -- dynamic -------------------------------------------------------------------------
 
 
-def test_dynamic_partial_batch_waits_for_the_delay(shared_redis, queue, start_consumer,
+def test_dynamic_partial_batch_waits_for_the_delay(shared_redis, queue, inprocess_consumer,
                                                    tmp_path):
     delay_ms = 600
     model = RecordingModel(tmp_path)
-    model.start(start_consumer, shared_redis.url, queue, "--strategy", "dynamic",
-                "--max-batch-size", "8", "--max-queue-delay-ms", str(delay_ms))
+    model.serve(inprocess_consumer, shared_redis.url, queue, strategy="dynamic",
+                max_batch_size=8, max_queue_delay_ms=delay_ms)
     client = shared_redis.client()
     with Producer(shared_redis.url, queue) as p:
         # Three requests trickle in; none fills the batch of 8.
@@ -42,10 +43,10 @@ def test_dynamic_partial_batch_waits_for_the_delay(shared_redis, queue, start_co
     assert stats.batches == 1 and stats.mean_batch_size == 3
 
 
-def test_dynamic_single_request_waits_for_the_delay(shared_redis, queue, start_consumer):
+def test_dynamic_single_request_waits_for_the_delay(shared_redis, queue, inprocess_consumer):
     delay_ms = 400
-    start_consumer(shared_redis.url, queue, "--model", "consumer.models:noop", "--strategy",
-                   "dynamic", "--max-batch-size", "4", "--max-queue-delay-ms", str(delay_ms))
+    inprocess_consumer("consumer.models:noop", redis_url=shared_redis.url, queue=queue,
+                       strategy="dynamic", max_batch_size=4, max_queue_delay_ms=delay_ms)
     with Producer(shared_redis.url, queue) as p:
         started = time.monotonic()
         assert p.submit("alone").result(timeout=10) == "alone"
@@ -55,12 +56,12 @@ def test_dynamic_single_request_waits_for_the_delay(shared_redis, queue, start_c
     assert delay_ms <= wait < delay_ms + 3000
 
 
-def test_dynamic_full_batch_is_released_at_once(shared_redis, queue, start_consumer,
+def test_dynamic_full_batch_is_released_at_once(shared_redis, queue, inprocess_consumer,
                                                 tmp_path):
     delay_ms = 3000
     model = RecordingModel(tmp_path)
-    model.start(start_consumer, shared_redis.url, queue, "--strategy", "dynamic",
-                "--max-batch-size", "8", "--max-queue-delay-ms", str(delay_ms))
+    model.serve(inprocess_consumer, shared_redis.url, queue, strategy="dynamic",
+                max_batch_size=8, max_queue_delay_ms=delay_ms)
     client = shared_redis.client()
     with Producer(shared_redis.url, queue) as p:
         first = p.submit({"i": 0})
@@ -74,7 +75,7 @@ def test_dynamic_full_batch_is_released_at_once(shared_redis, queue, start_consu
     assert len(waits) == 8 and max(waits) < delay_ms / 2, waits
 
 
-def test_dynamic_backlog_is_served_in_full_batches(shared_redis, queue, start_consumer,
+def test_dynamic_backlog_is_served_in_full_batches(shared_redis, queue, inprocess_consumer,
                                                    tmp_path):
     model = RecordingModel(tmp_path)
     configure(shared_redis.url, queue, strategy="dynamic", max_batch_size=5,
@@ -82,7 +83,7 @@ def test_dynamic_backlog_is_served_in_full_batches(shared_redis, queue, start_co
     with Producer(shared_redis.url, queue) as p:
         handles = p.submit_many([{"i": i} for i in range(10)])
         started = time.monotonic()
-        model.start(start_consumer, shared_redis.url, queue)
+        model.serve(inprocess_consumer, shared_redis.url, queue)
         assert [h.result(timeout=10) for h in handles] == [{"i": i} for i in range(10)]
         assert time.monotonic() - started < 10
     assert [len(b["payloads"]) for b in model.batches()] == [5, 5]
@@ -91,13 +92,12 @@ def test_dynamic_backlog_is_served_in_full_batches(shared_redis, queue, start_co
 # -- priority ------------------------------------------------------------------------
 
 
-def test_priority_high_is_served_first_without_waiting(shared_redis, queue, start_consumer,
+def test_priority_high_is_served_first_without_waiting(shared_redis, queue, inprocess_consumer,
                                                        tmp_path):
-    delay_ms = 1500
+    delay_ms = 1000
     model = RecordingModel(tmp_path)
-    model.start(start_consumer, shared_redis.url, queue, "--strategy", "priority",
-                "--max-batch-size", "16", "--max-queue-delay-ms", str(delay_ms),
-                "--aging-ms", "60000")
+    model.serve(inprocess_consumer, shared_redis.url, queue, strategy="priority",
+                max_batch_size=16, max_queue_delay_ms=delay_ms, aging_ms=60000)
     client = shared_redis.client()
     with Producer(shared_redis.url, queue) as p:
         normal = p.submit_many([{"n": i} for i in range(3)], priority=Priority.NORMAL)
@@ -118,7 +118,7 @@ def test_priority_high_is_served_first_without_waiting(shared_redis, queue, star
     assert waits[1] >= delay_ms, waits  # NORMAL by the dynamic rule: not before its delay
 
 
-def test_priority_order_high_then_normal_then_low(shared_redis, queue, start_consumer,
+def test_priority_order_high_then_normal_then_low(shared_redis, queue, inprocess_consumer,
                                                   tmp_path):
     """A backlog is served HIGH first, NORMAL next, and LOW only once NORMAL is empty,
     although the LOW requests arrived first."""
@@ -131,7 +131,7 @@ def test_priority_order_high_then_normal_then_low(shared_redis, queue, start_con
                                  priority="normal")
         handles += p.submit_many([{"p": "high", "i": i} for i in range(2)], priority="high")
         time.sleep(0.06)  # NORMAL is due (50 ms) by the time the consumer starts
-        model.start(start_consumer, shared_redis.url, queue)
+        model.serve(inprocess_consumer, shared_redis.url, queue)
         for h in handles:
             h.result(timeout=10)
     batches = [b["payloads"] for b in model.batches()]
@@ -143,11 +143,11 @@ def test_priority_order_high_then_normal_then_low(shared_redis, queue, start_con
 
 
 def test_priority_aged_low_is_served_under_continuous_high_load(shared_redis, queue,
-                                                                start_consumer, tmp_path):
+                                                                inprocess_consumer, tmp_path):
     aging_ms = 200
     model = RecordingModel(tmp_path)
-    model.start(start_consumer, shared_redis.url, queue, "--strategy", "priority",
-                "--max-batch-size", "4", "--aging-ms", str(aging_ms), delay_ms=20)
+    model.serve(inprocess_consumer, shared_redis.url, queue, strategy="priority",
+                max_batch_size=4, aging_ms=aging_ms, delay_ms=20)
     client = shared_redis.client()
     stop = threading.Event()
     flood_errors: list[BaseException] = []
@@ -193,7 +193,7 @@ def test_priority_aged_low_is_served_under_continuous_high_load(shared_redis, qu
     ("fifo", {"max_batch_size": 4}, 4),
     ("dynamic", {"max_batch_size": 4, "max_queue_delay_ms": 50}, 4),
 ])
-def test_arrival_order_across_priorities(shared_redis, queue, start_consumer, tmp_path,
+def test_arrival_order_across_priorities(shared_redis, queue, inprocess_consumer, tmp_path,
                                          strategy, extra, batch):
     model = RecordingModel(tmp_path)
     configure(shared_redis.url, queue, strategy=strategy, **extra)
@@ -201,7 +201,7 @@ def test_arrival_order_across_priorities(shared_redis, queue, start_consumer, tm
     with Producer(shared_redis.url, queue) as p:
         handles = [p.submit({"i": i}, priority=priorities[i % 3]) for i in range(20)]
         time.sleep(0.06)
-        model.start(start_consumer, shared_redis.url, queue)
+        model.serve(inprocess_consumer, shared_redis.url, queue)
         assert [h.result(timeout=10) for h in handles] == [{"i": i} for i in range(20)]
     batches = [b["payloads"] for b in model.batches()]
     # Strict arrival order, priorities ignored, in consecutive batches of `batch`.
@@ -210,9 +210,9 @@ def test_arrival_order_across_priorities(shared_redis, queue, start_consumer, tm
 
 
 def test_fifo_is_one_by_one_in_arrival_order_while_running(shared_redis, queue,
-                                                           start_consumer, tmp_path):
+                                                           inprocess_consumer, tmp_path):
     model = RecordingModel(tmp_path)
-    model.start(start_consumer, shared_redis.url, queue, "--strategy", "fifo", delay_ms=5)
+    model.serve(inprocess_consumer, shared_redis.url, queue, strategy="fifo", delay_ms=5)
     with Producer(shared_redis.url, queue) as p:
         handles = [p.submit({"i": i}, priority=("high" if i % 2 else "low"))
                    for i in range(15)]

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from helpers import failure_models
 from helpers.support import wait_for  # noqa: F401 - re-exported for the failure tests
 from producer import Producer, Result
 from scheduler_core.keys import QueueKeys
@@ -51,6 +52,15 @@ def wait_holding(client: Any, queue: str, pid: int, timeout: float) -> bool:
             return False
         time.sleep(0.002)
     return True
+
+
+def serve(inprocess_consumer: Callable[..., Any], url: str, queue: str, model: str,
+          settings: dict[str, Any] | None = None, **model_kwargs: Any) -> Any:
+    """A Consumer in this process running failure_models.MODEL(**model_kwargs), with
+    `settings` as Consumer takes them (strategy=, lease_ms=, ...)."""
+    kwargs = {k: str(v) if isinstance(v, Path) else v for k, v in model_kwargs.items()}
+    return inprocess_consumer(getattr(failure_models, model)(**kwargs), redis_url=url,
+                              queue=queue, **(settings or {}))
 
 
 class CountingProducer(Producer):

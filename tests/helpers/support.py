@@ -3,6 +3,7 @@ Redis-side evidence (snapshots, stats, queue-wait samples) and polling."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -52,7 +53,8 @@ class Recorder:
 
 
 class RecordingModel:
-    """The recorder module written into `root`; consumers run it with cwd=root."""
+    """The recorder module written into `root`: `batchgate consumer` runs it with
+    cwd=root (start), a Consumer in this process loads the same file (serve)."""
 
     def __init__(self, root: Path):
         self.root = root
@@ -69,6 +71,21 @@ class RecordingModel:
               *cli_args: str, delay_ms: int = 0, stamp: bool = False, **kwargs: Any) -> Any:
         return start_consumer(redis_url, queue, *self.args(delay_ms, stamp), *cli_args,
                               cwd=str(self.root), **kwargs)
+
+    def recorder(self, delay_ms: int = 0, stamp: bool = False) -> Any:
+        """The same Recorder, loaded from the module file in this process."""
+        spec = importlib.util.spec_from_file_location("bg_recorder", self.root / "bg_recorder.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module.Recorder(str(self.out), delay_ms, stamp)
+
+    def serve(self, inprocess_consumer: Callable[..., Any], redis_url: str, queue: str,
+              delay_ms: int = 0, stamp: bool = False, **settings: Any) -> Any:
+        """A Consumer in this process (the inprocess_consumer fixture) running the
+        recorder; `settings` as Consumer takes them (strategy=, max_batch_size=, ...)."""
+        return inprocess_consumer(self.recorder(delay_ms, stamp), redis_url=redis_url,
+                                  queue=queue, **settings)
 
     def batches(self, pid: int | None = None) -> list[dict[str, Any]]:
         """Every batch run so far ({"pid", "t", "payloads"}), in the order each process

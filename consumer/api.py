@@ -116,6 +116,10 @@ class Consumer:
         require_redis_version(client)
         policy = ensure_policy(client, config.queue, config.policy)
         sharded = policy.shards > 1 or shard_count(client, config.queue) > 1
+        if sharded and config.batching == "continuous":
+            raise InvalidRequest("batching", f"queue {config.queue!r} is sharded; "
+                                             "continuous batching serves an unsharded queue "
+                                             "only: use --batching static")
         if config.otel_exporter == "console":
             from consumer.tracing import install_console_provider
 

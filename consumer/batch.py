@@ -112,6 +112,7 @@ class Finished:
     last: bool = True  # the batch's final completion: observed, its model time recorded
     # the complete.lua call (script, keys, args), once the answers are encoded
     call: tuple[Any, list[str], list[Any]] | None = field(default=None, repr=False)
+    refused: bool = False  # complete.lua said the batch is stale (its lease lapsed)
 
 
 def parse_pop(reply: list[Any]) -> Batch | Idle | ExpireDue:

@@ -40,6 +40,7 @@ OFF_OR_RANGES: dict[str, tuple[int | float, int, str]] = {  # (low, high, unit)
 FLOAT_RANGES: dict[str, tuple[int, int]] = {"stop_timeout": (0, 86_400)}
 OPTIONAL = ("torch_threads", "metrics_port")
 OTEL_EXPORTERS = ("none", "console")
+BATCHING_MODES = ("static", "continuous")
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,10 @@ class ConsumerConfig:
     # then it is offered again. wait_timeout_ms bounds each WAIT.
     wait_replicas: int = 0
     wait_timeout_ms: int = 1000
+    # "static": the model runs one popped batch to its end. "continuous": a step-wise
+    # model (consumer/stepwise.py) whose running batch requests join and leave at every
+    # step (consumer/continuous.py).
+    batching: str = "static"
     # -- around the loop (consumer/api.py) ------------------------------------------
     device: str | None = None  # given to a model factory as device=; shown in stats
     torch_threads: int | None = None  # cap torch's CPU threads (None: leave them be)
@@ -114,6 +119,9 @@ class ConsumerConfig:
             value = getattr(self, knob)
             if not _number(value) or not low <= value <= high:
                 raise InvalidRequest(knob, f"{value!r} is outside [{low}, {high}] s")
+        if self.batching not in BATCHING_MODES:
+            raise InvalidRequest("batching", f"{self.batching!r}: use "
+                                             f"{' or '.join(BATCHING_MODES)}")
         if not isinstance(self.overlap, bool):
             raise InvalidRequest("overlap", f"{self.overlap!r} is not true or false")
         if self.prefer_bucket and self.only_bucket:

@@ -122,6 +122,12 @@ class Worker:
         # which picks the shard of each batch itself).
         self.pop_after_complete = True
         self.shards_changed = False  # the queue's shard count changed under us: restart
+        self.continuous = None  # the --batching continuous loop, when that is the mode
+        if self.config.batching == "continuous":
+            from consumer.continuous import ContinuousLoop, check_step_model
+
+            check_step_model(model)
+            self.continuous = ContinuousLoop(self)
 
     @property
     def _model_takes_costs(self) -> bool:
@@ -163,6 +169,10 @@ class Worker:
         os._exit(EXIT_MODEL_HUNG)
 
     def run(self) -> None:
+        if self.continuous is not None:
+            with self.services():
+                self.continuous.run()
+            return
         with self.services():
             backoff = Backoff(outage=self.outage)
             log.info("consumer %s serving queue %r with %s", self.config.name,
@@ -201,10 +211,11 @@ class Worker:
         leaves the queue's consumer list. consumer/sharded.py runs one per shard."""
         if self.policy is None:
             self.prepare()
-        if self.config.overlap:
+        if self.config.overlap and self.continuous is None:
             self._overlap = Overlap(self._fetch, self._finish, self.stopping,
                                     send=self._send_fetch)
-        held = Held(lambda: self._current, lambda: self._in_model)
+        held = Held(lambda: self._current, lambda: self._in_model) \
+            if self.continuous is None else self.continuous.held()
         if self._overlap is not None:
             held = replace(held, fetched=self._overlap.fetched,
                            completing=self._overlap.completing)
@@ -530,12 +541,14 @@ class Worker:
         try:
             replies = pipe.execute()
         except NotReplicated as exc:  # written, not yet on enough replicas
+            job.refused = int(exc.replies[0][0]) == -1
             self._check_completion(job.batch, exc.replies[0])
             self._complete_until_done(job.batch, complete, exc, landed=True)
             return exc.replies[-1] if pop_next else None
         except COMPLETION_RETRIED as exc:
             self._complete_until_done(job.batch, complete, exc)
             return None
+        job.refused = int(replies[0][0]) == -1
         self._check_completion(job.batch, replies[0])
         return replies[-1] if pop_next else None
 

@@ -1,0 +1,255 @@
+"""`--batching continuous`: requests join and leave a running batch at every step.
+
+The model is step-wise (consumer/stepwise.py). Between two steps the loop pops from the
+queue with pop_batch.lua as a static consumer does (HIGH first, aging, deadlines, cost
+buckets), whenever a slot is free: a popped batch (a "group") may be larger than the free
+slots, so its members wait here, leased, and join as slots free, in pop order; nothing
+more is popped while any waits. At most max_batch_size sequences run at once, and, with
+a max_batch_cost, the running sequences' costs sum to at most that budget (a sequence
+alone may exceed it).
+
+Each finished sequence is answered at once through complete.lua with its group's batch id
+(a batch can be completed a part at a time): fenced, so a group whose lease lapsed is
+refused and its re-run elsewhere answers instead; the batch leaves the in-flight set with
+its last member. The lease thread renews every open group's lease each tick. Streaming
+goes through each group's StreamWriter (one stream_append.lua call per group per step),
+fenced the same way: a group whose lease is found lost stops running at once.
+
+A stop (SIGTERM) pops nothing more and finishes the sequences in hand, as a static
+consumer finishes its batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from consumer.batch import POP_NOW, Answers, Batch, Cost, Finished, Idle, Item, Next
+from consumer.lease import Held
+from consumer.stepwise import is_step_model
+from consumer.streaming import StreamWriter
+from consumer.worker import _describe, _expired
+from scheduler_core.connection import Backoff
+from scheduler_core.errors import InvalidRequest
+from scheduler_core.wire import Outcome
+
+log = logging.getLogger("batchgate.consumer")
+
+
+@dataclass(eq=False)
+class Group:
+    """One popped batch whose members run as separate sequences."""
+    batch: Batch
+    open: int  # members not yet answered
+    writer: StreamWriter | None
+    started_s: float = field(default_factory=time.perf_counter)
+    answered: Answers = field(default_factory=dict)  # for the observer, once all are in
+    unsent: Answers = field(default_factory=dict)  # answered, not yet written
+    ran: int = 0  # members the model ran
+    lost: bool = False  # its lease lapsed: its members were dropped
+
+
+@dataclass(eq=False)
+class Member:
+    group: Group
+    item: Item
+    payload: Any
+    row: int  # its index in the group's StreamWriter
+    handle: Any = None
+
+
+def check_step_model(model: Any) -> None:
+    """Refuse a model that cannot run step by step, naming the flag."""
+    if not is_step_model(model):
+        raise InvalidRequest("batching", "continuous batching needs a step-wise model "
+                                         "(steps = True with add, step, remove and "
+                                         "running: docs/models.md); this model runs whole "
+                                         "batches only: use --batching static")
+
+
+class ContinuousLoop:
+    """The loop of a `--batching continuous` consumer; runs inside its Worker's services."""
+
+    def __init__(self, worker: Any):
+        self.worker = worker
+        self.model = worker.model
+        self.groups: dict[str, Group] = {}
+        self.waiting: deque[Member] = deque()  # popped, not yet running
+        self.running: dict[Any, Member] = {}  # handle -> member
+        self.step_marker: Batch | None = None  # what the lease thread's hang clock watches
+        self.steps = 0
+
+    def held(self) -> Held:
+        return Held(current=lambda: None, in_model=lambda: self.step_marker,
+                    completing=lambda: [g.batch for g in list(self.groups.values())])
+
+    # -- the loop ---------------------------------------------------------------------
+    def run(self) -> None:
+        w = self.worker
+        backoff = Backoff(outage=w.outage)
+        upcoming: Next = POP_NOW  # what the last pop (or idle wait) said
+        while not w.stopping.is_set() or self.running or self.waiting:
+            try:
+                w._sweep_if_due()
+                if not w.stopping.is_set() and not self.waiting and self._free() > 0 \
+                        and (self.running or not isinstance(upcoming, Idle)):
+                    # Running sequences: pop between steps (never block); else pop at
+                    # once unless the last pop said to wait.
+                    if not isinstance(upcoming, Batch):
+                        upcoming = w._pop()
+                    if isinstance(upcoming, Batch):
+                        self._join(upcoming)
+                        upcoming = POP_NOW
+                self._admit()
+                if self.running:
+                    self._step()
+                elif not self.waiting and not w.stopping.is_set() \
+                        and isinstance(upcoming, Idle):
+                    upcoming = w._idle(upcoming)  # blocks until work may be due, then pops
+                backoff.succeeded()
+            except redis.RedisError as exc:
+                upcoming = POP_NOW
+                backoff.sleep_after(exc)
+
+    def _free(self) -> int:
+        size = self.worker.policy.max_batch_size if self.worker.policy else 1
+        return size - len(self.running)
+
+    def _join(self, batch: Batch) -> None:
+        w = self.worker
+        w.requests_done += len(batch.items)
+        w.batches_done += 1
+        early, runnable = w._prepare(batch)
+        group = Group(batch, len(runnable), None)
+        if runnable:
+            self.groups[batch.id] = group
+            if w._model_streams:
+                group.writer = w._stream_writer(batch, [item for item, _ in runnable])
+                group.writer.start()
+            self.waiting.extend(Member(group, item, payload, row)
+                                for row, (item, payload) in enumerate(runnable))
+        if early:
+            group.open += len(early)
+            if not runnable:
+                self.groups[batch.id] = group
+            for rid, answer in early.items():
+                self._answer(group, rid, answer)
+            self._flush()
+
+    def _admit(self) -> None:
+        """Members waiting here join the running batch while slots (and the token budget)
+        allow; past their deadline they are answered instead."""
+        w = self.worker
+        budget = w.policy.max_batch_cost if w.policy else 0
+        cost = sum(m.item.cost for m in self.running.values())
+        reject_late = w.policy is None or w.policy.on_timeout == "reject"
+        while self.waiting and self._free() > 0:
+            member = self.waiting[0]
+            if budget and self.running and cost + member.item.cost > budget:
+                break
+            self.waiting.popleft()
+            group, item = member.group, member.item
+            if group.lost:
+                continue
+            if reject_late and item in group.batch.past_deadline():
+                self._answer(group, item.id, _expired(item))
+                continue
+            try:
+                member.handle = self.model.add(member.payload, Cost(item.cost, item.requested)
+                                               if w._model_takes_costs else None)
+            except Exception as exc:  # this request's failure, not the batch's
+                self._answer(group, item.id, w._encode(item.id, False, (
+                    type(exc).__name__, _describe(exc))))
+                continue
+            self.running[member.handle] = member
+            cost += item.cost
+        self._flush()
+
+    def _step(self) -> None:
+        w = self.worker
+        self.step_marker = Batch("step", 0, [])  # a fresh one: the hang clock restarts
+        try:
+            steps = self.model.step()
+        except Exception as exc:  # every running sequence fails; the loop goes on
+            message = _describe(exc)
+            log.warning("model step raised: %s: %s", type(exc).__name__, message)
+            for handle, member in list(self.running.items()):
+                self._drop(handle)
+                self._answer(member.group, member.item.id, w._encode(
+                    member.item.id, False, (type(exc).__name__, message)))
+            self._flush()
+            return
+        finally:
+            self.step_marker = None
+        self.steps += 1
+        parts: dict[Group, dict[int, Any]] = {}
+        for handle, part, result in steps:
+            member = self.running.get(handle)
+            if member is None:
+                continue
+            if part is not None and member.group.writer is not None:
+                parts.setdefault(member.group, {})[member.row] = part
+            if result is not None:
+                del self.running[handle]
+                member.group.ran += 1
+                self._answer(member.group, member.item.id,
+                             w._encode(member.item.id, True, result))
+        for group, rows in parts.items():
+            if group.writer is not None and not group.writer.stale:
+                group.writer.emit(rows)
+            if group.writer is not None and group.writer.stale:
+                self._lose(group)
+        self._flush()
+
+    # -- answers ----------------------------------------------------------------------
+    def _answer(self, group: Group, request_id: str, answer: tuple[Outcome, bytes]) -> None:
+        group.answered[request_id] = group.unsent[request_id] = answer
+        group.open -= 1
+
+    def _flush(self) -> None:
+        """Write the answers given since the last flush: one complete.lua call per group."""
+        w = self.worker
+        for group in list(self.groups.values()):
+            if not group.unsent or group.lost:
+                continue
+            job = Finished(group.batch, group.unsent, last=False)
+            group.unsent = {}
+            w._finish(job)
+            if job.refused:
+                self._lose(group)
+            elif group.open == 0:
+                self._close(group)
+
+    def _close(self, group: Group) -> None:
+        del self.groups[group.batch.id]
+        observer = self.worker.observer
+        if observer is not None:
+            observer.on_batch(group.batch, group.ran,
+                              int((time.perf_counter() - group.started_s) * 1e6),
+                              group.answered)
+
+    def _lose(self, group: Group) -> None:
+        """The group's lease lapsed (another consumer re-runs it): stop its sequences."""
+        if group.lost:
+            return
+        group.lost = True
+        self.groups.pop(group.batch.id, None)
+        for handle, member in list(self.running.items()):
+            if member.group is group:
+                self._drop(handle)
+        log.warning("batch %s: lease lost; its %d unanswered requests are dropped here "
+                    "(another consumer re-runs them)", group.batch.id, group.open)
+
+    def _drop(self, handle: Any) -> None:
+        del self.running[handle]
+        try:
+            self.model.remove(handle)
+        except Exception:  # the model's bookkeeping; the sequence is answered elsewhere
+            log.exception("model.remove failed")
+
+

@@ -217,9 +217,9 @@ class ContinuousLoop:
         for group in list(self.groups.values()):
             if not group.unsent or group.lost:
                 continue
-            job = Finished(group.batch, group.unsent, last=False)
+            job = Finished(group.batch, dict(group.unsent), last=False)
+            w._finish(job)  # raises (Redis refused it): kept, offered at the next flush
             group.unsent = {}
-            w._finish(job)
             if job.refused:
                 self._lose(group)
             elif group.open == 0:

@@ -23,6 +23,7 @@ import redis
 from consumer.config import ConsumerConfig
 from consumer.loader import BatchModel, load_model
 from consumer.sharded import ShardedConsumer
+from consumer.stepwise import is_step_model
 from consumer.torch_threads import limit_torch_threads
 from consumer.worker import Worker
 from scheduler_core.admin import ensure_policy
@@ -60,7 +61,7 @@ class Consumer:
                  model_args: dict[str, Any] | None = None, client: redis.Redis | None = None,
                  tracer: Any = None, metrics_registry: Any = None, **settings: Any):
         self.config = ConsumerConfig.build(config, **settings)
-        if not isinstance(model, str) and not callable(model):
+        if not isinstance(model, str) and not callable(model) and not is_step_model(model):
             raise InvalidRequest(self.model_fields["model"], f"{model!r} is neither a batch "
                                  "model, a factory of one nor a 'MODULE:ATTR' string")
         self.model_args = dict(model_args or {})

@@ -123,6 +123,9 @@ class Worker:
         self.pop_after_complete = True
         self.shards_changed = False  # the queue's shard count changed under us: restart
         self.continuous = None  # the --batching continuous loop, when that is the mode
+        if self.config.batching == "static" and not callable(model):
+            raise InvalidRequest("batching", "this model runs step by step only (no batch "
+                                             "call): use --batching continuous")
         if self.config.batching == "continuous":
             from consumer.continuous import ContinuousLoop, check_step_model
 

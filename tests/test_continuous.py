@@ -13,8 +13,11 @@ import time
 import pytest
 from helpers.failure_support import CountingProducer
 from helpers.processes import BATCHGATE
+from helpers.step_models import Counter
+from helpers.support import wait_for
 
-from producer import Producer, RequestFailed, Restart
+from consumer import Consumer
+from producer import DeadlineExceeded, Producer, RequestFailed, Restart
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -97,3 +100,85 @@ def test_a_model_that_cannot_step_is_refused_naming_the_flag(shared_redis, queue
     bad = subprocess.run([BATCHGATE, "consumer", "--batching", "sometimes"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--batching" in bad.stderr
+
+
+# -- scheduling, with a step-wise model that only sleeps (tests/helpers/step_models.py) --
+@pytest.fixture
+def counter_consumer(shared_redis, queue):
+    started = []
+
+    def start(model, **settings):
+        consumer = Consumer(model, redis_url=shared_redis.url, queue=queue,
+                            batching="continuous", lease_ms=2000, **settings).start()
+        started.append(consumer)
+        return consumer
+
+    yield start
+    for consumer in started:
+        consumer.stop()
+
+
+def test_at_most_max_batch_size_sequences_run_within_the_cost_budget(
+        shared_redis, queue, counter_consumer):
+    model = Counter(sleep_ms=10)
+    counter_consumer(model, strategy="fifo", max_batch_size=3)
+    with Producer(shared_redis.url, queue) as p:
+        handles = p.submit_many([{"i": i, "n": 3 + i % 4} for i in range(10)])
+        assert [h.result(timeout=60) for h in handles] == \
+            [{"i": i, "steps": 3 + i % 4} for i in range(10)]
+    assert model.most == 3
+    # Each sequence ran exactly its n steps, joining as others left.
+    ran = [i for step in model.ran for i in step]
+    assert all(ran.count(i) == 3 + i % 4 for i in range(10))
+
+
+def test_the_cost_budget_bounds_the_running_sequences(shared_redis, queue, counter_consumer):
+    model = Counter(sleep_ms=10)
+    counter_consumer(model, strategy="fifo", max_batch_size=8, max_batch_cost=10)
+    with Producer(shared_redis.url, queue) as p:
+        handles = p.submit_many([{"i": i, "n": 4} for i in range(6)], cost=4)
+        assert [h.result(timeout=60)["i"] for h in handles] == list(range(6))
+    assert model.most == 2  # 2 x 4 <= 10 < 3 x 4
+
+
+def test_requests_past_their_deadline_while_no_slot_is_free_are_expired(
+        shared_redis, queue, counter_consumer):
+    """Two long sequences fill both slots; of the requests that arrive then, one popped
+    (it waits here for a slot) and one still queued pass their deadline: both are answered
+    DeadlineExceeded, the long ones run to their end."""
+    model = Counter(sleep_ms=20)
+    counter_consumer(model, strategy="fifo", max_batch_size=2)
+    with Producer(shared_redis.url, queue) as p:
+        long = p.submit_many([{"i": 0, "n": 60}, {"i": 1, "n": 60}])
+        wait_for(lambda: model.most == 2, timeout=30)
+        late = p.submit_many([{"i": 2, "n": 1}, {"i": 3, "n": 1}, {"i": 4, "n": 1}],
+                             deadline_ms=300)
+        for h in late:
+            with pytest.raises(DeadlineExceeded):
+                h.result(timeout=30)
+        assert [h.result(timeout=30)["steps"] for h in long] == [60, 60]
+    assert not any(i in step for step in model.ran for i in (2, 3, 4))
+
+
+def test_a_step_that_raises_fails_its_sequences_and_the_consumer_goes_on(
+        shared_redis, queue, counter_consumer):
+    model = Counter(sleep_ms=10)
+    counter_consumer(model, strategy="fifo", max_batch_size=4)
+    with Producer(shared_redis.url, queue) as p:
+        bad = p.submit_many([{"i": 0, "n": 5}, {"i": 1, "n": 5, "boom": True}])
+        for h in bad:
+            with pytest.raises(RequestFailed, match="boom"):
+                h.result(timeout=30)
+        assert p.submit({"i": 2, "n": 2}).result(timeout=30) == {"i": 2, "steps": 2}
+        with pytest.raises(RequestFailed, match="'n' must be an integer"):
+            p.submit({"i": 3, "n": -1}).result(timeout=30)
+
+
+def test_a_stop_finishes_the_sequences_in_hand(shared_redis, queue, counter_consumer):
+    model = Counter(sleep_ms=20)
+    consumer = counter_consumer(model, strategy="fifo", max_batch_size=4)
+    with Producer(shared_redis.url, queue) as p:
+        handles = p.submit_many([{"i": i, "n": 20} for i in range(3)])
+        wait_for(lambda: model.most == 3, timeout=30)
+        assert consumer.stop(timeout=30)
+        assert [h.result(timeout=5)["steps"] for h in handles] == [20, 20, 20]

@@ -37,6 +37,7 @@ import orjson
 from batchgate.embedded import embedded_redis
 from batchgate.lengths import (
     LONG,
+    LONG_SHARE,
     MODEL_ARGS,
     READY_TIMEOUT_S,
     SHORT,
@@ -192,7 +193,12 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--duration-s", type=float, default=20.0,
                         help="seconds of arrivals per configuration")
-    parser.add_argument("--load", type=float, default=0.6)
+    parser.add_argument("--load", type=float, default=0.6,
+                        help="offered load (rate x mean t(1, cost) / consumers), from the "
+                             "generator timed at startup")
+    parser.add_argument("--rate", type=float, default=None,
+                        help="requests/s instead of --load (a shared host's startup timing "
+                             "may be far off)")
     parser.add_argument("--consumers", type=int, default=2)
     parser.add_argument("--configs", default=",".join(CONFIGS),
                         help="comma-separated, of " + ", ".join(CONFIGS))
@@ -206,7 +212,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--configs: unknown {', '.join(unknown)}; use {', '.join(CONFIGS)}")
     threads = max(1, (os.cpu_count() or 1) // args.consumers)
     prof = profile(repeats=2, threads=threads, parallel=args.consumers)
-    rate = rate_for(args.load, args.consumers, prof)
+    rate = args.rate or rate_for(args.load, args.consumers, prof)
+    load = rate * ((1 - LONG_SHARE) * t1(prof, SHORT) + LONG_SHARE * t1(prof, LONG)) / 1000 \
+        / args.consumers
     times, costs = arrivals(rate, args.duration_s, args.seed)
     log_dir = Path(tempfile.mkdtemp(prefix="bench-continuous-"))
     results = {}
@@ -215,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}: {len(times)} requests over {args.duration_s:g} s ...", flush=True)
             results[name] = run_config(url, name, times, costs, args.consumers, threads,
                                        log_dir)
-    report = {"workload": {"rate": rate, "duration_s": args.duration_s, "load": args.load,
+    report = {"workload": {"rate": rate, "duration_s": args.duration_s, "load": round(load, 2),
                            "seed": args.seed, "requests": len(times),
                            "short": costs.count(SHORT), "long": costs.count(LONG),
                            "solo_short_ms": t1(prof, SHORT), "solo_long_ms": t1(prof, LONG)},

@@ -29,13 +29,14 @@ from typing import Any
 
 import redis
 
-from consumer.batch import POP_NOW, Answers, Batch, Cost, Finished, Idle, Item, Next
+from consumer.batch import POP_NOW, Answers, Batch, Cost, Finished, Idle, Item, Next, PopNow
 from consumer.lease import Held
 from consumer.stepwise import is_step_model
 from consumer.streaming import StreamWriter
 from consumer.worker import _describe, _expired
 from scheduler_core.connection import Backoff
 from scheduler_core.errors import InvalidRequest
+from scheduler_core.scripts import SentScript
 from scheduler_core.wire import Outcome
 
 log = logging.getLogger("batchgate.consumer")
@@ -96,18 +97,22 @@ class ContinuousLoop:
         while not w.stopping.is_set() or self.running or self.waiting:
             try:
                 w._sweep_if_due()
-                if not w.stopping.is_set() and not self.waiting and self._free() > 0 \
-                        and (self.running or not isinstance(upcoming, Idle)):
-                    # Running sequences: pop between steps (never block); else pop at
-                    # once unless the last pop said to wait.
-                    if not isinstance(upcoming, Batch):
-                        upcoming = w._pop()
-                    if isinstance(upcoming, Batch):
-                        self._join(upcoming)
-                        upcoming = POP_NOW
+                if isinstance(upcoming, Batch):  # popped by the idle wait
+                    self._join(upcoming)
+                    upcoming = POP_NOW
+                elif not self.running and self._may_pop() and isinstance(upcoming, PopNow):
+                    upcoming = self._joined(w._pop())
                 self._admit()
                 if self.running:
-                    self._step()
+                    # The pop between steps is sent before the step and read after it:
+                    # Redis pops while the model runs, and the step never waits for it.
+                    sent = (SentScript(w.redis, *w._pop_call()), time.monotonic()) \
+                        if self._may_pop() else None
+                    try:
+                        self._step()
+                    finally:
+                        if sent is not None:
+                            upcoming = self._joined(w._parse(sent[0].reply()), sent[1])
                 elif not self.waiting and not w.stopping.is_set() \
                         and isinstance(upcoming, Idle):
                     upcoming = w._idle(upcoming)  # blocks until work may be due, then pops
@@ -115,6 +120,19 @@ class ContinuousLoop:
             except redis.RedisError as exc:
                 upcoming = POP_NOW
                 backoff.sleep_after(exc)
+
+    def _may_pop(self) -> bool:
+        """A free slot, nobody popped waiting here for one, and no stop asked."""
+        return not self.worker.stopping.is_set() and not self.waiting and self._free() > 0
+
+    def _joined(self, step: Next, sent_s: float | None = None) -> Next:
+        """A popped batch joins (PopNow: pop again when a slot is free); Idle is kept."""
+        if not isinstance(step, Batch):
+            return step
+        if sent_s is not None:  # its deadlines count from when the pop was sent
+            step.received_s = sent_s
+        self._join(step)
+        return POP_NOW
 
     def _free(self) -> int:
         size = self.worker.policy.max_batch_size if self.worker.policy else 1

@@ -89,6 +89,10 @@ class ContinuousLoop:
         return Held(current=lambda: None, in_model=lambda: self.step_marker,
                     completing=lambda: [g.batch for g in list(self.groups.values())])
 
+    def about(self) -> dict[str, str]:
+        """For the consumer's info hash (dashboards): open batch ids, running sequences."""
+        return {"batch": ",".join(list(self.groups)[:16]), "batch_size": str(len(self.running))}
+
     # -- the loop ---------------------------------------------------------------------
     def run(self) -> None:
         w = self.worker

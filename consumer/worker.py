@@ -253,6 +253,9 @@ class Worker:
                      self.batches_done, self.requests_done)
 
     def _about(self) -> dict[str, str]:
+        if self.continuous is not None:  # the popped batches open, the sequences running
+            return {**self.info, "batches": str(self.batches_done),
+                    "requests": str(self.requests_done), **self.continuous.about()}
         current = self._current
         return {**self.info, "batches": str(self.batches_done),
                 "requests": str(self.requests_done),

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -98,20 +97,12 @@ def replay(url: str, queue: str, times: list[float], costs: list[int],
     def stamp(result: Result) -> None:
         arrived[result.id] = time.perf_counter()
 
-    handles: list[Any] = []
     with Producer(url, queue, on_result=stamp).connect() as producer:
         start = time.perf_counter() + 0.1
-
-        def pace() -> None:
-            for k, (offset, cost) in enumerate(zip(times, costs, strict=True)):
-                delay = start + offset - time.perf_counter()
-                if delay > 0:
-                    time.sleep(delay)
-                handles.append(producer.submit({"prompt": f"request {k}"}, cost=cost))
-
-        pacer = threading.Thread(target=pace, name="bench-continuous-pacer", daemon=True)
-        pacer.start()
-        pacer.join()
+        handles = []
+        for k, offset in enumerate(times):  # open loop, each at its scheduled time
+            time.sleep(max(0.0, start + offset - time.perf_counter()))
+            handles.append(producer.submit({"prompt": f"request {k}"}, cost=costs[k]))
         latency: dict[int, list[float]] = {SHORT: [], LONG: []}
         tokens = failed = unanswered = 0
         last = start

@@ -98,7 +98,9 @@ class ContinuousLoop:
         w = self.worker
         backoff = Backoff(outage=w.outage)
         upcoming: Next = POP_NOW  # what the last pop (or idle wait) said
-        while not w.stopping.is_set() or self.running or self.waiting:
+        # A batch popped before a stop arrived is run, not stranded until its lease lapses.
+        while not w.stopping.is_set() or self.running or self.waiting \
+                or isinstance(upcoming, Batch):
             try:
                 w._sweep_if_due()
                 if isinstance(upcoming, Batch):  # popped by the idle wait

@@ -11,18 +11,12 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from test_generator import one_thread  # noqa: E402, F401  (autouse: one torch thread)
+
 from consumer.models.decoder import Generator, build_gpt2  # noqa: E402
 from consumer.stepwise import is_step_model  # noqa: E402
 
 TINY = {"vocab": 512, "layers": 2, "dim": 32, "heads": 2, "positions": 128}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def tiny(**kwargs) -> Generator:

@@ -25,6 +25,7 @@ as PASS/MISS. --out gets results.json and results.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import tempfile
 import time
@@ -75,17 +76,16 @@ def consumer_argv(url: str, queue: str, name: str, index: int, threads: int) -> 
 def run_config(url: str, name: str, times: list[float], costs: list[int], consumers: int,
                threads: int, log_dir: Path) -> dict[str, Any]:
     queue = f"continuous-{name.replace('+', '-')}"
-    procs = [ChildProcess(consumer_argv(url, queue, name, i, threads),
-                          log_dir / f"{queue}-{i}.log", b"ready on queue")
-             for i in range(consumers)]
-    try:
+    with contextlib.ExitStack() as children:  # on leaving: all terminated, then reaped
+        procs = [ChildProcess(consumer_argv(url, queue, name, i, threads),
+                              log_dir / f"{queue}-{i}.log", b"ready on queue")
+                 for i in range(consumers)]
+        for p in procs:
+            children.callback(p.reap)
+        for p in procs:
+            children.callback(p.terminate)
         wait_all_ready(procs, READY_TIMEOUT_S)
         return replay(url, queue, times, costs) | {"config": name}
-    finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            p.reap()
 
 
 def replay(url: str, queue: str, times: list[float], costs: list[int],
@@ -103,22 +103,19 @@ def replay(url: str, queue: str, times: list[float], costs: list[int],
         for k, offset in enumerate(times):  # open loop, each at its scheduled time
             time.sleep(max(0.0, start + offset - time.perf_counter()))
             handles.append(producer.submit({"prompt": f"request {k}"}, cost=costs[k]))
-        latency: dict[int, list[float]] = {SHORT: [], LONG: []}
-        tokens = failed = unanswered = 0
-        last = start
-        for k, h in enumerate(handles):
-            try:
-                value = h.result(timeout=drain_timeout_s)
-            except TimeoutError:
-                unanswered += 1
-                continue
-            except RequestFailed:
-                failed += 1
-                continue
-            done = arrived.get(h.id, time.perf_counter())
+        values = []
+        for h in handles:
+            values.append(_value(h, drain_timeout_s))
+            arrived.setdefault(h.id, time.perf_counter())  # the listener's stamp, else now
+    latency: dict[int, list[float]] = {SHORT: [], LONG: []}
+    last, tokens = start, 0
+    for k, (h, value) in enumerate(zip(handles, values, strict=True)):
+        if isinstance(value, dict):
+            done = arrived[h.id]
             last = max(last, done)
             tokens += value["new_tokens"]
             latency[costs[k]].append((done - start - times[k]) * 1000)
+    failed, unanswered = values.count("failed"), values.count("unanswered")
     elapsed = last - start
     answered = len(handles) - failed - unanswered
     return {"submitted": len(handles), "answered": answered, "failed": failed,
@@ -127,6 +124,16 @@ def replay(url: str, queue: str, times: list[float], costs: list[int],
             "tokens_per_s": round(tokens / elapsed, 1) if elapsed > 0 else None,
             "latency_ms": {str(c): {"n": len(v), "p50": _r(pct(v, 0.5)),
                                     "p99": _r(pct(v, 0.99))} for c, v in latency.items()}}
+
+
+def _value(handle: Any, timeout: float) -> Any:
+    """The request's result, or "failed" / "unanswered"."""
+    try:
+        return handle.result(timeout=timeout)
+    except TimeoutError:
+        return "unanswered"
+    except RequestFailed:
+        return "failed"
 
 
 def _r(value: float | None) -> float | None:

@@ -112,6 +112,12 @@ def install_signal_handlers(consumer: Consumer) -> None:
                  "step-wise model (docs/models.md); requests join the running batch "
                  "between steps, up to max_batch_size sequences (and max_batch_cost), and "
                  "each is answered as soon as it finishes (docs/scheduling.md).")
+@env_option("--preempt/--no-preempt", envvar="BATCHGATE_PREEMPT", default=False,
+            show_default=True,
+            help="With --batching continuous: when HIGH requests wait and every slot runs, "
+                 "give running LOW sequences back to the queue (they keep their place and "
+                 "are recomputed later; a stream gets a restart marker). In the variable: "
+                 "true/false.")
 @env_option("--cost-refit-s", envvar="BATCHGATE_COST_REFIT_S", type=float, default=5.0,
             show_default=True,
             help="Every this many seconds, refit the queue's stored cost model t(b) = A + "

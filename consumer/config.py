@@ -77,6 +77,9 @@ class ConsumerConfig:
     # model (consumer/stepwise.py) whose running batch requests join and leave at every
     # step (consumer/continuous.py).
     batching: str = "static"
+    # Continuous batching only: when HIGH requests wait and every slot runs, give running
+    # LOW sequences back to the queue (recomputed later) to make room for them.
+    preempt: bool = False
     # -- around the loop (consumer/api.py) ------------------------------------------
     device: str | None = None  # given to a model factory as device=; shown in stats
     torch_threads: int | None = None  # cap torch's CPU threads (None: leave them be)
@@ -122,6 +125,12 @@ class ConsumerConfig:
         if self.batching not in BATCHING_MODES:
             raise InvalidRequest("batching", f"{self.batching!r}: use "
                                              f"{' or '.join(BATCHING_MODES)}")
+        if not isinstance(self.preempt, bool):
+            raise InvalidRequest("preempt", f"{self.preempt!r} is not true or false")
+        if self.preempt and self.batching != "continuous":
+            raise InvalidRequest("preempt", "preemption evicts sequences of a running batch: "
+                                            "it needs batching='continuous' "
+                                            "(--batching continuous)")
         if not isinstance(self.overlap, bool):
             raise InvalidRequest("overlap", f"{self.overlap!r} is not true or false")
         if self.prefer_bucket and self.only_bucket:

@@ -36,10 +36,12 @@ from consumer.streaming import StreamWriter
 from consumer.worker import _describe, _expired
 from scheduler_core.connection import Backoff
 from scheduler_core.errors import InvalidRequest
-from scheduler_core.scripts import SentScript
+from scheduler_core.scripts import SentScript, preempt_keys
 from scheduler_core.wire import Outcome
 
 log = logging.getLogger("batchgate.consumer")
+
+LOW = 2  # a request popped at this level or below (3: delayed past its deadline) yields
 
 
 @dataclass(eq=False)
@@ -62,6 +64,7 @@ class Member:
     payload: Any
     row: int  # its index in the group's StreamWriter
     handle: Any = None
+    steps: int = 0  # steps it ran here (wasted if it is preempted)
 
 
 def check_step_model(model: Any) -> None:
@@ -84,6 +87,8 @@ class ContinuousLoop:
         self.running: dict[Any, Member] = {}  # handle -> member
         self.step_marker: Batch | None = None  # what the lease thread's hang clock watches
         self.steps = 0
+        self.preempted = 0  # sequences given back to the queue for HIGH work
+        self.wasted_steps = 0  # the steps those had run (recomputed later)
 
     def held(self) -> Held:
         return Held(current=lambda: None, in_model=lambda: self.step_marker,
@@ -91,7 +96,8 @@ class ContinuousLoop:
 
     def about(self) -> dict[str, str]:
         """For the consumer's info hash (dashboards): open batch ids, running sequences."""
-        return {"batch": ",".join(list(self.groups)[:16]), "batch_size": str(len(self.running))}
+        return {"batch": ",".join(list(self.groups)[:16]), "batch_size": str(len(self.running)),
+                "preempted": str(self.preempted), "wasted_steps": str(self.wasted_steps)}
 
     # -- the loop ---------------------------------------------------------------------
     def run(self) -> None:
@@ -109,6 +115,8 @@ class ContinuousLoop:
                 elif not self.running and self._may_pop() and isinstance(upcoming, PopNow):
                     upcoming = self._joined(w._pop())
                 self._admit()
+                if self.running and w.config.preempt:
+                    self._preempt()
                 if self.running:
                     # The pop between steps is sent before the step and read after it:
                     # Redis pops while the model runs, and the step never waits for it.
@@ -216,6 +224,7 @@ class ContinuousLoop:
             member = self.running.get(handle)
             if member is None:
                 continue
+            member.steps += 1
             if part is not None and member.group.writer is not None:
                 parts.setdefault(member.group, {})[member.row] = part
             if result is not None:
@@ -229,6 +238,45 @@ class ContinuousLoop:
             if group.writer is not None and group.writer.stale:
                 self._lose(group)
         self._flush()
+
+    def _preempt(self) -> None:
+        """--preempt: HIGH requests wait and every slot runs: give running LOW sequences
+        (the latest admitted first: the least work lost) back to the queue, one per HIGH
+        request waiting; they keep their arrival time and are recomputed later, and their
+        streams get a restart marker. The HIGH ones are popped at the next step."""
+        w = self.worker
+        if self._free() > 0 or self.waiting:
+            return
+        low = [m for m in self.running.values() if m.item.level >= LOW]
+        if not low:
+            return
+        high = int(w.redis.zcard(w.keys.pending(0)))
+        if not high:
+            return
+        self._flush()  # answers first: the give-back may close their batch
+        victims: dict[Group, list[Member]] = {}
+        for member in low[-high:]:
+            victims.setdefault(member.group, []).append(member)
+        for group, members in victims.items():
+            if group.lost:
+                continue
+            if group.writer is not None:
+                group.writer.restart([m.item for m in members])
+            ids = [m.item.id for m in members]
+            reply = w.scripts.preempt(keys=preempt_keys(w.keys),
+                                      args=[group.batch.id, len(ids), *ids])
+            if int(reply[0]) == -1:
+                self._lose(group)
+                continue
+            for m in members:
+                self._drop(m.handle)
+                self.wasted_steps += m.steps
+            self.preempted += len(members)
+            group.open -= len(members)
+            log.info("batch %s: %d LOW sequences given back to the queue for HIGH work",
+                     group.batch.id, len(members))
+            if group.open == 0:
+                self._close(group)
 
     # -- answers ----------------------------------------------------------------------
     def _answer(self, group: Group, request_id: str, answer: tuple[Outcome, bytes]) -> None:

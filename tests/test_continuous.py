@@ -15,14 +15,10 @@ from helpers.failure_support import CountingProducer
 from helpers.processes import BATCHGATE
 from helpers.step_models import Counter
 from helpers.support import wait_for
+from redis import Redis
 
 from consumer import Consumer
 from producer import DeadlineExceeded, Producer, RequestFailed, Restart
-
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
-
-from consumer.models.decoder import Generator, build_gpt2  # noqa: E402
 
 MODEL = {"vocab": 512, "layers": 2, "dim": 64, "heads": 2, "positions": 512}
 ARGS = [a for k, v in MODEL.items() for a in ("--model-arg", f"{k}={v}")]
@@ -31,6 +27,10 @@ ARGS = [a for k, v in MODEL.items() for a in ("--model-arg", f"{k}={v}")]
 @pytest.fixture(scope="module")
 def solo():
     """The request's output generated alone, in process (static, one request a batch)."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from consumer.models.decoder import Generator, build_gpt2
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     model = Generator(build_gpt2(**MODEL), warmup_batches=(), max_new_tokens_cap=500)
@@ -92,6 +92,7 @@ def test_a_consumer_killed_mid_generation_has_each_request_rerun_and_answered_on
 
 
 def test_a_model_that_cannot_step_is_refused_naming_the_flag(shared_redis, queue):
+    """So is --preempt without continuous batching."""
     out = subprocess.run([BATCHGATE, "consumer", "--redis-url", shared_redis.url, "--queue",
                           queue, "--model", "consumer.models:noop", "--batching",
                           "continuous"], capture_output=True, text=True, timeout=120)
@@ -100,6 +101,10 @@ def test_a_model_that_cannot_step_is_refused_naming_the_flag(shared_redis, queue
     bad = subprocess.run([BATCHGATE, "consumer", "--batching", "sometimes"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--batching" in bad.stderr
+    static = subprocess.run([BATCHGATE, "consumer", "--preempt"], capture_output=True,
+                            text=True, timeout=60)
+    assert static.returncode != 0 and "preempt" in static.stderr \
+        and "--batching continuous" in static.stderr
 
 
 # -- scheduling, with a step-wise model that only sleeps (tests/helpers/step_models.py) --
@@ -182,3 +187,38 @@ def test_a_stop_finishes_the_sequences_in_hand(shared_redis, queue, counter_cons
         wait_for(lambda: model.most == 3, timeout=30)
         assert consumer.stop(timeout=30)
         assert [h.result(timeout=5)["steps"] for h in handles] == [20, 20, 20]
+
+
+@pytest.mark.parametrize("preempt", [True, False])
+def test_preemption_gives_running_low_sequences_back_for_high_work(
+        shared_redis, queue, counter_consumer, preempt):
+    """Both slots run LOW work when a HIGH request arrives. With --preempt the latest LOW
+    sequence goes back to the queue (its stream gets a restart marker), the HIGH one runs
+    from the next step, and the LOW one is recomputed from the start later, answered once;
+    without it, the HIGH request waits for a slot."""
+    model = Counter(sleep_ms=20)
+    counter_consumer(model, strategy="priority", max_batch_size=2, aging_ms=0,
+                     preempt=preempt)
+    with CountingProducer(shared_redis.url, queue) as p:
+        low = p.submit_many([{"i": 0, "n": 40}, {"i": 1, "n": 40}], priority="LOW")
+        wait_for(lambda: model.most == 2, timeout=30)
+        high = p.submit({"i": 9, "n": 3}, priority="HIGH")
+        assert high.result(timeout=30) == {"i": 9, "steps": 3}
+        assert [h.result(timeout=60) for h in low] == [{"i": 0, "steps": 40},
+                                                       {"i": 1, "steps": 40}]
+        events = list(low[1].stream(timeout=5))
+        time.sleep(0.3)
+        assert all(p.deliveries[h.id] == 1 for h in [*low, high])
+    first_high = next(k for k, step in enumerate(model.ran) if 9 in step)
+    ran_before = [i for step in model.ran[:first_high] for i in step]
+    stats = Redis.from_url(shared_redis.url).hget(f"{{bg:{queue}}}:stats", "preempted")
+    if preempt:
+        assert ran_before.count(1) < 40 and 1 not in model.ran[first_high]  # evicted
+        assert ran_before.count(0) < 40 and 0 in model.ran[first_high]  # kept running
+        assert Restart(1) in events
+        rerun = events[events.index(Restart(1)) + 1:]
+        assert rerun == [{"i": 1, "step": s} for s in range(40)]
+        assert int(stats) == 1
+    else:
+        assert ran_before.count(0) == ran_before.count(1) == 40  # waited for a slot
+        assert Restart(1) not in events and stats is None

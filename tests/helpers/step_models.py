@@ -17,6 +17,7 @@ class Counter:
     sequences that ran at once and the sequences each step ran."""
 
     steps = True
+    streams = True
 
     def __init__(self, sleep_ms: float = 20):
         self.sleep_s = sleep_ms / 1000

@@ -3,7 +3,11 @@ and the built-in generator: a short request joins a running long one and is answ
 while the long one still runs; every result equals the request generated alone; tokens
 stream as they come; a bad payload fails alone; a consumer SIGKILLed mid-generation has
 its requests re-run elsewhere, each answered once with its solo output; a model that
-cannot step is refused naming --batching."""
+cannot step is refused naming --batching. With a step-wise model that only sleeps
+(helpers/step_models.py): at most max_batch_size sequences within max_batch_cost, requests
+past their deadline while no slot is free expired, a failing step fails its sequences
+only, a stop finishes the sequences in hand, and --preempt gives LOW sequences back for
+HIGH work."""
 
 from __future__ import annotations
 

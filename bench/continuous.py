@@ -126,6 +126,43 @@ def replay(url: str, queue: str, times: list[float], costs: list[int],
                                     "p99": _r(pct(v, 0.99))} for c, v in latency.items()}}
 
 
+def high_first_token(url: str, preempt: bool, threads: int, log_dir: Path,
+                     samples: int = 5, slots: int = 4) -> dict[str, Any]:
+    """A HIGH request (16 tokens) arriving while every slot of one continuous consumer
+    runs LOW generation (256 tokens): its time to first token, `samples` times, with or
+    without --preempt."""
+    name = "preempt" if preempt else "no-preempt"
+    queue = f"continuous-high-{name}"
+    model_args = [a for k, v in MODEL_ARGS.items() for a in ("--model-arg", f"{k}={v}")]
+    argv = [*batchgate_argv(), "--log-level", "WARNING", "consumer", "--redis-url", url,
+            "--queue", queue, "--model", "consumer.models:generator", *model_args,
+            "--model-arg", "stream=true", "--torch-threads", str(threads), "--device", "cpu",
+            "--batching", "continuous", "--strategy", "priority", "--max-batch-size",
+            str(slots), "--aging-ms", "0", *(("--preempt",) if preempt else ())]
+    proc = ChildProcess(argv, log_dir / f"{queue}.log", b"ready on queue")
+    ttft = []
+    try:
+        wait_all_ready([proc], READY_TIMEOUT_S)
+        with Producer(url, queue).connect() as producer:
+            for k in range(samples):
+                lows = producer.submit_many([{"prompt": f"low {k} {j}"} for j in range(slots)],
+                                            priority="LOW", cost=LONG)
+                for low in lows:  # every slot runs
+                    next(low.stream(timeout=120))
+                started = time.perf_counter()
+                high = producer.submit({"prompt": f"high {k}"}, priority="HIGH", cost=SHORT)
+                next(high.stream(timeout=120))
+                ttft.append((time.perf_counter() - started) * 1000)
+                high.result(timeout=120)
+                for low in lows:
+                    low.result(timeout=300)
+    finally:
+        proc.terminate()
+        proc.reap()
+    return {"config": name, "slots": slots, "ttft_ms": [round(t, 1) for t in ttft],
+            "p99": _r(pct(ttft, 0.99)), "p50": _r(pct(ttft, 0.5))}
+
+
 def _value(handle: Any, timeout: float) -> Any:
     """The request's result, or "failed" / "unanswered"."""
     try:
@@ -179,6 +216,11 @@ def render(report: dict[str, Any]) -> str:
         s, long = r["latency_ms"][str(SHORT)], r["latency_ms"][str(LONG)]
         lines.append(f"| {name} | {s['p50']} | {s['p99']} | {long['p50']} | {long['p99']} | "
                      f"{r['throughput_rps']} | {r['tokens_per_s']} |")
+    step_ms = w["solo_long_ms"] / LONG
+    for h in report["high"]:
+        lines.append(f"\nHIGH while {h['slots']} LOW slots run, {h['config']}: time to first token "
+                     f"p50 {h['p50']} ms, p99 {h['p99']} ms (one step alone ~{step_ms:.0f} "
+                     f"ms, a short prefill ~{w['solo_short_ms'] / SHORT:.0f} ms)")
     missing = {n: r["unanswered"] + r["failed"] for n, r in report["configs"].items()
                if r["unanswered"] or r["failed"]}
     if missing:
@@ -201,6 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--configs", default=",".join(CONFIGS),
                         help="comma-separated, of " + ", ".join(CONFIGS))
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--high-samples", type=int, default=5,
+                        help="HIGH requests timed against full LOW slots, with and without "
+                             "--preempt (0: skip)")
     parser.add_argument("--strict", action="store_true", help="exit 1 on any MISS")
     parser.add_argument("--out", type=Path, default=Path("bench/results/continuous"))
     args = parser.parse_args(argv)
@@ -221,12 +266,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}: {len(times)} requests over {args.duration_s:g} s ...", flush=True)
             results[name] = run_config(url, name, times, costs, args.consumers, threads,
                                        log_dir)
+        high = [high_first_token(url, preempt, threads, log_dir, args.high_samples)
+                for preempt in (False, True)] if args.high_samples else []
     report = {"workload": {"rate": rate, "duration_s": args.duration_s, "load": round(load, 2),
                            "seed": args.seed, "requests": len(times),
                            "short": costs.count(SHORT), "long": costs.count(LONG),
                            "solo_short_ms": t1(prof, SHORT), "solo_long_ms": t1(prof, LONG)},
               "consumers": args.consumers, "torch_threads": threads, "model_args": MODEL_ARGS,
-              "profile": prof, "configs": results, "host": host_load()}
+              "profile": prof, "configs": results, "high": high, "host": host_load()}
     report["checks"] = checks(results, t1(prof, SHORT))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))

@@ -172,14 +172,14 @@ class Worker:
         os._exit(EXIT_MODEL_HUNG)
 
     def run(self) -> None:
-        if self.continuous is not None:
-            with self.services():
-                self.continuous.run()
-            return
         with self.services():
+            log.info("consumer %s serving queue %r with %s%s", self.config.name,
+                     self.config.queue, describe_policy(self.policy, self.delay.delay_ms),
+                     ", batching continuous" if self.continuous is not None else "")
+            if self.continuous is not None:
+                self.continuous.run()
+                return
             backoff = Backoff(outage=self.outage)
-            log.info("consumer %s serving queue %r with %s", self.config.name,
-                     self.config.queue, describe_policy(self.policy, self.delay.delay_ms))
             next_step: Next = POP_NOW
             # A batch already popped (it rode in with the last completion, or was
             # prefetched) is run even if a stop arrived meanwhile, rather than stranded

@@ -31,7 +31,7 @@ import redis
 
 from consumer.batch import POP_NOW, Answers, Batch, Cost, Finished, Idle, Item, Next, PopNow
 from consumer.lease import Held
-from consumer.stepwise import is_step_model
+from consumer.stepwise import checked_steps, is_step_model
 from consumer.streaming import StreamWriter
 from consumer.worker import _describe, _expired
 from scheduler_core.connection import Backoff
@@ -194,6 +194,7 @@ class ContinuousLoop:
             try:
                 member.handle = self.model.add(member.payload, Cost(item.cost, item.requested)
                                                if w._model_takes_costs else None)
+                hash(member.handle)
             except Exception as exc:  # this request's failure, not the batch's
                 self._answer(group, item.id, w._encode(item.id, False, (
                     type(exc).__name__, _describe(exc))))
@@ -206,7 +207,7 @@ class ContinuousLoop:
         w = self.worker
         self.step_marker = Batch("step", 0, [])  # a fresh one: the hang clock restarts
         try:
-            steps = self.model.step()
+            steps = checked_steps(self.model.step())
         except Exception as exc:  # every running sequence fails; the loop goes on
             message = _describe(exc)
             log.warning("model step raised: %s: %s", type(exc).__name__, message)

@@ -44,6 +44,22 @@ class StepModel(Protocol):
     def running(self) -> int: ...
 
 
+class ModelContractError(Exception):
+    """A step-wise model broke the contract (step() returned something else)."""
+
+
+def checked_steps(steps: Any) -> list[Step]:
+    """step()'s return as a list of Step, or ModelContractError."""
+    try:
+        out = [Step(*s) for s in steps]
+        for s in out:
+            hash(s.handle)
+    except TypeError as exc:
+        raise ModelContractError(f"step() must return a list of (handle, part, result) "
+                                 f"with hashable handles: {exc}") from None
+    return out
+
+
 def is_step_model(model: Any) -> bool:
     """Whether `model` declares the step-wise contract and has its methods."""
     return bool(getattr(model, "steps", False)) and isinstance(model, StepModel)

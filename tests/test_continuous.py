@@ -181,6 +181,10 @@ def test_a_step_that_raises_fails_its_sequences_and_the_consumer_goes_on(
         assert p.submit({"i": 2, "n": 2}).result(timeout=30) == {"i": 2, "steps": 2}
         with pytest.raises(RequestFailed, match="'n' must be an integer"):
             p.submit({"i": 3, "n": -1}).result(timeout=30)
+        with pytest.raises(RequestFailed, match="step\\(\\) must return") as info:
+            p.submit({"i": 4, "n": 3, "garbage": True}).result(timeout=30)
+        assert info.value.error_type == "ModelContractError"
+        assert p.submit({"i": 5, "n": 1}).result(timeout=30) == {"i": 5, "steps": 1}
 
 
 def test_a_stop_finishes_the_sequences_in_hand(shared_redis, queue, counter_consumer):

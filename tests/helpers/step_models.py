@@ -13,7 +13,8 @@ from consumer.stepwise import Step
 
 class Counter:
     """Payload {"i": any, "n": steps}: n steps, part {"i", "step": s} at step s, result
-    {"i", "steps": n}. {"boom": true} makes the step that runs it raise. Records the most
+    {"i", "steps": n}. {"boom": true} makes the step that runs it raise; {"garbage": true}
+    makes it return what no step returns. Records the most
     sequences that ran at once and the sequences each step ran."""
 
     steps = True
@@ -41,6 +42,9 @@ class Counter:
         if any(p.get("boom") for p, _ in self.seqs.values()):
             self.seqs.clear()
             raise RuntimeError("boom")
+        if any(p.get("garbage") for p, _ in self.seqs.values()):
+            self.seqs.clear()
+            return [[1, 2]]  # type: ignore[list-item]
         out = []
         with self.lock:
             self.ran.append([p["i"] for p, _ in self.seqs.values()])

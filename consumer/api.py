@@ -139,9 +139,11 @@ class Consumer:
         loop.stopping = self.stopping
         loop.prepare()
         if self.metrics is not None:
-            from consumer.metrics import DelayCollector, serve_metrics
+            from consumer.metrics import DelayCollector, PreemptionCollector, serve_metrics
 
             self.metrics.registry.register(DelayCollector(loop))
+            if config.preempt:
+                self.metrics.registry.register(PreemptionCollector(loop))
             if config.metrics_port:
                 self._server = serve_metrics(self.metrics.registry, config.metrics_port)
         return loop

@@ -19,6 +19,7 @@ from helpers.failure_support import CountingProducer
 from helpers.processes import BATCHGATE
 from helpers.step_models import Counter
 from helpers.support import wait_for
+from prometheus_client import CollectorRegistry
 from redis import Redis
 
 from consumer import Consumer
@@ -118,7 +119,8 @@ def counter_consumer(shared_redis, queue):
 
     def start(model, **settings):
         consumer = Consumer(model, redis_url=shared_redis.url, queue=queue,
-                            batching="continuous", lease_ms=2000, **settings).start()
+                            batching="continuous", lease_ms=2000,
+                            metrics_registry=CollectorRegistry(), **settings).start()
         started.append(consumer)
         return consumer
 
@@ -205,8 +207,8 @@ def test_preemption_gives_running_low_sequences_back_for_high_work(
     from the next step, and the LOW one is recomputed from the start later, answered once;
     without it, the HIGH request waits for a slot."""
     model = Counter(sleep_ms=20)
-    counter_consumer(model, strategy="priority", max_batch_size=2, aging_ms=0,
-                     preempt=preempt)
+    consumer = counter_consumer(model, strategy="priority", max_batch_size=2, aging_ms=0,
+                                preempt=preempt)
     with CountingProducer(shared_redis.url, queue) as p:
         low = p.submit_many([{"i": 0, "n": 40}, {"i": 1, "n": 40}], priority="LOW")
         wait_for(lambda: model.most == 2, timeout=30)
@@ -227,6 +229,11 @@ def test_preemption_gives_running_low_sequences_back_for_high_work(
         rerun = events[events.index(Restart(1)) + 1:]
         assert rerun == [{"i": 1, "step": s} for s in range(40)]
         assert int(stats) == 1
+        registry = consumer.metrics.registry
+        assert registry.get_sample_value("batchgate_consumer_preempted_sequences_total",
+                                         {"queue": queue}) == 1
+        assert registry.get_sample_value("batchgate_consumer_preempted_steps_total",
+                                         {"queue": queue}) == ran_before.count(1)
     else:
         assert ran_before.count(0) == ran_before.count(1) == 40  # waited for a slot
         assert Restart(1) not in events and stats is None

@@ -136,8 +136,16 @@ class ContinuousLoop:
                 backoff.sleep_after(exc)
 
     def _may_pop(self) -> bool:
-        """A free slot, nobody popped waiting here for one, and no stop asked."""
-        return not self.worker.stopping.is_set() and not self.waiting and self._free() > 0
+        """A free slot, nobody popped waiting here for one, no stop asked, and no request
+        running alone."""
+        return not self.worker.stopping.is_set() and not self.waiting and self._free() > 0 \
+            and not self._alone()
+
+    def _alone(self) -> bool:
+        """A request delivered before (its consumer crashed or hung: it may be the cause)
+        runs alone, as pop_batch.lua isolates it in a batch of its own: in a shared step a
+        poison request would take its step-mates down with it."""
+        return any(m.item.attempts > 1 for m in self.running.values())
 
     def _joined(self, step: Next, sent_s: float | None = None) -> Next:
         """A popped batch joins (PopNow: pop again when a slot is free); Idle is kept."""
@@ -180,10 +188,12 @@ class ContinuousLoop:
         budget = w.policy.max_batch_cost if w.policy else 0
         cost = sum(m.item.cost for m in self.running.values())
         reject_late = w.policy is None or w.policy.on_timeout == "reject"
-        while self.waiting and self._free() > 0:
+        while self.waiting and self._free() > 0 and not self._alone():
             member = self.waiting[0]
             if budget and self.running and cost + member.item.cost > budget:
                 break
+            if member.item.attempts > 1 and self.running:
+                break  # delivered before: it runs alone, once the others are done
             self.waiting.popleft()
             group, item = member.group, member.item
             if group.lost:

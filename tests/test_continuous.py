@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 from helpers.failure_support import CountingProducer
@@ -25,6 +26,7 @@ from redis import Redis
 from consumer import Consumer
 from producer import DeadlineExceeded, Producer, RequestFailed, Restart
 
+HELPERS = str(Path(__file__).resolve().parent / "helpers")
 MODEL = {"vocab": 512, "layers": 2, "dim": 64, "heads": 2, "positions": 512}
 ARGS = [a for k, v in MODEL.items() for a in ("--model-arg", f"{k}={v}")]
 
@@ -237,3 +239,25 @@ def test_preemption_gives_running_low_sequences_back_for_high_work(
     else:
         assert ran_before.count(0) == ran_before.count(1) == 40  # waited for a slot
         assert Restart(1) not in events and stats is None
+
+
+def test_a_hung_step_makes_the_consumer_exit_and_its_sequences_run_elsewhere(
+        redis_server, queue, start_consumer):
+    """A step stuck past --max-batch-ms: the process exits with status 3 (as for a hung
+    static batch) and its sequences, the hung one's batch-mates included, re-run on
+    another consumer, each answered once; re-delivered, each runs alone, so the poison
+    request does not hang its batch-mate again."""
+    url = redis_server.url
+    args = ("--model", "step_models:Counter", "--model-arg", "sleep_ms=20", "--batching",
+            "continuous", "--strategy", "fifo", "--max-batch-size", "4", "--lease-ms", "500")
+    hung = start_consumer(url, queue, *args, "--max-batch-ms", "300", cwd=HELPERS)
+    with CountingProducer(url, queue) as p:
+        mate = p.submit({"i": 1, "n": 30})
+        wait_for(lambda: next(mate.stream(timeout=30)) is not None, timeout=30)
+        poison = p.submit({"i": 2, "n": 5, "hang": True})
+        assert hung.proc.wait(timeout=30) == 3
+        start_consumer(url, queue, *args, cwd=HELPERS)
+        assert mate.result(timeout=30) == {"i": 1, "steps": 30}
+        time.sleep(0.5)
+        assert p.deliveries[mate.id] == 1
+        poison.cancel()

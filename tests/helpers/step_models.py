@@ -14,7 +14,7 @@ from consumer.stepwise import Step
 class Counter:
     """Payload {"i": any, "n": steps}: n steps, part {"i", "step": s} at step s, result
     {"i", "steps": n}. {"boom": true} makes the step that runs it raise; {"garbage": true}
-    makes it return what no step returns. Records the most
+    makes it return what no step returns; {"hang": true} makes it sleep for an hour. Records the most
     sequences that ran at once and the sequences each step ran."""
 
     steps = True
@@ -39,6 +39,8 @@ class Counter:
 
     def step(self) -> list[Step]:
         time.sleep(self.sleep_s)
+        if any(p.get("hang") for p, _ in self.seqs.values()):
+            time.sleep(3600)
         if any(p.get("boom") for p, _ in self.seqs.values()):
             self.seqs.clear()
             raise RuntimeError("boom")

@@ -14,8 +14,8 @@ from consumer.stepwise import Step
 class Counter:
     """Payload {"i": any, "n": steps}: n steps, part {"i", "step": s} at step s, result
     {"i", "steps": n}. {"boom": true} makes the step that runs it raise; {"garbage": true}
-    makes it return what no step returns; {"hang": true} makes it sleep for an hour. Records the most
-    sequences that ran at once and the sequences each step ran."""
+    makes it return what no step returns; {"hang": true} makes it sleep for an hour.
+    Records the most sequences that ran at once and the sequences each step ran."""
 
     steps = True
     streams = True

@@ -97,7 +97,8 @@ class ContinuousLoop:
     def about(self) -> dict[str, str]:
         """For the consumer's info hash (dashboards): open batch ids, running sequences."""
         return {"batch": ",".join(list(self.groups)[:16]), "batch_size": str(len(self.running)),
-                "preempted": str(self.preempted), "wasted_steps": str(self.wasted_steps)}
+                "steps": str(self.steps), "preempted": str(self.preempted),
+                "wasted_steps": str(self.wasted_steps)}
 
     # -- the loop ---------------------------------------------------------------------
     def run(self) -> None:

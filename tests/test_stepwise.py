@@ -123,3 +123,13 @@ def test_a_bad_payload_is_refused_at_add_and_nothing_joins(payload, message):
     assert model.running() == 1
     assert [len(model.step()) for _ in range(3)] == [1, 1, 1]
     assert model.running() == 0
+
+
+def test_a_checkpoint_with_another_attention_runs_batches_only():
+    """A GPT-2 variant the step-wise forward pass does not write out is not offered as
+    step-wise (--batching continuous then refuses it at start); batches still run."""
+    model = build_gpt2(**TINY, seed=3)
+    model.config.scale_attn_by_inverse_layer_idx = True
+    generator = Generator(model, warmup_batches=())
+    assert not is_step_model(generator)
+    assert generator([{"prompt": "x", "max_new_tokens": 2}])[0]["new_tokens"] == 2

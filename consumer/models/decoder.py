@@ -119,7 +119,10 @@ class Generator:
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
         # Only the last position's logits are needed: skips a (rows x prompt x vocab) matmul.
         self._last_only = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
-        self._stepper = GPT2Stepper(self.model, self.device)
+        try:
+            self._stepper: GPT2Stepper | None = GPT2Stepper(self.model, self.device)
+        except ValueError:  # a checkpoint with another attention: batches only
+            self._stepper, self.steps = None, False
         self.warm_up(warmup_batches, warmup_new_tokens)
 
     # -- the edge ---------------------------------------------------------------------------
@@ -220,7 +223,7 @@ class Generator:
         steps = max(1, min(new_tokens, self.positions - length))
         for size in batch_sizes:
             self.generate([[1] * length] * size, [steps] * size)
-        if batch_sizes:  # the step-wise path's kernels and first cache
+        if batch_sizes and self._stepper is not None:  # the step-wise path's kernels
             for _ in range(max(batch_sizes)):
                 self._stepper.add([1] * length, steps)
             while self._stepper.running():

@@ -37,6 +37,13 @@ class Sequence:
 class GPT2Stepper:
     def __init__(self, model: Any, device: torch.device):
         config = model.config
+        # The variants of GPT-2's attention this forward pass does not write out.
+        if not getattr(config, "scale_attn_weights", True) \
+                or getattr(config, "scale_attn_by_inverse_layer_idx", False) \
+                or getattr(config, "reorder_and_upcast_attn", False):
+            raise ValueError("step-by-step decoding supports GPT-2's standard attention only "
+                             "(scale_attn_weights, no scale_attn_by_inverse_layer_idx, no "
+                             "reorder_and_upcast_attn)")
         self.transformer, self.lm_head, self.device = model.transformer, model.lm_head, device
         self.heads, self.dim = int(config.n_head), int(config.n_embd)
         self.head_dim = self.dim // self.heads

@@ -12,9 +12,11 @@ HIGH work."""
 from __future__ import annotations
 
 import subprocess
+import sys
 import time
 from pathlib import Path
 
+import orjson
 import pytest
 from helpers.failure_support import CountingProducer
 from helpers.processes import BATCHGATE
@@ -27,6 +29,7 @@ from consumer import Consumer
 from producer import DeadlineExceeded, Producer, RequestFailed, Restart
 
 HELPERS = str(Path(__file__).resolve().parent / "helpers")
+ROOT = str(Path(__file__).resolve().parent.parent)
 MODEL = {"vocab": 512, "layers": 2, "dim": 64, "heads": 2, "positions": 512}
 ARGS = [a for k, v in MODEL.items() for a in ("--model-arg", f"{k}={v}")]
 
@@ -261,3 +264,19 @@ def test_a_hung_step_makes_the_consumer_exit_and_its_sequences_run_elsewhere(
         time.sleep(0.5)
         assert p.deliveries[mate.id] == 1
         poison.cancel()
+
+
+def test_the_benchmark_runs_end_to_end(tmp_path):
+    """`python -m bench.continuous`, scaled down: the harness works (not the numbers)."""
+    pytest.importorskip("torch")
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.continuous", "--duration-s", "2", "--rate", "3",
+         "--configs", "static,continuous", "--high-samples", "1", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = orjson.loads((tmp_path / "results.json").read_bytes())
+    assert set(report["configs"]) == {"static", "continuous"}
+    for run in report["configs"].values():
+        assert run["answered"] == run["submitted"] > 0
+    assert [h["config"] for h in report["high"]] == ["no-preempt", "preempt"]
+    assert "| continuous |" in out.stdout and "summary:" in out.stdout

@@ -23,6 +23,7 @@ import redis
 from consumer.config import ConsumerConfig
 from consumer.loader import BatchModel, load_model
 from consumer.sharded import ShardedConsumer
+from consumer.stepwise import is_step_model
 from consumer.torch_threads import limit_torch_threads
 from consumer.worker import Worker
 from scheduler_core.admin import ensure_policy
@@ -60,7 +61,7 @@ class Consumer:
                  model_args: dict[str, Any] | None = None, client: redis.Redis | None = None,
                  tracer: Any = None, metrics_registry: Any = None, **settings: Any):
         self.config = ConsumerConfig.build(config, **settings)
-        if not isinstance(model, str) and not callable(model):
+        if not isinstance(model, str) and not callable(model) and not is_step_model(model):
             raise InvalidRequest(self.model_fields["model"], f"{model!r} is neither a batch "
                                  "model, a factory of one nor a 'MODULE:ATTR' string")
         self.model_args = dict(model_args or {})
@@ -116,6 +117,10 @@ class Consumer:
         require_redis_version(client)
         policy = ensure_policy(client, config.queue, config.policy)
         sharded = policy.shards > 1 or shard_count(client, config.queue) > 1
+        if sharded and config.batching == "continuous":
+            raise InvalidRequest("batching", f"queue {config.queue!r} is sharded; "
+                                             "continuous batching serves an unsharded queue "
+                                             "only: use --batching static")
         if config.otel_exporter != "none":
             from consumer.tracing import install_console_provider, install_otlp_provider
 
@@ -137,9 +142,11 @@ class Consumer:
         loop.stopping = self.stopping
         loop.prepare()
         if self.metrics is not None:
-            from consumer.metrics import DelayCollector, serve_metrics
+            from consumer.metrics import DelayCollector, PreemptionCollector, serve_metrics
 
             self.metrics.registry.register(DelayCollector(loop))
+            if config.preempt:
+                self.metrics.registry.register(PreemptionCollector(loop))
             if config.metrics_port:
                 self._server = serve_metrics(self.metrics.registry, config.metrics_port)
         return loop

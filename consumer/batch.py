@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scheduler_core.errors import InvalidRequest
-from scheduler_core.wire import POPPED_STATES, Outcome, delivered_job
+from scheduler_core.wire import DEADLINE, POPPED_STATES, Outcome, delivered_job, encode_error
 
 # request id -> (outcome, encoded result envelope), as complete.lua takes them
 Answers = dict[str, tuple[Outcome, bytes]]
@@ -112,6 +112,7 @@ class Finished:
     last: bool = True  # the batch's final completion: observed, its model time recorded
     # the complete.lua call (script, keys, args), once the answers are encoded
     call: tuple[Any, list[str], list[Any]] | None = field(default=None, repr=False)
+    refused: bool = False  # complete.lua said the batch is stale (its lease lapsed)
 
 
 def parse_pop(reply: list[Any]) -> Batch | Idle | ExpireDue:
@@ -136,3 +137,18 @@ def parse_pop(reply: list[Any]) -> Batch | Idle | ExpireDue:
                           state_of(state, run), level, cost=cost, requested=requested,
                           deadline_us=deadline))
     return Batch(str(head), int(reply[1]), items, remaining=int(reply[3]))
+
+
+def expired_answer(item: Item) -> tuple[Outcome, bytes]:
+    """The answer of a held request whose deadline passed before it ran."""
+    return Outcome.EXPIRED, encode_error(item.id, DEADLINE,
+                                         "deadline passed before a consumer ran it")
+
+
+def describe_error(exc: BaseException) -> str:
+    """The exception's message; a model's exception whose __str__ raises must fail its
+    request, not the consumer."""
+    try:
+        return str(exc)
+    except Exception:  # any failure to print is the model's, not ours
+        return "<unprintable>"

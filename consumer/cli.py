@@ -12,7 +12,7 @@ import click
 import orjson
 
 from consumer.api import DEFAULT_MODEL, Consumer
-from consumer.config import INT_RANGES, OFF_OR_RANGES, OTEL_EXPORTERS
+from consumer.config import BATCHING_MODES, INT_RANGES, OFF_OR_RANGES, OTEL_EXPORTERS
 from consumer.supervisor import (
     SUPERVISOR_ONLY,
     supervise,
@@ -106,6 +106,18 @@ def install_signal_handlers(consumer: Consumer) -> None:
             help="While a backlog waits, fetch the next batch and write the last one's "
                  "results while the model runs. --no-overlap: one batch at a time (a "
                  "crash then re-runs only the batch in hand). In the variable: true/false.")
+@env_option("--batching", envvar="BATCHGATE_BATCHING", default="static", show_default=True,
+            type=click.Choice(BATCHING_MODES),
+            help="static: the model runs each popped batch to its end. continuous: a "
+                 "step-wise model (docs/models.md); requests join the running batch "
+                 "between steps, up to max_batch_size sequences (and max_batch_cost), and "
+                 "each is answered as soon as it finishes (docs/scheduling.md).")
+@env_option("--preempt/--no-preempt", envvar="BATCHGATE_PREEMPT", default=False,
+            show_default=True,
+            help="With --batching continuous: when HIGH requests wait and every slot runs, "
+                 "give running LOW sequences back to the queue (they keep their place and "
+                 "are recomputed later; a stream gets a restart marker). In the variable: "
+                 "true/false.")
 @env_option("--cost-refit-s", envvar="BATCHGATE_COST_REFIT_S", type=float, default=5.0,
             show_default=True,
             help="Every this many seconds, refit the queue's stored cost model t(b) = A + "

@@ -42,6 +42,7 @@ FLOAT_RANGES: dict[str, tuple[int, int]] = {"stop_timeout": (0, 86_400)}
 OPTIONAL = ("torch_threads", "metrics_port")
 OTEL_EXPORTERS = ("none", "console", "otlp")
 MAX_URL = 2048
+BATCHING_MODES = ("static", "continuous")
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,13 @@ class ConsumerConfig:
     # then it is offered again. wait_timeout_ms bounds each WAIT.
     wait_replicas: int = 0
     wait_timeout_ms: int = 1000
+    # "static": the model runs one popped batch to its end. "continuous": a step-wise
+    # model (consumer/stepwise.py) whose running batch requests join and leave at every
+    # step (consumer/continuous.py).
+    batching: str = "static"
+    # Continuous batching only: when HIGH requests wait and every slot runs, give running
+    # LOW sequences back to the queue (recomputed later) to make room for them.
+    preempt: bool = False
     # -- around the loop (consumer/api.py) ------------------------------------------
     device: str | None = None  # given to a model factory as device=; shown in stats
     torch_threads: int | None = None  # cap torch's CPU threads (None: leave them be)
@@ -119,6 +127,15 @@ class ConsumerConfig:
             value = getattr(self, knob)
             if not _number(value) or not low <= value <= high:
                 raise InvalidRequest(knob, f"{value!r} is outside [{low}, {high}] s")
+        if self.batching not in BATCHING_MODES:
+            raise InvalidRequest("batching", f"{self.batching!r}: use "
+                                             f"{' or '.join(BATCHING_MODES)}")
+        if not isinstance(self.preempt, bool):
+            raise InvalidRequest("preempt", f"{self.preempt!r} is not true or false")
+        if self.preempt and self.batching != "continuous":
+            raise InvalidRequest("preempt", "preemption evicts sequences of a running batch: "
+                                            "it needs batching='continuous' "
+                                            "(--batching continuous)")
         if not isinstance(self.overlap, bool):
             raise InvalidRequest("overlap", f"{self.overlap!r} is not true or false")
         if self.prefer_bucket and self.only_bucket:

@@ -21,6 +21,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from consumer.stepwise import is_step_model
 from scheduler_core.errors import InvalidRequest
 
 BatchModel = Callable[[list[Any]], list[Any]]
@@ -118,7 +119,7 @@ def load_model(model: str | Any, kwargs: dict[str, Any] | None = None,
         raise InvalidRequest(flag_of(kwargs), f"{label} is a model, not a factory: it takes "
                                               f"no argument ({', '.join(sorted(kwargs))} "
                                               "given)")
-    if not callable(target):
+    if not callable(target) and not is_step_model(target):  # step-wise only: continuous
         raise InvalidRequest(field, f"{label} resolved to {type(target).__name__}, which "
                                     "is not callable with a batch")
     return target

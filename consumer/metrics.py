@@ -10,6 +10,8 @@ them at http://HOST:PORT/metrics (needs `prometheus_client`, the `metrics` extra
 | `batchgate_consumer_requests_total`         | counter   | queue, outcome              |
 | `batchgate_consumer_redis_up`               | gauge     | queue                       |
 | `batchgate_consumer_max_queue_delay_seconds_in_use` | gauge | queue                  |
+| `batchgate_consumer_preempted_sequences_total` | counter | queue (`--preempt` only)   |
+| `batchgate_consumer_preempted_steps_total`  | counter   | queue (`--preempt` only)    |
 
 Every figure is this consumer's own, so sums across consumers do not double count; the
 queue-wide ones (depth, in flight, consumers alive, the queue's counters, arrival rate,
@@ -22,6 +24,8 @@ it ran), dead_letter or retry (the model raised a retry_on exception: it runs ag
 delay in use is the max_queue_delay_ms this consumer passes to pop_batch (under
 max_queue_delay_ms=auto the one it derived last, else the stored one); the arrival rate
 (requests/s) is the one it derived it from (0 under a fixed delay).
+Under `--batching continuous --preempt`: the running sequences this consumer gave back to
+the queue for HIGH work, and the decode steps they had run (thrown away: recomputed later).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from typing import Any
 
 import redis
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from consumer.batch import Answers, Batch
@@ -84,6 +88,25 @@ class DelayCollector(Collector):
         elif policy is not None:
             delay.add_metric([queue], policy.max_queue_delay_ms / 1000)
         yield delay
+
+
+class PreemptionCollector(Collector):
+    """A continuous consumer's preemptions (consumer/continuous.py)."""
+
+    def __init__(self, worker: Any):
+        self.worker = worker
+
+    def collect(self) -> Iterator[Metric]:
+        queue, loop = self.worker.config.queue, self.worker.continuous
+        for name, help_text, value in (
+                ("batchgate_consumer_preempted_sequences",
+                 "Running sequences given back to the queue for HIGH work.", loop.preempted),
+                ("batchgate_consumer_preempted_steps",
+                 "Decode steps the preempted sequences had run (recomputed later).",
+                 loop.wasted_steps)):
+            metric = CounterMetricFamily(name, help_text, labels=["queue"])
+            metric.add_metric([queue], value)
+            yield metric
 
 
 class ConsumerMetrics:

@@ -42,6 +42,10 @@ class StreamWriter:
         self._append([(item.id, STREAM_RESTART, str(item.attempts))
                       for item in self.items if item.attempts > 1])
 
+    def restart(self, items: list[Item]) -> None:
+        """These requests will run again from the start (elsewhere, or later): say so."""
+        self._append([(item.id, STREAM_RESTART, str(item.attempts)) for item in items])
+
     def emitter(self) -> Emit:
         return Emit(self, 0, len(self.items))
 

@@ -36,6 +36,8 @@ from consumer.batch import (
     Idle,
     Item,
     Next,
+    describe_error,
+    expired_answer,
     parse_pop,
 )
 from consumer.config import ConsumerConfig
@@ -61,7 +63,6 @@ from scheduler_core.scripts import (
     requeue_keys,
 )
 from scheduler_core.wire import (
-    DEADLINE,
     Outcome,
     decode_request,
     decode_request_traced,
@@ -124,6 +125,15 @@ class Worker:
         # which picks the shard of each batch itself).
         self.pop_after_complete = True
         self.shards_changed = False  # the queue's shard count changed under us: restart
+        self.continuous = None  # the --batching continuous loop, when that is the mode
+        if self.config.batching == "static" and not callable(model):
+            raise InvalidRequest("batching", "this model runs step by step only (no batch "
+                                             "call): use --batching continuous")
+        if self.config.batching == "continuous":
+            from consumer.continuous import ContinuousLoop, check_step_model
+
+            check_step_model(model)
+            self.continuous = ContinuousLoop(self)
 
     @property
     def _model_takes_costs(self) -> bool:
@@ -166,9 +176,13 @@ class Worker:
 
     def run(self) -> None:
         with self.services():
+            log.info("consumer %s serving queue %r with %s%s", self.config.name,
+                     self.config.queue, describe_policy(self.policy, self.delay.delay_ms),
+                     ", batching continuous" if self.continuous is not None else "")
+            if self.continuous is not None:
+                self.continuous.run()
+                return
             backoff = Backoff(outage=self.outage)
-            log.info("consumer %s serving queue %r with %s", self.config.name,
-                     self.config.queue, describe_policy(self.policy, self.delay.delay_ms))
             next_step: Next = POP_NOW
             # A batch already popped (it rode in with the last completion, or was
             # prefetched) is run even if a stop arrived meanwhile, rather than stranded
@@ -203,10 +217,11 @@ class Worker:
         leaves the queue's consumer list. consumer/sharded.py runs one per shard."""
         if self.policy is None:
             self.prepare()
-        if self.config.overlap:
+        if self.config.overlap and self.continuous is None:
             self._overlap = Overlap(self._fetch, self._finish, self.stopping,
                                     send=self._send_fetch)
-        held = Held(lambda: self._current, lambda: self._in_model)
+        held = Held(lambda: self._current, lambda: self._in_model) \
+            if self.continuous is None else self.continuous.held()
         if self._overlap is not None:
             held = replace(held, fetched=self._overlap.fetched,
                            completing=self._overlap.completing)
@@ -241,6 +256,9 @@ class Worker:
                      self.batches_done, self.requests_done)
 
     def _about(self) -> dict[str, str]:
+        if self.continuous is not None:  # the popped batches open, the sequences running
+            return {**self.info, "batches": str(self.batches_done),
+                    "requests": str(self.requests_done), **self.continuous.about()}
         current = self._current
         return {**self.info, "batches": str(self.batches_done),
                 "requests": str(self.requests_done),
@@ -379,7 +397,7 @@ class Worker:
                     early[item.id] = (Outcome.DEAD_LETTER, encode_error(
                         item.id, "MalformedRequest", f"stored request is unreadable: {exc}"))
             elif item.state is Outcome.EXPIRED:
-                early[item.id] = _expired(item)
+                early[item.id] = expired_answer(item)
             else:
                 early[item.id] = (Outcome.DEAD_LETTER, encode_error(
                     item.id, "DeadLettered",
@@ -449,7 +467,7 @@ class Worker:
         if not late:
             return runnable
         for item in late:
-            early[item.id] = _expired(item)
+            early[item.id] = expired_answer(item)
         return [(item, payload) for item, payload in runnable if item.id not in early]
 
     def _shape(self, runnable: list[tuple[Item, Any]]) -> Shape:
@@ -540,12 +558,14 @@ class Worker:
         try:
             replies = pipe.execute()
         except NotReplicated as exc:  # written, not yet on enough replicas
+            job.refused = int(exc.replies[0][0]) == -1
             self._check_completion(job.batch, exc.replies[0])
             self._complete_until_done(job.batch, complete, exc, landed=True)
             return exc.replies[-1] if pop_next else None
         except COMPLETION_RETRIED as exc:
             self._complete_until_done(job.batch, complete, exc)
             return None
+        job.refused = int(replies[0][0]) == -1
         self._check_completion(job.batch, replies[0])
         return replies[-1] if pop_next else None
 
@@ -654,7 +674,7 @@ class Worker:
             results = self.model(payloads, **kwargs) if kwargs else self.model(payloads)
         except Exception as exc:  # the model's failure is the request's, not ours
             if len(payloads) == 1:
-                message = _describe(exc)
+                message = describe_error(exc)
                 log.warning("model raised on a request: %s: %s", type(exc).__name__, message)
                 # The names of its class and bases: retry_on may name any of them.
                 names = tuple(cls.__name__ for cls in type(exc).__mro__)
@@ -766,20 +786,6 @@ class Worker:
             if batches:
                 log.warning("re-queued %d requests of %d batches whose lease expired",
                             requeued, batches)
-
-
-def _expired(item: Item) -> tuple[Outcome, bytes]:
-    return Outcome.EXPIRED, encode_error(item.id, DEADLINE,
-                                         "deadline passed before a consumer ran it")
-
-
-def _describe(exc: BaseException) -> str:
-    """The exception's message; a model's exception whose __str__ raises must fail its
-    request, not the consumer."""
-    try:
-        return str(exc)
-    except Exception:  # any failure to print is the model's, not ours
-        return "<unprintable>"
 
 
 def check_eviction_policy(client: redis.Redis) -> None:

@@ -39,7 +39,7 @@ from scheduler_core.policy import CHOICES, LIMITS, MAX_COST_BUCKETS, MAX_REQUEST
 # Queue scripts, then the bulk job's lease (lua/bulk/, not queue keys). `Scripts` names
 # each by its path with '/' as '_': scripts.bulk_lease_renew.
 SCRIPT_NAMES = ("enqueue", "pop_batch", "complete", "extend_lease", "requeue_expired",
-                "configure", "cancel", "dead_letter", "expire_due", "stream_append",
+                "configure", "cancel", "dead_letter", "expire_due", "stream_append", "preempt",
                 "bulk/lease_renew",
                 "bulk/lease_release")
 _INCLUDE = re.compile(r"^-- @include (\S+)[ \t]*\n", re.MULTILINE)
@@ -144,6 +144,7 @@ class Scripts:
     dead_letter: Any
     expire_due: Any
     stream_append: Any
+    preempt: Any
     bulk_lease_renew: Any
     bulk_lease_release: Any
 
@@ -430,7 +431,7 @@ def shared_keys(keys: QueueKeys) -> list[str]:
     return list(keys.shared)
 
 
-pop_keys = requeue_keys = extend_lease_keys = configure_keys = shared_keys
+pop_keys = requeue_keys = extend_lease_keys = configure_keys = preempt_keys = shared_keys
 
 
 def complete_keys(keys: QueueKeys, items: list[tuple[str, str]],

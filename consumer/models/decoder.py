@@ -24,6 +24,11 @@ With `stream=true` (a model argument) it streams (`streams`, docs/streaming.md):
 each step, one emit for the whole batch with each unfinished row's new token as
 {"token": id, "text": str}; the result is the same as without.
 
+It is also a step-wise model (`steps`, consumer/stepwise.py) for `--batching continuous`:
+`add` takes one request into a running batch, `step` advances every sequence one token
+(consumer/models/stepper.py keeps one KV cache slot per sequence), and a finished one
+leaves with its result, the same result as above.
+
 Tokens: a prompt's UTF-8 bytes are its token ids (0-255); an id decodes to the byte
 `id % 256`, so every generated id has a (meaningless) text.
 """
@@ -36,6 +41,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+
+from consumer.models.stepper import GPT2Stepper
+from consumer.stepwise import Step
 
 MAX_PROMPT_TOKENS = 512  # as TorchRunner: a long prompt would drag its batch-mates
 MAX_PROMPT_CHARS = 4 * MAX_PROMPT_TOKENS  # cheap guard before encoding: 4 bytes per char
@@ -78,6 +86,7 @@ class Generator:
     its max_new_tokens, so the scheduler's cost budget and buckets count what it runs."""
 
     accepts_costs = True
+    steps = True  # the step-wise contract too (consumer/stepwise.py)
 
     def __init__(self, model: Any, device: str = "cpu", max_new_tokens: int = 32,
                  max_new_tokens_cap: int = 256, dtype: str = "float32",
@@ -110,6 +119,10 @@ class Generator:
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
         # Only the last position's logits are needed: skips a (rows x prompt x vocab) matmul.
         self._last_only = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+        try:
+            self._stepper: GPT2Stepper | None = GPT2Stepper(self.model, self.device)
+        except ValueError:  # a checkpoint with another attention: batches only
+            self._stepper, self.steps = None, False
         self.warm_up(warmup_batches, warmup_new_tokens)
 
     # -- the edge ---------------------------------------------------------------------------
@@ -210,6 +223,29 @@ class Generator:
         steps = max(1, min(new_tokens, self.positions - length))
         for size in batch_sizes:
             self.generate([[1] * length] * size, [steps] * size)
+        if batch_sizes and self._stepper is not None:  # the step-wise path's kernels
+            for _ in range(max(batch_sizes)):
+                self._stepper.add([1] * length, steps)
+            while self._stepper.running():
+                self._stepper.step()
+
+    # -- step by step (consumer/stepwise.py) ----------------------------------------------
+    def add(self, payload: Any, cost: int | None = None) -> int:
+        [(ids, n)] = self.requests([payload], None if cost is None else [cost])
+        return self._stepper.add(ids, n)
+
+    def step(self) -> list[Step]:
+        steps = []
+        for handle, token, tokens in self._stepper.step():
+            part = {"token": token, "text": chr(token % 256)} if self.streams else None
+            steps.append(Step(handle, part, None if tokens is None else _result(tokens)))
+        return steps
+
+    def remove(self, handle: Any) -> None:
+        self._stepper.remove(handle)
+
+    def running(self) -> int:
+        return self._stepper.running()
 
     def __call__(self, payloads: list[Any], costs: list[int] | None = None,
                  emit: Callable[[dict[int, Any]], None] | None = None) -> list[dict[str, Any]]:
@@ -217,11 +253,12 @@ class Generator:
         if not requests:
             return []
         prompts, budgets = [r[0] for r in requests], [r[1] for r in requests]
-        results = []
-        for tokens in self.generate(prompts, budgets, emit):
-            text = bytes(t % 256 for t in tokens).decode("utf-8", errors="replace")
-            results.append({"tokens": tokens, "text": text, "new_tokens": len(tokens)})
-        return results
+        return [_result(tokens) for tokens in self.generate(prompts, budgets, emit)]
+
+
+def _result(tokens: list[int]) -> dict[str, Any]:
+    text = bytes(t % 256 for t in tokens).decode("utf-8", errors="replace")
+    return {"tokens": tokens, "text": text, "new_tokens": len(tokens)}
 
 
 def load_checkpoint(path: str) -> Any:

@@ -160,11 +160,12 @@ class ProducerBase(Generic[H]):
     def _prepare(self, payloads: Iterable[Any], priority: Any, deadline_ms: Any,
                  idempotency_keys: list[str | None] | None,
                  make_handle: Callable[[str], H], cost: Any = 1,
-                 store_result: Any = False) -> tuple[Submission, list[H]]:
+                 store_result: Any = False, tenant: Any = None
+                 ) -> tuple[Submission, list[H]]:
         """Validate (raising before any write) and register handles. Handles are
         registered first so that no result can arrive before its handle."""
         requests = build_requests(self.config, payloads, priority, deadline_ms,
-                                  idempotency_keys, cost, store_result)
+                                  idempotency_keys, cost, store_result, tenant)
         handles = [make_handle(r.id) for r in requests]
         with self._lock:
             for r, h in zip(requests, handles, strict=True):

@@ -31,7 +31,13 @@ from scheduler_core.connection import (
     slot_owner,
     slot_owner_async,
 )
-from scheduler_core.errors import InvalidRequest, NotReplicated, QueueFull, ShardRetired
+from scheduler_core.errors import (
+    InvalidRequest,
+    NotReplicated,
+    QueueFull,
+    ShardRetired,
+    TenantLimit,
+)
 from scheduler_core.keys import QueueKeys, bulk_lease_key
 from scheduler_core.policy import CHOICES, LIMITS, MAX_COST_BUCKETS, MAX_REQUEST_COST, Strategy
 
@@ -404,6 +410,10 @@ def enqueue_reply(keys: QueueKeys, reply: list[Any]) -> list[str]:
                                      f"(request {index} of the call; nothing was enqueued)")
     if status == -5:
         raise ShardRetired(keys.queue)
+    if status == -6:  # a named tenant's quota (docs/tenants.md)
+        wait_ms = int(reply[4])
+        raise TenantLimit(keys.queue, _text(reply[1]), _text(reply[2]), int(reply[3]),
+                          wait_ms / 1000 if wait_ms > 0 else None)
     n = (len(reply) - 3) // 2  # the ids, then the deadline each request got
     return [_text(x) for x in reply[3:3 + n]]
 

@@ -12,7 +12,8 @@ ARGV[1]  mode: 'ensure' (write only if the queue has no policy yet) | 'replace' 
 ARGV[2..] ('ensure', 'replace' only) field, value pairs: strategy and every field of LIMITS (rendered from
          scheduler_core.policy.LIMITS), each within its range (scheduler_core.policy.Policy
          validates them first); delay_mode, over_cost, cost_mode and on_timeout, if given, one of
-         CHOICES; cost_buckets, if given, "" or increasing boundaries "32,1024"; other
+         CHOICES; cost_buckets, if given, "" or increasing boundaries "32,1024";
+         tenant_quotas, if given, at most 16384 characters of its stored form; other
          fields are kept if their name is [a-z_] and their value at most 256 bytes
 
 Returns  {written (0|1), field, value, ...}: the policy now stored ('ensure', 'replace');
@@ -49,6 +50,9 @@ for i = 2, #ARGV, 2 do
     if not CHOICES[field][value] then return {-3, field} end
   elseif field == 'cost_buckets' then
     if not parse_buckets(value) then return {-3, field} end
+  elseif field == 'tenant_quotas' then
+    -- policy.MAX_TENANT_QUOTAS characters of its stored form (Policy checks the rest)
+    if #value > 16384 or not string.find(value, '^[%w_.:%-*=,;]*$') then return {-3, field} end
   elseif #field > 64 or not string.match(field, '^[a-z_]+$') or #value > 256 then
     return {-3, 'fields'}
   end

@@ -23,6 +23,7 @@ KEYS[24..28] {bg:q}:marker:<1..5> zset  wake-up marker of the consumers dedicate
 KEYS[29..33] {bg:q}:bucket:<1..5> zset  with cost buckets: each new request's id, in its
                                    bucket's set (score = arrival)
 KEYS[34..] {bg:q}:idem:<key> string one per request whose idem flag is 1, in order
+named from KEYS[1], not passed: {bg:q}:tenants and {bg:q}:tenant_rate (lua/_tenants.lua)
 read, not passed: {bg:q}:result:<id> of the id an idempotency key names (the caller cannot
          know it; same hash tag, so the slot of the keys above)
 
@@ -58,6 +59,14 @@ Errors   {-1, depth, max_queue_size, adding, rate_mrps}  queue full, nothing wri
                                               cost is capped to max_cost instead and the
                                               meta keeps the cost asked for
          {-3, 'keep'}                         keep is not 0 or 1
+         {-6, tenant, limit, value, retry_after_ms}  the request(s) of named tenant
+                                              `tenant` are over its quota `limit`
+                                              (max_waiting, rps, cps, or burst /
+                                              cost_burst: more in one call than the
+                                              bucket holds) of `value` (docs/tenants.md);
+                                              retry_after_ms: until enough tokens are
+                                              back (0: none given). Nothing written but
+                                              the tenant's refused counter
          {-5, 'shards'}                       this queue is a shard that `policy set
                                               --shards` dropped (policy field retired):
                                               nothing written; place the requests on a
@@ -71,6 +80,7 @@ an idle one re-arms its timer for it. Work is bounded by n; the writes are varia
 -- @include _common.lua
 -- @include _policy.lua
 -- @include _queue.lua
+-- @include _tenants.lua
 
 local ARRIVALS_KEEP_S = 120
 -- Variadic calls take at most CHUNK requests: unpack() of more would overflow Lua's stack.
@@ -199,6 +209,59 @@ for i = 0, n - 1 do
     fresh = fresh + 1
   end
 end
+-- Tenants (lua/_tenants.lua): each new request's tenant, and the quotas of the named
+-- ones, checked before the queue's own limit. Nothing of a refused call is written; only
+-- its tenant's refused counter (r:<tenant>) is raised.
+local tenant_counts, tenant_rates = tenant_keys(policy)
+local tenant_of, tenant_new, tenant_names = {}, {}, {}
+for i = 1, n do
+  if not effective[i] then
+    local t = envelope_tenant(ARGV[4 + 7 * (i - 1) + 3])
+    if t == false then return {-3, 'tenant'} end
+    if t then
+      tenant_of[i] = t
+      local g = tenant_new[t]
+      if not g then
+        g = {count = 0, cost = 0}
+        tenant_new[t] = g
+        tenant_names[#tenant_names + 1] = t
+      end
+      g.count = g.count + 1
+      g.cost = g.cost + math.min(costs[i], max_cost > 0 and max_cost or costs[i])
+    end
+  end
+end
+local tenant_buckets = {}  -- field -> token bucket state to save once accepted
+if #tenant_names > 0 then
+  local quotas = redis.call('HGET', policy, 'tenant_quotas')
+  for _, t in ipairs(tenant_names) do
+    local q, g = tenant_quota(quotas, t), tenant_new[t]
+    local refused = nil
+    if (q.max_waiting or 0) > 0 then
+      local waiting = tonumber(redis.call('HGET', tenant_counts, 'w:' .. t)) or 0
+      if waiting + g.count > q.max_waiting then
+        refused = {'max_waiting', q.max_waiting, 0}
+      end
+    end
+    for _, b in ipairs({{'rps', 'burst', 'q:', g.count}, {'cps', 'cost_burst', 'c:', g.cost}}) do
+      local rate = q[b[1]] or 0
+      if not refused and rate > 0 then
+        local burst = q[b[2]] or 0
+        if burst <= 0 then burst = math.max(rate, 1) end
+        if b[4] > burst then
+          refused = {b[2], burst, 0}
+        else
+          local ok, state, wait = take_tokens(tenant_rates, b[3] .. t, rate, burst, b[4], now)
+          if ok then tenant_buckets[b[3] .. t] = state else refused = {b[1], rate, wait} end
+        end
+      end
+    end
+    if refused then
+      redis.call('HINCRBY', tenant_counts, 'r:' .. t, g.count)
+      return {-6, t, refused[1], refused[2], int(math.ceil(refused[3] * 1000))}
+    end
+  end
+end
 -- Requests past their deadline hold no place: they leave at once (expire_due.lua).
 local live = total
 if limit > 0 and total + fresh > limit then
@@ -289,6 +352,16 @@ if wake then wake_consumers(marker) end
 for b, adds in pairs(bucket_adds) do
   write_pairs('ZADD', bucket_sets[b], adds)
   wake_bucket(bucket_markers, b)
+end
+-- Tenants: the accepted requests count as waiting; their rate quotas' tokens are taken.
+if #tenant_names > 0 then
+  local tally = tenant_tally()
+  for _, t in ipairs(tenant_names) do
+    tally.add_tenant(t, 'w', tenant_new[t].count)
+    tally.add_tenant(t, 'a', tenant_new[t].count)
+  end
+  tally.flush(tenant_counts)
+  for field, state in pairs(tenant_buckets) do redis.call('HSET', tenant_rates, field, state) end
 end
 -- Counted by TIME's second, as scheduler_core/load.py reads them back.
 if fresh > 0 then count_arrivals(arrivals, now_us(), fresh) end

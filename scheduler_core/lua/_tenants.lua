@@ -34,7 +34,7 @@ end
 
 -- Per-tenant counter changes, gathered over a call and written with one HINCRBY each.
 -- add(raw, field, delta) counts the request of jobs value `raw` (nothing for the default
--- tenant); flush(key) writes them.
+-- tenant), add_envelope the request of that envelope; flush(key) writes them.
 local function tenant_tally()
   local deltas, order = {}, {}
   local tally = {}
@@ -45,6 +45,10 @@ local function tenant_tally()
   end
   function tally.add(raw, field, delta)
     local t = job_tenant(raw)
+    if t then tally.add_tenant(t, field, delta) end
+  end
+  function tally.add_envelope(envelope, field, delta)
+    local t = envelope and envelope_tenant(envelope)
     if t then tally.add_tenant(t, field, delta) end
   end
   function tally.flush(key)

@@ -100,6 +100,7 @@ drop_malformed, isolate_retried, commit.
 -- @include _common.lua
 -- @include _policy.lua
 -- @include _queue.lua
+-- @include _tenants.lua
 
 local policy = KEYS[1]
 local pending_high = KEYS[2]
@@ -521,6 +522,13 @@ local function commit(rules, consumer, lease_ms, chosen, read, total, now)
       redis.call('ZREM', bucket_sets[b], unpack(members))
     end
   end
+  -- Tenants (lua/_tenants.lua): the batch's requests leave waiting for in flight.
+  local tally = tenant_tally()
+  for i = 1, #chosen do
+    tally.add(read.raw[i], 'w', -1)
+    tally.add(read.raw[i], 'f', 1)
+  end
+  tally.flush((tenant_keys(policy)))
   redis.call('ZADD', inflight, int(lease_deadline), batch_id)
   redis.call('HSET', batches, batch_id, consumer .. '|' .. table.concat(ids, ','))
   redis.call('HINCRBY', stats, 'batches', 1)

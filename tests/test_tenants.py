@@ -1,0 +1,181 @@
+"""Tenants (docs/tenants.md) against a real redis-server: a tenant on every request,
+validated with nothing written; per-tenant quotas refused atomically by enqueue.lua
+(TenantLimit, a QueueFull, naming the tenant, the quota and when to retry) with nothing
+of the request written; per-tenant counters that follow each request to its end."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis
+from helpers.support import configure, queue_pattern, snapshot
+
+from producer import DeadlineExceeded, InvalidRequest, Producer, QueueFull, TenantLimit
+from scheduler_core.keys import QueueKeys
+from scheduler_core.scripts import Scripts, pop_keys, requeue_keys
+from scheduler_core.wire import decode_request, request_tenant, split_job
+
+
+def tenants_hash(client: redis.Redis, queue: str) -> dict[str, int]:
+    raw = client.hgetall(QueueKeys(queue).tag + ":tenants")
+    return {k.decode(): int(v) for k, v in raw.items()}
+
+
+def request_state(client: redis.Redis, queue: str) -> dict:
+    """Every key of the queue but the tenants' counters and the clock fields."""
+    keys = QueueKeys(queue)
+    state = snapshot(client, queue_pattern(queue))
+    state.pop((keys.tag + ":tenants").encode(), None)
+    state.pop(keys.stats.encode(), None)
+    return state
+
+
+def test_tenant_travels_in_the_envelope_and_the_default_is_unchanged(shared_redis, queue):
+    client = redis.Redis.from_url(shared_redis.url)
+    with Producer(shared_redis.url, queue=queue) as p:
+        plain = p.submit({"x": 1})
+        named = p.submit({"x": 2}, tenant="acme")
+        many = p.submit_many([{"x": 3}, {"x": 4}], tenant="team.b:1")
+        default = p.submit({"x": 5}, tenant="default")
+    jobs = QueueKeys(queue).jobs
+    envelopes = {h.id: split_job(client.hget(jobs, h.id))[1]
+                 for h in (plain, named, *many, default)}
+    assert envelopes[plain.id] == b'{"v":1,"payload":{"x":1}}'  # today's bytes
+    assert envelopes[default.id] == b'{"v":1,"payload":{"x":5}}'
+    assert request_tenant(envelopes[named.id]) == "acme"
+    assert decode_request(envelopes[named.id]) == {"x": 2}
+    assert [request_tenant(envelopes[h.id]) for h in many] == ["team.b:1"] * 2
+    assert tenants_hash(client, queue) == {"w:acme": 1, "a:acme": 1, "w:team.b:1": 2,
+                                           "a:team.b:1": 2}
+
+
+@pytest.mark.parametrize("bad", ["", "a b", "x" * 65, "é", "a\n", "a{b}", 7, b"acme"])
+def test_a_malformed_tenant_is_refused_naming_the_field_with_nothing_written(
+        shared_redis, queue, bad):
+    client = redis.Redis.from_url(shared_redis.url)
+    with Producer(shared_redis.url, queue=queue) as p:
+        with pytest.raises(InvalidRequest) as err:
+            p.submit({"x": 1}, tenant=bad)
+        assert err.value.field == "tenant" and "64" in str(err.value)
+        with pytest.raises(InvalidRequest):
+            p.submit_many([{"x": 1}], tenant=bad)
+    assert snapshot(client, queue_pattern(queue)) == {}
+
+
+def test_max_waiting_refuses_whole_calls_with_nothing_written(shared_redis, queue):
+    configure(shared_redis.url, queue, strategy="fifo",
+              tenant_quotas="acme:max_waiting=3;*:max_waiting=1")
+    client = shared_redis.client()
+    with Producer(shared_redis.url, queue=queue) as p:
+        p.submit_many([1, 2], tenant="acme")
+        before = request_state(client, queue)
+        with pytest.raises(TenantLimit) as err:
+            p.submit_many([3, 4], tenant="acme")  # 2 + 2 > 3: neither is written
+        assert isinstance(err.value, QueueFull)
+        assert (err.value.tenant, err.value.limit_name, err.value.value) == \
+            ("acme", "max_waiting", 3)
+        assert err.value.retry_after_s is None and "acme" in str(err.value)
+        assert request_state(client, queue) == before
+        p.submit(3, tenant="acme")  # exactly at the limit
+        p.submit(1, tenant="zed")  # '*' applies to a tenant without its own entry
+        with pytest.raises(TenantLimit) as err:
+            p.submit(2, tenant="zed")
+        assert (err.value.tenant, err.value.value) == ("zed", 1)
+        p.submit_many(list(range(20)))  # the default tenant: no quota
+        # A tenant at its limit retrying in a loop: refused each time, nothing written.
+        before = request_state(client, queue)
+        for _ in range(50):
+            with pytest.raises(TenantLimit):
+                p.submit(0, tenant="acme")
+        assert request_state(client, queue) == before
+    counts = tenants_hash(client, queue)
+    assert counts["w:acme"] == 3 and counts["r:acme"] == 2 + 50
+    assert counts["w:zed"] == 1 and counts["r:zed"] == 1
+
+
+def test_a_burst_larger_than_the_bucket_is_refused_without_retry_hint(shared_redis, queue):
+    configure(shared_redis.url, queue, strategy="fifo",
+              tenant_quotas="acme:rps=10,burst=4,cps=100,cost_burst=50")
+    with Producer(shared_redis.url, queue=queue) as p:
+        with pytest.raises(TenantLimit) as err:
+            p.submit_many(list(range(5)), tenant="acme")
+        assert (err.value.limit_name, err.value.value, err.value.retry_after_s) == \
+            ("burst", 4, None)
+        with pytest.raises(TenantLimit) as err:
+            p.submit(0, tenant="acme", cost=51)
+        assert (err.value.limit_name, err.value.value) == ("cost_burst", 50)
+        p.submit(0, tenant="acme", cost=40)
+        with pytest.raises(TenantLimit) as err:
+            p.submit(0, tenant="acme", cost=40)  # 10 tokens left, 100/s: ~0.3 s to wait
+        assert err.value.limit_name == "cps"
+        assert 0.2 <= err.value.retry_after_s <= 0.31
+
+
+def test_a_rate_limit_is_sustained_at_its_configured_rate(shared_redis, queue):
+    """A tenant submitting as fast as it can, obeying retry_after_s: accepted = burst +
+    rate x elapsed, within one request and 5% (the tolerance of the queue's clock against
+    this process's, read around the run)."""
+    rate, burst, run_s = 40, 5, 2.0
+    configure(shared_redis.url, queue, strategy="fifo",
+              tenant_quotas=f"acme:rps={rate},burst={burst}")
+    accepted = refused = 0
+    with Producer(shared_redis.url, queue=queue) as p:
+        p.connect()
+        start = time.monotonic()
+        while time.monotonic() - start < run_s:
+            try:
+                p.submit(0, tenant="acme")
+                accepted += 1
+            except TenantLimit as exc:
+                refused += 1
+                assert exc.limit_name == "rps" and 0 < exc.retry_after_s <= 1 / rate + 1e-3
+                time.sleep(exc.retry_after_s)
+        elapsed = time.monotonic() - start
+    expected = burst + rate * elapsed
+    print(f"\nrps={rate} burst={burst}: {accepted} accepted in {elapsed:.2f} s "
+          f"(expected {expected:.1f}), {refused} refused")
+    assert abs(accepted - expected) <= 1 + 0.05 * expected
+    assert refused > 0
+
+
+def test_counters_follow_each_request_to_its_end(shared_redis, queue, inprocess_consumer):
+    """waiting/in-flight/served per tenant through cancel, deadline expiry, a lease that
+    runs out (re-queued), and completion; the quota counts what really waits."""
+    configure(shared_redis.url, queue, strategy="fifo", max_batch_size=1,
+              tenant_quotas="acme:max_waiting=4")
+    client, keys = shared_redis.client(), QueueKeys(queue)
+    scripts = Scripts(client)
+    with Producer(shared_redis.url, queue=queue) as p:
+        handles = p.submit_many([1, 2, 3], tenant="acme", cost=[5, 6, 7])
+        expiring = p.submit(4, tenant="acme", deadline_ms=50)
+        assert tenants_hash(client, queue)["w:acme"] == 4
+        assert handles[2].cancel() == "cancelled"
+        assert tenants_hash(client, queue)["w:acme"] == 3
+        time.sleep(0.1)
+        with pytest.raises(DeadlineExceeded):
+            expiring.result(timeout=10)
+        wait_until(lambda: tenants_hash(client, queue)["w:acme"] == 2)
+        # Popped under a lease of 100 ms that no one renews: back to waiting.
+        reply = scripts.pop_batch(keys=pop_keys(keys), args=["gone", 100])
+        assert int(reply[0]) > 0
+        assert (tenants_hash(client, queue)["w:acme"], tenants_hash(client, queue)["f:acme"]) \
+            == (1, 1)
+        time.sleep(0.15)
+        scripts.requeue_expired(keys=requeue_keys(keys), args=[10])
+        assert (tenants_hash(client, queue)["w:acme"], tenants_hash(client, queue)["f:acme"]) \
+            == (2, 0)
+        p.submit_many([8, 9], tenant="acme")  # 2 + 2 = 4: room again
+        inprocess_consumer(lambda payloads: payloads, redis_url=shared_redis.url, queue=queue)
+        assert sorted(h.result(timeout=30) for h in handles[:2]) == [1, 2]
+        wait_until(lambda: tenants_hash(client, queue).get("s:acme") == 4)
+    counts = tenants_hash(client, queue)
+    assert (counts["w:acme"], counts["f:acme"], counts["s:acme"]) == (0, 0, 4)
+    assert counts["sc:acme"] == 5 + 6 + 1 + 1
+
+
+def wait_until(check, timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < end, "condition not reached"
+        time.sleep(0.02)

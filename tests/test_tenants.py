@@ -179,3 +179,42 @@ def wait_until(check, timeout: float = 10.0) -> None:
     while not check():
         assert time.monotonic() < end, "condition not reached"
         time.sleep(0.02)
+
+
+def test_gateway_takes_a_tenant_from_the_body_or_x_tenant_and_answers_429(shared_redis,
+                                                                          queue):
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    from helpers.servers import gateway_factory
+    configure(shared_redis.url, queue, strategy="fifo", tenant_quotas="acme:rps=1,burst=2")
+    client = shared_redis.client()
+    factory = gateway_factory()
+    start = next(factory)
+    try:
+        gateway = start(shared_redis.url, queue)
+        with httpx.Client(base_url=gateway.url, timeout=20) as http:
+            first = http.post("/v1/requests", json={"payload": 1, "tenant": "acme"})
+            second = http.post("/v1/requests", json={"payload": 2},
+                               headers={"X-Tenant": "acme"})
+            assert (first.status_code, second.status_code) == (202, 202)
+            for answer in (first, second):
+                raw = client.hget(QueueKeys(queue).jobs, answer.json()["id"])
+                assert request_tenant(split_job(raw)[1]) == "acme"
+            before = request_state(client, queue)
+            over = http.post("/v1/requests", json={"payload": 3, "tenant": "acme"})
+            assert over.status_code == 429, over.text
+            body = over.json()
+            assert (body["error"], body["tenant"], body["quota"], body["limit"]) == \
+                ("tenant_limit", "acme", "rps", 1)
+            assert 0 < body["retry_after_s"] <= 1.0
+            assert over.headers["Retry-After"] == "1"
+            for bad in ({"json": {"payload": 1, "tenant": "a b"}},
+                        {"json": {"payload": 1}, "headers": {"X-Tenant": "{x}"}},
+                        {"json": {"payload": 1, "tenant": "b"},
+                         "headers": {"X-Tenant": "acme"}}):
+                answer = http.post("/v1/requests", **bad)
+                assert answer.status_code == 422, answer.text
+                assert answer.json()["field"] in ("tenant", "X-Tenant")
+            assert request_state(client, queue) == before
+    finally:
+        factory.close()

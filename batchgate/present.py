@@ -113,6 +113,26 @@ def _recommended(stats: dict[str, Any]) -> str:
     return NONE
 
 
+TENANT_ROWS = 10  # `batchgate stats` shows the busiest tenants; --json has them all
+
+
+def _tenant_rows(tenants: dict[str, dict[str, int]]) -> list[tuple[str, str]]:
+    """One row per tenant (busiest first, as stats orders them), the rest summed."""
+    if not tenants:
+        return []
+    rows = [("tenants", f"{len(tenants):,} (docs/tenants.md)")]
+    for name, t in list(tenants.items())[:TENANT_ROWS]:
+        rows.append((f"  {name[:LABEL - 3]}", f"waiting {t['waiting']:,}, in flight "
+                     f"{t['in_flight']:,}, served {t['served']:,} (cost "
+                     f"{t['served_cost']:,}), rejected {t['rejected']:,}"))
+    if len(tenants) > TENANT_ROWS:
+        rest = list(tenants.values())[TENANT_ROWS:]
+        rows.append(("  other", f"{len(rest):,} tenants: waiting "
+                     f"{sum(t['waiting'] for t in rest):,}, in flight "
+                     f"{sum(t['in_flight'] for t in rest):,}"))
+    return rows
+
+
 def stats_table(stats: dict[str, Any], now_s: float | None = None) -> list[str]:
     """`batchgate stats` for people: label, value (with its unit), one per line, at most
     WIDTH columns; `stats` is what `stats --json` prints."""
@@ -142,6 +162,7 @@ def stats_table(stats: dict[str, Any], now_s: float | None = None) -> list[str]:
         ("dead letters", f"{stats['dead_letters']:,}"),
         ("batches", f"{stats['batches']:,}" + (f", mean size {mean:.1f} requests"
                                                if mean is not None else "")),
+        *_tenant_rows(stats.get("tenants") or {}),
         None,
         _latency_rows(stats),
         None,

@@ -53,7 +53,11 @@ local function tenant_tally()
   end
   function tally.flush(key)
     for _, name in ipairs(order) do
-      if deltas[name] ~= 0 then redis.call('HINCRBY', key, name, deltas[name]) end
+      -- A gauge (w:, f:) at 0 is removed: a tenant gone idle leaves only its totals.
+      if deltas[name] ~= 0 and redis.call('HINCRBY', key, name, deltas[name]) == 0
+         and string.find(name, '^[wf]:') then
+        redis.call('HDEL', key, name)
+      end
     end
   end
   return tally

@@ -63,7 +63,11 @@ for _, pending in ipairs({pending_high, pending_normal, pending_low, delayed}) d
     -- Tenants (lua/_tenants.lua): it no longer waits.
     if m then
       local t = envelope_tenant(m.envelope)
-      if t then redis.call('HINCRBY', (tenant_keys(policy)), 'w:' .. t, -1) end
+      if t then
+        local tally = tenant_tally()
+        tally.add_tenant(t, 'w', -1)
+        tally.flush((tenant_keys(policy)))
+      end
     end
     return 1
   end

@@ -229,7 +229,10 @@ class ProducerBase(Generic[H]):
     def _batch_call(self, batch: list[Submission]) -> tuple[list[str], list[Any]]:
         requests = batch[0].requests if len(batch) == 1 else \
             [r for s in batch for r in s.requests]
-        return enqueue_call(self.keys, self.id, requests, self.config.idempotency_ttl_s)
+        # Several submissions: a refusal sends each again alone (_settle), so this call's
+        # refusal is not counted against a tenant (it would count twice).
+        return enqueue_call(self.keys, self.id, requests, self.config.idempotency_ttl_s,
+                            trial=len(batch) > 1)
 
     def _settle(self, batch: list[Submission], reply: Any) -> bool:
         """Hand each submission its ids from one coalesced call's reply. False when the

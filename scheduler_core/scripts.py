@@ -383,7 +383,10 @@ class NewRequest:
 
 
 def enqueue_call(keys: QueueKeys, producer: str, requests: list[NewRequest],
-                 idempotency_ttl_s: int) -> tuple[list[str], list[Any]]:
+                 idempotency_ttl_s: int, trial: bool = False) -> tuple[list[str], list[Any]]:
+    """enqueue.lua's KEYS and ARGV. `trial`: a coalesced call whose refusal the producer
+    answers by sending each submission again alone: a tenant quota's refusal of it is
+    not counted (the re-sent ones are)."""
     script_keys = list(keys.shared)
     args: list[Any] = [producer, len(requests), idempotency_ttl_s]
     for r in requests:
@@ -391,6 +394,8 @@ def enqueue_call(keys: QueueKeys, producer: str, requests: list[NewRequest],
                  r.cost, 1 if r.store_result or r.idempotency_key else 0]
         if r.idempotency_key:
             script_keys.append(keys.idempotency(r.idempotency_key))
+    if trial:
+        args.append("trial")
     return script_keys, args
 
 

@@ -6,6 +6,7 @@ of the request written; per-tenant counters that follow each request to its end.
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import redis
@@ -149,29 +150,34 @@ def test_counters_follow_each_request_to_its_end(shared_redis, queue, inprocess_
     with Producer(shared_redis.url, queue=queue) as p:
         handles = p.submit_many([1, 2, 3], tenant="acme", cost=[5, 6, 7])
         expiring = p.submit(4, tenant="acme", deadline_ms=50)
-        assert tenants_hash(client, queue)["w:acme"] == 4
+        assert tenants_hash(client, queue).get("w:acme", 0) == 4
         assert handles[2].cancel() == "cancelled"
-        assert tenants_hash(client, queue)["w:acme"] == 3
+        assert tenants_hash(client, queue).get("w:acme", 0) == 3
         time.sleep(0.1)
         with pytest.raises(DeadlineExceeded):
             expiring.result(timeout=10)
-        wait_until(lambda: tenants_hash(client, queue)["w:acme"] == 2)
+        wait_until(lambda: tenants_hash(client, queue).get("w:acme", 0) == 2)
         # Popped under a lease of 100 ms that no one renews: back to waiting.
         reply = scripts.pop_batch(keys=pop_keys(keys), args=["gone", 100])
         assert int(reply[0]) > 0
-        assert (tenants_hash(client, queue)["w:acme"], tenants_hash(client, queue)["f:acme"]) \
-            == (1, 1)
+        assert gauges(client, queue) == (1, 1)
         time.sleep(0.15)
         scripts.requeue_expired(keys=requeue_keys(keys), args=[10])
-        assert (tenants_hash(client, queue)["w:acme"], tenants_hash(client, queue)["f:acme"]) \
-            == (2, 0)
+        assert gauges(client, queue) == (2, 0)
         p.submit_many([8, 9], tenant="acme")  # 2 + 2 = 4: room again
         inprocess_consumer(lambda payloads: payloads, redis_url=shared_redis.url, queue=queue)
         assert sorted(h.result(timeout=30) for h in handles[:2]) == [1, 2]
         wait_until(lambda: tenants_hash(client, queue).get("s:acme") == 4)
     counts = tenants_hash(client, queue)
-    assert (counts["w:acme"], counts["f:acme"], counts["s:acme"]) == (0, 0, 4)
+    assert counts["s:acme"] == 4
+    assert "w:acme" not in counts and "f:acme" not in counts  # gauges at 0 are removed
     assert counts["sc:acme"] == 5 + 6 + 1 + 1
+
+
+def gauges(client: redis.Redis, queue: str, tenant: str = "acme") -> tuple[int, int]:
+    """(waiting, in flight) of `tenant`: 0 where its field is absent."""
+    counts = tenants_hash(client, queue)
+    return counts.get(f"w:{tenant}", 0), counts.get(f"f:{tenant}", 0)
 
 
 def wait_until(check, timeout: float = 10.0) -> None:
@@ -250,3 +256,25 @@ def test_stats_and_the_exporter_show_tenants_with_bounded_labels(shared_redis, q
     assert waiting["other"] == sum(tenants[name]["waiting"] for name in tenants
                                    if name not in waiting)
     assert sum(waiting.values()) == sum(t["waiting"] for t in tenants.values())
+
+
+def test_coalesced_submissions_of_several_tenants_are_refused_one_by_one(shared_redis,
+                                                                           queue):
+    """Concurrent submits share one enqueue call; a refusal there is sent again per
+    submission, so that only the tenant over its quota is refused, and counted once."""
+    configure(shared_redis.url, queue, strategy="fifo", tenant_quotas="full:max_waiting=2")
+    with Producer(shared_redis.url, queue=queue) as p:
+        p.connect()
+        def one(i: int) -> str:
+            try:
+                p.submit(i, tenant="full" if i % 2 else f"ok{i}")
+                return "accepted"
+            except TenantLimit as exc:
+                assert exc.tenant == "full"
+                return "refused"
+        with ThreadPoolExecutor(16) as pool:
+            outcomes = list(pool.map(one, range(64)))
+    assert outcomes.count("refused") == 32 - 2
+    assert all(outcomes[i] == "accepted" for i in range(0, 64, 2))
+    counts = tenants_hash(shared_redis.client(), queue)
+    assert (counts["w:full"], counts["r:full"]) == (2, 30)

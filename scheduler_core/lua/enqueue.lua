@@ -34,6 +34,8 @@ ARGV[3]  idempotency key TTL in seconds (1..315360000)
 ARGV[4+7i..10+7i] for request i: id, priority (0|1|2), deadline_ms
          (0 = none, ..86400000), envelope bytes, idem flag (0|1), cost (1..1000000000),
          keep (0|1: 1 = its result is also stored by id, result:<id>, for fetch)
+ARGV[4+7n] optional: 'trial', a producer's coalesced call that it sends again per
+         submission if refused: a tenant quota's refusal is then not counted
 Integer arguments are plain decimal digits ('1.5', 'nan', '1e3' are malformed).
 
 Returns  {1, added, depth_after, id_1 .. id_n, deadline_ms_1 .. deadline_ms_n}
@@ -125,7 +127,11 @@ local bucket_sets = {KEYS[29], KEYS[30], KEYS[31], KEYS[32], KEYS[33]}
 local FIRST_IDEM = 34  -- KEYS[34..]: the idempotency keys, in order
 
 local n = int_arg(ARGV[2], 1, 10000)
-if not n or #ARGV ~= 3 + 7 * n then return {-3, 'n'} end
+if not n or (#ARGV ~= 3 + 7 * n and #ARGV ~= 4 + 7 * n) then return {-3, 'n'} end
+-- A coalesced call the producer sends again per submission if refused (ARGV[4+7n]):
+-- a tenant quota's refusal of it is not counted.
+local trial = ARGV[4 + 7 * n] == 'trial'
+if #ARGV == 4 + 7 * n and not trial then return {-3, 'trial'} end
 local idem_ttl = int_arg(ARGV[3], 1, 315360000)
 if not idem_ttl then return {-3, 'idempotency_ttl'} end
 local producer = ARGV[1]
@@ -257,7 +263,7 @@ if #tenant_names > 0 then
       end
     end
     if refused then
-      redis.call('HINCRBY', tenant_counts, 'r:' .. t, g.count)
+      if not trial then redis.call('HINCRBY', tenant_counts, 'r:' .. t, g.count) end
       return {-6, t, refused[1], refused[2], int(math.ceil(refused[3] * 1000))}
     end
   end

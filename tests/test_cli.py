@@ -346,7 +346,7 @@ def test_policy_set_applies_the_new_strategys_batch_size_and_show_prints_numbers
         "over_cost": "reject", "max_batch_cost": 0, "cost_mode": "sum", "cost_buckets": "",
         "slo_p99_ms": 0, "delay_mode": "fixed", "timeout_high_ms": 0, "timeout_normal_ms": 0,
         "timeout_low_ms": 0, "allow_timeout_override": 1, "on_timeout": "reject",
-        "shards": 1}
+        "shards": 1, "tenant_quotas": ""}
     stats_policy = stats_json(url, queue)["policy"]
     assert stats_policy == json.loads(shown.stdout)  # the same JSON in both places
 

@@ -257,7 +257,7 @@ def test_policy_set_reaches_running_consumers_and_show_prints_it(shared_redis, q
                               "slo_p99_ms": 0, "delay_mode": "fixed",
                               "timeout_high_ms": 0, "timeout_normal_ms": 0,
                               "timeout_low_ms": 0, "allow_timeout_override": 1,
-                              "on_timeout": "reject", "shards": 1}
+                              "on_timeout": "reject", "shards": 1, "tenant_quotas": ""}
     with Producer(url, queue) as p:
         waiting = p.submit({"i": 0})
         wait_for(lambda: client.zcard(QueueKeys(queue).pending(1)) == 1, what="it to queue")

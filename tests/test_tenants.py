@@ -11,10 +11,19 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import redis
 from helpers.support import configure, queue_pattern, snapshot
+from test_clock import stepped_redis  # noqa: F401 (a fixture)
 
 from producer import DeadlineExceeded, InvalidRequest, Producer, QueueFull, TenantLimit
 from scheduler_core.keys import QueueKeys
-from scheduler_core.scripts import Scripts, pop_keys, requeue_keys
+from scheduler_core.admin import change_policy
+from scheduler_core.scripts import (
+    NewRequest,
+    Scripts,
+    enqueue_call,
+    enqueue_reply,
+    pop_keys,
+    requeue_keys,
+)
 from scheduler_core.wire import decode_request, request_tenant, split_job
 
 
@@ -278,3 +287,86 @@ def test_coalesced_submissions_of_several_tenants_are_refused_one_by_one(shared_
     assert all(outcomes[i] == "accepted" for i in range(0, 64, 2))
     counts = tenants_hash(shared_redis.client(), queue)
     assert (counts["w:full"], counts["r:full"]) == (2, 30)
+
+
+def drive(p: Producer, tenant: str, seconds: float) -> tuple[int, float]:
+    """Submit as fast as the quota lets `tenant`, obeying retry_after_s: (accepted,
+    elapsed seconds)."""
+    accepted, start = 0, time.monotonic()
+    while time.monotonic() - start < seconds:
+        try:
+            p.submit(0, tenant=tenant)
+            accepted += 1
+        except TenantLimit as exc:
+            time.sleep(exc.retry_after_s or 0.01)
+    return accepted, time.monotonic() - start
+
+
+def test_a_clock_step_neither_locks_a_tenant_out_nor_gives_more_than_a_burst(
+        stepped_redis, queue):
+    """The buckets run on the queue's clock: after a real backward step of the server's
+    clock a drained bucket refills at its rate (not after the step); a forward step
+    refills it to its burst at most."""
+    server, step = stepped_redis
+    rate, burst = 20, 5
+    configure(server.url, queue, strategy="fifo",
+              tenant_quotas=f"acme:rps={rate},burst={burst}")
+    with Producer(server.url, queue=queue) as p:
+        drive(p, "acme", 0.5)  # drained
+        step(-60_000_000)
+        accepted, elapsed = drive(p, "acme", 1.0)
+        assert abs(accepted - rate * elapsed) <= 2 + 0.05 * rate * elapsed, accepted
+        step(0)  # the clock set right again: a forward step of 60 s
+        accepted, elapsed = drive(p, "acme", 1.0)
+        assert accepted <= burst + rate * elapsed + 2, accepted
+
+
+def test_quota_changes_apply_to_the_next_enqueue(shared_redis, queue):
+    """A policy change mid-flight: lowering max_waiting keeps what waits and refuses new
+    requests; raising it or dropping the quotas lets them in; a new burst caps the
+    tokens a bucket kept."""
+    configure(shared_redis.url, queue, strategy="fifo", tenant_quotas="acme:max_waiting=3")
+    client = shared_redis.client()
+    with Producer(shared_redis.url, queue=queue) as p:
+        p.submit_many([1, 2, 3], tenant="acme")
+        change_policy(client, queue, {"tenant_quotas": "acme:max_waiting=1"})
+        with pytest.raises(TenantLimit):
+            p.submit(4, tenant="acme")
+        assert gauges(client, queue)[0] == 3  # nothing waiting was dropped
+        change_policy(client, queue, {"tenant_quotas": ""})
+        p.submit_many(list(range(10)), tenant="acme")
+        change_policy(client, queue, {"tenant_quotas": "acme:rps=1,burst=100"})
+        p.submit_many(list(range(50)), tenant="acme")  # 50 tokens left
+        change_policy(client, queue, {"tenant_quotas": "acme:rps=1,burst=2"})
+        p.submit_many([1, 2], tenant="acme")  # the new burst caps the old bucket's tokens
+        with pytest.raises(TenantLimit) as err:
+            p.submit(3, tenant="acme")
+        assert err.value.limit_name == "rps"
+
+
+def test_hand_written_tenant_state_never_fails_a_script(shared_redis, queue,
+                                                        inprocess_consumer):
+    """Garbage in the tenants' keys or a tenant prefix a producer would never write: the
+    scripts refuse the request naming `tenant`, or read the garbage as nothing."""
+    configure(shared_redis.url, queue, strategy="fifo", tenant_quotas="acme:rps=5,burst=5")
+    client, keys = shared_redis.client(), QueueKeys(queue)
+    scripts = Scripts(client)
+    client.hset(keys.tenant_rate, mapping={"q:acme": "nan:abc"})
+    client.hset(keys.tenants, mapping={"w:acme": "x"})
+    with Producer(shared_redis.url, queue=queue) as p:
+        p.submit(1, tenant="acme")  # the bucket read as full, the count as 0
+        assert gauges(client, queue) == (1, 0)
+        client.delete(keys.tenants)
+        client.set(keys.tenants, "not a hash")
+        handle = p.submit(2, tenant="acme")  # not counted, never half-written
+        inprocess_consumer(lambda payloads: payloads, redis_url=shared_redis.url, queue=queue)
+        assert handle.result(timeout=30) == 2
+        client.delete(keys.tenants)
+        for envelope in (b'{"v":1,"tenant":"' + b"x" * 65 + b'","payload":1}',
+                         b'{"v":1,"tenant":"a b","payload":1}',
+                         b'{"v":1,"tenant":"","payload":1}'):
+            request = NewRequest("abc" + str(len(envelope)), 1, 0, envelope)
+            script_keys, args = enqueue_call(keys, p.id, [request], 60)
+            with pytest.raises(InvalidRequest) as err:
+                enqueue_reply(keys, scripts.enqueue(keys=script_keys, args=args))
+            assert err.value.field == "tenant"

@@ -32,6 +32,14 @@ local function job_tenant(raw)
   return bar and string.match(raw, TENANT_AT, bar + 1) or nil
 end
 
+-- The tenants' keys never fail a script half-way through its writes: a value or key
+-- written by hand (not a number, not a hash) is read as nothing and overwritten, or, if
+-- the key is not a hash, left alone (then the counters are not kept). pcall, not call.
+local function tenant_get(key, field)
+  local value = redis.pcall('HGET', key, field)
+  return type(value) == 'string' and value or nil
+end
+
 -- Per-tenant counter changes, gathered over a call and written with one HINCRBY each.
 -- add(raw, field, delta) counts the request of jobs value `raw` (nothing for the default
 -- tenant), add_envelope the request of that envelope; flush(key) writes them.
@@ -54,10 +62,11 @@ local function tenant_tally()
   function tally.flush(key)
     for _, name in ipairs(order) do
       -- A gauge (w:, f:) at 0 is removed: a tenant gone idle leaves only its totals.
-      if deltas[name] ~= 0 and redis.call('HINCRBY', key, name, deltas[name]) == 0
-         and string.find(name, '^[wf]:') then
-        redis.call('HDEL', key, name)
+      local now = deltas[name] ~= 0 and redis.pcall('HINCRBY', key, name, deltas[name])
+      if type(now) == 'table' then  -- not an integer (by hand): start again from 0
+        now = redis.pcall('HSET', key, name, deltas[name]) and deltas[name]
       end
+      if now == 0 and string.find(name, '^[wf]:') then redis.pcall('HDEL', key, name) end
     end
   end
   return tally
@@ -94,7 +103,7 @@ end
 -- enough tokens are back.
 local function take_tokens(key, field, rate, burst, need, now)
   local tokens, at = burst, now
-  local kept = redis.call('HGET', key, field)
+  local kept = tenant_get(key, field)
   if kept then
     local t, a = string.match(kept, '^([%d.e+-]+):(%d+)$')
     tokens, at = tonumber(t) or burst, tonumber(a) or now

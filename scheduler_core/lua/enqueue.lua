@@ -68,7 +68,8 @@ Errors   {-1, depth, max_queue_size, adding, rate_mrps}  queue full, nothing wri
                                               bucket holds) of `value` (docs/tenants.md);
                                               retry_after_ms: until enough tokens are
                                               back (0: none given). Nothing written but
-                                              the tenant's refused counter
+                                              the tenant's refused counter and the
+                                              queue's clock (stats clock_*)
          {-5, 'shards'}                       this queue is a shard that `policy set
                                               --shards` dropped (policy field retired):
                                               nothing written; place the requests on a
@@ -244,7 +245,7 @@ if #tenant_names > 0 then
     local q, g = tenant_quota(quotas, t), tenant_new[t]
     local refused = nil
     if (q.max_waiting or 0) > 0 then
-      local waiting = tonumber(redis.call('HGET', tenant_counts, 'w:' .. t)) or 0
+      local waiting = tonumber(tenant_get(tenant_counts, 'w:' .. t)) or 0
       if waiting + g.count > q.max_waiting then
         refused = {'max_waiting', q.max_waiting, 0}
       end
@@ -263,7 +264,14 @@ if #tenant_names > 0 then
       end
     end
     if refused then
-      if not trial then redis.call('HINCRBY', tenant_counts, 'r:' .. t, g.count) end
+      if not trial then
+        local tally = tenant_tally()
+        tally.add_tenant(t, 'r', g.count)
+        tally.flush(tenant_counts)
+      end
+      -- The queue's clock noted: else, after a backward step of TIME, a tenant refused in
+      -- a loop would read the same time each call and its bucket would never refill.
+      note_clock()
       return {-6, t, refused[1], refused[2], int(math.ceil(refused[3] * 1000))}
     end
   end
@@ -367,7 +375,7 @@ if #tenant_names > 0 then
     tally.add_tenant(t, 'a', tenant_new[t].count)
   end
   tally.flush(tenant_counts)
-  for field, state in pairs(tenant_buckets) do redis.call('HSET', tenant_rates, field, state) end
+  for field, state in pairs(tenant_buckets) do redis.pcall('HSET', tenant_rates, field, state) end
 end
 -- Counted by TIME's second, as scheduler_core/load.py reads them back.
 if fresh > 0 then count_arrivals(arrivals, now_us(), fresh) end

@@ -5,17 +5,20 @@ of the request written; per-tenant counters that follow each request to its end.
 
 from __future__ import annotations
 
+import asyncio
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import redis
+import test_clock
 from helpers.support import configure, queue_pattern, snapshot
-from test_clock import stepped_redis  # noqa: F401 (a fixture)
 
 from producer import DeadlineExceeded, InvalidRequest, Producer, QueueFull, TenantLimit
-from scheduler_core.keys import QueueKeys
 from scheduler_core.admin import change_policy
+from scheduler_core.keys import QueueKeys
 from scheduler_core.scripts import (
     NewRequest,
     Scripts,
@@ -25,6 +28,8 @@ from scheduler_core.scripts import (
     requeue_keys,
 )
 from scheduler_core.wire import decode_request, request_tenant, split_job
+
+stepped_redis = test_clock.stepped_redis  # its fixture: a server whose clock steps
 
 
 def tenants_hash(client: redis.Redis, queue: str) -> dict[str, int]:
@@ -370,3 +375,75 @@ def test_hand_written_tenant_state_never_fails_a_script(shared_redis, queue,
             with pytest.raises(InvalidRequest) as err:
                 enqueue_reply(keys, scripts.enqueue(keys=script_keys, args=args))
             assert err.value.field == "tenant"
+
+
+DRIVER = """
+import sys, time
+from producer import Producer, TenantLimit
+url, queue, seconds = sys.argv[1], sys.argv[2], float(sys.argv[3])
+accepted = 0
+with Producer(url, queue=queue) as p:
+    p.connect()
+    print("ready", flush=True)
+    start = float(sys.stdin.readline())
+    time.sleep(max(0.0, start - time.time()))
+    while time.time() < start + seconds:
+        try:
+            p.submit(0, tenant="acme")
+            accepted += 1
+        except TenantLimit as exc:
+            time.sleep(min(exc.retry_after_s or 0.01, max(0.0, start + seconds - time.time())))
+print(accepted)
+"""
+
+
+def test_a_rate_limit_holds_across_producer_processes(shared_redis, queue):
+    """3 producer processes of one tenant, each as fast as the quota lets it, over the same
+    span T: together they get burst + rate x T, within 3 requests and 5%."""
+    rate, burst, seconds = 30, 5, 3.0
+    configure(shared_redis.url, queue, strategy="fifo",
+              tenant_quotas=f"acme:rps={rate},burst={burst}")
+    procs = [subprocess.Popen([sys.executable, "-c", DRIVER, shared_redis.url, queue,
+                               str(seconds)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True) for _ in range(3)]
+    for proc in procs:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    start = f"{time.time() + 0.5}\n"  # the same span for all three
+    for proc in procs:
+        assert proc.stdin is not None
+        proc.stdin.write(start)
+        proc.stdin.flush()
+    counts = [int(proc.communicate(timeout=60)[0]) for proc in procs]
+    expected = burst + rate * seconds
+    print(f"\n3 processes, rps={rate} burst={burst} over {seconds:g} s: {counts} = "
+          f"{sum(counts)} accepted (expected {expected:g})")
+    assert abs(sum(counts) - expected) <= 3 + 0.05 * expected
+    assert all(c > 0 for c in counts)
+
+
+def test_async_and_sharded_producers_carry_the_tenant(shared_redis, queue):
+    from producer import AsyncProducer, ShardedProducer
+    configure(shared_redis.url, queue, strategy="fifo", shards=2,
+              tenant_quotas="acme:max_waiting=3")
+    client = shared_redis.client()
+
+    async def run() -> list[str]:
+        async with AsyncProducer(shared_redis.url, queue=queue) as p:
+            ids = [(await p.submit(1, tenant="acme")).id]
+            ids += [h.id for h in await p.submit_many([2], tenant="acme")]
+            with pytest.raises(TenantLimit):
+                await p.submit_many([3, 4], tenant="acme")
+            return ids
+    ids = asyncio.run(run())
+    with ShardedProducer(shared_redis.url, queue) as sharded:
+        handles = sharded.submit_many([5, 6], tenant="team-b")
+        one = sharded.submit(7, tenant="team-b")
+    tenants = {}
+    for name in (queue, f"{queue}#1"):
+        jobs = QueueKeys(name).jobs
+        for rid in [*ids, *(h.id for h in handles), one.id]:
+            raw = client.hget(jobs, rid)
+            if raw is not None:
+                tenants[rid] = request_tenant(split_job(raw)[1])
+    assert tenants == {ids[0]: "acme", ids[1]: "acme", handles[0].id: "team-b",
+                       handles[1].id: "team-b", one.id: "team-b"}

@@ -50,9 +50,10 @@ class QueueFull(BatchgateError):
 
 class TenantLimit(QueueFull):
     """A named tenant's quota in the queue's policy (tenant_quotas, docs/tenants.md) would
-    be exceeded; nothing was written. `limit` names the quota (max_waiting, rps, cps,
-    burst, cost_burst), `value` its setting; `retry_after_s`: when enough of a rate
-    quota's tokens are back (None for max_waiting, or a call larger than the burst)."""
+    be exceeded; nothing was written. `limit_name` names the quota (max_waiting, rps,
+    cps, burst, cost_burst), `value` (and QueueFull's `limit`) is its setting;
+    `retry_after_s`: when enough of a rate quota's tokens are back (None for max_waiting,
+    or a call larger than the burst)."""
 
     def __init__(self, queue: str, tenant: str, limit: str, value: int,
                  retry_after_s: float | None = None):

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from scheduler_core.errors import InvalidPolicy, InvalidRequest
+from scheduler_core.wire import DEFAULT_TENANT, TENANT_NAME
 
 
 class Priority(enum.IntEnum):
@@ -317,7 +318,6 @@ TENANT_QUOTAS: dict[str, tuple[int, int]] = {
 }
 DEFAULT_QUOTA = "*"  # the entry that applies to every named tenant without its own
 MAX_TENANT_QUOTAS = 16_384  # characters of the stored form
-_TENANT = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 _QUOTA_DIGITS = re.compile(r"[0-9]{1,13}")
 
 
@@ -348,9 +348,13 @@ def parse_tenant_quotas(value: object) -> dict[str, dict[str, int]]:
     for tenant, spec in value.items():
         where = f"tenant_quotas[{tenant!r}]"
         if tenant != DEFAULT_QUOTA and not (isinstance(tenant, str) and
-                                            _TENANT.fullmatch(tenant)):
+                                            TENANT_NAME.fullmatch(tenant)):
             raise InvalidPolicy(where, "a tenant is 1-64 characters from letters, digits, "
                                        "'_', '.', ':' and '-', or '*' for the default")
+        if tenant == DEFAULT_TENANT:
+            raise InvalidPolicy(where, "requests without a tenant (the default tenant) have "
+                                       f"no quota; '{DEFAULT_QUOTA}' is every named tenant "
+                                       "without an entry of its own")
         if not isinstance(spec, Mapping):
             raise InvalidPolicy(where, f"must map quota names to numbers, got {spec!r}")
         entry = {}

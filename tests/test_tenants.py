@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import redis
 import test_clock
+from helpers.processes import BATCHGATE
 from helpers.support import configure, queue_pattern, snapshot
 
 from producer import DeadlineExceeded, InvalidRequest, Producer, QueueFull, TenantLimit
@@ -447,3 +448,23 @@ def test_async_and_sharded_producers_carry_the_tenant(shared_redis, queue):
                 tenants[rid] = request_tenant(split_job(raw)[1])
     assert tenants == {ids[0]: "acme", ids[1]: "acme", handles[0].id: "team-b",
                        handles[1].id: "team-b", one.id: "team-b"}
+
+
+@pytest.mark.parametrize(("bad", "field"), [
+    ("acme", "tenant_quotas"), ("a b:rps=1", "tenant_quotas['a b']"),
+    ("acme:max_in_flight=3", "tenant_quotas['acme'].max_in_flight"),
+    ("acme:rps=-1", "tenant_quotas['acme'].rps"), ("acme:rps=1.5", "tenant_quotas['acme'].rps"),
+    ("acme:rps=1000001", "tenant_quotas['acme'].rps"),
+    ("default:rps=1", "tenant_quotas['default']"), ('{"acme": 5}', "tenant_quotas['acme']"),
+    ("{not json", "tenant_quotas"), (";".join(f"t{i}:rps=1" for i in range(2000)),
+                                     "tenant_quotas")])
+def test_policy_set_refuses_bad_quotas_naming_the_field_with_nothing_written(
+        shared_redis, queue, bad, field):
+    configure(shared_redis.url, queue, strategy="fifo", tenant_quotas="acme:rps=5")
+    client = shared_redis.client()
+    before = snapshot(client, queue_pattern(queue))
+    done = subprocess.run([BATCHGATE, "policy", "set", "--redis-url", shared_redis.url,
+                           "--queue", queue, "--tenant-quotas", bad],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and f"Error: {field}" in done.stderr, done.stderr
+    assert snapshot(client, queue_pattern(queue)) == before

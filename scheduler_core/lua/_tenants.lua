@@ -40,9 +40,8 @@ local function tenant_get(key, field)
   return type(value) == 'string' and value or nil
 end
 
--- Per-tenant counter changes, gathered over a call and written with one HINCRBY each.
--- add(raw, field, delta) counts the request of jobs value `raw` (nothing for the default
--- tenant), add_envelope the request of that envelope; flush(key) writes them.
+-- Per-tenant counter changes, gathered over a call and written with one HINCRBY each:
+-- add_tenant(t, field, delta) counts, flush(key) writes.
 local function tenant_tally()
   local deltas, order = {}, {}
   local tally = {}
@@ -50,14 +49,6 @@ local function tenant_tally()
     local name = field .. ':' .. t
     if not deltas[name] then order[#order + 1] = name end
     deltas[name] = (deltas[name] or 0) + delta
-  end
-  function tally.add(raw, field, delta)
-    local t = job_tenant(raw)
-    if t then tally.add_tenant(t, field, delta) end
-  end
-  function tally.add_envelope(envelope, field, delta)
-    local t = envelope and envelope_tenant(envelope)
-    if t then tally.add_tenant(t, field, delta) end
   end
   function tally.flush(key)
     for _, name in ipairs(order) do

@@ -127,11 +127,13 @@ end
 if #answered > 0 then
   local tally = tenant_tally()
   for _, i in ipairs(answered) do
-    local value, outcome = raw[i], ARGV[2 + 3 * i]
-    tally.add(value, 'f', -1)
-    if outcome == 'ok' or outcome == 'err' then
-      tally.add(value, 's', 1)
-      tally.add(value, 'sc', select(3, pop_fields(value)) or 1)
+    local t, outcome = job_tenant(raw[i]), ARGV[2 + 3 * i]
+    if t then
+      tally.add_tenant(t, 'f', -1)
+      if outcome == 'ok' or outcome == 'err' then
+        tally.add_tenant(t, 's', 1)
+        tally.add_tenant(t, 'sc', select(3, pop_fields(raw[i])) or 1)
+      end
     end
   end
   tally.flush((tenant_keys(policy)))

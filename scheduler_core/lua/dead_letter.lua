@@ -86,7 +86,8 @@ for i = 1, n do
     redis.call('ZREM', dead, id)
     redis.call('HDEL', dead_reason, id)
     redis.call('DEL', KEYS[33 + i])
-    tally.add(raw, 'w', 1)
+    local t = job_tenant(raw)
+    if t then tally.add_tenant(t, 'w', 1) end
     done = done + 1
   end
 end

@@ -220,13 +220,12 @@ end
 -- ones, checked before the queue's own limit. Nothing of a refused call is written; only
 -- its tenant's refused counter (r:<tenant>) is raised.
 local tenant_counts, tenant_rates = tenant_keys(policy)
-local tenant_of, tenant_new, tenant_names = {}, {}, {}
+local tenant_new, tenant_names = {}, {}  -- tenant -> {count, cost} of its new requests
 for i = 1, n do
   if not effective[i] then
     local t = envelope_tenant(ARGV[4 + 7 * (i - 1) + 3])
     if t == false then return {-3, 'tenant'} end
     if t then
-      tenant_of[i] = t
       local g = tenant_new[t]
       if not g then
         g = {count = 0, cost = 0}

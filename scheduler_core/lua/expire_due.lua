@@ -148,7 +148,8 @@ for i = 0, n - 1 do
         if not m or m.keep then store_result(KEYS[34 + 2 * i], envelope, ttl) end
         if m and m.producer ~= '' then deliver_results(KEYS[35 + 2 * i], ttl, envelope) end
         expired = expired + 1
-        if m then tally.add_envelope(m.envelope, 'w', -1) end
+        local t = m and envelope_tenant(m.envelope)
+        if t then tally.add_tenant(t, 'w', -1) end
       end
     end
   end

@@ -525,8 +525,11 @@ local function commit(rules, consumer, lease_ms, chosen, read, total, now)
   -- Tenants (lua/_tenants.lua): the batch's requests leave waiting for in flight.
   local tally = tenant_tally()
   for i = 1, #chosen do
-    tally.add(read.raw[i], 'w', -1)
-    tally.add(read.raw[i], 'f', 1)
+    local t = job_tenant(read.raw[i])
+    if t then
+      tally.add_tenant(t, 'w', -1)
+      tally.add_tenant(t, 'f', 1)
+    end
   end
   tally.flush((tenant_keys(policy)))
   redis.call('ZADD', inflight, int(lease_deadline), batch_id)

@@ -76,7 +76,11 @@ for _, batch_id in ipairs(expired) do
       if m and m.deadline > 0 then redis.call('ZADD', deadlines, m.deadline_s, id) end
       redis.call('HDEL', owner, id)
       requeued = requeued + 1
-      if m then tally.add_envelope(m.envelope, 'f', -1) tally.add_envelope(m.envelope, 'w', 1) end
+      local t = m and envelope_tenant(m.envelope)
+      if t then
+        tally.add_tenant(t, 'f', -1)
+        tally.add_tenant(t, 'w', 1)
+      end
     end
   end
   release_batch(inflight, batches, batch_id)

@@ -8,6 +8,7 @@ import textwrap
 import time
 from typing import Any
 
+from scheduler_core.ops.stats import top_tenants
 from scheduler_core.policy import describe_delay, describe_policy
 
 NONE = "-"
@@ -117,19 +118,15 @@ TENANT_ROWS = 10  # `batchgate stats` shows the busiest tenants; --json has them
 
 
 def _tenant_rows(tenants: dict[str, dict[str, int]]) -> list[tuple[str, str]]:
-    """One row per tenant (busiest first, as stats orders them), the rest summed."""
+    """One row per tenant (busiest first, as stats orders them), beyond TENANT_ROWS the
+    rest summed as "other"."""
     if not tenants:
         return []
     rows = [("tenants", f"{len(tenants):,} (docs/tenants.md)")]
-    for name, t in list(tenants.items())[:TENANT_ROWS]:
+    for name, t in top_tenants(tenants, TENANT_ROWS).items():
         rows.append((f"  {name[:LABEL - 3]}", f"waiting {t['waiting']:,}, in flight "
                      f"{t['in_flight']:,}, served {t['served']:,} (cost "
                      f"{t['served_cost']:,}), rejected {t['rejected']:,}"))
-    if len(tenants) > TENANT_ROWS:
-        rest = list(tenants.values())[TENANT_ROWS:]
-        rows.append(("  other", f"{len(rest):,} tenants: waiting "
-                     f"{sum(t['waiting'] for t in rest):,}, in flight "
-                     f"{sum(t['in_flight'] for t in rest):,}"))
     return rows
 
 

@@ -122,6 +122,20 @@ def tenant_stats(counters: dict[str, int], waiting: int, in_flight: int
         -(item[1]["waiting"] + item[1]["in_flight"]), -item[1]["served"], item[0])))
 
 
+OTHER_TENANTS = "other"
+
+
+def top_tenants(tenants: dict[str, dict[str, int]], n: int) -> dict[str, dict[str, int]]:
+    """The first `n` rows of tenant_stats' table and, if there are more, "other": the
+    rest summed (what `stats` and the dashboard show of many tenants)."""
+    rows = list(tenants.items())
+    shown = dict(rows[:n])
+    if len(rows) > n:
+        shown[OTHER_TENANTS] = {name: sum(t[name] for _, t in rows[n:])
+                                for name in TENANT_FIELDS.values()}
+    return shown
+
+
 def delay_in_use(policy: Policy | None, counters: dict[str, int],
                  alive_after: float) -> float | None:
     """The max_queue_delay_ms pop_batch applies (QueueStats.max_queue_delay_ms_in_use)."""

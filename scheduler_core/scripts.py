@@ -39,7 +39,16 @@ from scheduler_core.errors import (
     TenantLimit,
 )
 from scheduler_core.keys import QueueKeys, bulk_lease_key
-from scheduler_core.policy import CHOICES, LIMITS, MAX_COST_BUCKETS, MAX_REQUEST_COST, Strategy
+from scheduler_core.policy import (
+    CHOICES,
+    LIMITS,
+    MAX_COST_BUCKETS,
+    MAX_REQUEST_COST,
+    MAX_TENANT_QUOTAS,
+    TENANT_QUOTAS,
+    Strategy,
+)
+from scheduler_core.wire import DEFAULT_TENANT
 
 # Queue scripts, then the bulk job's lease (lua/bulk/, not queue keys). `Scripts` names
 # each by its path with '/' as '_': scripts.bulk_lease_renew.
@@ -108,7 +117,17 @@ def _policy_lua(limits: dict[str, tuple[int, int]]) -> str:
     return (f"local STRATEGIES = {{{strategies}}}\n\nlocal LIMITS = {{{ranges}}}\n\n"
             f"local CHOICES = {{{choices}}}\n\n"
             f"local MAX_COST_BUCKETS, MAX_REQUEST_COST = {MAX_COST_BUCKETS}, {MAX_REQUEST_COST}\n\n"
-            f"local function policy_range(field)\n{cases}  return nil\nend")
+            f"local function policy_range(field)\n{cases}  return nil\nend\n\n"
+            f"{_tenant_quotas_lua()}")
+
+
+def _tenant_quotas_lua() -> str:
+    """TENANT_QUOTAS (each quota's largest value; all take 0 = none), MAX_TENANT_QUOTAS
+    and DEFAULT_TENANT, for configure's check of tenant_quotas (lua/_tenants.lua)."""
+    assert all(low == 0 for low, _ in TENANT_QUOTAS.values())
+    highs = ", ".join(f"{name} = {high}" for name, (_, high) in TENANT_QUOTAS.items())
+    return (f"local TENANT_QUOTAS = {{{highs}}}\n"
+            f"local MAX_TENANT_QUOTAS, DEFAULT_TENANT = {MAX_TENANT_QUOTAS}, '{DEFAULT_TENANT}'")
 
 
 # redis-py's Script loads the script on NOSCRIPT and calls again, once. When redis-py

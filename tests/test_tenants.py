@@ -23,6 +23,7 @@ from scheduler_core.keys import QueueKeys
 from scheduler_core.scripts import (
     NewRequest,
     Scripts,
+    configure_keys,
     enqueue_call,
     enqueue_reply,
     pop_keys,
@@ -498,3 +499,41 @@ def test_the_dashboard_shows_the_busiest_tenants_and_other(shared_redis, queue):
                 browser.close()
     finally:
         server.close()
+
+
+def test_configure_stores_only_quotas_the_policy_reads_back(shared_redis, queue):
+    """configure.lua's check of tenant_quotas against Policy's: what the script stores,
+    Policy.from_redis reads; every normal form Policy writes, the script stores."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from scheduler_core.admin import read_policy
+    from scheduler_core.errors import InvalidPolicy
+    from scheduler_core.policy import Policy, format_tenant_quotas
+    client = shared_redis.client()
+    script = Scripts(client).configure
+    keys = configure_keys(QueueKeys(queue))
+    pieces = st.sampled_from(["acme", "*", "default", "a:b", "", ":", ";", ",", "=", "rps",
+                              "burst", "cps", "max_waiting", "cost_burst", "max_in_flight",
+                              "1", "0", "01", "1000001", "9" * 14, " ", "x" * 65, "é"])
+
+    seen: list[str] = []
+
+    @settings(max_examples=400, deadline=None, database=None)
+    @given(st.lists(pieces, max_size=12).map("".join))
+    def check(text: str) -> None:
+        seen.append(text)
+        base = Policy().to_redis()
+        reply = script(keys=keys, args=["replace", *(x for kv in {**base, "tenant_quotas":
+                                                                   text}.items() for x in kv)])
+        if int(reply[0]) == 1:
+            assert read_policy(client, queue).tenant_quotas == format_tenant_quotas(text)
+        try:
+            normal = format_tenant_quotas(text)
+        except InvalidPolicy:
+            return
+        reply = script(keys=keys, args=["replace", *(x for kv in {**base, "tenant_quotas":
+                                                                   normal}.items() for x in kv)])
+        assert int(reply[0]) == 1, (text, normal, reply)
+    check()
+    assert len(seen) >= 100

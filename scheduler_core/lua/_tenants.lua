@@ -89,6 +89,31 @@ local function tenant_quota(quotas, t)
   return q
 end
 
+-- Whether `value` is a tenant_quotas that scheduler_core.policy reads back: at most
+-- MAX_TENANT_QUOTAS characters of entries "tenant:quota=N,..." joined by ';', each tenant
+-- '*' or a tenant name other than DEFAULT_TENANT, each quota one of TENANT_QUOTAS within
+-- its range (configure stores nothing else).
+local function valid_tenant_quotas(value)
+  if #value > MAX_TENANT_QUOTAS then return false end
+  for entry in string.gmatch(value .. ';', '([^;]*);') do
+    if entry ~= '' then
+      local tenant, spec = string.match(entry, '^(.*):([^:]*)$')
+      if not tenant or tenant == DEFAULT_TENANT or (tenant ~= '*' and
+         (#tenant > MAX_TENANT or not string.find(tenant, '^[%w_.:%-]+$'))) then
+        return false
+      end
+      for pair in string.gmatch(spec .. ',', '([^,]*),') do
+        local key, digits = string.match(pair, '^([%w_]+)=(%d+)$')
+        if pair ~= '' and not (key and TENANT_QUOTAS[key] and #digits <= 13
+                               and tonumber(digits) <= TENANT_QUOTAS[key]) then
+          return false
+        end
+      end
+    end
+  end
+  return true
+end
+
 -- Take `need` tokens from the bucket `field` of hash `key` (rate per s, burst) at `now`
 -- (µs). Returns ok, the state to save ("tokens:now") and, when refused, the seconds until
 -- enough tokens are back.

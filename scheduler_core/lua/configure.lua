@@ -13,7 +13,7 @@ ARGV[2..] ('ensure', 'replace' only) field, value pairs: strategy and every fiel
          scheduler_core.policy.LIMITS), each within its range (scheduler_core.policy.Policy
          validates them first); delay_mode, over_cost, cost_mode and on_timeout, if given, one of
          CHOICES; cost_buckets, if given, "" or increasing boundaries "32,1024";
-         tenant_quotas, if given, at most 16384 characters of its stored form; other
+         tenant_quotas, if given, as policy.parse_tenant_quotas reads its stored form; other
          fields are kept if their name is [a-z_] and their value at most 256 bytes
 
 Returns  {written (0|1), field, value, ...}: the policy now stored ('ensure', 'replace');
@@ -22,6 +22,7 @@ Errors   {-3, field} malformed argument, nothing written
 ]]
 -- @include _common.lua
 -- @include _policy.lua
+-- @include _tenants.lua
 
 local policy = KEYS[1]
 local jobs = KEYS[5]
@@ -51,8 +52,7 @@ for i = 2, #ARGV, 2 do
   elseif field == 'cost_buckets' then
     if not parse_buckets(value) then return {-3, field} end
   elseif field == 'tenant_quotas' then
-    -- policy.MAX_TENANT_QUOTAS characters of its stored form (Policy checks the rest)
-    if #value > 16384 or not string.find(value, '^[%w_.:%-*=,;]*$') then return {-3, field} end
+    if not valid_tenant_quotas(value) then return {-3, 'tenant_quotas'} end
   elseif #field > 64 or not string.match(field, '^[a-z_]+$') or #value > 256 then
     return {-3, 'fields'}
   end

@@ -537,3 +537,31 @@ def test_configure_stores_only_quotas_the_policy_reads_back(shared_redis, queue)
         assert int(reply[0]) == 1, (text, normal, reply)
     check()
     assert len(seen) >= 100
+
+
+def test_counters_through_delayed_deadlines_dead_letters_and_their_retry(
+        shared_redis, queue, inprocess_consumer):
+    """on_timeout=delay keeps a late request waiting (counted) until it runs; a request
+    dead-lettered at its pop leaves in flight without being served; retried, it waits
+    again and is served."""
+    from dataclasses import replace
+
+    from scheduler_core import deadletter
+    from scheduler_core.wire import format_job
+    configure(shared_redis.url, queue, strategy="fifo", on_timeout="delay")
+    client, keys = shared_redis.client(), QueueKeys(queue)
+    with Producer(shared_redis.url, queue=queue) as p:
+        late = p.submit(1, tenant="acme", deadline_ms=20, store_result=True)
+        doomed = p.submit(2, tenant="acme", store_result=True)
+        meta, envelope = split_job(client.hget(keys.jobs, doomed.id))
+        client.hset(keys.jobs, doomed.id, format_job(replace(meta, attempts=3), envelope))
+        time.sleep(0.05)
+        assert gauges(client, queue) == (2, 0)
+        inprocess_consumer(lambda payloads: payloads, redis_url=shared_redis.url, queue=queue,
+                           policy={"strategy": "fifo", "on_timeout": "delay"})
+        wait_until(lambda: client.zcard(keys.dead) == 1 and gauges(client, queue) == (0, 0)
+                   and tenants_hash(client, queue).get("s:acme") == 1)
+        assert deadletter.retry(client, queue, [doomed.id]) == (1, 0)
+        wait_until(lambda: tenants_hash(client, queue).get("s:acme") == 2)
+        assert p.fetch(late.id).ok and p.fetch(doomed.id).ok
+    assert gauges(client, queue) == (0, 0)

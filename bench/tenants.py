@@ -88,18 +88,19 @@ def script_cost(url: str, tenant: str | None) -> dict[str, float]:
     return {name: total / CALLS for name, total in spent.items()}
 
 
-def rate_across(url: str, producers: int, seconds: float, rate: int,
-                burst: int) -> list[int]:
-    """Requests each producer process got in over the same span."""
+def rate_across(url: str, producers: int, seconds: float, rate: int, burst: int,
+                queue: str = "rated") -> list[int]:
+    """Requests each of `producers` processes of tenant acme got into `queue` over the
+    same span of `seconds` (the queue's policy set to that rate quota)."""
     import redis
 
     from scheduler_core.admin import change_policy
 
     client = redis.Redis.from_url(url)
-    change_policy(client, "rated", {"strategy": "fifo",
-                                    "tenant_quotas": f"acme:rps={rate},burst={burst}"})
+    change_policy(client, queue, {"strategy": "fifo",
+                                  "tenant_quotas": f"acme:rps={rate},burst={burst}"})
     client.close()
-    procs = [subprocess.Popen([sys.executable, "-c", DRIVER, url, "rated", str(seconds)],
+    procs = [subprocess.Popen([sys.executable, "-c", DRIVER, url, queue, str(seconds)],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                               env=worker_env()) for _ in range(producers)]
     for proc in procs:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -379,43 +378,12 @@ def test_hand_written_tenant_state_never_fails_a_script(shared_redis, queue,
             assert err.value.field == "tenant"
 
 
-DRIVER = """
-import sys, time
-from producer import Producer, TenantLimit
-url, queue, seconds = sys.argv[1], sys.argv[2], float(sys.argv[3])
-accepted = 0
-with Producer(url, queue=queue) as p:
-    p.connect()
-    print("ready", flush=True)
-    start = float(sys.stdin.readline())
-    time.sleep(max(0.0, start - time.time()))
-    while time.time() < start + seconds:
-        try:
-            p.submit(0, tenant="acme")
-            accepted += 1
-        except TenantLimit as exc:
-            time.sleep(min(exc.retry_after_s or 0.01, max(0.0, start + seconds - time.time())))
-print(accepted)
-"""
-
-
 def test_a_rate_limit_holds_across_producer_processes(shared_redis, queue):
     """3 producer processes of one tenant, each as fast as the quota lets it, over the same
     span T: together they get burst + rate x T, within 3 requests and 5%."""
+    from bench.tenants import rate_across
     rate, burst, seconds = 30, 5, 3.0
-    configure(shared_redis.url, queue, strategy="fifo",
-              tenant_quotas=f"acme:rps={rate},burst={burst}")
-    procs = [subprocess.Popen([sys.executable, "-c", DRIVER, shared_redis.url, queue,
-                               str(seconds)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              text=True) for _ in range(3)]
-    for proc in procs:
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
-    start = f"{time.time() + 0.5}\n"  # the same span for all three
-    for proc in procs:
-        assert proc.stdin is not None
-        proc.stdin.write(start)
-        proc.stdin.flush()
-    counts = [int(proc.communicate(timeout=60)[0]) for proc in procs]
+    counts = rate_across(shared_redis.url, 3, seconds, rate, burst, queue)
     expected = burst + rate * seconds
     print(f"\n3 processes, rps={rate} burst={burst} over {seconds:g} s: {counts} = "
           f"{sum(counts)} accepted (expected {expected:g})")

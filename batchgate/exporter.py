@@ -34,7 +34,7 @@ from scheduler_core.ops.reading import (
     read_queue,
 )
 from scheduler_core.ops.scaling import scaling_signal
-from scheduler_core.ops.stats import delay_in_use
+from scheduler_core.ops.stats import delay_in_use, tenant_stats
 from scheduler_core.policy import LIMITS, Policy, Priority
 from scheduler_core.registry import DEFAULT_MAX_QUEUES, QueueFinder, shown_queues
 
@@ -47,6 +47,7 @@ DEFAULT_SCRAPE_TIMEOUT_S = 5.0
 MAX_SCRAPE_TIMEOUT_S = 60.0
 MAX_SAMPLES = SAMPLES_READ  # what the sample lists keep (scheduler_core/lua/_common.lua)
 QUANTILES = (0.5, 0.9, 0.99)
+EXPORTED_TENANTS = 20  # tenants with a label of their own per queue; the rest: "other"
 # {bg:q}:stats counter -> (metric, outcome label or None)
 REQUEST_COUNTERS = {"processed": "ok", "failed": "failed", "expired": "expired",
                     "cancelled": "cancelled"}
@@ -162,6 +163,21 @@ class Families:
         self.policy = {knob: gauge(name, f"Policy knob {knob}" + (" (in seconds)." if div > 1
                                                                  else "."), labels=q)
                        for knob, (name, div) in POLICY_GAUGES.items()}
+        qt = ["queue", "tenant"]
+        other = (f" The {EXPORTED_TENANTS} tenants with the most requests accepted have a "
+                 "label each, the rest are summed as tenant=\"other\" (docs/tenants.md).")
+        self.tenants = {
+            "waiting": gauge("batchgate_tenant_waiting", "Requests waiting, per tenant." +
+                             other, labels=qt),
+            "in_flight": gauge("batchgate_tenant_in_flight", "Requests in a batch being run, "
+                               "per tenant." + other, labels=qt),
+            "served": counter("batchgate_tenant_served", "Requests run (ok or failed), per "
+                              "tenant." + other, labels=qt),
+            "served_cost": counter("batchgate_tenant_served_cost", "Cost of the requests "
+                                   "run, per tenant." + other, labels=qt),
+            "rejected": counter("batchgate_tenant_rejected", "Requests refused by a tenant "
+                                "quota (TenantLimit)." + other, labels=qt),
+        }
 
     def add(self, queue: str, r: QueueReading, policy: Policy | None = None) -> None:
         for level, count in zip(Priority, r.depth, strict=True):
@@ -192,6 +208,21 @@ class Families:
             for knob, (_, div) in POLICY_GAUGES.items():
                 self.policy[knob].add_metric([queue], getattr(policy, knob) / div)
 
+        self.add_tenants(queue, tenant_stats(r.tenants, sum(r.depth) + r.delayed, r.owned))
+
+    def add_tenants(self, queue: str, tenants: dict[str, dict[str, int]]) -> None:
+        """The EXPORTED_TENANTS tenants with the most accepted requests, a label each (a
+        ranking by a total changes slowly, so labels seldom come and go); the rest as
+        "other": the label count stays bounded whatever the number of tenants."""
+        ranked = sorted(tenants.items(), key=lambda item: (-item[1]["accepted"], item[0]))
+        rows = ranked[:EXPORTED_TENANTS]
+        if len(ranked) > EXPORTED_TENANTS:
+            rest = [t for _, t in ranked[EXPORTED_TENANTS:]]
+            rows.append(("other", {name: sum(t[name] for t in rest) for name in rest[0]}))
+        for tenant, t in rows:
+            for name, family in self.tenants.items():
+                family.add_metric([queue, tenant], t[name])
+
     def add_scaling(self, queue: str, signal: dict[str, Any]) -> None:
         self.arrival_rate.add_metric([queue], signal["arrival_rate_rps"])
         if signal["recommended_consumers"] is not None:  # no target or no cost model yet
@@ -201,7 +232,8 @@ class Families:
         yield from (self.depth, self.oldest, self.in_flight, self.in_flight_batches,
                     self.consumers, self.dead, self.requests, *self.others.values(), self.wait,
                     self.e2e, self.model, self.samples, self.policy_info, self.delay,
-                    *self.policy.values(), self.arrival_rate, self.recommended)
+                    *self.policy.values(), self.arrival_rate, self.recommended,
+                    *self.tenants.values())
 
 
 class Reader:

@@ -8,6 +8,7 @@ import textwrap
 import time
 from typing import Any
 
+from scheduler_core.ops.stats import top_tenants
 from scheduler_core.policy import describe_delay, describe_policy
 
 NONE = "-"
@@ -113,6 +114,22 @@ def _recommended(stats: dict[str, Any]) -> str:
     return NONE
 
 
+TENANT_ROWS = 10  # `batchgate stats` shows the busiest tenants; --json has them all
+
+
+def _tenant_rows(tenants: dict[str, dict[str, int]]) -> list[tuple[str, str]]:
+    """One row per tenant (busiest first, as stats orders them), beyond TENANT_ROWS the
+    rest summed as "other"."""
+    if not tenants:
+        return []
+    rows = [("tenants", f"{len(tenants):,} (docs/tenants.md)")]
+    for name, t in top_tenants(tenants, TENANT_ROWS).items():
+        rows.append((f"  {name[:LABEL - 3]}", f"waiting {t['waiting']:,}, in flight "
+                     f"{t['in_flight']:,}, served {t['served']:,} (cost "
+                     f"{t['served_cost']:,}), rejected {t['rejected']:,}"))
+    return rows
+
+
 def stats_table(stats: dict[str, Any], now_s: float | None = None) -> list[str]:
     """`batchgate stats` for people: label, value (with its unit), one per line, at most
     WIDTH columns; `stats` is what `stats --json` prints."""
@@ -144,6 +161,7 @@ def stats_table(stats: dict[str, Any], now_s: float | None = None) -> list[str]:
         ("dead letters", f"{stats['dead_letters']:,}"),
         ("batches", f"{stats['batches']:,}" + (f", mean size {mean:.1f} requests"
                                                if mean is not None else "")),
+        *_tenant_rows(stats.get("tenants") or {}),
         None,
         _latency_rows(stats),
         None,

@@ -18,6 +18,7 @@ from scheduler_core.errors import (
     RequestFailed,
     RequestLost,
     ShardRetired,
+    TenantLimit,
 )
 from scheduler_core.policy import Priority
 from scheduler_core.wire import Restart, Result
@@ -39,4 +40,5 @@ __all__ = [
     "Result",
     "ShardRetired",
     "ShardedProducer",
+    "TenantLimit",
 ]

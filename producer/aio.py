@@ -173,19 +173,20 @@ class AsyncProducer(ProducerBase[AsyncHandle]):
     async def submit(self, payload: Any, priority: Priority | int | str = Priority.NORMAL,
                      deadline_ms: float | None = None,
                      idempotency_key: str | None = None, cost: int = 1,
-                     store_result: bool = False) -> AsyncHandle:
+                     store_result: bool = False, tenant: str | None = None) -> AsyncHandle:
         """As Producer.submit."""
         return (await self._submit([payload], priority, deadline_ms, [idempotency_key],
-                                   cost=cost, store_result=store_result))[0]
+                                   cost=cost, store_result=store_result, tenant=tenant))[0]
 
     async def submit_many(self, payloads: Iterable[Any],
                           priority: Priority | int | str = Priority.NORMAL,
                           deadline_ms: float | None = None,
                           idempotency_keys: list[str | None] | None = None,
                           cost: int | Sequence[int] = 1,
-                          store_result: bool = False) -> list[AsyncHandle]:
+                          store_result: bool = False,
+                          tenant: str | None = None) -> list[AsyncHandle]:
         return await self._submit(payloads, priority, deadline_ms, idempotency_keys, cost=cost,
-                                  store_result=store_result)
+                                  store_result=store_result, tenant=tenant)
 
     async def fetch(self, request_id: str) -> Result | None:
         """As Producer.fetch: only results submitted with store_result=True are stored."""
@@ -244,12 +245,13 @@ class AsyncProducer(ProducerBase[AsyncHandle]):
 
     async def _submit(self, payloads: Iterable[Any], priority: Any, deadline_ms: Any,
                       idempotency_keys: list[str | None] | None,
-                      cost: Any = 1, store_result: Any = False) -> list[AsyncHandle]:
+                      cost: Any = 1, store_result: Any = False,
+                      tenant: Any = None) -> list[AsyncHandle]:
         if self._closed:
             raise RuntimeError("producer is closed")
         submission, handles = self._prepare(
             payloads, priority, deadline_ms, idempotency_keys,
-            lambda rid: AsyncHandle(self, rid), cost, store_result)
+            lambda rid: AsyncHandle(self, rid), cost, store_result, tenant)
         loop = asyncio.get_running_loop()
         try:
             await require_redis_version_async(self._redis)  # once per client: BLMPOP needs 7

@@ -160,11 +160,12 @@ class ProducerBase(Generic[H]):
     def _prepare(self, payloads: Iterable[Any], priority: Any, deadline_ms: Any,
                  idempotency_keys: list[str | None] | None,
                  make_handle: Callable[[str], H], cost: Any = 1,
-                 store_result: Any = False) -> tuple[Submission, list[H]]:
+                 store_result: Any = False, tenant: Any = None
+                 ) -> tuple[Submission, list[H]]:
         """Validate (raising before any write) and register handles. Handles are
         registered first so that no result can arrive before its handle."""
         requests = build_requests(self.config, payloads, priority, deadline_ms,
-                                  idempotency_keys, cost, store_result)
+                                  idempotency_keys, cost, store_result, tenant)
         handles = [make_handle(r.id) for r in requests]
         with self._lock:
             for r, h in zip(requests, handles, strict=True):
@@ -228,7 +229,10 @@ class ProducerBase(Generic[H]):
     def _batch_call(self, batch: list[Submission]) -> tuple[list[str], list[Any]]:
         requests = batch[0].requests if len(batch) == 1 else \
             [r for s in batch for r in s.requests]
-        return enqueue_call(self.keys, self.id, requests, self.config.idempotency_ttl_s)
+        # Several submissions: a refusal sends each again alone (_settle), so this call's
+        # refusal is not counted against a tenant (it would count twice).
+        return enqueue_call(self.keys, self.id, requests, self.config.idempotency_ttl_s,
+                            trial=len(batch) > 1)
 
     def _settle(self, batch: list[Submission], reply: Any) -> bool:
         """Hand each submission its ids from one coalesced call's reply. False when the

@@ -25,6 +25,10 @@ from scheduler_core.ops.options import queue_option, redis_url_option, wait_repl
 @click.option("--cost", type=int, default=1, show_default=True,
               help="The request's cost, 1-1000000000, in the queue's unit (tokens, length): "
                    "what max_cost, max_batch_cost and cost_buckets count.")
+@click.option("--tenant", default=None,
+              help="Who the request is for, 1-64 characters from letters, digits, '_', '.', "
+                   "':' and '-': the queue's tenant quotas apply (docs/tenants.md) "
+                   "[default: the default tenant].")
 @click.option("--wait/--no-wait", default=False, show_default=True,
               help="Wait for the result and print it as JSON.")
 @click.option("--timeout", type=float, default=30.0, show_default=True,
@@ -32,7 +36,8 @@ from scheduler_core.ops.options import queue_option, redis_url_option, wait_repl
 @wait_replicas_options("Accept the request")
 @click.argument("payload")
 def submit_command(redis_url: str, queue: str, priority: str, deadline_ms: int | None,
-                   idempotency_key: str | None, cost: int, wait: bool, timeout: float,
+                   idempotency_key: str | None, cost: int, tenant: str | None, wait: bool,
+                   timeout: float,
                    wait_replicas: int, wait_timeout_ms: int, payload: str) -> None:
     """Enqueue PAYLOAD (a JSON value); print its id, or with --wait its result.
 
@@ -49,7 +54,8 @@ def submit_command(redis_url: str, queue: str, priority: str, deadline_ms: int |
                          wait_timeout_ms=wait_timeout_ms) as producer:
         handle = producer.submit(value, priority=priority, deadline_ms=deadline_ms,
                                  idempotency_key=idempotency_key, cost=cost,
-                                 store_result=not wait)  # its id is printed: fetchable
+                                 store_result=not wait,  # its id is printed: fetchable
+                                 tenant=tenant)
         if not wait:
             click.echo(handle.id)
             return

@@ -182,38 +182,41 @@ class ShardedProducer:
     # -- Producer's API -------------------------------------------------------------
     def submit(self, payload: Any, priority: Priority | int | str = Priority.NORMAL,
                deadline_ms: float | None = None, idempotency_key: str | None = None,
-               cost: int = 1, store_result: bool = False) -> Handle:
+               cost: int = 1, store_result: bool = False, tenant: str | None = None
+               ) -> Handle:
         try:
             return self._shard_for(1, idempotency_key).submit(
-                payload, priority, deadline_ms, idempotency_key, cost, store_result)
+                payload, priority, deadline_ms, idempotency_key, cost, store_result, tenant=tenant)
         except ShardRetired:  # nothing was written: place it on a shard of the new count
             self.refresh(force=True)
             return self._shard_for(1, idempotency_key).submit(
-                payload, priority, deadline_ms, idempotency_key, cost, store_result)
+                payload, priority, deadline_ms, idempotency_key, cost, store_result, tenant=tenant)
 
     def submit_many(self, payloads: Iterable[Any], priority: Priority | int | str =
                     Priority.NORMAL, deadline_ms: float | None = None,
                     idempotency_keys: list[str | None] | None = None,
                     cost: int | Sequence[int] = 1,
-                    store_result: bool = False) -> list[Handle]:
+                    store_result: bool = False, tenant: str | None = None) -> list[Handle]:
         return self._place_many(list(payloads), priority, deadline_ms, idempotency_keys, cost,
-                                store_result, retry=True)
+                                store_result, retry=True, tenant=tenant)
 
     def _place_many(self, payloads: list[Any], priority: Priority | int | str,
                     deadline_ms: float | None, idempotency_keys: list[str | None] | None,
-                    cost: int | Sequence[int], store_result: bool, retry: bool) -> list[Handle]:
+                    cost: int | Sequence[int], store_result: bool, retry: bool,
+                    tenant: str | None = None) -> list[Handle]:
         """submit_many; with `retry`, requests a dropped shard refused (nothing written
         for them) are placed again once on the re-read shard count."""
         if not needs_split(len(payloads), idempotency_keys, self.shards):
             try:
                 return self._shard_for(len(payloads), None).submit_many(
-                    payloads, priority, deadline_ms, idempotency_keys, cost, store_result)
+                    payloads, priority, deadline_ms, idempotency_keys, cost, store_result,
+                    tenant=tenant)
             except ShardRetired:
                 if not retry:
                     raise
                 self.refresh(force=True)
                 return self._place_many(payloads, priority, deadline_ms, idempotency_keys,
-                                        cost, store_result, retry=False)
+                                        cost, store_result, retry=False, tenant=tenant)
         assert idempotency_keys is not None
         # Each keyed request to its key's shard (a repeat must find the first); one call
         # per shard, each atomic. A repeat of the whole call after an error is safe: the
@@ -229,7 +232,8 @@ class ShardedProducer:
                 got = producer.submit_many(
                     [payloads[i] for i in indexes], priority, deadline_ms,
                     [idempotency_keys[i] for i in indexes],
-                    [costs[i] for i in indexes] if costs is not None else cost, store_result)
+                    [costs[i] for i in indexes] if costs is not None else cost, store_result,
+                    tenant=tenant)
             except ShardRetired:
                 if not retry:
                     raise
@@ -243,7 +247,7 @@ class ShardedProducer:
                 [payloads[i] for i in refused], priority, deadline_ms,
                 [idempotency_keys[i] for i in refused],
                 [costs[i] for i in refused] if costs is not None else cost, store_result,
-                retry=False)
+                retry=False, tenant=tenant)
             for i, handle in zip(refused, got, strict=True):
                 handles[i] = handle
         return [h for h in handles if h is not None]
@@ -345,44 +349,48 @@ class AsyncShardedProducer:
 
     async def submit(self, payload: Any, priority: Priority | int | str = Priority.NORMAL,
                      deadline_ms: float | None = None, idempotency_key: str | None = None,
-                     cost: int = 1, store_result: bool = False) -> AsyncHandle:
+                     cost: int = 1, store_result: bool = False,
+                     tenant: str | None = None) -> AsyncHandle:
         try:
             producer = await self._shard_for(1, idempotency_key)
             return await producer.submit(payload, priority, deadline_ms, idempotency_key,
-                                         cost, store_result)
+                                         cost, store_result, tenant=tenant)
         except ShardRetired:  # nothing was written: place it on a shard of the new count
             await self.refresh(force=True)
             producer = await self._shard_for(1, idempotency_key)
             return await producer.submit(payload, priority, deadline_ms, idempotency_key,
-                                         cost, store_result)
+                                         cost, store_result, tenant=tenant)
 
     async def submit_many(self, payloads: Iterable[Any], priority: Priority | int | str =
                           Priority.NORMAL, deadline_ms: float | None = None,
                           idempotency_keys: list[str | None] | None = None,
-                          cost: int | Sequence[int] = 1,
-                          store_result: bool = False) -> list[AsyncHandle]:
+                          cost: int | Sequence[int] = 1, store_result: bool = False,
+                          tenant: str | None = None) -> list[AsyncHandle]:
         """As ShardedProducer.submit_many."""
         await self.open()
         return await self._place_many(list(payloads), priority, deadline_ms,
-                                      idempotency_keys, cost, store_result, retry=True)
+                                      idempotency_keys, cost, store_result, retry=True,
+                                      tenant=tenant)
 
     async def _place_many(self, payloads: list[Any], priority: Priority | int | str,
                           deadline_ms: float | None,
                           idempotency_keys: list[str | None] | None,
                           cost: int | Sequence[int], store_result: bool,
-                          retry: bool) -> list[AsyncHandle]:
+                          retry: bool, tenant: str | None = None) -> list[AsyncHandle]:
         """As ShardedProducer._place_many."""
         if not needs_split(len(payloads), idempotency_keys, self.shards):
             try:
                 producer = await self._shard_for(len(payloads), None)
                 return await producer.submit_many(payloads, priority, deadline_ms,
-                                                  idempotency_keys, cost, store_result)
+                                                  idempotency_keys, cost, store_result,
+                                                  tenant=tenant)
             except ShardRetired:
                 if not retry:
                     raise
                 await self.refresh(force=True)
                 return await self._place_many(payloads, priority, deadline_ms,
-                                              idempotency_keys, cost, store_result, False)
+                                              idempotency_keys, cost, store_result, False,
+                                              tenant=tenant)
         assert idempotency_keys is not None and self._placer is not None
         costs = list(cost) if isinstance(cost, Sequence) else None
         handles: list[AsyncHandle | None] = [None] * len(payloads)
@@ -395,7 +403,8 @@ class AsyncShardedProducer:
                 got = await producer.submit_many(
                     [payloads[i] for i in indexes], priority, deadline_ms,
                     [idempotency_keys[i] for i in indexes],
-                    [costs[i] for i in indexes] if costs is not None else cost, store_result)
+                    [costs[i] for i in indexes] if costs is not None else cost, store_result,
+                    tenant=tenant)
             except ShardRetired:
                 if not retry:
                     raise
@@ -409,7 +418,7 @@ class AsyncShardedProducer:
                 [payloads[i] for i in refused], priority, deadline_ms,
                 [idempotency_keys[i] for i in refused],
                 [costs[i] for i in refused] if costs is not None else cost, store_result,
-                False)
+                False, tenant=tenant)
             for i, handle in zip(refused, got, strict=True):
                 handles[i] = handle
         return [h for h in handles if h is not None]

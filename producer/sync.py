@@ -290,7 +290,8 @@ class Producer(ProducerBase[Handle]):
 
     def submit(self, payload: Any, priority: Priority | int | str = Priority.NORMAL,
                deadline_ms: float | None = None, idempotency_key: str | None = None,
-               cost: int = 1, store_result: bool = False) -> Handle:
+               cost: int = 1, store_result: bool = False, tenant: str | None = None
+               ) -> Handle:
         """Enqueue one request; returns its Handle once Redis has accepted it.
 
         Raises InvalidRequest (a ValueError naming the field) before writing anything, or
@@ -302,20 +303,24 @@ class Producer(ProducerBase[Handle]):
         The result comes to this producer's handle either way; `store_result=True` also
         stores it by id for result_ttl_s, for `fetch(id)` from any process (a request
         with an idempotency key is always stored).
+
+        `tenant` (1-64 characters from letters, digits, '_', '.', ':', '-'; None = the
+        default tenant) is who the request is for: the queue's tenant quotas apply to it
+        (TenantLimit, a QueueFull, when over one) and stats count it (docs/tenants.md).
         """
         return self._submit([payload], priority, deadline_ms, [idempotency_key], cost=cost,
-                            store_result=store_result)[0]
+                            store_result=store_result, tenant=tenant)[0]
 
     def submit_many(self, payloads: Iterable[Any], priority: Priority | int | str =
                     Priority.NORMAL, deadline_ms: float | None = None,
                     idempotency_keys: list[str | None] | None = None,
-                    cost: int | Sequence[int] = 1, store_result: bool = False
-                    ) -> list[Handle]:
+                    cost: int | Sequence[int] = 1, store_result: bool = False,
+                    tenant: str | None = None) -> list[Handle]:
         """Enqueue up to 10,000 requests in one atomic script call (one round trip):
         all are accepted or, on bad input or QueueFull, none is. `cost`: one value for
-        all, or one per payload. `store_result`: as submit's, for all of them."""
+        all, or one per payload. `store_result`, `tenant`: as submit's, for all of them."""
         return self._submit(payloads, priority, deadline_ms, idempotency_keys, cost=cost,
-                            store_result=store_result)
+                            store_result=store_result, tenant=tenant)
 
     @staticmethod
     def as_completed(handles: Iterable[Handle], timeout: float | None = None
@@ -380,12 +385,12 @@ class Producer(ProducerBase[Handle]):
     # -- internals ------------------------------------------------------------------
     def _submit(self, payloads: Iterable[Any], priority: Any, deadline_ms: Any,
                 idempotency_keys: list[str | None] | None, cost: Any = 1,
-                store_result: Any = False) -> list[Handle]:
+                store_result: Any = False, tenant: Any = None) -> list[Handle]:
         if self._closed.is_set():
             raise RuntimeError("producer is closed")
         submission, handles = self._prepare(
             payloads, priority, deadline_ms, idempotency_keys, lambda rid: Handle(self, rid),
-            cost, store_result)
+            cost, store_result, tenant)
         try:
             require_redis_version(self._redis)  # once per client: BLMPOP needs Redis 7
             self._ensure_listener()

@@ -21,6 +21,7 @@ from scheduler_core.wire import (
     CANCELLED,
     DEADLINE,
     DEFAULT_MAX_PAYLOAD_BYTES,
+    check_tenant,
     encode_error,
     encode_request,
 )
@@ -120,7 +121,8 @@ class ProducerConfig:
 
 def build_requests(config: ProducerConfig, payloads: Iterable[Any], priority: Any,
                    deadline_ms: Any, idempotency_keys: list[str | None] | None = None,
-                   cost: Any = 1, store_result: Any = False) -> list[NewRequest]:
+                   cost: Any = 1, store_result: Any = False,
+                   tenant: Any = None) -> list[NewRequest]:
     level = int(Priority.parse(priority))
     deadline = check_deadline(deadline_ms)
     payloads = list(payloads)
@@ -132,12 +134,13 @@ def build_requests(config: ProducerConfig, payloads: Iterable[Any], priority: An
     keys = idempotency_keys or [None] * len(payloads)
     trace = current_trace()  # the caller's span, if any: carried to the consumer's spans
     costs = check_costs(cost, len(payloads))
+    tenant = check_tenant(tenant)
     if not isinstance(store_result, bool):
         raise InvalidRequest("store_result", f"must be True or False, got {store_result!r}")
     requests = []
     for index, (payload, key, c) in enumerate(zip(payloads, keys, costs, strict=True)):
         try:
-            envelope = encode_request(payload, config.max_payload_bytes, trace)
+            envelope = encode_request(payload, config.max_payload_bytes, trace, tenant)
         except InvalidRequest as exc:
             if len(payloads) == 1:
                 raise

@@ -14,6 +14,7 @@ from scheduler_core.errors import (
     QueueFull,
     RequestCancelled,
     RequestFailed,
+    TenantLimit,
 )
 from scheduler_core.policy import Policy, Priority, Strategy
 
@@ -28,6 +29,7 @@ __all__ = [
     "RequestCancelled",
     "RequestFailed",
     "Strategy",
+    "TenantLimit",
 ]
 
 __version__ = "0.1.0"

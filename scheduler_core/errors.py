@@ -48,6 +48,24 @@ class QueueFull(BatchgateError):
         )
 
 
+class TenantLimit(QueueFull):
+    """A named tenant's quota in the queue's policy (tenant_quotas, docs/tenants.md) would
+    be exceeded; nothing was written. `limit_name` names the quota (max_waiting, rps,
+    cps, burst, cost_burst), `value` (and QueueFull's `limit`) is its setting;
+    `retry_after_s`: when enough of a rate quota's tokens are back (None for max_waiting,
+    or a call larger than the burst)."""
+
+    def __init__(self, queue: str, tenant: str, limit: str, value: int,
+                 retry_after_s: float | None = None):
+        BatchgateError.__init__(self, f"tenant {tenant!r} of queue {queue!r} is over its "
+                                      f"{limit} of {value}" +
+                                (f"; retry after ~{retry_after_s:.3f}s"
+                                 if retry_after_s is not None else ""))
+        self.queue, self.tenant, self.limit_name, self.value = queue, tenant, limit, value
+        self.depth, self.limit = 0, value
+        self.retry_after_s = retry_after_s
+
+
 class RequestFailed(BatchgateError):
     """The request was run (or given up on) and did not produce a result."""
 

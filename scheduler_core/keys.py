@@ -56,6 +56,11 @@ then the script's per-call keys (result:<id>, inbox:<producer>, idem:<key>).
 |                             |        | delay; runs when no level waits (expire_due moves it)     |
 | `{bg:q}:arrivals`          | hash   | epoch second -> requests enqueued (the measured rate)     |
 | `{bg:q}:cost_model`        | hash   | the fitted model time A + B·b (µs) and where it came from |
+| `{bg:q}:tenants`           | hash   | per named tenant t (docs/tenants.md): w:t waiting, f:t in |
+|                             |        | flight (removed at 0), a:t accepted, r:t refused by a     |
+|                             |        | quota, s:t served (ran), sc:t cost served                 |
+| `{bg:q}:tenant_rate`       | hash   | per tenant with a rate quota: q:t / c:t token buckets     |
+|                             |        | (requests / cost) as "tokens:at_us" on the queue's clock  |
 | `{bg:q}:consumer:<name>`    | hash   | a consumer's host, pid, device, batches, current batch;   |
 |                             |        | written with each heartbeat, expires 30 s after the last  |
 | `{bg:q}:failures`           | list   | newest 100 failed requests (orjson), by the lease thread  |
@@ -294,6 +299,16 @@ class QueueKeys:
     @property
     def cost_model(self) -> str:
         return self._k("cost_model")
+
+    @property
+    def tenants(self) -> str:
+        """Per named tenant's counters (lua/_tenants.lua names it from the policy key)."""
+        return self._k("tenants")
+
+    @property
+    def tenant_rate(self) -> str:
+        """Per tenant's rate-quota token buckets (lua/_tenants.lua)."""
+        return self._k("tenant_rate")
 
     def consumer_info(self, consumer: str) -> str:
         return self._k(f"consumer:{consumer}")

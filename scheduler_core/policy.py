@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import bisect
 import enum
+import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from scheduler_core.errors import InvalidPolicy, InvalidRequest
+from scheduler_core.wire import DEFAULT_TENANT, TENANT_NAME
 
 
 class Priority(enum.IntEnum):
@@ -117,7 +119,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
 # The values a consumer (its flags, Consumer's keywords) or `policy set` may give;
 # delay_mode follows max_queue_delay_ms ("auto" or a number).
 KNOBS = ("strategy", *LIMITS, *(name for name in CHOICES if name != "delay_mode"),
-         "cost_buckets", "retry_on")
+         "cost_buckets", "retry_on", "tenant_quotas")
 _DIGITS = re.compile(r"[0-9]{1,10}")
 # retry_on: exception class names (a model's exception or any of its bases), or "*".
 _CLASS_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
@@ -163,6 +165,9 @@ class Policy:
     retry_backoff_ms: int = 1_000
     retry_backoff_max_ms: int = 60_000
     retry_jitter: int = 0
+    # Per-tenant quotas, "*:rps=5;acme:max_waiting=100,rps=50" (format_tenant_quotas,
+    # docs/tenants.md); "" = none.
+    tenant_quotas: str = ""
 
     def batch_cost(self, costs: Sequence[int]) -> int:
         """A batch's cost as cost_mode counts it: Σcost, or padded, its size × its largest
@@ -189,6 +194,7 @@ class Policy:
                 raise InvalidPolicy(name, f"{getattr(self, name)!r}: use {' or '.join(allowed)}")
         object.__setattr__(self, "cost_buckets", format_buckets(self.cost_buckets))
         object.__setattr__(self, "retry_on", format_retry_on(self.retry_on))
+        object.__setattr__(self, "tenant_quotas", format_tenant_quotas(self.tenant_quotas))
         if self.delay_mode == AUTO and self.slo_p99_ms < 1:
             high = LIMITS["slo_p99_ms"][1]
             raise InvalidPolicy("slo_p99_ms", "max_queue_delay_ms=auto needs a P99 target: "
@@ -299,6 +305,8 @@ class Policy:
                 want = format_buckets(want)
             elif name == "retry_on" and want is not None:
                 want = format_retry_on(want)
+            elif name == "tenant_quotas" and want is not None:
+                want = format_tenant_quotas(want)
             elif name == "max_queue_delay_ms" and want is not None:
                 # "auto" asks for delay_mode auto; a number, for that fixed delay
                 if is_auto(want):
@@ -358,6 +366,85 @@ def format_retry_on(value: object) -> str:
     if len(text) > MAX_RETRY_ON:
         raise InvalidPolicy("retry_on", f"{len(text)} characters, over the limit of "
                                         f"{MAX_RETRY_ON}")
+    return text
+
+
+# Per-tenant quotas (docs/tenants.md): each a whole number, 0 = none. rps/cps are token
+# buckets (requests/s, cost/s) holding burst/cost_burst (default: one second's worth).
+TENANT_QUOTAS: dict[str, tuple[int, int]] = {
+    "max_waiting": (0, 1_000_000_000),  # the tenant's requests waiting at once
+    "rps": (0, 1_000_000),
+    "burst": (0, 1_000_000_000),
+    "cps": (0, 1_000_000_000),
+    "cost_burst": (0, 1_000_000_000_000),
+}
+DEFAULT_QUOTA = "*"  # the entry that applies to every named tenant without its own
+MAX_TENANT_QUOTAS = 16_384  # characters of the stored form
+_QUOTA_DIGITS = re.compile(r"[0-9]{1,13}")
+
+
+def parse_tenant_quotas(value: object) -> dict[str, dict[str, int]]:
+    """tenant_quotas as {tenant: {quota: value}}, from its stored form
+    ("*:rps=5;acme:max_waiting=100,rps=50"), a JSON object of the same, or a mapping;
+    InvalidPolicy naming tenant_quotas (and the culprit) otherwise."""
+    if isinstance(value, str) and value.strip().startswith("{"):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise InvalidPolicy("tenant_quotas", f"not valid JSON: {exc}") from None
+    if isinstance(value, str):
+        entries: dict[str, Any] = {}
+        for part in filter(None, (p.strip() for p in value.split(";"))):
+            tenant, sep, spec = part.rpartition(":")
+            if not sep:
+                raise InvalidPolicy("tenant_quotas", f"{part!r}: write tenant:quota=N,...")
+            pairs = [kv.split("=", 1) for kv in filter(None, spec.split(","))]
+            if any(len(kv) != 2 for kv in pairs):
+                raise InvalidPolicy("tenant_quotas", f"{part!r}: write tenant:quota=N,...")
+            entries[tenant.strip()] = {k.strip(): v.strip() for k, v in pairs}
+        value = entries
+    if not isinstance(value, Mapping):
+        raise InvalidPolicy("tenant_quotas", f"must be a string like '*:rps=5;acme:"
+                                             f"max_waiting=100', got {value!r}")
+    quotas: dict[str, dict[str, int]] = {}
+    for tenant, spec in value.items():
+        where = f"tenant_quotas[{tenant!r}]"
+        if tenant != DEFAULT_QUOTA and not (isinstance(tenant, str) and
+                                            TENANT_NAME.fullmatch(tenant)):
+            raise InvalidPolicy(where, "a tenant is 1-64 characters from letters, digits, "
+                                       "'_', '.', ':' and '-', or '*' for the default")
+        if tenant == DEFAULT_TENANT:
+            raise InvalidPolicy(where, "requests without a tenant (the default tenant) have "
+                                       f"no quota; '{DEFAULT_QUOTA}' is every named tenant "
+                                       "without an entry of its own")
+        if not isinstance(spec, Mapping):
+            raise InvalidPolicy(where, f"must map quota names to numbers, got {spec!r}")
+        entry = {}
+        for name, raw in spec.items():
+            if name not in TENANT_QUOTAS:
+                raise InvalidPolicy(f"{where}.{name}", f"unknown; use {', '.join(TENANT_QUOTAS)}")
+            low, high = TENANT_QUOTAS[name]
+            if isinstance(raw, str) and _QUOTA_DIGITS.fullmatch(raw.strip()):
+                raw = int(raw.strip())
+            if isinstance(raw, bool) or not isinstance(raw, int) or not low <= raw <= high:
+                raise InvalidPolicy(f"{where}.{name}",
+                                    f"{raw!r} is not a whole number in [{low}, {high}]")
+            entry[name] = raw
+        quotas[tenant] = entry
+    return quotas
+
+
+def format_tenant_quotas(value: object) -> str:
+    """tenant_quotas in its stored form: tenants sorted ('*' first), each
+    "tenant:quota=N,..." with its quotas sorted, joined by ';'; entries without a quota
+    dropped."""
+    quotas = parse_tenant_quotas(value)
+    text = ";".join(f"{t}:" + ",".join(f"{k}={v}" for k, v in sorted(q.items()))
+                    for t, q in sorted(quotas.items(), key=lambda tq: (tq[0] != "*", tq[0]))
+                    if q)
+    if len(text) > MAX_TENANT_QUOTAS:
+        raise InvalidPolicy("tenant_quotas", f"{len(text)} characters, over the limit of "
+                                             f"{MAX_TENANT_QUOTAS}")
     return text
 
 

@@ -32,9 +32,24 @@ from scheduler_core.connection import (
     slot_owner,
     slot_owner_async,
 )
-from scheduler_core.errors import InvalidRequest, NotReplicated, QueueFull, ShardRetired
+from scheduler_core.errors import (
+    InvalidRequest,
+    NotReplicated,
+    QueueFull,
+    ShardRetired,
+    TenantLimit,
+)
 from scheduler_core.keys import QueueKeys, bulk_lease_key
-from scheduler_core.policy import CHOICES, LIMITS, MAX_COST_BUCKETS, MAX_REQUEST_COST, Strategy
+from scheduler_core.policy import (
+    CHOICES,
+    LIMITS,
+    MAX_COST_BUCKETS,
+    MAX_REQUEST_COST,
+    MAX_TENANT_QUOTAS,
+    TENANT_QUOTAS,
+    Strategy,
+)
+from scheduler_core.wire import DEFAULT_TENANT
 
 # Queue scripts, then the bulk job's lease (lua/bulk/, not queue keys). `Scripts` names
 # each by its path with '/' as '_': scripts.bulk_lease_renew.
@@ -103,7 +118,17 @@ def _policy_lua(limits: dict[str, tuple[int, int]]) -> str:
     return (f"local STRATEGIES = {{{strategies}}}\n\nlocal LIMITS = {{{ranges}}}\n\n"
             f"local CHOICES = {{{choices}}}\n\n"
             f"local MAX_COST_BUCKETS, MAX_REQUEST_COST = {MAX_COST_BUCKETS}, {MAX_REQUEST_COST}\n\n"
-            f"local function policy_range(field)\n{cases}  return nil\nend")
+            f"local function policy_range(field)\n{cases}  return nil\nend\n\n"
+            f"{_tenant_quotas_lua()}")
+
+
+def _tenant_quotas_lua() -> str:
+    """TENANT_QUOTAS (each quota's largest value; all take 0 = none), MAX_TENANT_QUOTAS
+    and DEFAULT_TENANT, for configure's check of tenant_quotas (lua/_tenants.lua)."""
+    assert all(low == 0 for low, _ in TENANT_QUOTAS.values())
+    highs = ", ".join(f"{name} = {high}" for name, (_, high) in TENANT_QUOTAS.items())
+    return (f"local TENANT_QUOTAS = {{{highs}}}\n"
+            f"local MAX_TENANT_QUOTAS, DEFAULT_TENANT = {MAX_TENANT_QUOTAS}, '{DEFAULT_TENANT}'")
 
 
 # redis-py's Script loads the script on NOSCRIPT and calls again, once. When redis-py
@@ -379,7 +404,10 @@ class NewRequest:
 
 
 def enqueue_call(keys: QueueKeys, producer: str, requests: list[NewRequest],
-                 idempotency_ttl_s: int) -> tuple[list[str], list[Any]]:
+                 idempotency_ttl_s: int, trial: bool = False) -> tuple[list[str], list[Any]]:
+    """enqueue.lua's KEYS and ARGV. `trial`: a coalesced call whose refusal the producer
+    answers by sending each submission again alone: a tenant quota's refusal of it is
+    not counted (the re-sent ones are)."""
     script_keys = list(keys.shared)
     args: list[Any] = [producer, len(requests), idempotency_ttl_s]
     for r in requests:
@@ -387,6 +415,8 @@ def enqueue_call(keys: QueueKeys, producer: str, requests: list[NewRequest],
                  r.cost, 1 if r.store_result or r.idempotency_key else 0]
         if r.idempotency_key:
             script_keys.append(keys.idempotency(r.idempotency_key))
+    if trial:
+        args.append("trial")
     return script_keys, args
 
 
@@ -406,6 +436,10 @@ def enqueue_reply(keys: QueueKeys, reply: list[Any]) -> list[str]:
                                      f"(request {index} of the call; nothing was enqueued)")
     if status == -5:
         raise ShardRetired(keys.queue)
+    if status == -6:  # a named tenant's quota (docs/tenants.md)
+        wait_ms = int(reply[4])
+        raise TenantLimit(keys.queue, _text(reply[1]), _text(reply[2]), int(reply[3]),
+                          wait_ms / 1000 if wait_ms > 0 else None)
     n = (len(reply) - 3) // 2  # the ids, then the deadline each request got
     return [_text(x) for x in reply[3:3 + n]]
 

@@ -2,6 +2,10 @@
 
 Request envelope (in `{bg:q}:jobs[id]`, after its meta: see JobMeta):
     {"v": 1, "payload": <JSON value>}
+    or, for a request of a named tenant (docs/tenants.md), with "tenant" first:
+    {"v": 1, "tenant": "acme", "payload": <JSON value>}
+    The scripts read the tenant by that exact prefix (TENANT_PREFIX, lua/_tenants.lua):
+    a request without it belongs to the default tenant.
     optionally with "trace": {"traceparent": "00-...", "tracestate": "..."} (W3C trace
     context of the producer's span, scheduler_core/tracing.py); absent without one.
 Result envelope (`result:<id>` and inbox items):
@@ -157,15 +161,48 @@ def check_trace(trace: Any) -> dict[str, str]:
     return trace
 
 
+# A tenant (docs/tenants.md): the characters of a queue name, so that it needs no escaping
+# in JSON, in a Redis hash field or in a metric label. Checked with fullmatch.
+TENANT_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+MAX_TENANT_NAME = 64
+DEFAULT_TENANT = "default"  # what stats call the requests submitted without a tenant
+# The envelope's first bytes for a named tenant; lua/_tenants.lua matches exactly this.
+TENANT_PREFIX = b'{"v":%d,"tenant":"' % WIRE_VERSION
+
+
+def check_tenant(tenant: Any, field: str = "tenant") -> str | None:
+    """A request's tenant: None (the default tenant) or 1-64 characters from letters,
+    digits, '_', '.', ':' and '-'; InvalidRequest naming `field` otherwise."""
+    if tenant is None:
+        return None
+    if not isinstance(tenant, str) or not TENANT_NAME.fullmatch(tenant):
+        raise InvalidRequest(field, f"{tenant!r} is not a valid tenant: 1-{MAX_TENANT_NAME} "
+                                    "characters from letters, digits, '_', '.', ':' and '-'")
+    return tenant
+
+
 def encode_request(payload: Any, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
-                   trace: dict[str, str] | None = None) -> bytes:
-    """A request envelope; `trace` (W3C trace context) only when given."""
+                   trace: dict[str, str] | None = None, tenant: str | None = None) -> bytes:
+    """A request envelope; `trace` (W3C trace context) and `tenant` only when given."""
     body = _within(payload.data, "payload", max_bytes) if isinstance(payload, EncodedPayload) \
         else _dumps(payload, "payload", max_bytes)
+    tenant = check_tenant(tenant)
+    head = b'{"v":%d,' % WIRE_VERSION if tenant in (None, DEFAULT_TENANT) else \
+        TENANT_PREFIX + tenant.encode() + b'",'
     if trace:
-        return b'{"v":%d,"payload":%s,"trace":%s}' % (WIRE_VERSION, body,
-                                                      orjson.dumps(check_trace(trace)))
-    return b'{"v":%d,"payload":%s}' % (WIRE_VERSION, body)
+        return head + b'"payload":%s,"trace":%s}' % (body, orjson.dumps(check_trace(trace)))
+    return head + b'"payload":%s}' % body
+
+
+def request_tenant(envelope: bytes) -> str:
+    """The tenant of a stored request envelope (DEFAULT_TENANT without one), as the
+    scripts read it: by its prefix."""
+    if envelope.startswith(TENANT_PREFIX):
+        end = envelope.find(b'"', len(TENANT_PREFIX))
+        name = envelope[len(TENANT_PREFIX):end].decode("ascii", "replace")
+        if end > 0 and TENANT_NAME.fullmatch(name):
+            return name
+    return DEFAULT_TENANT
 
 
 def decode_request(data: bytes) -> Any:

@@ -209,7 +209,7 @@ STATS_JSON_FIELDS = {  # `stats --json` is for scripts: these stay as they are
     "dead_letters", "batches", "mean_batch_size", "queue_wait_ms", "end_to_end_ms",
     "model_ms", "delayed", "past_deadline", "arrival_rate_rps", "max_queue_delay_ms_in_use",
     "arrival_window_s", "slo_p99_ms", "cost_model", "recommended_consumers", "retried",
-    "retrying"}
+    "retrying", "tenants"}
 
 
 def test_stats_prints_an_aligned_table_with_units(shared_redis, queue, start_consumer):
@@ -344,7 +344,7 @@ def test_policy_set_applies_the_new_strategys_batch_size_and_show_prints_numbers
         "slo_p99_ms": 0, "delay_mode": "fixed", "timeout_high_ms": 0, "timeout_normal_ms": 0,
         "timeout_low_ms": 0, "allow_timeout_override": 1, "on_timeout": "reject",
         "shards": 1, "retry_on": "", "retry_max": 1, "retry_backoff_ms": 1000,
-        "retry_backoff_max_ms": 60000, "retry_jitter": 0}
+        "retry_backoff_max_ms": 60000, "retry_jitter": 0, "tenant_quotas": ""}
     stats_policy = stats_json(url, queue)["policy"]
     assert stats_policy == json.loads(shown.stdout)  # the same JSON in both places
 

@@ -45,7 +45,13 @@ from scheduler_core.scripts import (
     source,
     stream_keys,
 )
-from scheduler_core.wire import check_json_value, decode_request, encode_error, encode_request
+from scheduler_core.wire import (
+    check_json_value,
+    decode_request,
+    encode_error,
+    encode_request,
+    request_tenant,
+)
 
 FULL = os.environ.get("BATCHGATE_FULL") == "1"
 LUA = Path(__file__).resolve().parent.parent / "scheduler_core" / "lua"
@@ -371,16 +377,18 @@ def test_fuzz_producer_submit():
     fake = NoRedis()
     producer = Producer(queue="fuzz", client=fake, max_payload_bytes=LIMIT)
     fields = {"payload", "payloads", "priority", "deadline_ms", "idempotency_key", "cost",
-              "store_result"}
+              "store_result", "tenant"}
     case = st.tuples(
         st.booleans(), payloads, st.lists(scalars, max_size=3),
         st.sampled_from(["high", "low", 0, 2, "urgent", 5, None, 1.0]) | scalars,
         st.none() | st.integers(-1, 90_000_000) | scalars,
         st.none() | st.from_regex(r"[a-z{} :-]{0,12}", fullmatch=True) | scalars,
         st.integers(-1, 10**9 + 1) | st.lists(st.integers(0, 3), max_size=4) | scalars,
-        st.booleans() | st.sampled_from([None, 0, 1, "yes"]))
+        st.booleans() | st.sampled_from([None, 0, 1, "yes"]),
+        st.none() | st.from_regex(r"[a-z{} :-]{0,12}", fullmatch=True)
+        | st.sampled_from(["default", "x" * 64, "x" * 65]) | scalars)
 
-    def check_one(many, payload, more, priority, deadline_ms, key, cost, store):
+    def check_one(many, payload, more, priority, deadline_ms, key, cost, store, tenant):
         fake.calls.clear()
         try:
             if many:
@@ -388,12 +396,12 @@ def test_fuzz_producer_submit():
                 handles = producer.submit_many(batch, priority=priority,
                                                deadline_ms=deadline_ms,
                                                idempotency_keys=[key] * len(batch), cost=cost,
-                                               store_result=store)
+                                               store_result=store, tenant=tenant)
             else:
                 batch = [payload]
                 handles = [producer.submit(payload, priority=priority,
                                            deadline_ms=deadline_ms, idempotency_key=key,
-                                           cost=cost, store_result=store)]
+                                           cost=cost, store_result=store, tenant=tenant)]
         except InvalidRequest as exc:
             assert field_of(exc) in fields, exc
             assert not fake.calls, "bad input reached Redis"
@@ -408,6 +416,7 @@ def test_fuzz_producer_submit():
             assert type(c) is int and 1 <= c <= 10**9
             assert c == (cost[i] if isinstance(cost, list) else cost)
             assert store in (True, False) and keep == int(store or flag)
+            assert request_tenant(envelope) == (tenant or "default")
         assert len(keys) == len(SHARED_KEYS) + sum(args[7::7])
 
     @fuzz("submit")

@@ -57,6 +57,9 @@ FIELDS = {
     "idempotency_key": st.one_of(st.from_regex(r"[A-Za-z0-9_.:-]{1,8}", fullmatch=True),
                                  st.sampled_from(["", "has space", "a\n", "x" * 200,
                                                   "x" * 201, None, 7]), ANYTHING),
+    "tenant": st.one_of(st.from_regex(r"[A-Za-z0-9_.:-]{1,8}", fullmatch=True),
+                        st.sampled_from(["", "a b", "a\n", "x" * 64, "x" * 65, "{q}", None,
+                                         7]), ANYTHING),
     "wait": st.one_of(st.booleans(), ANYTHING),
     "stream": st.one_of(st.booleans(), ANYTHING),
     "timeout_s": st.one_of(st.floats(-1, 301), st.integers(-1, 301),
@@ -100,12 +103,13 @@ def test_the_gateway_reads_a_body_as_its_spec_describes_it(body):
     assert submit.wait is model.wait
     assert submit.stream is model.stream
     assert submit.timeout_s == model.timeout_s
+    assert submit.tenant == model.tenant
     assert orjson.loads(submit.payload.data) == model.payload
 
 
 def test_fields_and_messages():
     assert SUBMIT_FIELDS == ("payload", "priority", "deadline_ms", "idempotency_key", "cost",
-                             "wait", "stream", "timeout_s")
+                             "tenant", "wait", "stream", "timeout_s")
     cases = [
         (b'{"payload": ', "body", "body: JSON decode error"),
         (b"\xff\xfe{", "body", "body: There was an error parsing the body"),

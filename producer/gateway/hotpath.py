@@ -34,9 +34,9 @@ from producer.gateway.schemas import (
     parse_submit,
     state_body,
 )
-from scheduler_core.errors import InvalidRequest, QueueFull, RequestFailed
+from scheduler_core.errors import InvalidRequest, QueueFull, RequestFailed, TenantLimit
 from scheduler_core.streams import check_entry_id
-from scheduler_core.wire import Restart, lost_result
+from scheduler_core.wire import Restart, check_tenant, lost_result
 
 if TYPE_CHECKING:
     from producer.gateway.app import Gateway
@@ -164,8 +164,26 @@ def state_answer(state: dict[str, Any]) -> Answer:
 
 def queue_full(exc: QueueFull) -> ApiError:
     retry = exc.retry_after_s or DEFAULT_RETRY_AFTER_S
+    headers = {"Retry-After": str(max(1, math.ceil(retry)))}
+    if isinstance(exc, TenantLimit):
+        return ApiError(429, "tenant_limit", str(exc), depth=exc.depth, limit=exc.limit,
+                        retry_after_s=retry, tenant=exc.tenant, quota=exc.limit_name,
+                        headers=headers)
     return ApiError(429, "queue_full", str(exc), depth=exc.depth, limit=exc.limit,
-                    retry_after_s=retry, headers={"Retry-After": str(max(1, math.ceil(retry)))})
+                    retry_after_s=retry, headers=headers)
+
+
+def submit_tenant(scope: Scope, submit: Submit) -> str | None:
+    """The submit's tenant: its body's `tenant` or the X-Tenant header a proxy set; both
+    given must agree (InvalidRequest naming tenant)."""
+    raw = header(scope, b"x-tenant")
+    if raw is None:
+        return submit.tenant
+    named = check_tenant(raw.decode("latin-1"), "X-Tenant")
+    if submit.tenant is not None and submit.tenant != named:
+        raise InvalidRequest("tenant", f"{submit.tenant!r} differs from the X-Tenant header "
+                                       f"{named!r}")
+    return named
 
 
 @functools.lru_cache(maxsize=64)
@@ -302,7 +320,8 @@ class HotPath:
             handle = await gateway.sharded.submit(
                 submit.payload, priority=submit.priority, deadline_ms=submit.deadline_ms,
                 idempotency_key=submit.idempotency_key, cost=submit.cost,
-                store_result=True)  # GET /v1/requests/<id> reads it, from any gateway
+                # stored: GET /v1/requests/<id> reads it, from any gateway
+                store_result=True, tenant=submit_tenant(scope, submit))
         except QueueFull as exc:
             raise queue_full(exc) from None
         if submit.stream:

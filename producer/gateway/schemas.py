@@ -25,7 +25,7 @@ from producer.validation import (
 from scheduler_core.admin import status_of
 from scheduler_core.errors import InvalidRequest
 from scheduler_core.policy import MAX_REQUEST_COST, Priority
-from scheduler_core.wire import EncodedPayload, Result, encode_payload
+from scheduler_core.wire import TENANT_NAME, EncodedPayload, Result, check_tenant, encode_payload
 
 MAX_WAIT_S = 300.0
 DEFAULT_WAIT_S = 30.0
@@ -81,6 +81,11 @@ class SubmitRequest(BaseModel):
                                "input length): what the queue's max_cost, max_batch_cost and "
                                "cost_buckets count. Over max_cost: 422 naming `cost` (or, "
                                "with over_cost=truncate, capped).")
+    tenant: Annotated[str, Field(pattern=f"^{TENANT_NAME.pattern}$")] | None = Field(
+        default=None, description="Who the request is for (docs/tenants.md): the queue's "
+                                  "tenant quotas apply to it (429 when over one). An "
+                                  "X-Tenant header, where a proxy sets it, gives the same; "
+                                  "both given must agree. None: the default tenant.")
     wait: bool = Field(default=False, description="Wait for the result and return it.")
     stream: bool = Field(
         default=False,
@@ -138,6 +143,11 @@ class QueueFullProblem(Problem):
     depth: int
     limit: int
     retry_after_s: float
+    tenant: str | None = Field(default=None, description="tenant_limit: the tenant over "
+                                                         "its quota")
+    quota: str | None = Field(default=None, description="tenant_limit: the quota (max_waiting, "
+                                                        "rps, cps, burst, cost_burst); "
+                                                        "`limit` is its setting")
 
 
 class Health(BaseModel):
@@ -161,6 +171,7 @@ class Submit:
     timeout_s: float
     cost: int = 1
     stream: bool = False
+    tenant: str | None = None
 
 
 def loads(body: bytes) -> Any:
@@ -207,6 +218,7 @@ def check_submit(body: Any, max_payload_bytes: int) -> Submit:
         deadline_ms = check_deadline(deadline_ms)
     key = check_idempotency_key(body.get("idempotency_key"))
     cost = check_cost(_integral(body.get("cost", 1)))
+    tenant = check_tenant(body.get("tenant"))
     wait = body.get("wait", False)
     if not isinstance(wait, bool):
         raise InvalidRequest("wait", f"must be true or false, got {wait!r}")
@@ -223,7 +235,7 @@ def check_submit(body: Any, max_payload_bytes: int) -> Submit:
         raise InvalidRequest(unknown, "Extra inputs are not permitted (the fields are "
                                       f"{', '.join(SUBMIT_FIELDS)})")
     return Submit(encode_payload(body["payload"], max_payload_bytes), priority, deadline_ms,
-                  key, wait, checked, cost, stream)
+                  key, wait, checked, cost, stream, tenant)
 
 
 def _priority(value: Any) -> Priority:

@@ -2,8 +2,9 @@
 -- _common.lua).
 
 -- STRATEGIES, LIMITS (each integer field's {min, max}), CHOICES (each string field's
--- values), MAX_COST_BUCKETS, MAX_REQUEST_COST and policy_range(field) (min, max as code)
--- are rendered here by scheduler_core/scripts.py from scheduler_core/policy.py when the
+-- values), MAX_COST_BUCKETS, MAX_REQUEST_COST, policy_range(field) (min, max as code),
+-- TENANT_QUOTAS (each tenant quota's max), MAX_TENANT_QUOTAS and DEFAULT_TENANT are
+-- rendered here by scheduler_core/scripts.py from scheduler_core/policy.py when the
 -- scripts load: that module is their one source.
 -- @render policy
 

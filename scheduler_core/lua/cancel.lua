@@ -2,7 +2,8 @@
 
 KEYS[1..34] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
             this script uses:
-KEYS[1]  {bg:q}:policy        hash  its result_ttl_s, when set, overrides ARGV[2]
+KEYS[1]  {bg:q}:policy        hash  its result_ttl_s, when set, overrides ARGV[2]; the
+                                    tenants' counters, {bg:q}:tenants, are named from it
 KEYS[2]  {bg:q}:pending:0     zset  HIGH
 KEYS[3]  {bg:q}:pending:1     zset  NORMAL
 KEYS[4]  {bg:q}:pending:2     zset  LOW
@@ -32,6 +33,7 @@ Errors   {-3, field} malformed argument
 ]]
 -- @include _common.lua
 -- @include _queue.lua
+-- @include _tenants.lua
 
 local policy = KEYS[1]
 local pending_high = KEYS[2]
@@ -66,6 +68,15 @@ for _, pending in ipairs({pending_high, pending_normal, pending_low, delayed, re
     if not m or m.keep then store_result(result, envelope, ttl) end
     if m and m.producer ~= '' then deliver_results(inbox, ttl, envelope) end
     redis.call('HINCRBY', stats, counter, 1)
+    -- Tenants (lua/_tenants.lua): it no longer waits.
+    if m then
+      local t = envelope_tenant(m.envelope)
+      if t then
+        local tally = tenant_tally()
+        tally.add_tenant(t, 'w', -1)
+        tally.flush((tenant_keys(policy)))
+      end
+    end
     return 1
   end
 end

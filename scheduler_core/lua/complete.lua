@@ -2,6 +2,8 @@
 
 KEYS[1..34] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
             this script uses:
+KEYS[1]  {bg:q}:policy        its name only: {bg:q}:tenants (lua/_tenants.lua) is named
+                               from it
 KEYS[5]  {bg:q}:jobs          hash   id -> "<meta>|<envelope>"
 KEYS[34] {bg:q}:retry        zset   id -> when it may run again (µs), for 'retry'
 KEYS[7]  {bg:q}:clock         string last arrival score issued (the queue's clock: queue_now)
@@ -45,7 +47,9 @@ Work is bounded by n plus the batch's size.
 -- @include _common.lua
 -- @include _policy.lua
 -- @include _queue.lua
+-- @include _tenants.lua
 
+local policy = KEYS[1]  -- its name only (lua/_tenants.lua)
 local jobs = KEYS[5]
 local retry = KEYS[34]
 local clock = KEYS[7]
@@ -90,6 +94,7 @@ local owners = redis.call('HMGET', owner, unpack(ids))
 local raw = redis.call('HMGET', jobs, unpack(ids))
 local done, gone, e2e, inboxes, inbox_order, seen = {}, {}, {}, {}, {}, {}
 local counted = {}  -- dead ones: their jobs value with this delivery counted
+local answered = {}  -- the indexes (1-based) of the results accepted
 for i = 0, n - 1 do
   local id, outcome, envelope = ids[i + 1], ARGV[5 + 3 * i], ARGV[6 + 3 * i]
   if owners[i + 1] ~= batch_id or seen[id] then  -- a repeated id is delivered once
@@ -127,6 +132,7 @@ for i = 0, n - 1 do
     end
     if arrival then e2e[#e2e + 1] = int(now - arrival) end
     done[#done + 1] = id
+    answered[#answered + 1] = i + 1
     if outcome == 'dead' then
       add_dead_letter(dead, dead_reason, id, now, envelope)
       local m = parse_job(raw[i + 1])
@@ -145,6 +151,22 @@ for i = 0, n - 1 do
     end
     accepted = accepted + 1
   end
+end
+-- Tenants (lua/_tenants.lua): the answered requests leave in flight; those that ran (ok,
+-- err) count as served, in requests and in cost.
+if #answered > 0 then
+  local tally = tenant_tally()
+  for _, i in ipairs(answered) do
+    local t, outcome = job_tenant(raw[i]), ARGV[2 + 3 * i]
+    if t then
+      tally.add_tenant(t, 'f', -1)
+      if outcome == 'ok' or outcome == 'err' then
+        tally.add_tenant(t, 's', 1)
+        tally.add_tenant(t, 'sc', select(3, pop_fields(raw[i])) or 1)
+      end
+    end
+  end
+  tally.flush((tenant_keys(policy)))
 end
 for _, inbox in ipairs(inbox_order) do  -- results keep their order within each inbox
   deliver_results(inbox, ttl, unpack(inboxes[inbox]))

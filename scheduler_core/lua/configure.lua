@@ -15,7 +15,8 @@ ARGV[1]  mode: 'ensure' (write only if the queue has no policy yet) | 'replace' 
 ARGV[2..] ('ensure', 'replace' only) field, value pairs: strategy and every field of LIMITS (rendered from
          scheduler_core.policy.LIMITS), each within its range (scheduler_core.policy.Policy
          validates them first); delay_mode, over_cost, cost_mode and on_timeout, if given, one of
-         CHOICES; cost_buckets, if given, "" or increasing boundaries "32,1024"; other
+         CHOICES; cost_buckets, if given, "" or increasing boundaries "32,1024";
+         tenant_quotas, if given, as policy.parse_tenant_quotas reads its stored form; other
          fields are kept if their name is [a-z_] and their value at most 256 bytes
 
 Returns  {written (0|1), field, value, ...}: the policy now stored ('ensure', 'replace');
@@ -25,6 +26,7 @@ Errors   {-3, field} malformed argument, nothing written
 -- @include _common.lua
 -- @include _policy.lua
 -- @include _queue.lua
+-- @include _tenants.lua
 
 local policy = KEYS[1]
 local jobs = KEYS[5]
@@ -54,6 +56,8 @@ for i = 2, #ARGV, 2 do
     if not CHOICES[field][value] then return {-3, field} end
   elseif field == 'cost_buckets' then
     if not parse_buckets(value) then return {-3, field} end
+  elseif field == 'tenant_quotas' then
+    if not valid_tenant_quotas(value) then return {-3, 'tenant_quotas'} end
   elseif #field > 64 or not string.match(field, '^[a-z_]+$') or #value > 256 then
     return {-3, 'fields'}
   end

@@ -2,7 +2,8 @@
 
 KEYS[1..34] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
             this script uses:
-KEYS[1]  {bg:q}:policy        hash   read: cost_buckets (the bucket sets and markers)
+KEYS[1]  {bg:q}:policy        hash   read: cost_buckets (the bucket sets and markers); the
+                                     tenants' counters, {bg:q}:tenants, are named from it
 KEYS[2]  {bg:q}:pending:0     zset   HIGH
 KEYS[3]  {bg:q}:pending:1     zset   NORMAL
 KEYS[4]  {bg:q}:pending:2     zset   LOW
@@ -34,6 +35,7 @@ Work is bounded by n.
 -- @include _common.lua
 -- @include _policy.lua
 -- @include _queue.lua
+-- @include _tenants.lua
 
 local policy = KEYS[1]
 local pending_high = KEYS[2]
@@ -57,6 +59,7 @@ if not n or #ARGV ~= 2 + n or #KEYS ~= 34 + n then return {-3, 'n'} end
 local pending = {pending_high, pending_normal, pending_low}
 local done, skipped = 0, 0
 local arrivals, bounds = nil, nil  -- read on the first retry
+local tally = tenant_tally()  -- tenants (lua/_tenants.lua): a retried request waits again
 for i = 1, n do
   local id = ARGV[2 + i]
   if not redis.call('ZSCORE', dead, id) then
@@ -85,6 +88,8 @@ for i = 1, n do
     redis.call('ZREM', dead, id)
     redis.call('HDEL', dead_reason, id)
     redis.call('DEL', KEYS[34 + i])
+    local t = job_tenant(raw)
+    if t then tally.add_tenant(t, 'w', 1) end
     done = done + 1
   end
 end
@@ -94,6 +99,7 @@ if done > 0 then
     wake_consumers(marker)
     wake_buckets(bucket_markers, bucket_count(stored_bounds(policy)))
     redis.call('HINCRBY', stats, 'dead_retried', done)
+    tally.flush((tenant_keys(policy)))
   else
     redis.call('HINCRBY', stats, 'dead_purged', done)
   end

@@ -25,6 +25,7 @@ KEYS[24..28] {bg:q}:marker:<1..5> zset  wake-up marker of the consumers dedicate
 KEYS[29..33] {bg:q}:bucket:<1..5> zset  with cost buckets: each new request's id, in its
                                    bucket's set (score = arrival)
 KEYS[35..] {bg:q}:idem:<key> string one per request whose idem flag is 1, in order
+named from KEYS[1], not passed: {bg:q}:tenants and {bg:q}:tenant_rate (lua/_tenants.lua)
 read, not passed: {bg:q}:result:<id> of the id an idempotency key names (the caller cannot
          know it; same hash tag, so the slot of the keys above)
 
@@ -35,6 +36,8 @@ ARGV[3]  idempotency key TTL in seconds (1..315360000)
 ARGV[4+7i..10+7i] for request i: id, priority (0|1|2), deadline_ms
          (0 = none, ..86400000), envelope bytes, idem flag (0|1), cost (1..1000000000),
          keep (0|1: 1 = its result is also stored by id, result:<id>, for fetch)
+ARGV[4+7n] optional: 'trial', a producer's coalesced call that it sends again per
+         submission if refused: a tenant quota's refusal is then not counted
 Integer arguments are plain decimal digits ('1.5', 'nan', '1e3' are malformed).
 
 Returns  {1, added, depth_after, id_1 .. id_n, deadline_ms_1 .. deadline_ms_n}
@@ -60,6 +63,15 @@ Errors   {-1, depth, max_queue_size, adding, rate_mrps}  queue full, nothing wri
                                               cost is capped to max_cost instead and the
                                               meta keeps the cost asked for
          {-3, 'keep'}                         keep is not 0 or 1
+         {-6, tenant, limit, value, retry_after_ms}  the request(s) of named tenant
+                                              `tenant` are over its quota `limit`
+                                              (max_waiting, rps, cps, or burst /
+                                              cost_burst: more in one call than the
+                                              bucket holds) of `value` (docs/tenants.md);
+                                              retry_after_ms: until enough tokens are
+                                              back (0: none given). Nothing written but
+                                              the tenant's refused counter and the
+                                              queue's clock (stats clock_*)
          {-5, 'shards'}                       this queue is a shard that `policy set
                                               --shards` dropped (policy field retired):
                                               nothing written; place the requests on a
@@ -73,6 +85,7 @@ an idle one re-arms its timer for it. Work is bounded by n; the writes are varia
 -- @include _common.lua
 -- @include _policy.lua
 -- @include _queue.lua
+-- @include _tenants.lua
 
 local ARRIVALS_KEEP_S = 120
 -- Variadic calls take at most CHUNK requests: unpack() of more would overflow Lua's stack.
@@ -118,7 +131,11 @@ local bucket_sets = {KEYS[29], KEYS[30], KEYS[31], KEYS[32], KEYS[33]}
 local FIRST_IDEM = 35  -- KEYS[35..]: the idempotency keys, in order
 
 local n = int_arg(ARGV[2], 1, 10000)
-if not n or #ARGV ~= 3 + 7 * n then return {-3, 'n'} end
+if not n or (#ARGV ~= 3 + 7 * n and #ARGV ~= 4 + 7 * n) then return {-3, 'n'} end
+-- A coalesced call the producer sends again per submission if refused (ARGV[4+7n]):
+-- a tenant quota's refusal of it is not counted.
+local trial = ARGV[4 + 7 * n] == 'trial'
+if #ARGV == 4 + 7 * n and not trial then return {-3, 'trial'} end
 local idem_ttl = int_arg(ARGV[3], 1, 315360000)
 if not idem_ttl then return {-3, 'idempotency_ttl'} end
 local producer = ARGV[1]
@@ -200,6 +217,65 @@ for i = 0, n - 1 do
   else
     effective[i + 1] = false
     fresh = fresh + 1
+  end
+end
+-- Tenants (lua/_tenants.lua): each new request's tenant, and the quotas of the named
+-- ones, checked before the queue's own limit. Nothing of a refused call is written; only
+-- its tenant's refused counter (r:<tenant>) is raised.
+local tenant_counts, tenant_rates = tenant_keys(policy)
+local tenant_new, tenant_names = {}, {}  -- tenant -> {count, cost} of its new requests
+for i = 1, n do
+  if not effective[i] then
+    local t = envelope_tenant(ARGV[4 + 7 * (i - 1) + 3])
+    if t == false then return {-3, 'tenant'} end
+    if t then
+      local g = tenant_new[t]
+      if not g then
+        g = {count = 0, cost = 0}
+        tenant_new[t] = g
+        tenant_names[#tenant_names + 1] = t
+      end
+      g.count = g.count + 1
+      g.cost = g.cost + math.min(asked[i], max_cost > 0 and max_cost or asked[i])
+    end
+  end
+end
+local tenant_buckets = {}  -- field -> token bucket state to save once accepted
+if #tenant_names > 0 then
+  local quotas = redis.call('HGET', policy, 'tenant_quotas')
+  for _, t in ipairs(tenant_names) do
+    local q, g = tenant_quota(quotas, t), tenant_new[t]
+    local refused = nil
+    if (q.max_waiting or 0) > 0 then
+      local waiting = tonumber(tenant_get(tenant_counts, 'w:' .. t)) or 0
+      if waiting + g.count > q.max_waiting then
+        refused = {'max_waiting', q.max_waiting, 0}
+      end
+    end
+    for _, b in ipairs({{'rps', 'burst', 'q:', g.count}, {'cps', 'cost_burst', 'c:', g.cost}}) do
+      local rate = q[b[1]] or 0
+      if not refused and rate > 0 then
+        local burst = q[b[2]] or 0
+        if burst <= 0 then burst = math.max(rate, 1) end
+        if b[4] > burst then
+          refused = {b[2], burst, 0}
+        else
+          local ok, state, wait = take_tokens(tenant_rates, b[3] .. t, rate, burst, b[4], now)
+          if ok then tenant_buckets[b[3] .. t] = state else refused = {b[1], rate, wait} end
+        end
+      end
+    end
+    if refused then
+      if not trial then
+        local tally = tenant_tally()
+        tally.add_tenant(t, 'r', g.count)
+        tally.flush(tenant_counts)
+      end
+      -- The queue's clock noted: else, after a backward step of TIME, a tenant refused in
+      -- a loop would read the same time each call and its bucket would never refill.
+      note_clock()
+      return {-6, t, refused[1], refused[2], int(math.ceil(refused[3] * 1000))}
+    end
   end
 end
 -- Requests past their deadline hold no place: they leave at once (expire_due.lua).
@@ -297,6 +373,16 @@ if wake then wake_consumers(marker) end
 for b, adds in pairs(bucket_adds) do
   write_pairs('ZADD', bucket_sets[b], adds)
   wake_bucket(bucket_markers, b)
+end
+-- Tenants: the accepted requests count as waiting; their rate quotas' tokens are taken.
+if #tenant_names > 0 then
+  local tally = tenant_tally()
+  for _, t in ipairs(tenant_names) do
+    tally.add_tenant(t, 'w', tenant_new[t].count)
+    tally.add_tenant(t, 'a', tenant_new[t].count)
+  end
+  tally.flush(tenant_counts)
+  for field, state in pairs(tenant_buckets) do redis.pcall('HSET', tenant_rates, field, state) end
 end
 -- Counted by TIME's second, as scheduler_core/load.py reads them back.
 if fresh > 0 then count_arrivals(arrivals, now_us(), fresh) end

@@ -9,7 +9,8 @@ of several callers (consumers, their lease threads, producers) exactly one deliv
 
 KEYS[1..34] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
             this script uses:
-KEYS[1]  {bg:q}:policy      hash  on_timeout, result_ttl_s, cost_buckets
+KEYS[1]  {bg:q}:policy      hash  on_timeout, result_ttl_s, cost_buckets; the tenants'
+                                  counters, {bg:q}:tenants, are named from it
 KEYS[2]  {bg:q}:pending:0   zset  HIGH
 KEYS[3]  {bg:q}:pending:1   zset  NORMAL
 KEYS[4]  {bg:q}:pending:2   zset  LOW
@@ -48,6 +49,7 @@ Work is bounded by limit (list) and n (expire).
 -- @include _common.lua
 -- @include _policy.lua
 -- @include _queue.lua
+-- @include _tenants.lua
 
 local policy = KEYS[1]
 local pending_high = KEYS[2]
@@ -137,6 +139,7 @@ note_clock()
 -- The queue's current result_ttl_s, as the consumers use it, not the caller's copy.
 local ttl = int_arg(redis.call('HGET', policy, 'result_ttl_s'), 1, 315360000) or ttl_arg
 local expired, moved = 0, 0
+local tally = tenant_tally()  -- tenants (lua/_tenants.lua): the expired no longer wait
 for i = 0, n - 1 do
   local id, envelope = ARGV[4 + 2 * i], ARGV[5 + 2 * i]
   local deadline = tonumber(redis.call('ZSCORE', deadlines, id))
@@ -152,11 +155,16 @@ for i = 0, n - 1 do
         if not m or m.keep then store_result(KEYS[35 + 2 * i], envelope, ttl) end
         if m and m.producer ~= '' then deliver_results(KEYS[36 + 2 * i], ttl, envelope) end
         expired = expired + 1
+        local t = m and envelope_tenant(m.envelope)
+        if t then tally.add_tenant(t, 'w', -1) end
       end
     end
   end
 end
-if expired > 0 then redis.call('HINCRBY', stats, 'expired', expired) end
+if expired > 0 then
+  redis.call('HINCRBY', stats, 'expired', expired)
+  tally.flush((tenant_keys(policy)))
+end
 if moved > 0 then
   redis.call('HINCRBY', stats, 'delayed', moved)
   wake_consumers(marker)

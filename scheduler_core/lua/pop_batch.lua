@@ -117,6 +117,7 @@ drop_malformed, isolate_retried, commit.
 -- @include _common.lua
 -- @include _policy.lua
 -- @include _queue.lua
+-- @include _tenants.lua
 
 local policy = KEYS[1]
 local pending_high = KEYS[2]
@@ -758,6 +759,16 @@ local function commit(rules, consumer, lease_ms, chosen, read, total, now)
   call_in_chunks('HSET', owner, owner_fields)  -- 2 x max_batch_size values
   -- The batch leaves costs and the bucket sets its entries name (those it was put in).
   local by_bucket = unlist_waiting(costs, bucket_sets, ids)
+  -- Tenants (lua/_tenants.lua): the batch's requests leave waiting for in flight.
+  local tally = tenant_tally()
+  for i = 1, #chosen do
+    local t = job_tenant(read.raw[i])
+    if t then
+      tally.add_tenant(t, 'w', -1)
+      tally.add_tenant(t, 'f', 1)
+    end
+  end
+  tally.flush((tenant_keys(policy)))
   redis.call('ZADD', inflight, int(lease_deadline), batch_id)
   redis.call('HSET', batches, batch_id, consumer .. '|' .. table.concat(ids, ','))
   redis.call('HINCRBY', stats, 'batches', 1)

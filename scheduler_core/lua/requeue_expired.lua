@@ -5,7 +5,8 @@ delivered max_attempts times.
 
 KEYS[1..34] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
             this script uses:
-KEYS[1]  {bg:q}:policy      hash  read: cost_buckets (the bucket sets and markers)
+KEYS[1]  {bg:q}:policy      hash  read: cost_buckets (the bucket sets and markers); the
+                                  tenants' counters, {bg:q}:tenants, are named from it
 KEYS[2]  {bg:q}:pending:0   zset  HIGH
 KEYS[3]  {bg:q}:pending:1   zset  NORMAL
 KEYS[4]  {bg:q}:pending:2   zset  LOW
@@ -33,6 +34,7 @@ Errors   {-3, field} malformed argument
 -- @include _common.lua
 -- @include _policy.lua
 -- @include _queue.lua
+-- @include _tenants.lua
 
 local policy = KEYS[1]
 local pending_high = KEYS[2]
@@ -59,6 +61,7 @@ local now = queue_now(clock, stats)
 redis.call('ZREMRANGEBYSCORE', consumers, '-inf', int(now - 3600000000))
 local expired = redis.call('ZRANGEBYSCORE', inflight, '-inf', int(now), 'LIMIT', 0, limit)
 local requeued, bounds = 0, nil  -- bounds: read with the first request re-queued
+local tally = tenant_tally()  -- tenants (lua/_tenants.lua): back from in flight to waiting
 for _, batch_id in ipairs(expired) do
   for _, id in ipairs(batch_members(batches, batch_id)) do
     if redis.call('HGET', owner, id) == batch_id then
@@ -75,11 +78,17 @@ for _, batch_id in ipairs(expired) do
       if m and m.deadline > 0 then redis.call('ZADD', deadlines, m.deadline_s, id) end
       redis.call('HDEL', owner, id)
       requeued = requeued + 1
+      local t = m and envelope_tenant(m.envelope)
+      if t then
+        tally.add_tenant(t, 'f', -1)
+        tally.add_tenant(t, 'w', 1)
+      end
     end
   end
   release_batch(inflight, batches, batch_id)
 end
 if requeued > 0 then
+  tally.flush((tenant_keys(policy)))
   redis.call('HINCRBY', stats, 'requeued', requeued)
   wake_consumers(marker)
   wake_buckets(bucket_markers, bucket_count(bounds))

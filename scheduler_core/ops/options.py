@@ -118,6 +118,10 @@ POLICY_KNOBS: list[tuple[str, dict[str, Any], str]] = [
     ("--on-timeout", {"type": click.Choice(CHOICES["on_timeout"])},
      "A request still waiting at its deadline: reject (DeadlineExceeded) or delay (it runs "
      "only when nothing else waits) [default: reject]."),
+    ("--tenant-quotas", {"type": str},
+     "Per-tenant quotas, 'TENANT:QUOTA=N,...;...' with '*' for every named tenant without "
+     "its own; quotas max_waiting, rps, burst, cps, cost_burst (docs/tenants.md); '' = "
+     "none [default: '']."),
     ("--shards", {"type": int},
      f"Physical queues (shards) the queue is spread over, {_range('shards')}; each has its "
      "own cluster slot; ordering is strict within a shard only (docs/scaling.md) "
@@ -157,5 +161,5 @@ def policy_options(func: Any = None, *, env: bool = False) -> Any:
 
 
 def policy_values(kwargs: dict[str, Any]) -> dict[str, Any]:
-    names = ["strategy", *LIMITS, *CHOICES, "cost_buckets", "retry_on"]
+    names = ["strategy", *LIMITS, *CHOICES, "cost_buckets", "retry_on", "tenant_quotas"]
     return {name: kwargs.pop(name, None) for name in names}

@@ -45,6 +45,7 @@ class QueueReading:
     arrivals: dict[str, int]  # epoch second -> requests enqueued
     delayed: int  # past their deadline under on_timeout=delay, run when idle
     past_deadline: int  # waiting past their deadline, about to be expired
+    tenants: dict[str, int]  # the named tenants' counters ("w:acme" -> n; keys.tenants)
     retrying: int = 0  # waiting out a retry's backoff (the retry set)
 
     @property
@@ -85,8 +86,9 @@ def _read_shard(owner: Any, keys: QueueKeys, samples: int) -> QueueReading:
     pipe.hgetall(keys.arrivals)
     pipe.zcard(keys.delayed)
     pipe.zcard(keys.retry)
+    pipe.hgetall(keys.tenants)
     (now_s, now_frac), policy, d0, d1, d2, o0, o1, o2, owned, batches, beats, counters, \
-        dead, waits, e2e, model, arrivals, delayed, retrying = pipe.execute()
+        dead, waits, e2e, model, arrivals, delayed, retrying, tenants = pipe.execute()
     numbers = _numbers(counters)
     numbers.pop(CLOCK_SEEN, None)
     now_us = queue_clock_us((now_s, now_frac), numbers.pop(CLOCK_OFFSET, 0))  # the scripts'
@@ -98,7 +100,8 @@ def _read_shard(owner: Any, keys: QueueKeys, samples: int) -> QueueReading:
         counters=numbers, dead=dead, waits=_ints(waits), e2e=_ints(e2e),
         model=_ints(sample.partition(b":")[2] for sample in model),  # "size:model_us"
         arrivals=_numbers(arrivals), delayed=delayed, retrying=retrying,
-        past_deadline=owner.zcount(keys.deadlines, "-inf", now_us))  # at the TIME above
+        past_deadline=owner.zcount(keys.deadlines, "-inf", now_us),  # at the TIME above
+        tenants=_numbers(tenants))
 
 
 def _summed(readings: list[QueueReading]) -> QueueReading:
@@ -106,7 +109,10 @@ def _summed(readings: list[QueueReading]) -> QueueReading:
     counters: dict[str, int] = {}
     arrivals: dict[str, int] = {}
     heartbeats: dict[bytes, int] = {}  # a sharded consumer heartbeats on every shard
+    tenants: dict[str, int] = {}
     for r in readings:
+        for name, value in r.tenants.items():
+            tenants[name] = tenants.get(name, 0) + value
         for name, value in r.counters.items():
             counters[name] = counters.get(name, 0) + value
         for second, count in r.arrivals.items():
@@ -129,7 +135,7 @@ def _summed(readings: list[QueueReading]) -> QueueReading:
         model=sorted(x for r in readings for x in r.model),
         arrivals=arrivals, delayed=sum(r.delayed for r in readings),
         past_deadline=sum(r.past_deadline for r in readings),
-        retrying=sum(r.retrying for r in readings))
+        retrying=sum(r.retrying for r in readings), tenants=tenants)
 
 
 def _numbers(raw: dict[bytes, bytes]) -> dict[Any, int]:

@@ -15,13 +15,14 @@ import redis
 from scheduler_core.connection import slot_owner
 from scheduler_core.deadletter import list_dead
 from scheduler_core.keys import CLOCK_OFFSET, QueueKeys, queue_clock_us
-from scheduler_core.ops.stats import queue_stats
+from scheduler_core.ops.stats import queue_stats, top_tenants
 from scheduler_core.registry import DEFAULT_MAX_QUEUES, QueueFinder, shown_queues
 from scheduler_core.shards import physical_queues
 
 BATCH_SAMPLES_READ = 1000  # the batch-size histogram covers the newest this many batches
 DEAD_SHOWN = 20
 FAILURES_SHOWN = 20
+TENANTS_SHOWN = 10  # the busiest tenants by name, the rest summed as "other"
 
 
 def _text(value: Any) -> str:
@@ -73,6 +74,8 @@ def queue_snapshot(client: redis.Redis, queue: str, dead_shown: int = DEAD_SHOWN
         "queue": queue,
         "time_s": now_us / 1e6,
         **stats,
+        # the busiest tenants, the rest as "other" (all of them: `stats --json`)
+        "tenants": top_tenants(stats["tenants"], TENANTS_SHOWN),
         "completed": stats["processed"] + stats["failed"] + stats["expired"]
         + stats["cancelled"],
         "consumers": list(consumers.values()),

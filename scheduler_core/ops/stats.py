@@ -3,7 +3,7 @@ and the live views show of a queue."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import redis
@@ -13,6 +13,7 @@ from scheduler_core.keys import CONSUMER_ALIVE_S
 from scheduler_core.load import rate_from
 from scheduler_core.ops.reading import quantile, read_queue
 from scheduler_core.policy import Policy, Priority
+from scheduler_core.wire import DEFAULT_TENANT
 
 
 @dataclass
@@ -45,6 +46,9 @@ class QueueStats:
     # max_queue_delay_ms=auto the one a consumer derived within CONSUMER_ALIVE_S (None
     # when no consumer did)
     max_queue_delay_ms_in_use: float | None = None
+    # per tenant (docs/tenants.md): waiting, in_flight, accepted, served, served_cost,
+    # rejected; the default tenant's waiting and in_flight are what no named tenant holds
+    tenants: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -92,7 +96,48 @@ def queue_stats(client: redis.Redis, queue: str) -> QueueStats:
         arrival_rate_rps=rate_from(r.arrivals, r.now_us // 1_000_000),
         max_queue_delay_ms_in_use=delay_in_use(stored, counters,
                                                 r.now_us - CONSUMER_ALIVE_S * 1_000_000),
+        tenants=tenant_stats(r.tenants, sum(r.depth) + r.delayed, r.owned),
     )
+
+
+# The tenants hash's field prefixes (lua/_tenants.lua) and what stats call them.
+TENANT_FIELDS = {"w": "waiting", "f": "in_flight", "a": "accepted", "s": "served",
+                 "sc": "served_cost", "r": "rejected"}
+
+
+def tenant_stats(counters: dict[str, int], waiting: int, in_flight: int
+                 ) -> dict[str, dict[str, int]]:
+    """Per tenant, its counters by name (0 where absent), busiest first (waiting + in
+    flight, then served); the default tenant, when it holds any request, with what the
+    named ones do not hold (its other counters are not kept)."""
+    table: dict[str, dict[str, int]] = {}
+    for name, value in counters.items():
+        prefix, _, tenant = name.partition(":")
+        if prefix in TENANT_FIELDS and tenant:
+            row = table.setdefault(tenant, dict.fromkeys(TENANT_FIELDS.values(), 0))
+            row[TENANT_FIELDS[prefix]] = value
+    rest_waiting = waiting - sum(row["waiting"] for row in table.values())
+    rest_flight = in_flight - sum(row["in_flight"] for row in table.values())
+    if table and (rest_waiting > 0 or rest_flight > 0) and DEFAULT_TENANT not in table:
+        table[DEFAULT_TENANT] = {**dict.fromkeys(TENANT_FIELDS.values(), 0),
+                                 "waiting": max(0, rest_waiting),
+                                 "in_flight": max(0, rest_flight)}
+    return dict(sorted(table.items(), key=lambda item: (
+        -(item[1]["waiting"] + item[1]["in_flight"]), -item[1]["served"], item[0])))
+
+
+OTHER_TENANTS = "other"
+
+
+def top_tenants(tenants: dict[str, dict[str, int]], n: int) -> dict[str, dict[str, int]]:
+    """The first `n` rows of tenant_stats' table and, if there are more, "other": the
+    rest summed (what `stats` and the dashboard show of many tenants)."""
+    rows = list(tenants.items())
+    shown = dict(rows[:n])
+    if len(rows) > n:
+        shown[OTHER_TENANTS] = {name: sum(t[name] for _, t in rows[n:])
+                                for name in TENANT_FIELDS.values()}
+    return shown
 
 
 def delay_in_use(policy: Policy | None, counters: dict[str, int],

@@ -221,6 +221,16 @@ function render(snap) {
       fmt(c.batches_per_s)]),
     (row) => el("tr", {}, ...row.map((v) => el("td", { title: v }, v))));
 
+  // Tenants (docs/tenants.md): the busiest, the rest summed as "other".
+  const tenants = Object.entries(snap.tenants || {});
+  replaceIfChanged(card, "tenants", card.querySelector(".tenants tbody"),
+    tenants.map(([name, t]) => [name, fmt(t.waiting), fmt(t.in_flight), fmt(t.served),
+                                fmt(t.served_cost), fmt(t.rejected)]),
+    (row) => el("tr", {}, ...row.map((v) => el("td", { title: v }, v))));
+  card.querySelector(".tenant-total").textContent = `(${tenants.length})`;
+  card.querySelector(".tenants").hidden = !tenants.length;
+  card.querySelector(".tenant-total").parentElement.hidden = !tenants.length;
+
   // Counts in the headings; a table with no rows is not drawn.
   card.querySelector(".consumer-total").textContent = `(${snap.consumers.length})`;
   card.querySelector(".consumers").hidden = !snap.consumers.length;

@@ -180,12 +180,18 @@ class Consumer:
     def start(self) -> Consumer:
         """Prepare here (start-up errors raise in the caller), then run() on a daemon
         thread; returns the consumer. stop() ends it."""
-        if self._thread is not None:
-            raise RuntimeError(f"consumer {self.name} was started already")
-        self.prepare()
-        self._thread = threading.Thread(target=self._run_thread, name=f"consumer-{self.name}",
-                                        daemon=True)
-        self._thread.start()
+        thread = threading.Thread(target=self._run_thread, name=f"consumer-{self.name}",
+                                  daemon=True)
+        with self._lock:  # claimed before the slow prepare: a racing start() is refused
+            if self._thread is not None:
+                raise RuntimeError(f"consumer {self.name} was started already")
+            self._thread = thread
+        try:
+            self.prepare()
+        except BaseException:
+            self._thread = None  # nothing runs: a later start() may try again
+            raise
+        thread.start()
         return self
 
     def _run_thread(self) -> None:
@@ -207,8 +213,8 @@ class Consumer:
         """
         self.stopping.set()
         thread = self._thread
-        if thread is None or thread is threading.current_thread():
-            return not self._running
+        if thread is None or thread is threading.current_thread() or thread.ident is None:
+            return not self._running  # (not started yet: a start() still preparing)
         thread.join(self.config.stop_timeout if timeout is None else timeout)
         if thread.is_alive():
             log.warning("consumer %s: still finishing its batch after the stop timeout",

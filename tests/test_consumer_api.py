@@ -238,3 +238,32 @@ def test_run_blocks_until_stopped_from_another_thread(shared_redis, queue):
     assert queue_stats(shared_redis.client(), queue).consumers_alive == 0
     with pytest.raises(RuntimeError, match="runs once"):
         consumer.run()
+
+
+def test_start_from_several_threads_at_once_starts_one_loop(shared_redis, queue):
+    """start() raced from threads: exactly one starts the loop, the others get "started
+    already"; stop() then joins that loop and raises nothing (before, every caller got a
+    thread, all but one died on "runs once" and stop() raised that error)."""
+    consumer = Consumer(lambda payloads: payloads, redis_url=shared_redis.url, queue=queue)
+    # Not prepared: the first start() connects and loads while the others arrive.
+    gate, outcomes = threading.Barrier(4), []
+
+    def start() -> None:
+        gate.wait()
+        try:
+            consumer.start()
+            outcomes.append("started")
+        except RuntimeError as exc:
+            outcomes.append(str(exc))
+
+    threads = [threading.Thread(target=start) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert outcomes.count("started") == 1
+    assert all("started already" in o for o in outcomes if o != "started")
+    with Producer(shared_redis.url, queue) as p:
+        assert p.submit({"i": 1}).result(timeout=SLACK_S) == {"i": 1}
+    assert consumer.stop(IDLE_STOP_S + SLACK_S) is True
+    assert queue_stats(shared_redis.client(), queue).consumers_alive == 0

@@ -138,7 +138,11 @@ class Consumer:
 
             self.metrics.registry.register(DelayCollector(loop))
             if config.metrics_port:
-                self._server = serve_metrics(self.metrics.registry, config.metrics_port)
+                try:
+                    self._server = serve_metrics(self.metrics.registry, config.metrics_port)
+                except OSError as exc:  # in use, or a privileged port
+                    raise InvalidRequest("metrics_port", f"cannot serve on port "
+                                         f"{config.metrics_port}: {exc.strerror}") from None
         return loop
 
     def _load_model(self) -> BatchModel:
@@ -171,11 +175,14 @@ class Consumer:
             if not self.stopping.is_set():
                 self.loop.run()
         finally:
-            if self._server is not None:
-                self._server.shutdown()
-                self._server.server_close()
-                self._server = None
+            self._close_server()
             self._running = False
+
+    def _close_server(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
 
     def start(self) -> Consumer:
         """Prepare here (start-up errors raise in the caller), then run() on a daemon
@@ -213,6 +220,8 @@ class Consumer:
         """
         self.stopping.set()
         thread = self._thread
+        if thread is None and not self._ran:
+            self._close_server()  # prepared, never run: what prepare() opened
         if thread is None or thread is threading.current_thread() or thread.ident is None:
             return not self._running  # (not started yet: a start() still preparing)
         thread.join(self.config.stop_timeout if timeout is None else timeout)

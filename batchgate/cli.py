@@ -17,6 +17,7 @@ from scheduler_core import __version__
 from scheduler_core.compat import connect_checked
 from scheduler_core.errors import BatchgateError, InvalidRequest
 from scheduler_core.ops.options import (
+    FloatRange,
     env_option,
     policy_options,
     policy_values,
@@ -89,7 +90,7 @@ def bench_moved() -> None:
 @main.command("stats")
 @redis_url_option
 @queue_option
-@click.option("--slo-p99-ms", type=click.FloatRange(0, 86_400_000, min_open=True),
+@click.option("--slo-p99-ms", type=FloatRange(0, 86_400_000, min_open=True),
               default=None,
               help="Target p99 latency, ms, for recommended_consumers [default: the "
                    "policy's slo_p99_ms].")
@@ -163,7 +164,7 @@ class NotFound(click.ClickException):
 @redis_url_option
 @queue_option
 @click.option("--wait", is_flag=True, help="Wait until the request has a result.")
-@click.option("--timeout", type=click.FloatRange(0, 86_400), default=30.0, show_default=True,
+@click.option("--timeout", type=FloatRange(0, 86_400), default=30.0, show_default=True,
               help="With --wait: seconds to wait, 0-86400.")
 @click.option("--json", "as_json", is_flag=True,
               help='Print the state as JSON: {"id", "status", "result" | "error"}.')

@@ -56,6 +56,7 @@ from scheduler_core.compat import usable_cores
 from scheduler_core.connection import connect
 from scheduler_core.errors import InvalidRequest, RequestFailed
 from scheduler_core.keys import QueueKeys
+from scheduler_core.ops.options import FloatRange
 from scheduler_core.ops.stats import queue_stats
 from scheduler_core.wire import Result
 
@@ -395,7 +396,7 @@ def delete_queues(client: redis.Redis, prefix: str) -> int:
 @click.option("--model", type=click.Choice(DEMO_MODELS), default="synthetic",
               show_default=True, help="synthetic cost model, the small torch model, or the "
               "real MiniLM embedding model (extra `minilm`; try --rate 40).")
-@click.option("--duration", type=click.FloatRange(0.5, 600), default=8.0, show_default=True,
+@click.option("--duration", type=FloatRange(0.5, 600), default=8.0, show_default=True,
               help="Seconds of arrivals per strategy.")
 @click.option("--scenario", type=click.Choice(SCENARIOS), default="strategies",
               show_default=True,
@@ -403,14 +404,14 @@ def delete_queues(client: redis.Redis, prefix: str) -> int:
                    "short (16 tokens) and 20% long (256) requests on the generator model, "
                    "one bucket vs --cost-buckets 32, --prefer-bucket, --only-bucket and "
                    "--max-cost (extra `generate`).")
-@click.option("--rate", type=click.FloatRange(1, 5000), default=None,
+@click.option("--rate", type=FloatRange(1, 5000), default=None,
               help="Mean arrival rate, requests/s (Poisson). Default: 110 (strategies); "
                    "lengths: 60% load from the generator's measured t(1, cost).")
 @click.option("--consumers", type=click.IntRange(1, 32), default=2, show_default=True,
               help="Consumer processes per strategy.")
-@click.option("--base-ms", type=click.FloatRange(0), default=20.0, show_default=True,
+@click.option("--base-ms", type=FloatRange(0), default=20.0, show_default=True,
               help="synthetic: fixed cost of one model call, ms.")
-@click.option("--per-item-ms", type=click.FloatRange(0), default=2.0, show_default=True,
+@click.option("--per-item-ms", type=FloatRange(0), default=2.0, show_default=True,
               help="synthetic: extra cost per request in the batch, ms.")
 @click.option("--device", default=None,
               help="tiny_text/minilm: torch device (cpu, cuda:0, ...).")

@@ -26,7 +26,7 @@ import redis
 
 from scheduler_core.errors import InvalidRequest
 from scheduler_core.keys import CONSUMER_ALIVE_S, validate_queue_name
-from scheduler_core.ops.options import env_option, redis_url_option
+from scheduler_core.ops.options import FloatRange, env_option, redis_url_option
 from scheduler_core.ops.reading import (
     SAMPLES_READ,
     QueueReading,
@@ -388,7 +388,7 @@ def build_registry(client: redis.Redis, config: ExporterConfig) -> Any:
             help="Newest latency samples per list the quantiles are taken from.")
 @env_option("--scrape-timeout-s", envvar="BATCHGATE_EXPORTER_SCRAPE_TIMEOUT_S",
             default=DEFAULT_SCRAPE_TIMEOUT_S, show_default=True,
-            type=click.FloatRange(0.1, MAX_SCRAPE_TIMEOUT_S),
+            type=FloatRange(0.1, MAX_SCRAPE_TIMEOUT_S),
             help="Seconds a scrape waits for Redis; past them it answers "
                  "batchgate_exporter_redis_up 0. Keep it under Prometheus' scrape_timeout.")
 def exporter_command(redis_url: str, queues: tuple[str, ...], host: str, port: int,

@@ -12,7 +12,7 @@ import click
 
 from batchgate.present import NONE, WIDTH, ago, busy_first, delay_text, ms, sparkline
 from scheduler_core.compat import connect_checked
-from scheduler_core.ops.options import env_option, redis_url_option
+from scheduler_core.ops.options import FloatRange, env_option, redis_url_option
 from scheduler_core.ops.snapshot import Rates, snapshot_all
 from scheduler_core.registry import DEFAULT_MAX_QUEUES, QueueFinder
 
@@ -104,7 +104,7 @@ def render(snaps: list[dict[str, Any]], height: int | None = None) -> Any:
 @env_option("--queue", "queues", envvar="BATCHGATE_QUEUE", multiple=True,
             help="Show only this queue (repeat for more) [default: the most active queues "
                  "found, up to --max-queues].")
-@click.option("--interval", type=click.FloatRange(0.1, 3600), default=1.0, show_default=True,
+@click.option("--interval", type=FloatRange(0.1, 3600), default=1.0, show_default=True,
               help="Seconds between refreshes, 0.1-3600.")
 @click.option("--iterations", type=click.IntRange(1), default=None,
               help="Print this many refreshes, one after another, then exit [default: run "

@@ -148,7 +148,11 @@ class Consumer:
             if config.preempt:
                 self.metrics.registry.register(PreemptionCollector(loop))
             if config.metrics_port:
-                self._server = serve_metrics(self.metrics.registry, config.metrics_port)
+                try:
+                    self._server = serve_metrics(self.metrics.registry, config.metrics_port)
+                except OSError as exc:  # in use, or a privileged port
+                    raise InvalidRequest("metrics_port", f"cannot serve on port "
+                                         f"{config.metrics_port}: {exc.strerror}") from None
         return loop
 
     def _load_model(self) -> BatchModel:
@@ -181,21 +185,30 @@ class Consumer:
             if not self.stopping.is_set():
                 self.loop.run()
         finally:
-            if self._server is not None:
-                self._server.shutdown()
-                self._server.server_close()
-                self._server = None
+            self._close_server()
             self._running = False
+
+    def _close_server(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
 
     def start(self) -> Consumer:
         """Prepare here (start-up errors raise in the caller), then run() on a daemon
         thread; returns the consumer. stop() ends it."""
-        if self._thread is not None:
-            raise RuntimeError(f"consumer {self.name} was started already")
-        self.prepare()
-        self._thread = threading.Thread(target=self._run_thread, name=f"consumer-{self.name}",
-                                        daemon=True)
-        self._thread.start()
+        thread = threading.Thread(target=self._run_thread, name=f"consumer-{self.name}",
+                                  daemon=True)
+        with self._lock:  # claimed before the slow prepare: a racing start() is refused
+            if self._thread is not None:
+                raise RuntimeError(f"consumer {self.name} was started already")
+            self._thread = thread
+        try:
+            self.prepare()
+        except BaseException:
+            self._thread = None  # nothing runs: a later start() may try again
+            raise
+        thread.start()
         return self
 
     def _run_thread(self) -> None:
@@ -217,8 +230,10 @@ class Consumer:
         """
         self.stopping.set()
         thread = self._thread
-        if thread is None or thread is threading.current_thread():
-            return not self._running
+        if thread is None and not self._ran:
+            self._close_server()  # prepared, never run: what prepare() opened
+        if thread is None or thread is threading.current_thread() or thread.ident is None:
+            return not self._running  # (not started yet: a start() still preparing)
         thread.join(self.config.stop_timeout if timeout is None else timeout)
         if thread.is_alive():
             log.warning("consumer %s: still finishing its batch after the stop timeout",

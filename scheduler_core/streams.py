@@ -20,6 +20,7 @@ from scheduler_core.wire import decode_stream_entry
 READ_COUNT = 512  # entries per stream per XREAD
 START = "0-0"  # before the first entry
 ENTRY_ID = re.compile(r"[0-9]{1,20}-[0-9]{1,20}")  # a Redis stream entry id, ms-seq
+MAX_ENTRY_PART = 2**64 - 1  # each of ms and seq
 
 
 def entry_order(entry_id: str) -> tuple[int, int]:
@@ -34,6 +35,9 @@ def check_entry_id(value: Any, field: str) -> str:
     if not isinstance(value, str) or not ENTRY_ID.fullmatch(value):
         raise InvalidRequest(field, "must be a stream entry id as the stream gave it "
                                     "(<ms>-<seq>, e.g. 1700000000000-0)")
+    if max(entry_order(value)) > MAX_ENTRY_PART:  # Redis would refuse it mid-answer
+        raise InvalidRequest(field, f"{value!r}: <ms> and <seq> are unsigned 64-bit "
+                                    f"numbers, at most {MAX_ENTRY_PART}")
     return value
 
 

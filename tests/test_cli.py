@@ -435,3 +435,14 @@ def test_bench_says_where_the_benchmark_went():
     assert proc.returncode == 2
     assert "python -m bench.run" in proc.stderr and "batchgate profile" in proc.stderr
     assert not re.search(r"^\s+bench\s", batchgate("--help").stdout, re.M)  # not listed
+
+
+def test_nan_is_refused_by_every_seconds_option():
+    """NaN compares false with both bounds of click's FloatRange: before, `gateway
+    --request-timeout-s nan` started serving. Refused while parsing: nothing runs."""
+    for args in (["gateway", "--request-timeout-s", "nan"],
+                 ["exporter", "--scrape-timeout-s", "nan"], ["top", "--interval", "nan"],
+                 ["dashboard", "--interval", "nan"], ["demo", "--duration", "nan"]):
+        result = batchgate(*args, "--redis-url", "redis://127.0.0.1:1/0", timeout=20)
+        assert result.returncode == 2, (args, result.stderr)
+        assert args[1] in result.stderr and "not a number" in result.stderr, result.stderr

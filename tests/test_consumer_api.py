@@ -238,3 +238,62 @@ def test_run_blocks_until_stopped_from_another_thread(shared_redis, queue):
     assert queue_stats(shared_redis.client(), queue).consumers_alive == 0
     with pytest.raises(RuntimeError, match="runs once"):
         consumer.run()
+
+
+def test_start_from_several_threads_at_once_starts_one_loop(shared_redis, queue):
+    """start() raced from threads: exactly one starts the loop, the others get "started
+    already"; stop() then joins that loop and raises nothing (before, every caller got a
+    thread, all but one died on "runs once" and stop() raised that error)."""
+    consumer = Consumer(lambda payloads: payloads, redis_url=shared_redis.url, queue=queue)
+    # Not prepared: the first start() connects and loads while the others arrive.
+    gate, outcomes = threading.Barrier(4), []
+
+    def start() -> None:
+        gate.wait()
+        try:
+            consumer.start()
+            outcomes.append("started")
+        except RuntimeError as exc:
+            outcomes.append(str(exc))
+
+    threads = [threading.Thread(target=start) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert outcomes.count("started") == 1
+    assert all("started already" in o for o in outcomes if o != "started")
+    with Producer(shared_redis.url, queue) as p:
+        assert p.submit({"i": 1}).result(timeout=SLACK_S) == {"i": 1}
+    assert consumer.stop(IDLE_STOP_S + SLACK_S) is True
+    assert queue_stats(shared_redis.client(), queue).consumers_alive == 0
+
+
+def test_a_metrics_port_in_use_fails_start_naming_the_keyword(shared_redis, queue):
+    from helpers.processes import free_port
+
+    port = free_port()
+    with Consumer(lambda payloads: payloads, redis_url=shared_redis.url, queue=queue,
+                  metrics_port=port):
+        second = Consumer(lambda payloads: payloads, redis_url=shared_redis.url,
+                          queue=queue, metrics_port=port)
+        with pytest.raises(InvalidRequest, match="metrics_port") as refused:
+            second.start()
+        assert refused.value.field == "metrics_port" and str(port) in str(refused.value)
+
+
+def test_stop_after_prepare_alone_closes_the_metrics_server(shared_redis, queue):
+    """prepare() without start(): stop() releases what prepare opened (the metrics port
+    and its thread), as a run's end does."""
+    import socket
+
+    from helpers.processes import free_port
+
+    port = free_port()
+    consumer = Consumer(lambda payloads: payloads, redis_url=shared_redis.url, queue=queue,
+                        metrics_port=port)
+    consumer.prepare()
+    assert consumer.stop() is True
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind(("0.0.0.0", port))  # free again

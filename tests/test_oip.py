@@ -111,7 +111,8 @@ def test_oip_priority_timeout_and_hostile_bodies(shared_redis, queue, start_gate
             (b'{"inputs": [{"name": "x", "shape": [4000000000], "datatype": "INT8", '
              b'"data": [1]}]}', {}, "elements"),
             (HEAD.replace(b'"INT32"', b'"FP32" ') + b"\x00\x00\xc0\x7f",  # NaN: not JSON
-             {"Inference-Header-Content-Length": str(len(HEAD))}, "NaN"),
+             {"Inference-Header-Content-Length": str(len(HEAD))},
+             "input 'x': nan is not valid JSON"),
             (HEAD + b"\x01\x00\x00\x00\x00", {"Inference-Header-Content-Length":
                                                 str(len(HEAD))}, "belong to no input"),
         ]

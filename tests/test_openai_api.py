@@ -3,6 +3,7 @@ real `batchgate gateway` process), served by real consumers of the built-in mode
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -247,3 +248,29 @@ def poll_status(http: httpx.Client, request_id: str, timeout: float = 10.0) -> s
         if status != "queued" or time.monotonic() > end:
             return status
         time.sleep(0.05)
+
+
+def test_a_payload_refused_at_encoding_names_the_clients_field(shared_redis, queue,
+                                                                start_gateway):
+    """What the wire refuses (an int past 64 bits, nesting past 64 levels) is named by
+    the OpenAI field the client sent, not by the payload built from it."""
+    from helpers.support import queue_pattern, snapshot
+
+    gateway = start_gateway(shared_redis.url, queue)
+    before = snapshot(shared_redis.client(), queue_pattern(queue))
+    deep: object = "x"
+    for _ in range(70):
+        deep = [deep]
+    cases = [({"model": queue, "prompt": [1, 2**70]}, "prompt[1]"),
+             ({"model": queue, "prompt": "x", "stop": deep}, "stop"),
+             ({"model": queue, "prompt": "x", "seed": 2**70}, "seed")]
+    with httpx.Client(base_url=gateway.url, timeout=20) as http:
+        for body, param in cases:
+            response = http.post("/v1/completions", content=json.dumps(body),  # 2**70
+                                 headers={"content-type": "application/json"})
+            assert response.status_code == 400, (body, response.text)
+            error = response.json()["error"]
+            # The nesting's path follows the field's name: stop[0][0]...
+            assert error["param"].split("[")[0] == param.split("[")[0], error
+            assert param == "stop" or error["param"] == param, error
+    assert snapshot(shared_redis.client(), queue_pattern(queue)) == before

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers.support import wait_for
+from helpers.support import queue_pattern, snapshot, wait_for
 
 from producer import Producer
 
@@ -132,6 +132,21 @@ def test_a_retry_after_a_hang_up_streams_from_the_start(shared_redis, queue,
         bad = http.post("/v1/requests", json={**body, "idempotency_key": "other"},
                         headers={"Last-Event-ID": "soon"})
         assert bad.status_code == 422 and bad.json()["field"] == "Last-Event-ID"
+
+
+@pytest.mark.parametrize("last", ["18446744073709551616-0", "0-99999999999999999999"])
+def test_a_last_event_id_past_64_bits_is_refused_and_nothing_written(shared_redis, queue,
+                                                                      start_gateway, last):
+    """Redis' entry ids are two unsigned 64-bit numbers: a larger one is refused up front
+    (before, it was submitted and its stream answered "redis_unavailable")."""
+    gateway = start_gateway(shared_redis.url, queue)
+    before = snapshot(shared_redis.client(), queue_pattern(queue))
+    body = {"payload": {"i": 1}, "stream": True, "idempotency_key": "big"}
+    bad = httpx.post(gateway.url + "/v1/requests", json=body, timeout=30,
+                     headers={"Last-Event-ID": last})
+    assert bad.status_code == 422, bad.text
+    assert bad.json()["field"] == "Last-Event-ID" and "64" in bad.json()["message"]
+    assert snapshot(shared_redis.client(), queue_pattern(queue)) == before
 
 
 def gauge(url: str, name: str) -> float:

@@ -7,7 +7,7 @@ import click
 
 from scheduler_core.compat import connect_checked
 from scheduler_core.keys import validate_queue_name
-from scheduler_core.ops.options import env_option, redis_url_option
+from scheduler_core.ops.options import FloatRange, env_option, redis_url_option
 from scheduler_core.registry import DEFAULT_MAX_QUEUES
 
 
@@ -28,7 +28,7 @@ from scheduler_core.registry import DEFAULT_MAX_QUEUES
             help="Path prefix the dashboard is served under by a proxy that does not strip "
                  "it, e.g. /batchgate (X-Forwarded-Prefix does the same per request) "
                  "[default: none].")
-@click.option("--interval", type=click.FloatRange(0.1, 60), default=0.5, show_default=True,
+@click.option("--interval", type=FloatRange(0.1, 60), default=0.5, show_default=True,
               help="Seconds between updates of the page, 0.1-60.")
 @click.option("--access-log/--no-access-log", default=False, show_default=True,
               help="Log one line per HTTP request.")

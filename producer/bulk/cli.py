@@ -24,7 +24,7 @@ from producer.bulk.engine import (
 )
 from producer.bulk.state import BulkState, StateStore
 from scheduler_core.compat import connect_checked
-from scheduler_core.ops.options import env_option, queue_option, redis_url_option
+from scheduler_core.ops.options import FloatRange, env_option, queue_option, redis_url_option
 
 WORKER_HINT = "rq worker -w rq.worker.SimpleWorker --url {url} {queue}"
 
@@ -46,7 +46,7 @@ def job_options(func: Any) -> Any:
                      help="Most requests outstanding at once (keep it near 2 x max batch "
                           "size: the queue is never flooded)."),
         click.option("--job-id", default=None, help="Job id (letters, digits, _ . -)."),
-        click.option("--lease-s", type=click.FloatRange(1, 3600), default=10.0,
+        click.option("--lease-s", type=FloatRange(1, 3600), default=10.0,
                      show_default=True,
                      help="A run that died releases the job after this long."),
         click.option("--overwrite", is_flag=True, help="Replace an existing output file."),
@@ -138,7 +138,7 @@ def run_command(input_path: str, output_path: str, redis_url: str, queue: str, p
 @redis_url_option
 @click.option("--follow", "-f", is_flag=True, help="Keep updating until the job ends.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-@click.option("--interval", type=click.FloatRange(0.1, 60), default=0.5, show_default=True,
+@click.option("--interval", type=FloatRange(0.1, 60), default=0.5, show_default=True,
               help="With --follow: seconds between updates, 0.1-60.")
 def status_command(job_id: str, redis_url: str, follow: bool, as_json: bool,
                    interval: float) -> None:

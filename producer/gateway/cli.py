@@ -20,7 +20,7 @@ from producer.gateway.guard import (
 )
 from scheduler_core.compat import connect_checked
 from scheduler_core.lifetime import mark_parent
-from scheduler_core.ops.options import redis_url_option, wait_replicas_options
+from scheduler_core.ops.options import FloatRange, redis_url_option, wait_replicas_options
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -54,7 +54,7 @@ PROTOCOL = "producer.gateway.protocol:HeaderTimeoutProtocol"
                    "limit (chunked), and its connection closed. The default is twice the "
                    "1 MiB payload limit plus 64 KiB. Env: BATCHGATE_GATEWAY_MAX_BODY_BYTES.")
 @click.option("--request-timeout-s", envvar=REQUEST_TIMEOUT_ENV,
-              type=click.FloatRange(0.1, 3600), default=DEFAULT_REQUEST_TIMEOUT_S,
+              type=FloatRange(0.1, 3600), default=DEFAULT_REQUEST_TIMEOUT_S,
               show_default=True,
               help="Seconds a client has to send a request's headers (from "
                    "connecting, or from their first byte on a kept-alive connection) and "

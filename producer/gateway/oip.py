@@ -319,6 +319,19 @@ def split_body(body: bytes, header_length: str | None) -> tuple[dict[str, Any], 
     return head, binary
 
 
+def input_error(exc: InvalidRequest) -> str:
+    """The wire's refusal of the payload built from the inputs, naming the input (the
+    payload is {input name: data}): "payload.x[1]: ..." is "input 'x': [1]: ..."."""
+    message = str(exc)
+    if not exc.field.startswith("payload.") or not message.startswith(exc.field + ":"):
+        return message
+    path = exc.field.removeprefix("payload.")
+    cut = min((i for i in (path.find("["), path.find(".")) if i >= 0), default=len(path))
+    where = path[cut:].removeprefix(".")
+    return f"input {path[:cut]!r}: " + (f"{where}: " if where else "") + \
+        message[len(exc.field) + 2:]
+
+
 async def infer(gateway: Gateway, name: str, body: bytes, header_length: str | None
                 ) -> Response:
     head, binary = split_body(body, header_length)
@@ -336,7 +349,7 @@ async def infer(gateway: Gateway, name: str, body: bytes, header_length: str | N
         return error_response(429, str(exc),
                               {"Retry-After": str(max(1, math.ceil(exc.retry_after_s or 1)))})
     except InvalidRequest as exc:  # the producer's checks: NaN, past 64 bits, over 1 MiB
-        raise OIPError(400, str(exc)) from None
+        raise OIPError(400, input_error(exc)) from None
     try:
         result = await handle.result(timeout=MAX_WAIT_S)
     except DeadlineExceeded as exc:

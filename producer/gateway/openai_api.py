@@ -121,6 +121,23 @@ def failure(exc: RequestFailed) -> OpenAIError:
                        code="model_error", headers=NO_RETRY)
 
 
+# The payload's fields (built here from the body) as the client named them.
+PAYLOAD_FIELDS = {"tokens": "prompt", "text": "input", "max_new_tokens": "max_tokens"}
+
+
+def client_param(field: str) -> str:
+    """The body's field behind `field`, an error's field that may name the payload built
+    from it (the wire refuses what it cannot carry: "payload.tokens[1]" is "prompt[1]")."""
+    if field == "cost":
+        return "max_tokens"
+    if not field.startswith("payload."):
+        return field
+    path = field.removeprefix("payload.").removeprefix("params.")
+    head, sep, rest = path.partition("[")
+    head, dot, tail = head.partition(".")
+    return PAYLOAD_FIELDS.get(head, head) + dot + tail + sep + rest
+
+
 def as_openai(exc: Exception) -> OpenAIError | None:
     """The gateway's own errors (bad input, queue full, Redis down) in the OpenAI shape."""
     if isinstance(exc, OpenAIError):
@@ -130,8 +147,11 @@ def as_openai(exc: Exception) -> OpenAIError | None:
         return OpenAIError(429, str(exc), type="rate_limit_error", code="queue_full",
                            headers=[(b"retry-after", str(retry).encode())])
     if isinstance(exc, InvalidRequest):
-        param = {"cost": "max_tokens"}.get(exc.field, exc.field)
-        return OpenAIError(400, str(exc), param=param, code="invalid_value")
+        param = client_param(exc.field)
+        message = str(exc)
+        if param != exc.field and message.startswith(exc.field + ":"):
+            message = param + message[len(exc.field):]
+        return OpenAIError(400, message, param=param, code="invalid_value")
     answered = error_answer(exc)
     if answered is None:
         return None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -9,6 +10,18 @@ import click
 
 from scheduler_core.connection import DEFAULT_REDIS_URL
 from scheduler_core.policy import AUTO, CHOICES, LIMITS, MAX_COST_BUCKETS, Strategy, is_auto
+
+
+class FloatRange(click.FloatRange):
+    """click.FloatRange without NaN, which compares false with both bounds and so passed
+    through as a timeout, an interval or a duration."""
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
+        number = super().convert(value, param, ctx)
+        if math.isnan(number):
+            self.fail(f"{value!r} is not a number in the range {self._describe_range()}.",
+                      param, ctx)
+        return number
 
 
 def env_option(*decls: str, envvar: str, help: str, **kwargs: Any) -> Callable[[Any], Any]:

@@ -176,16 +176,18 @@ def is_cluster(client: Any) -> bool:
 # redis-py retries a connection's handshake and its health-check PING with the
 # connection's Retry, the same one every command is retried with: a command attempt that
 # reconnects to a hung server (accepting, never answering) then waits its socket timeout
-# once per handshake attempt, nesting the retries. batchgate's connections try both once
+# once per handshake attempt, nesting the retries. batchgate's connections send both once
 # and leave retrying to the command, so a hung Redis fails a call after its command
-# attempts (1 + COMMAND_RETRIES), each one socket timeout.
+# attempts (1 + COMMAND_RETRIES), each one socket timeout. Only the TCP connect is
+# retried on its own (a refusal fails at once: cheap), as every reconnect does, to ride
+# out a restart.
 COMMAND_RETRIES = 3
 
 
 class _SyncOnce:
     def connect(self) -> None:
         self.connect_check_health(check_health=True,  # type: ignore[attr-defined]
-                                  retry_socket_connect=False)
+                                  retry_socket_connect=True)
 
     def check_health(self) -> None:
         if self.health_check_interval \
@@ -196,7 +198,7 @@ class _SyncOnce:
 class _AsyncOnce:
     async def connect(self) -> None:
         await self.connect_check_health(check_health=True,  # type: ignore[attr-defined]
-                                        retry_socket_connect=False)
+                                        retry_socket_connect=True)
 
     async def check_health(self) -> None:
         import asyncio
@@ -209,7 +211,7 @@ _ONCE: dict[type, type] = {}
 
 
 def _connect_once(pool: Any) -> Any:
-    """`pool` making connections that connect and health-check in one attempt each."""
+    """`pool` making connections that send their handshake and health-check PING once."""
     base = pool.connection_class
     if base not in _ONCE:
         mixin = _AsyncOnce if isinstance(pool, redis.asyncio.ConnectionPool) else _SyncOnce

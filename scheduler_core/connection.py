@@ -173,6 +173,53 @@ def is_cluster(client: Any) -> bool:
     return isinstance(client, (redis.cluster.RedisCluster, redis.asyncio.cluster.RedisCluster))
 
 
+# redis-py retries a connection's handshake and its health-check PING with the
+# connection's Retry, the same one every command is retried with: a command attempt that
+# reconnects to a hung server (accepting, never answering) then waits its socket timeout
+# once per handshake attempt, nesting the retries. batchgate's connections send both once
+# and leave retrying to the command, so a hung Redis fails a call after its command
+# attempts (1 + COMMAND_RETRIES), each one socket timeout. Only the TCP connect is
+# retried on its own (a refusal fails at once: cheap), as every reconnect does, to ride
+# out a restart.
+COMMAND_RETRIES = 3
+
+
+class _SyncOnce:
+    def connect(self) -> None:
+        self.connect_check_health(check_health=True,  # type: ignore[attr-defined]
+                                  retry_socket_connect=True)
+
+    def check_health(self) -> None:
+        if self.health_check_interval \
+                and time.monotonic() > self.next_health_check:  # type: ignore[attr-defined]
+            self._send_ping()  # type: ignore[attr-defined]
+
+
+class _AsyncOnce:
+    async def connect(self) -> None:
+        await self.connect_check_health(check_health=True,  # type: ignore[attr-defined]
+                                        retry_socket_connect=True)
+
+    async def check_health(self) -> None:
+        import asyncio
+        if self.health_check_interval and asyncio.get_running_loop().time() \
+                > self.next_health_check:  # type: ignore[attr-defined]
+            await self._send_ping()  # type: ignore[attr-defined]
+
+
+_ONCE: dict[type, type] = {}
+
+
+def _connect_once(pool: Any) -> Any:
+    """`pool` making connections that send their handshake and health-check PING once."""
+    base = pool.connection_class
+    if base not in _ONCE:
+        mixin = _AsyncOnce if isinstance(pool, redis.asyncio.ConnectionPool) else _SyncOnce
+        _ONCE[base] = type(base.__name__, (mixin, base), {})
+    pool.connection_class = _ONCE[base]
+    return pool
+
+
 def connect(url: str = DEFAULT_REDIS_URL,
             max_connections: int = DEFAULT_MAX_CONNECTIONS) -> redis.Redis:
     """A sync client on a pool of at most `max_connections`; a thread finding all in use
@@ -183,12 +230,12 @@ def connect(url: str = DEFAULT_REDIS_URL,
     topo = parse_topology(url)
     if topo is not None:
         return _connect_topology(topo, url, _pool_size(max_connections), asyncio=False)
-    pool = redis.BlockingConnectionPool.from_url(
+    pool = _connect_once(redis.BlockingConnectionPool.from_url(
         url, max_connections=_pool_size(max_connections), timeout=None,
-        retry=Retry(ExponentialWithJitterBackoff(cap=1.0, base=0.05), 3),
+        retry=Retry(ExponentialWithJitterBackoff(cap=1.0, base=0.05), COMMAND_RETRIES),
         retry_on_error=[redis.ConnectionError, redis.TimeoutError],
         **_options(url),
-    )
+    ))
     return redis.Redis.from_pool(pool)
 
 
@@ -200,12 +247,12 @@ def connect_async(url: str = DEFAULT_REDIS_URL,
     topo = parse_topology(url)
     if topo is not None:
         return _connect_topology(topo, url, _pool_size(max_connections), asyncio=True)
-    pool = redis.asyncio.BlockingConnectionPool.from_url(
+    pool = _connect_once(redis.asyncio.BlockingConnectionPool.from_url(
         url, max_connections=_pool_size(max_connections), timeout=None,
-        retry=AsyncRetry(ExponentialWithJitterBackoff(cap=1.0, base=0.05), 3),
+        retry=AsyncRetry(ExponentialWithJitterBackoff(cap=1.0, base=0.05), COMMAND_RETRIES),
         retry_on_error=[redis.ConnectionError, redis.TimeoutError],
         **_options(url),
-    )
+    ))
     return redis.asyncio.Redis.from_pool(pool)
 
 

@@ -20,8 +20,10 @@ from scheduler_core.admin import ensure_policy
 from scheduler_core.connection import connect
 from scheduler_core.keys import QueueKeys
 
-# The tests that run whole benchmarks or demos (several processes each, busy for 10-40 s):
-# pytest-xdist runs them one after another on one worker, beside the rest of the suite.
+# The tests that run whole benchmarks or demos and keep the CPUs busy (several processes
+# each, 10-40 s): pytest-xdist runs them one after another on one worker, beside the rest
+# of the suite. A test whose time is paced arrivals or process start-up stays out: the
+# group is the suite's longest serial path.
 HEAVY = pytest.mark.xdist_group("heavy")
 
 # A model module as a user would write one: imported by `batchgate consumer` from its

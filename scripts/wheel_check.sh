@@ -12,6 +12,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
 PY=${PY:-.venv/bin/python}
+# Absolute, for the steps that run from a directory outside the checkout (not resolved
+# through the venv's symlink: that would leave the venv).
+PY=$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 fail() { echo "wheel_check: $*" >&2; exit 1; }

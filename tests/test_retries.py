@@ -386,3 +386,18 @@ def test_a_dead_letter_retried_lists_only_its_new_runs(shared_redis, queue,
     assert dead.id == request_id
     assert [(r["attempt"], r["message"]) for r in dead.runs] == [
         (n, f"down (run {n + 3})") for n in (1, 2, 3)]
+
+
+def test_a_tenants_counters_come_back_to_zero_through_its_retries(shared_redis, queue,
+                                                                   inprocess_consumer):
+    """A retried request leaves in flight for the retry set and comes back to waiting:
+    its tenant's waiting and in-flight gauges follow it, so they are 0 (removed) once it
+    is answered, and max_waiting counts it right all along."""
+    model = Scripted({0: [TimeoutError("slow"), TimeoutError("slow again")]})
+    consumer_for(inprocess_consumer, shared_redis, queue, model, retry_on="TimeoutError",
+                 retry_max=3, retry_backoff_ms=0)
+    with Producer(shared_redis.url, queue) as p:
+        assert p.submit({"i": 0}, tenant="acme").result(timeout=15) == {"i": 0, "run": 3}
+    counters = shared_redis.client().hgetall(QueueKeys(queue).tenants)
+    assert b"w:acme" not in counters and b"f:acme" not in counters, counters
+    assert counters[b"s:acme"] == b"1"

@@ -163,15 +163,21 @@ end
 -- Requests whose retry is due (complete.lua's 'retry': listed in the retry set until
 -- their backoff, or their deadline, passes) go back to their level under their arrival
 -- score, with their deadline listed again, at most `limit` per call. Returns how many
--- moved and when the next one falls due (µs; nil if none waits).
+-- moved, when the next one falls due (µs; nil if none waits) and the jobs values of
+-- those moved (for their tenants' counters).
 local function promote_retries(retry, pending, jobs, costs, deadlines, bucket_sets, bounds,
                                now, limit)
   -- One call in the usual case (none waits, or none is due): every pop runs this.
   local first = redis.call('ZRANGE', retry, 0, 0, 'WITHSCORES')
-  if not first[2] or tonumber(first[2]) > now then return 0, first[2] and tonumber(first[2]) end
+  if not first[2] or tonumber(first[2]) > now then
+    return 0, first[2] and tonumber(first[2]), {}
+  end
   local due = redis.call('ZRANGEBYSCORE', retry, '-inf', int(now), 'LIMIT', 0, limit)
+  local moved = {}
   for _, id in ipairs(due) do
-    local m = parse_job(redis.call('HGET', jobs, id))
+    local raw = redis.call('HGET', jobs, id)
+    moved[#moved + 1] = raw
+    local m = parse_job(raw)
     local prio, arrival = 2, now
     if m then prio, arrival = m.prio, m.arrival end
     redis.call('ZADD', pending[prio + 1], int(arrival), id)
@@ -180,5 +186,5 @@ local function promote_retries(retry, pending, jobs, costs, deadlines, bucket_se
   end
   if #due > 0 then redis.call('ZREM', retry, unpack(due)) end
   local next_due = redis.call('ZRANGE', retry, 0, 0, 'WITHSCORES')
-  return #due, next_due[2] and tonumber(next_due[2])
+  return #due, next_due[2] and tonumber(next_due[2]), moved
 end

@@ -115,6 +115,7 @@ for i = 0, n - 1 do
     end
     redis.call('ZADD', retry, int(due), id)
     done[#done + 1] = id
+    answered[#answered + 1] = i + 1  -- it leaves in flight (its tenant's count too)
     retried = retried + 1
     accepted = accepted + 1
   else

@@ -803,11 +803,17 @@ if rules.only == 1 and #rules.bounds == 0 then rules.only = 0 end  -- bucket 1 i
 if delay_ms then rules.delay = delay_ms * 1000 end
 local now = queue_now(clock, stats)
 redis.call('ZADD', consumers, int(now), consumer)
-local retried, next_retry = promote_retries(retry, pending, jobs, costs, deadlines,
-                                            bucket_sets, rules.bounds, now, rules.batch_size)
+local retried, next_retry, retried_jobs = promote_retries(
+  retry, pending, jobs, costs, deadlines, bucket_sets, rules.bounds, now, rules.batch_size)
 if retried > 0 then  -- another consumer (or bucket) may be the one to run them
   wake_consumers(marker)
   wake_buckets(bucket_markers, bucket_count(rules.bounds))
+  local tally = tenant_tally()  -- tenants (lua/_tenants.lua): waiting again
+  for _, raw in ipairs(retried_jobs) do
+    local t = job_tenant(raw)
+    if t then tally.add_tenant(t, 'w', 1) end
+  end
+  tally.flush((tenant_keys(policy)))
 end
 local expired, first_deadline = past_deadline(now)
 if expired then return {-4} end

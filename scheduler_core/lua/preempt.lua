@@ -38,6 +38,7 @@ Work is bounded by n plus the batch's size.
 -- @include _common.lua
 -- @include _policy.lua
 -- @include _queue.lua
+-- @include _tenants.lua
 
 local policy = KEYS[1]
 local pending_high = KEYS[2]
@@ -65,10 +66,17 @@ local pending = {pending_high, pending_normal, pending_low}
 local now = queue_now(clock, stats)
 local bounds = stored_bounds(policy)
 local given = 0
+local tally = tenant_tally()
 for i = 3, 2 + n do
   local id = ARGV[i]
   if redis.call('HGET', owner, id) == batch_id then
-    local m = parse_job(redis.call('HGET', jobs, id))
+    local raw = redis.call('HGET', jobs, id)
+    local m = parse_job(raw)
+    local t = job_tenant(raw)
+    if t then  -- tenants (lua/_tenants.lua): back from in flight to waiting
+      tally.add_tenant(t, 'f', -1)
+      tally.add_tenant(t, 'w', 1)
+    end
     local prio, arrival = 2, now
     if m then prio, arrival = m.prio, m.arrival end
     redis.call('ZADD', pending[prio + 1], int(arrival), id)
@@ -86,6 +94,7 @@ if #members > 0 then
   end
 end
 if remaining == 0 then release_batch(inflight, batches, batch_id) end
+tally.flush((tenant_keys(policy)))
 if given > 0 then
   redis.call('HINCRBY', stats, 'preempted', given)
   wake_consumers(marker)

@@ -77,11 +77,7 @@ for i = 3, 2 + n do
       tally.add_tenant(t, 'f', -1)
       tally.add_tenant(t, 'w', 1)
     end
-    local prio, arrival = 2, now
-    if m then prio, arrival = m.prio, m.arrival end
-    redis.call('ZADD', pending[prio + 1], int(arrival), id)
-    list_waiting(costs, bucket_sets, bounds, id, m and m.cost or 1, arrival)
-    if m and m.deadline > 0 then redis.call('ZADD', deadlines, m.deadline_s, id) end
+    return_to_waiting(pending, costs, deadlines, bucket_sets, bounds, id, m, now)
     redis.call('HDEL', owner, id)
     given = given + 1
   end

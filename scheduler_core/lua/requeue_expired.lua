@@ -66,16 +66,12 @@ for _, batch_id in ipairs(expired) do
   for _, id in ipairs(batch_members(batches, batch_id)) do
     if redis.call('HGET', owner, id) == batch_id then
       local m = parse_job(redis.call('HGET', jobs, id))
-      local prio, arrival = 2, now
       if m then
-        prio, arrival = m.prio, m.arrival
         m.attempts = m.attempts + 1
         redis.call('HSET', jobs, id, format_job(m))
       end
-      redis.call('ZADD', pending[prio + 1], int(arrival), id)
       bounds = bounds or stored_bounds(policy)
-      list_waiting(costs, bucket_sets, bounds, id, m and m.cost or 1, arrival)
-      if m and m.deadline > 0 then redis.call('ZADD', deadlines, m.deadline_s, id) end
+      return_to_waiting(pending, costs, deadlines, bucket_sets, bounds, id, m, now)
       redis.call('HDEL', owner, id)
       requeued = requeued + 1
       local t = m and envelope_tenant(m.envelope)

@@ -867,7 +867,7 @@ elseif waiting == 0 then
 else
   chosen, wait = choose(rules, count, waiting, now)
 end
-if chosen and #chosen == 0 and fair and fair.blocked then
+if fair and fair.blocked and not wait and (not chosen or #chosen == 0) then
   chosen, wait = nil, {0, -1}  -- every tenant that waits is at its max_in_flight
 end
 if not chosen then

@@ -19,6 +19,7 @@ from test_rules import Case, random_case
 
 from producer import DeadlineExceeded, Producer
 from scheduler_core.keys import QueueKeys
+from scheduler_core.ops.simulation import ModelTime, SimConfig, simulate
 from scheduler_core.policy import Policy, Strategy
 from scheduler_core.rules import DELAYED, Batch, Expire, Fair, Nothing, Request, Wait, apply, decide
 from scheduler_core.scripts import (
@@ -357,3 +358,20 @@ def test_every_path_keeps_the_fair_index_exact(shared_redis, queue):
     for k in (*(keys.fair_set(level) for level in range(3)),
               *(keys.fair_counters(level) for level in range(3)), keys.fair_who):
         assert not client.exists(k), k
+
+
+def test_the_simulator_shares_a_level_as_the_script_does():
+    """simulate() decides with rules.decide and its Fair state: a light tenant's requests
+    (cost 2, to tell them apart) arriving behind a flood wait for the flood's backlog
+    without fairness, and about one batch with it."""
+    times = [i * 1e-6 for i in range(600)] + [0.01 + i * 0.05 for i in range(10)]
+    prios = [1] * len(times)
+    costs = [1] * 600 + [2] * 10
+    tenants = ["flood"] * 600 + ["light"] * 10
+    p99 = {}
+    for fairness in ("none", "requests"):
+        config = SimConfig(Policy(strategy=Strategy.FIFO, max_batch_size=8,
+                                  fairness=fairness), ModelTime(5.0, 0.5), consumers=1)
+        result = simulate(config, times, prios, costs, tenants)
+        p99[fairness] = result.latency_by_cost[2]["p99"]
+    assert p99["none"] > 200 and p99["requests"] < 30, p99

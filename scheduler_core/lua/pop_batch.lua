@@ -20,6 +20,12 @@ This is where the scheduling rules live (docs/scheduling.md explains them):
             applied to that bucket's requests alone, as if they were the whole queue: the
             oldest `window` of its bucket set, wherever they wait (read_views). Without
             cost_buckets, bucket 1 is every request and no other bucket has any.
+fairness  (policy fairness requests | cost, lua/_fair.lua) wherever a rule above takes
+            requests of a level, it takes them in fair order: each next one the oldest of
+            the tenant with the lowest virtual counter at that level (weighted service,
+            raised at commit); a tenant at its max_in_flight is passed over, and if every
+            one waiting is, the reply is {0, -1}. The delayed set and a dedicated
+            consumer's view keep arrival order. docs/tenants.md, "Fair share".
 Deadlines: while any waiting request is past its deadline the reply is {-4}: the caller
             takes them out with expire_due.lua and pops again, so an expired request never
             fills or joins a batch. A wait ends no later than the earliest deadline.

@@ -76,9 +76,10 @@ local function fair_list(f, entries)
 end
 
 -- Requests stop waiting: entries {level, arrival, id}; `tenants` (optional) their tenants
--- by index, else read from who. Those not listed (delayed, retried, listed before
+-- by index, else read from who; `known` (optional): "<level>|<tenant>" -> true where
+-- fair_commit settled whether it leaves. Those not listed (delayed, retried, listed before
 -- fairness was on) are passed over.
-local function fair_unlist(f, entries, tenants)
+local function fair_unlist(f, entries, tenants, known)
   if not f or #entries == 0 then return end
   if not tenants then
     local ids = {}
@@ -103,7 +104,10 @@ local function fair_unlist(f, entries, tenants)
     if #members[level] > 0 then call_in_chunks('ZREM', f.sets[level], members[level]) end
   end
   if #gone > 0 then call_in_chunks('HDEL', f.who, gone) end
-  for _, l in ipairs(leaves) do fair_leave(f, l[1], l[2]) end
+  for _, l in ipairs(leaves) do
+    -- Known to fair_order (a pop's commit): it left above, or still has requests there.
+    if not (known and known[l[1] .. '|' .. l[2]]) then fair_leave(f, l[1], l[2]) end
+  end
 end
 
 -- Aging moved request `id` (arrival `score`) from level `from` to `to`.
@@ -186,7 +190,8 @@ local function fair_tenants(f, level, n)
       read = read + 1
       local t = page[i]
       local w, limit = fair_quota(f, t)
-      local e = {t = t, c = tonumber(page[i + 1]), r = read, w = w, room = math.huge}
+      local c = tonumber(page[i + 1])
+      local e = {t = t, c = c, c0 = c, r = read, w = w, room = math.huge}
       if limit > 0 then
         e.room = limit
         limited[#limited + 1] = e
@@ -210,6 +215,10 @@ end
 local function fair_order(f, level, n)
   local heap, out = fair_tenants(f, level, n), {}
   local set = f.sets[level + 1]
+  -- What commit may reuse: each tenant read's counter, and how many requests it has at
+  -- the level where all were read (nil: more than were read).
+  f.read = f.read or {}
+  for _, e in ipairs(heap) do f.read[level .. '|' .. e.t] = e end
   while #out < 2 * n and #heap > 0 do
     local e = heap[1]
     if not e.items or e.at > #e.items then
@@ -218,6 +227,8 @@ local function fair_order(f, level, n)
       local items = e.done and {} or redis.call('ZRANGEBYLEX', set, from, '(' .. e.t .. '}',
                                                 'LIMIT', 0, want)
       e.done = #items < want
+      e.count = (e.count or 0) + #items
+      if e.done then e.total = e.count end
       e.last, e.at = items[#items], 1
       e.items, e.ids = items, {}
       for i, m in ipairs(items) do
@@ -271,24 +282,43 @@ local function fair_commit(f, chosen)
   if #ids == 0 then return end
   local tenants = redis.call('HMGET', f.who, unpack(ids))
   local units = fair_units(f, ids)
-  local now, order = {}, {}
+  local now, order, taken, read = {}, {}, {}, f.read or {}
   for i, e in ipairs(entries) do
     local t = tenants[i]
     if t then
       local k = e[1] .. '|' .. t
       if now[k] == nil then
-        now[k] = tonumber(redis.call('ZSCORE', f.counters[e[1] + 1], t)) or false
+        local known = read[k]
+        now[k] = known and known.c0
+                 or tonumber(redis.call('ZSCORE', f.counters[e[1] + 1], t)) or false
         order[#order + 1] = {e[1], t, k}
+        taken[k] = 0
       end
+      taken[k] = taken[k] + 1
       if now[k] then now[k] = now[k] + units[i] / fair_quota(f, t) end
     end
   end
+  local writes, gone, settled = {{}, {}, {}}, {{}, {}, {}}, {}
   for _, o in ipairs(order) do
-    if now[o[3]] then
-      redis.call('ZADD', f.counters[o[1] + 1], 'XX', string.format('%.17g', now[o[3]]), o[2])
+    local known = read[o[3]]
+    -- Whether it has requests left at the level, where fair_order's reads tell.
+    if known and known.total and known.total <= taken[o[3]] then
+      table.insert(gone[o[1] + 1], o[2])  -- its last ones: it leaves the level
+      settled[o[3]] = true
+    elseif known and known.count > taken[o[3]] then
+      settled[o[3]] = true
+    end
+    if now[o[3]] and not (known and known.total and known.total <= taken[o[3]]) then
+      local w = writes[o[1] + 1]
+      w[#w + 1] = string.format('%.17g', now[o[3]])
+      w[#w + 1] = o[2]
     end
   end
-  fair_unlist(f, entries, tenants)
+  for level = 1, 3 do
+    if #writes[level] > 0 then redis.call('ZADD', f.counters[level], 'XX', unpack(writes[level])) end
+    if #gone[level] > 0 then redis.call('ZREM', f.counters[level], unpack(gone[level])) end
+  end
+  fair_unlist(f, entries, tenants, settled)
 end
 
 -- The oldest of candidates {id, score, level} (a fair order is not in arrival order).

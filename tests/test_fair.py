@@ -66,8 +66,38 @@ def fair_case(rng: random.Random, t0: int) -> tuple[Case, Fair]:
     return Case(policy, levels, stored, case.prefer, case.delay_ms), fair
 
 
-def write_state(pipe, keys: QueueKeys, case: Case, fair: Fair) -> None:
-    """The keys as enqueue.lua and the fair index leave them."""
+def head_cache(mode: str, requests: list[Request], complete: bool) -> str:
+    """lua/_fair.lua's head cache of a tenant's first requests at a level, oldest first."""
+    return ("=" if complete else "+") + ("c" if mode == "cost" else "r") + "".join(
+        f"{r.arrival_us:017d}|{r.cost if mode == 'cost' else 1}|{r.id}," for r in requests)
+
+
+def split_who(who: dict[str, str], members: list[list[str]], cost_of: dict[str, int],
+              mode: str) -> dict[str, str]:
+    """fair:who's id -> tenant fields; checks that each head cache in it (field
+    "<level>|<tenant>") lists the first of that tenant's members at the level (`members`:
+    each level's set, in its order), all of them where it says so, with their units."""
+    ids = {k: v for k, v in who.items() if "|" not in k}
+    for field, value in who.items():
+        if "|" not in field:
+            continue
+        level, tenant = field.split("|", 1)
+        mine = [m.split("|") for m in members[int(level)] if m.split("|")[0] == tenant]
+        flag, letter, entries = value[0], value[1], value[2:].split(",")
+        assert entries.pop() == "" and mine and flag in "=+" and letter == mode[0], (field, value)
+        assert len(entries) <= len(mine) and (flag == "+" or len(entries) == len(mine)), \
+            (field, value, mine)
+        for entry, (_, arrival, rid) in zip(entries, mine, strict=False):
+            a, unit, i = entry.split("|")
+            assert (a, i) == (arrival, rid), (field, value, mine)
+            assert int(unit) == (cost_of.get(rid, 1) if mode == "cost" else 1), (field, value)
+    return ids
+
+
+def write_state(pipe, keys: QueueKeys, case: Case, fair: Fair,
+                rng: random.Random | None = None) -> None:
+    """The keys as enqueue.lua and the fair index leave them (with `rng`, a head cache
+    for some of the tenants, as pops leave them)."""
     pipe.hset(keys.policy, mapping=case.stored.to_redis())
     for level, requests in enumerate(case.levels):
         if not requests:
@@ -90,6 +120,15 @@ def write_state(pipe, keys: QueueKeys, case: Case, fair: Fair) -> None:
                                              for r in requests})
             pipe.hset(keys.fair_who, mapping={r.id: r.tenant for r in requests})
             pipe.zadd(keys.fair_counters(level), fair.counters[level])
+            for tenant in sorted({r.tenant for r in requests}):
+                if rng is None or rng.random() < 0.5:
+                    continue
+                mine = sorted((r for r in requests if r.tenant == tenant),
+                              key=lambda r: (r.arrival_us, r.id))
+                k = rng.randint(1, len(mine))
+                complete = k == len(mine) and rng.random() < 0.7
+                pipe.hset(keys.fair_who, f"{level}|{tenant}",
+                          head_cache(case.policy.fairness, mine[:k], complete))
     flying = {f"f:{t}": n for t, n in fair.in_flight.items() if n}
     if flying:
         pipe.hset(keys.tenants, mapping=flying)
@@ -109,7 +148,7 @@ def test_pop_batch_and_decide_share_a_level_fairly_alike(shared_redis):
         case, fair = fair_case(rng, t0)
         keys = QueueKeys(f"fair-{uuid.uuid4().hex[:12]}")
         pipe = client.pipeline(transaction=False)
-        write_state(pipe, keys, case, fair)
+        write_state(pipe, keys, case, fair, rng)
         optional = [case.prefer] if case.prefer or case.delay_ms is not None else []
         if case.delay_ms is not None:
             optional.append(case.delay_ms)
@@ -125,8 +164,11 @@ def test_pop_batch_and_decide_share_a_level_fairly_alike(shared_redis):
         reply, now = replies[-10], int(replies[-9])
         counters_after = [{k.decode(): v for k, v in replies[-8 + 2 * level]}
                           for level in range(3)]
-        sets_after = [{m.decode() for m in replies[-7 + 2 * level]} for level in range(3)]
-        who_after = {k.decode(): v.decode() for k, v in replies[-2].items()}
+        members_after = [[m.decode() for m in replies[-7 + 2 * level]] for level in range(3)]
+        sets_after = [set(level) for level in members_after]
+        cost_of = {r.id: r.cost for level in case.levels for r in level}
+        who_after = split_who({k.decode(): v.decode() for k, v in replies[-2].items()},
+                              members_after, cost_of, case.policy.fairness)
         expected = decide(case.levels, now, case.policy, prefer_bucket=max(case.prefer, 0),
                           only_bucket=max(-case.prefer, 0), fair=fair)
         where = f"case {i}: {case.policy} prefer {case.prefer} levels {case.levels} " \
@@ -320,7 +362,11 @@ def test_every_path_keeps_the_fair_index_exact(shared_redis, queue):
                 t.decode() for t in client.zrange(keys.fair_counters(level), 0, -1)}
         listed = {i.decode() for level in range(3) for i in client.zrange(keys.pending(level),
                                                                            0, -1)}
-        assert {i.decode() for i in client.hkeys(keys.fair_who)} == listed
+        who = {k.decode(): v.decode() for k, v in client.hgetall(keys.fair_who).items()}
+        members = [[m.decode() for m in client.zrange(keys.fair_set(level), 0, -1)]
+                   for level in range(3)]
+        cost_of = {k.decode(): int(v.split(b":")[0]) for k, v in client.hgetall(keys.costs).items()}
+        assert set(split_who(who, members, cost_of, "cost")) == listed
 
     with Producer(shared_redis.url, queue=queue) as p:
         a = _enqueue(p, "a", 4, "low", cost=3)

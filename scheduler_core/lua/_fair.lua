@@ -64,6 +64,14 @@ local function fair_field(level, t)
   return level .. '|' .. t
 end
 
+-- The arrival (17 digits) and id of the last entry of a head cache's entries (anchored on
+-- the reversed string: a pattern ending in '$' would be tried from every position).
+local function fair_last(entries)
+  local id, a = string.match(string.reverse(entries), '^,([^,|]*)|%d+|(%d+)')
+  if not id then return nil end
+  return string.reverse(a), string.reverse(id)
+end
+
 -- A head cache's value as read from fair:who: nil if absent, false if written under the
 -- other mode with no costs in it (fairness = cost reads only 'c' caches).
 local function fair_cached(f, raw)
@@ -110,7 +118,7 @@ local function fair_list(f, entries)
   for i, j in ipairs(joins) do
     local v = cached[i]
     if v then
-      local last = string.match(v, '(%d+)|%d+|[^,]*,$')
+      local last = fair_last(v)
       if not last or j[3] <= tonumber(last) then
         drop[#drop + 1] = fields[i]
       elseif string.sub(v, 1, 1) == '=' then
@@ -309,7 +317,7 @@ local function fair_read(f, e, set, want)
   local from = '[' .. e.t .. '|'
   if e.buf ~= '' then
     if not e.last then
-      local a, id = string.match(e.buf, '(%d+)|%d+|([^,]*),$')
+      local a, id = fair_last(e.buf)
       e.last = e.t .. '|' .. a .. '|' .. id
     end
     from = '(' .. e.last

@@ -13,7 +13,7 @@
 --                          an exit finds its member without reading its payload; and
 --                          "<L>|<tenant>" (no id holds a '|') -> that tenant's head cache
 --                          at L: its first requests there, "<'=' all of them | '+' more
---                          follow><'c' units are costs | 'r'><arrival>|<cost>|<id>,...".
+--                          follow>c<arrival>|<cost>|<id>,...".
 --                          A pop reads the caches of the tenants it takes from in one call
 --                          (instead of a range read each) and keeps what it read past what
 --                          it took; every path that lists or unlists a request keeps the
@@ -72,11 +72,11 @@ local function fair_last(entries)
   return string.reverse(a), string.reverse(id)
 end
 
--- A head cache's value as read from fair:who: nil if absent, false if written under the
--- other mode with no costs in it (fairness = cost reads only 'c' caches).
+-- A head cache's value as read from fair:who: nil if absent, false if not of this format
+-- (its second character 'c': the entries hold costs, whatever the mode).
 local function fair_cached(f, raw)
   if not raw then return nil end
-  if f.mode == 'cost' and string.sub(raw, 2, 2) ~= 'c' then return false end
+  if string.sub(raw, 2, 2) ~= 'c' then return false end
   return raw
 end
 
@@ -229,11 +229,11 @@ local function fair_quota(f, t)
   return q[1], q[2]
 end
 
--- The cost each request counts for: 1, or (fairness = cost) its cost from the costs hash
--- (1 where it has no entry).
-local function fair_units(f, ids)
+-- The cost each request counts for: 1, or (fairness = cost, or `costs`) its cost from the
+-- costs hash (1 where it has no entry).
+local function fair_units(f, ids, costs)
   local units = {}
-  if f.mode ~= 'cost' or #ids == 0 then
+  if (f.mode ~= 'cost' and not costs) or #ids == 0 then
     for i = 1, #ids do units[i] = 1 end
     return units
   end
@@ -328,7 +328,7 @@ local function fair_read(f, e, set, want)
   e.last = items[#items]
   local ids, arrivals, at = {}, {}, #e.t + 2
   for i, m in ipairs(items) do arrivals[i], ids[i] = string.match(m, '^(%d+)|(.*)$', at) end
-  local units = fair_units(f, ids)
+  local units = fair_units(f, ids, true)  -- costs, whatever the mode: kept in the cache
   for i = 1, #ids do items[i] = arrivals[i] .. '|' .. units[i] .. '|' .. ids[i] .. ',' end
   e.buf = e.buf .. table.concat(items)
 end
@@ -427,8 +427,8 @@ local function fair_rest(f, e, ids, set)
 end
 
 -- A head cache's value: flag '=' (it lists all the tenant's requests at the level) or '+',
--- the mode's letter ('c': units are costs), then at most FAIR_CACHED requests.
-local function fair_cache_value(f, more, rest)
+-- 'c' (its entries hold costs), then at most FAIR_CACHED requests.
+local function fair_cache_value(more, rest)
   if #rest > FAIR_CACHED * 24 then  -- an entry is 24 characters at least
     local at = 0
     for _ = 1, FAIR_CACHED do
@@ -437,7 +437,7 @@ local function fair_cache_value(f, more, rest)
     end
     if at and at < #rest then rest, more = string.sub(rest, 1, at), true end
   end
-  return (more and '+' or '=') .. (f.mode == 'cost' and 'c' or 'r') .. rest
+  return (more and '+' or '=') .. 'c' .. rest
 end
 
 -- A batch leaves waiting (pop_batch's commit): each request's tenant's counter at its level
@@ -492,7 +492,7 @@ local function fair_commit(f, chosen)
         drop[#drop + 1] = fair_field(g[1], g[2])
       else
         cache[#cache + 1] = fair_field(g[1], g[2])
-        cache[#cache + 1] = fair_cache_value(f, e.more, rest)
+        cache[#cache + 1] = fair_cache_value(e.more, rest)
       end
     else
       others[#others + 1] = g
@@ -506,7 +506,7 @@ local function fair_commit(f, chosen)
   for k, e in pairs(read) do  -- read by range, none taken: cache what was read
     if e.fresh and not e.cached and e.buf ~= '' then
       cache[#cache + 1] = fair_field(tonumber(string.sub(k, 1, 1)), e.t)
-      cache[#cache + 1] = fair_cache_value(f, e.more, e.buf)
+      cache[#cache + 1] = fair_cache_value(e.more, e.buf)
     end
   end
   for level = 1, 3 do

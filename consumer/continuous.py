@@ -62,6 +62,9 @@ class Group:
     open: int  # members not yet answered
     writer: StreamWriter | None
     started_s: float = field(default_factory=time.perf_counter)
+    joined: list[Item] = field(default_factory=list)  # members the model took (tracing)
+    first_step_ns: int = 0  # wall clock of its first member's first step (tracing)
+    failed: int = 0  # members answered with the model's error (tracing)
     answered: Answers = field(default_factory=dict)  # for the observer, once all are in
     unsent: Answers = field(default_factory=dict)  # answered, not yet written
     ran: int = 0  # members the model ran
@@ -222,18 +225,25 @@ class ContinuousLoop:
                     type(exc).__name__, describe_error(exc))))
                 continue
             self.running[member.handle] = member
+            group.joined.append(item)
             cost += item.cost
         self._flush()
 
     def _step(self) -> None:
         w = self.worker
         self.step_marker = Batch("step", 0, [])  # a fresh one: the hang clock restarts
+        size, started = len(self.running), time.perf_counter()
+        if w.tracer is not None:
+            now_ns = time.time_ns()
+            for member in self.running.values():
+                member.group.first_step_ns = member.group.first_step_ns or now_ns
         try:
             steps = checked_steps(self.model.step())
         except Exception as exc:  # every running sequence fails; the loop goes on
             message = describe_error(exc)
             log.warning("model step raised: %s: %s", type(exc).__name__, message)
             for handle, member in list(self.running.items()):
+                member.group.failed += 1
                 self._drop(handle)
                 self._answer(member.group, member.item.id, w._encode(
                     member.item.id, False, (type(exc).__name__, message)))
@@ -242,6 +252,11 @@ class ContinuousLoop:
         finally:
             self.step_marker = None
         self.steps += 1
+        # A step is the model's call here: its size and time are what the consumer's
+        # batch size and model time histograms show (a popped group's lifetime is not).
+        on_step = getattr(w.observer, "on_step", None)
+        if on_step is not None:
+            on_step(size, int((time.perf_counter() - started) * 1e6))
         parts: dict[Group, dict[int, Any]] = {}
         for handle, part, result in steps:
             member = self.running.get(handle)
@@ -286,8 +301,8 @@ class ContinuousLoop:
             if group.writer is not None:
                 group.writer.restart([m.item for m in members])
             ids = [m.item.id for m in members]
-            reply = w.scripts.preempt(keys=preempt_keys(w.keys),
-                                      args=[group.batch.id, len(ids), *ids])
+            reply = w.scripts.preempt(keys=preempt_keys(w.keys), args=[
+                group.batch.id, len(ids), *ids, *(m.steps for m in members)])
             if int(reply[0]) == -1:
                 self._lose(group)
                 continue
@@ -322,11 +337,24 @@ class ContinuousLoop:
 
     def _close(self, group: Group) -> None:
         del self.groups[group.batch.id]
-        observer = self.worker.observer
-        if observer is not None:
-            observer.on_batch(group.batch, group.ran,
-                              int((time.perf_counter() - group.started_s) * 1e6),
-                              group.answered)
+        w = self.worker
+        if w.observer is not None:  # waits and outcomes; the steps were observed each
+            w.observer.on_batch(group.batch, 0, 0, group.answered)
+        if w.tracer is not None and group.first_step_ns:
+            self._trace(group)
+
+    def _trace(self, group: Group) -> None:
+        """The group's spans, as a static batch's (consumer/tracing.py): each traced
+        request's queue wait; the batch span from the pop to its last answer; the model
+        span from its first step to its last, the steps shared with the running batch."""
+        w = self.worker
+        try:
+            span = w.tracer.model_ran(group.batch, group.joined,
+                                      w.policy.strategy.value if w.policy else "",
+                                      group.first_step_ns, time.time_ns(), group.failed)
+            w.tracer.completed(span)
+        except Exception:  # tracing must never stop the consumer
+            log.exception("tracing failed")
 
     def _lose(self, group: Group) -> None:
         """The group's lease lapsed (another consumer re-runs it): stop its sequences."""

@@ -25,8 +25,12 @@ from helpers.support import wait_for
 from prometheus_client import CollectorRegistry
 from redis import Redis
 
+from batchgate.exporter import ExporterConfig, QueueCollector
+from batchgate.present import stats_table
 from consumer import Consumer
 from producer import DeadlineExceeded, Producer, RequestFailed, Restart
+from scheduler_core.keys import QueueKeys
+from scheduler_core.ops.stats import queue_stats
 
 HELPERS = str(Path(__file__).resolve().parent / "helpers")
 ROOT = str(Path(__file__).resolve().parent.parent)
@@ -238,14 +242,25 @@ def test_preemption_gives_running_low_sequences_back_for_high_work(
         assert all(p.deliveries[h.id] == 1 for h in [*low, high])
     first_high = next(k for k, step in enumerate(model.ran) if 9 in step)
     ran_before = [i for step in model.ran[:first_high] for i in step]
-    stats = Redis.from_url(shared_redis.url).hget(f"{{bg:{queue}}}:stats", "preempted")
+    client = Redis.from_url(shared_redis.url)
+    stats = queue_stats(client, queue)
+    exported = CollectorRegistry()
+    exported.register(QueueCollector(client, ExporterConfig(queues=(queue,))))
+    shown = "\n".join(stats_table(stats.to_dict()))
     if preempt:
         assert ran_before.count(1) < 40 and 1 not in model.ran[first_high]  # evicted
         assert ran_before.count(0) < 40 and 0 in model.ran[first_high]  # kept running
         assert Restart(1) in events
         rerun = events[events.index(Restart(1)) + 1:]
         assert rerun == [{"i": 1, "step": s} for s in range(40)]
-        assert int(stats) == 1
+        # The queue's counters: `batchgate stats`, the dashboard, the exporter.
+        wasted = ran_before.count(1)
+        assert (stats.preempted, stats.preempted_steps) == (1, wasted)
+        assert f"1 running requests given back for HIGH work, {wasted} decode steps" in shown
+        assert exported.get_sample_value("batchgate_queue_preempted_requests_total",
+                                         {"queue": queue}) == 1
+        assert exported.get_sample_value("batchgate_queue_preempted_steps_total",
+                                         {"queue": queue}) == wasted
         registry = consumer.metrics.registry
         assert registry.get_sample_value("batchgate_consumer_preempted_sequences_total",
                                          {"queue": queue}) == 1
@@ -253,7 +268,17 @@ def test_preemption_gives_running_low_sequences_back_for_high_work(
                                          {"queue": queue}) == ran_before.count(1)
     else:
         assert ran_before.count(0) == ran_before.count(1) == 40  # waited for a slot
-        assert Restart(1) not in events and stats is None
+        assert Restart(1) not in events
+        assert (stats.preempted, stats.preempted_steps) == (0, 0)
+        assert exported.get_sample_value("batchgate_queue_preempted_requests_total",
+                                         {"queue": queue}) == 0
+    # Each step is the model's call: the consumer's batch size histogram counts steps.
+    steps = consumer.metrics.registry.get_sample_value(
+        "batchgate_consumer_batch_size_count", {"queue": queue})
+    assert steps == len(model.ran)
+    # A step is no batch of t(b): no model samples for the live refit or the auto delay.
+    assert client.llen(QueueKeys(queue).model_samples) == 0
+    assert client.llen(QueueKeys(queue).e2e_samples) == 3
 
 
 def test_a_hung_step_makes_the_consumer_exit_and_its_sequences_run_elsewhere(

@@ -33,7 +33,7 @@ from scheduler_core.rules import Batch, Request, Wait, apply, decide
 # The loop's own time per step besides the model (pop read, answers' bookkeeping, the
 # step's Python), fitted to an in-process continuous consumer on a step-wise model that
 # only sleeps (tests/test_simulate_continuous.py).
-DEFAULT_STEP_OVERHEAD_MS = 1.5
+DEFAULT_STEP_OVERHEAD_MS = 1.0
 _NUMBER = r"(\d+(?:\.\d*)?|\.\d+)"
 _STEP = re.compile(rf"^(?:{_NUMBER}(?:\+|$))?(?:{_NUMBER}\*?n)?$")
 

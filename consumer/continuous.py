@@ -21,6 +21,7 @@ consumer finishes its batch.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import deque
@@ -53,6 +54,10 @@ from scheduler_core.wire import Outcome
 log = logging.getLogger("batchgate.consumer")
 
 LOW = 2  # a request popped at this level or below (3: delayed past its deadline) yields
+# After a pop between steps found nothing due, the next waits this long: a pop every step
+# (a millisecond or less) would cost the consumer and Redis about as much CPU as a small
+# model's steps; a request arriving meanwhile joins at most this much later.
+IDLE_POP_GAP_S = 0.002
 
 
 @dataclass(eq=False)
@@ -101,6 +106,8 @@ class ContinuousLoop:
         self.running: dict[Any, Member] = {}  # handle -> member
         self.step_marker: Batch | None = None  # what the lease thread's hang clock watches
         self.steps = 0
+        self.pending: tuple[SentScript, float] | None = None  # the pop sent between steps
+        self.quiet_until = 0.0  # monotonic time before which no pop is sent between steps
         self.preempted = 0  # sequences given back to the queue for HIGH work
         self.wasted_steps = 0  # the steps those had run (recomputed later)
 
@@ -119,11 +126,16 @@ class ContinuousLoop:
         w = self.worker
         backoff = Backoff(outage=w.outage)
         upcoming: Next = POP_NOW  # what the last pop (or idle wait) said
+        # The pop between steps: sent before a step, read once its reply is in (after
+        # that step, or a later one): Redis pops while the model runs, and no step waits
+        # for it. Read before anything else waits (nothing running, a stop).
         # A batch popped before a stop arrived is run, not stranded until its lease lapses.
         while not w.stopping.is_set() or self.running or self.waiting \
-                or isinstance(upcoming, Batch):
+                or isinstance(upcoming, Batch) or self.pending is not None:
             try:
                 w._sweep_if_due()
+                if self.pending is not None and (not self.running or self.pending[0].ready()):
+                    upcoming = self._read_pending()
                 if isinstance(upcoming, Batch):  # popped by the idle wait
                     self._join(upcoming)
                     upcoming = POP_NOW
@@ -133,28 +145,40 @@ class ContinuousLoop:
                 if self.running and w.config.preempt:
                     self._preempt()
                 if self.running:
-                    # The pop between steps is sent before the step and read after it:
-                    # Redis pops while the model runs, and the step never waits for it.
-                    sent = (SentScript(w.redis, *w._pop_call()), time.monotonic()) \
-                        if self._may_pop() else None
-                    try:
-                        self._step()
-                    finally:
-                        if sent is not None:
-                            upcoming = self._joined(w._parse(sent[0].reply()), sent[1])
+                    if self._may_pop_between_steps():
+                        self.pending = (SentScript(w.redis, *w._pop_call()), time.monotonic())
+                    self._step()
                 elif not self.waiting and not w.stopping.is_set() \
                         and isinstance(upcoming, Idle):
                     upcoming = w._idle(upcoming)  # blocks until work may be due, then pops
                 backoff.succeeded()
             except redis.RedisError as exc:
                 upcoming = POP_NOW
+                # Its batch, if Redis popped one, is run; lost with the connection, it is
+                # re-queued when its lease lapses.
+                with contextlib.suppress(redis.RedisError):
+                    if self.pending is not None:
+                        upcoming = self._read_pending()
                 backoff.sleep_after(exc)
 
+    def _read_pending(self) -> Next:
+        """The reply of the pop sent between steps; its batch joins."""
+        sent, sent_s = self.pending
+        self.pending = None
+        step = self._joined(self.worker._parse(sent.reply()), sent_s)
+        if isinstance(step, Idle):
+            self.quiet_until = time.monotonic() + IDLE_POP_GAP_S
+        return step
+
     def _may_pop(self) -> bool:
-        """A free slot, nobody popped waiting here for one, no stop asked, and no request
-        running alone."""
+        """A free slot, nobody popped waiting here for one, no pop in flight, no stop
+        asked, and no request running alone."""
         return not self.worker.stopping.is_set() and not self.waiting and self._free() > 0 \
-            and not self._alone()
+            and self.pending is None and not self._alone()
+
+    def _may_pop_between_steps(self) -> bool:
+        """_may_pop, and the last pop between steps found work, or was IDLE_POP_GAP_S ago."""
+        return self._may_pop() and self.quiet_until <= time.monotonic()
 
     def _alone(self) -> bool:
         """A request delivered before (its consumer crashed or hung: it may be the cause)
@@ -310,6 +334,7 @@ class ContinuousLoop:
                 self._drop(m.handle)
                 self.wasted_steps += m.steps
             self.preempted += len(members)
+            self.quiet_until = 0.0  # the HIGH work is popped with the next step
             group.open -= len(members)
             log.info("batch %s: %d LOW sequences given back to the queue for HIGH work",
                      group.batch.id, len(members))

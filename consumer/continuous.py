@@ -142,8 +142,13 @@ class ContinuousLoop:
                 elif not self.running and self._may_pop() and isinstance(upcoming, PopNow):
                     upcoming = self._joined(w._pop())
                 self._admit()
-                if self.running and w.config.preempt:
-                    self._preempt()
+                if self.running and w.config.preempt and self._preempt():
+                    # The HIGH work is popped now and joins this very step.
+                    if self.pending is not None:
+                        upcoming = self._read_pending()
+                    if self._may_pop():
+                        upcoming = self._joined(w._pop())
+                    self._admit()
                 if self.running:
                     if self._may_pop_between_steps():
                         self.pending = (SentScript(w.redis, *w._pop_call()), time.monotonic())
@@ -301,20 +306,22 @@ class ContinuousLoop:
                 self._lose(group)
         self._flush()
 
-    def _preempt(self) -> None:
+    def _preempt(self) -> bool:
         """--preempt: HIGH requests wait and every slot runs: give running LOW sequences
         (the latest admitted first: the least work lost) back to the queue, one per HIGH
         request waiting; they keep their arrival time and are recomputed later, and their
-        streams get a restart marker. The HIGH ones are popped at the next step."""
+        streams get a restart marker. Whether any was given back (the caller pops the
+        HIGH work at once)."""
         w = self.worker
         if self._free() > 0 or self.waiting:
-            return
+            return False
         low = [m for m in self.running.values() if m.item.level >= LOW]
         if not low:
-            return
+            return False
         high = int(w.redis.zcard(w.keys.pending(0)))
         if not high:
-            return
+            return False
+        given = False
         self._flush()  # answers first: the give-back may close their batch
         victims: dict[Group, list[Member]] = {}
         for member in low[-high:]:
@@ -334,12 +341,13 @@ class ContinuousLoop:
                 self._drop(m.handle)
                 self.wasted_steps += m.steps
             self.preempted += len(members)
-            self.quiet_until = 0.0  # the HIGH work is popped with the next step
+            given = True
             group.open -= len(members)
             log.info("batch %s: %d LOW sequences given back to the queue for HIGH work",
                      group.batch.id, len(members))
             if group.open == 0:
                 self._close(group)
+        return given
 
     # -- answers ----------------------------------------------------------------------
     def _answer(self, group: Group, request_id: str, answer: tuple[Outcome, bytes]) -> None:

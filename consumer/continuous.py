@@ -66,7 +66,6 @@ class Group:
     batch: Batch
     open: int  # members not yet answered
     writer: StreamWriter | None
-    started_s: float = field(default_factory=time.perf_counter)
     joined: list[Item] = field(default_factory=list)  # members the model took (tracing)
     first_step_ns: int = 0  # wall clock of its first member's first step (tracing)
     failed: int = 0  # members answered with the model's error (tracing)
@@ -379,7 +378,8 @@ class ContinuousLoop:
     def _trace(self, group: Group) -> None:
         """The group's spans, as a static batch's (consumer/tracing.py): each traced
         request's queue wait; the batch span from the pop to its last answer; the model
-        span from its first step to its last, the steps shared with the running batch."""
+        span from its first step to its last answer, the steps shared with the running
+        batch."""
         w = self.worker
         try:
             span = w.tracer.model_ran(group.batch, group.joined,

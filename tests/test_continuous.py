@@ -321,6 +321,10 @@ def test_the_benchmark_harness_replays_measures_and_judges(
     results = {"static": run | {"config": "static"}, "continuous": run}
     checks = bench.checks(results, solo_short_ms=1.0)
     assert len(checks) == 3 and checks[2]["ok"]  # the same run: the same tokens/s
+    crashed = bench.checks(results, 1.0, {"requests": 2, "answered_once": 2,
+                                          "equal_to_solo": 1})
+    assert len(crashed) == 4 and not crashed[0]["ok"] and "1 of 2 equal" in \
+        crashed[0]["value"]
     report = {"workload": {"rate": 1.0, "duration_s": 1.0, "load": 0.5, "requests": 4,
                            "short": 3, "long": 1, "solo_short_ms": 1.0,
                            "solo_long_ms": 10.0},

@@ -62,6 +62,10 @@ OTHER_COUNTERS = {
     "dead_purged": ("batchgate_queue_dead_letters_purged", "Dead letters purged."),
     "retried": ("batchgate_queue_retried_requests",
                 "Runs that raised a retry_on exception, scheduled to run again."),
+    "preempted": ("batchgate_queue_preempted_requests",
+                  "Running requests given back to the queue for HIGH work (--preempt)."),
+    "preempted_steps": ("batchgate_queue_preempted_steps",
+                        "Decode steps the preempted requests had run (recomputed later)."),
 }
 # Policy knob -> (gauge, unit divisor to seconds or 1)
 POLICY_GAUGES = {

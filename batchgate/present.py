@@ -158,6 +158,8 @@ def stats_table(stats: dict[str, Any], now_s: float | None = None) -> list[str]:
         ("requeued", f"{stats['requeued']:,} (their batch's lease expired)"),
         ("retried", f"{stats.get('retried', 0):,} runs (the model raised a retry_on "
                     f"exception), {stats.get('retrying', 0):,} waiting to run again"),
+        ("preempted", f"{stats.get('preempted', 0):,} running requests given back for HIGH "
+                      f"work, {stats.get('preempted_steps', 0):,} decode steps to recompute"),
         ("dead letters", f"{stats['dead_letters']:,}"),
         ("batches", f"{stats['batches']:,}" + (f", mean size {mean:.1f} requests"
                                                if mean is not None else "")),

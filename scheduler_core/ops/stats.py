@@ -40,6 +40,10 @@ class QueueStats:
     past_deadline: int = 0  # waiting past their deadline, about to be expired
     retried: int = 0  # runs that raised a retry_on exception and were scheduled again
     retrying: int = 0  # waiting out a retry's backoff now
+    # --batching continuous --preempt: running requests given back to the queue for HIGH
+    # work (preempt.lua), and the decode steps they had run (recomputed later)
+    preempted: int = 0
+    preempted_steps: int = 0
     # requests/s enqueued over the last 10 complete seconds (enqueue.lua's counts)
     arrival_rate_rps: float = 0.0
     # the max_queue_delay_ms pop_batch applies: the stored one, or under
@@ -93,6 +97,8 @@ def queue_stats(client: redis.Redis, queue: str) -> QueueStats:
         past_deadline=r.past_deadline,
         retried=counters.get("retried", 0),
         retrying=r.retrying,
+        preempted=counters.get("preempted", 0),
+        preempted_steps=counters.get("preempted_steps", 0),
         arrival_rate_rps=rate_from(r.arrivals, r.now_us // 1_000_000),
         max_queue_delay_ms_in_use=delay_in_use(stored, counters,
                                                 r.now_us - CONSUMER_ALIVE_S * 1_000_000),

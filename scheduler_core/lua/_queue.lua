@@ -85,16 +85,19 @@ local function unlist_waiting(costs, bucket_sets, ids)
 end
 
 -- Arrival scores: Redis time, strictly increasing per queue, so that ties keep arrival
--- order. next() issues one; save() stores the last one issued (once per call).
-local function arrival_clock(clock, now)
-  local last = tonumber(redis.call('GET', clock) or '0') or 0
+-- order. next() issues one; save() stores the last one issued (once per call), with the
+-- queue's clock (the clock key holds both): `now` is queue_now's, called first.
+local function arrival_clock(now)
+  local c = clock_now
+  local last = c.read
   local arrivals = {}
   function arrivals.next()
     last = math.max(now, last + 1)
     return last
   end
   function arrivals.save()
-    redis.call('SET', clock, int(last))
+    if last > c.latest then c.latest, c.dirty = last, true end
+    note_clock()
   end
   return arrivals
 end

@@ -147,13 +147,18 @@ local function pop_fields(raw)
 end
 
 -- What a completion needs of a jobs value, without parse_job's table and envelope copy:
--- its arrival (µs, as a number), whether its result is kept by id, and its producer; nil
--- where parse_job would find no meta.
+-- its arrival (µs, as a number), whether its result is kept by id, and whether it has a
+-- producer; nil where parse_job would find no meta. Positions, not strings, are captured
+-- where the value is not needed (each captured string is a new Lua string).
+local JOB_ROUTE = '^[0-2]:(%d+):()%d+():()%d+():([01]):()[%w_.%-]*():?()%d*():?()%d*()|'
+
 local function job_route(raw)
   if not raw then return nil end
-  local _, _, p, a, d, n, k, producer, c, r = string.find(raw, JOB_META)
-  if not p or #a > 17 or #d > 17 or #n > 9 or #c > 10 or #r > 10 then return nil end
-  return tonumber(a), k == '1', producer
+  local a, d0, d1, n0, n1, k, p0, p1, c0, c1, r0, r1 = string.match(raw, JOB_ROUTE)
+  if not a or #a > 17 or d1 - d0 > 17 or n1 - n0 > 9 or c1 - c0 > 10 or r1 - r0 > 10 then
+    return nil
+  end
+  return tonumber(a), k == '1', p1 > p0
 end
 
 -- The envelope of a jobs value, for a caller that needs no meta (the whole value if it
@@ -164,10 +169,14 @@ local function job_envelope(raw)
   return m and m.envelope or raw
 end
 
+-- The digits of the small numbers a meta holds most often, without string.format.
+local SMALL = {[0] = '0', '1', '2', '3', '4', '5', '6', '7', '8', '9'}
+
 local function format_job(m)
-  local raw = int(m.prio) .. ':' .. (m.arrival_s or int(m.arrival)) .. ':' ..
-              (m.deadline_s or int(m.deadline)) .. ':' .. int(m.attempts) .. ':' ..
-              (m.keep and '1:' or '0:') .. m.producer
+  local raw = (SMALL[m.prio] or int(m.prio)) .. ':' .. (m.arrival_s or int(m.arrival)) ..
+              ':' .. (m.deadline_s or SMALL[m.deadline] or int(m.deadline)) .. ':' ..
+              (SMALL[m.attempts] or int(m.attempts)) .. ':' .. (m.keep and '1:' or '0:') ..
+              m.producer
   local cost, requested = m.cost or 1, m.requested or m.cost or 1
   if requested ~= cost then
     raw = raw .. ':' .. int(cost) .. ':' .. int(requested)

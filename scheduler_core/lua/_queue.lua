@@ -24,6 +24,7 @@ end
 -- reading the jobs value (its payload), and every exit takes the id out of the set it
 -- was put in, whatever cost_buckets says by then (wire.cost_record).
 local function cost_record(cost, bucket)
+  if cost == 1 and bucket == 0 then return '1:0' end  -- the usual one, without a format
   return int(cost) .. ':' .. bucket
 end
 

@@ -121,10 +121,10 @@ for i = 0, n - 1 do
     accepted = accepted + 1
   else
     seen[id] = true
-    local arrival, keep, producer = job_route(raw[i + 1])
+    local arrival, keep, has_producer = job_route(raw[i + 1])
     -- Without readable meta (written by hand) the result is stored: no inbox to take it.
     if not arrival or keep then store_result(KEYS[FIRST + 2 * i], envelope, ttl) end
-    if arrival and producer ~= '' then
+    if arrival and has_producer then
       local inbox = KEYS[FIRST + 1 + 2 * i]
       if not inboxes[inbox] then
         inboxes[inbox] = {}

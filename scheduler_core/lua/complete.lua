@@ -1,9 +1,9 @@
 --[[ complete: record results of (part of) a batch, fenced by the batch id.
 
-KEYS[1..12] the queue's shared keys this script takes, in the order of
+KEYS[1..19] the queue's shared keys this script takes, in the order of
             scheduler_core.keys.SCRIPT_KEYS['complete']:
-KEYS[1]  {bg:q}:policy        its name only: {bg:q}:tenants (lua/_tenants.lua) is named
-                               from it
+KEYS[1]  {bg:q}:policy        hash   read when a named tenant's request leaves in flight:
+                                     fairness, tenant_quotas, cost_buckets
 KEYS[2]  {bg:q}:jobs          hash   id -> "<meta>|<envelope>"
 KEYS[3]  {bg:q}:clock         string the queue's clock (queue_now)
 KEYS[4]  {bg:q}:stats         hash   counters; the service rate window (rate_window:
@@ -16,10 +16,13 @@ KEYS[9]  {bg:q}:dead:reason   hash   dead-lettered id -> error envelope
 KEYS[10] {bg:q}:samples:e2e   list   recent enqueue-to-result times (µs)
 KEYS[11] {bg:q}:samples:model list   recent batches as "size:model_us"
 KEYS[12] {bg:q}:retry         zset   id -> when it may run again (µs), for 'retry'
-KEYS[13+2i] {bg:q}:result:<id_i>         result of request i (i = 0..n-1), written only if
+KEYS[13] {bg:q}:marker        zset   woken when a tenant under max_in_flight may run more
+KEYS[14..18] {bg:q}:marker:<1..5> zset  woken with the marker
+KEYS[19] {bg:q}:tenants     hash  per named tenant's counters (lua/_tenants.lua)
+KEYS[20+2i] {bg:q}:result:<id_i>         result of request i (i = 0..n-1), written only if
                                          its request asked for it (keep); for a 'retry'
                                          {bg:q}:attempts:<id_i>, its failed runs (list)
-KEYS[14+2i] {bg:q}:inbox:<producer_i>    its producer's inbox (any key if it has none)
+KEYS[21+2i] {bg:q}:inbox:<producer_i>    its producer's inbox (any key if it has none)
 
 ARGV[1]  batch id (the fencing token returned by pop_batch)
 ARGV[2]  result TTL, seconds
@@ -27,7 +30,7 @@ ARGV[3]  n, number of results (1..the largest max_batch_size of the policy LIMIT
 ARGV[4+3i..6+3i] for result i: id, outcome ('ok' | 'err' | 'dead' | 'expired' | 'retry'),
          result envelope; 'expired' (deadline passed, not run) counts as expired, not
          failed; for 'retry' "<backoff ms (0..86400000)>|<this run's error>" instead of
-         an envelope: the error is pushed onto KEYS[13+2i]
+         an envelope: the error is pushed onto KEYS[20+2i]
 ARGV[4+3n] optional: the batch's model run as "size:model_us", pushed to KEYS[11]
 
 Returns  {accepted, refused, remaining}: results written; results refused because the
@@ -47,10 +50,11 @@ Work is bounded by n plus the batch's size.
 ]]
 -- @include _common.lua
 -- @include _policy.lua
--- @include _queue.lua
 -- @include _tenants.lua
+-- @include _fair.lua
+-- @include _queue.lua
 
-local policy = KEYS[1]  -- its name only (lua/_tenants.lua)
+local policy = KEYS[1]
 local jobs = KEYS[2]
 local clock = KEYS[3]
 local stats = KEYS[4]
@@ -62,7 +66,10 @@ local dead_reason = KEYS[9]
 local e2e_samples = KEYS[10]
 local model_samples = KEYS[11]
 local retry = KEYS[12]
-local FIRST = 13  -- KEYS[13 + 2i], KEYS[14 + 2i]: result:<id> and inbox:<producer> of result i
+local marker = KEYS[13]
+local bucket_markers = {KEYS[14], KEYS[15], KEYS[16], KEYS[17], KEYS[18]}
+local tenants = KEYS[19]
+local FIRST = 20  -- KEYS[20 + 2i], KEYS[21 + 2i]: result:<id> and inbox:<producer> of result i
 
 local batch_id = ARGV[1]
 local _, most_results = policy_range('max_batch_size')  -- a batch's results fit one call
@@ -169,7 +176,17 @@ for _, i in ipairs(answered) do
     end
   end
 end
-if tally then tally.flush((tenant_keys(policy))) end
+if tally then
+  tally.flush(tenants)
+  -- Under fairness, a pop passes over a tenant at its max_in_flight (lua/_fair.lua): one
+  -- may now take its requests.
+  local p = redis.call('HMGET', policy, 'fairness', 'tenant_quotas')
+  if p and (p[1] == 'requests' or p[1] == 'cost') and p[2]
+     and string.find(p[2], 'max_in_flight=', 1, true) then
+    wake_consumers(marker)
+    wake_buckets(bucket_markers, bucket_count(stored_bounds(policy)))
+  end
+end
 for _, inbox in ipairs(inbox_order) do  -- results keep their order within each inbox
   deliver_results(inbox, ttl, unpack(inboxes[inbox]))
 end

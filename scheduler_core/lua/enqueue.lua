@@ -1,10 +1,10 @@
 --[[ enqueue: add N requests to a queue atomically (all or none).
 
-KEYS[1..21] the queue's shared keys this script takes, in the order of
+KEYS[1..30] the queue's shared keys this script takes, in the order of
             scheduler_core.keys.SCRIPT_KEYS['enqueue']:
 KEYS[1]  {bg:q}:policy      hash   read (one HMGET): strategy, max_batch_size,
                                    max_queue_size, max_cost, over_cost, max_batch_cost,
-                                   cost_buckets, retired and the deadline policy
+                                   cost_buckets, retired, fairness and the deadline policy
                                    (timeout_<level>_ms, allow_timeout_override, on_timeout)
 KEYS[2]  {bg:q}:pending:0   zset   HIGH
 KEYS[3]  {bg:q}:pending:1   zset   NORMAL
@@ -23,8 +23,13 @@ KEYS[12..16] {bg:q}:marker:<1..5> zset  wake-up marker of the consumers dedicate
                                    bucket: set for each bucket a new request falls in
 KEYS[17..21] {bg:q}:bucket:<1..5> zset  with cost buckets: each new request's id, in its
                                    bucket's set (score = arrival)
-KEYS[22..] {bg:q}:idem:<key> string one per request whose idem flag is 1, in order
-named from KEYS[1], not passed: {bg:q}:tenants and {bg:q}:tenant_rate (lua/_tenants.lua)
+KEYS[22] {bg:q}:tenants     hash  per named tenant's counters (lua/_tenants.lua)
+KEYS[23] {bg:q}:tenant_rate hash  per tenant's rate-quota token buckets
+KEYS[24..26] {bg:q}:fair:<0..2> zset  fairness requests | cost (lua/_fair.lua): waiting
+                                  requests by tenant, then arrival
+KEYS[27..29] {bg:q}:vtc:<0..2> zset  the backlogged tenants of each level -> virtual counter
+KEYS[30] {bg:q}:fair:who    hash  id -> tenant of each request in the fair sets
+KEYS[31..] {bg:q}:idem:<key> string one per request whose idem flag is 1, in order
 read, not passed: {bg:q}:result:<id> of the id an idempotency key names (the caller cannot
          know it; same hash tag, so the slot of the keys above)
 
@@ -83,8 +88,9 @@ an idle one re-arms its timer for it. Work is bounded by n; the writes are varia
 ]]
 -- @include _common.lua
 -- @include _policy.lua
--- @include _queue.lua
 -- @include _tenants.lua
+-- @include _fair.lua
+-- @include _queue.lua
 
 local ARRIVALS_KEEP_S = 120
 -- Variadic calls take at most CHUNK requests: unpack() of more would overflow Lua's stack.
@@ -127,7 +133,12 @@ local deadlines = KEYS[10]
 local arrivals = KEYS[11]
 local bucket_markers = {KEYS[12], KEYS[13], KEYS[14], KEYS[15], KEYS[16]}
 local bucket_sets = {KEYS[17], KEYS[18], KEYS[19], KEYS[20], KEYS[21]}
-local FIRST_IDEM = 22  -- KEYS[22..]: the idempotency keys, in order
+local tenants = KEYS[22]
+local tenant_rate = KEYS[23]
+local fair_sets = {KEYS[24], KEYS[25], KEYS[26]}
+local fair_counters = {KEYS[27], KEYS[28], KEYS[29]}
+local fair_who = KEYS[30]
+local FIRST_IDEM = 31  -- KEYS[31..]: the idempotency keys, in order
 
 local n = int_arg(ARGV[2], 1, 10000)
 if not n or (#ARGV ~= 3 + 7 * n and #ARGV ~= 4 + 7 * n) then return {-3, 'n'} end
@@ -140,10 +151,9 @@ if not idem_ttl then return {-3, 'idempotency_ttl'} end
 local producer = ARGV[1]
 if producer ~= '' and not valid_id(producer) then return {-3, 'producer'} end
 
--- The whole policy this script needs in one read: 8 fields, then TIMEOUT_FIELDS.
 local rules = redis.call('HMGET', policy, 'strategy', 'max_batch_size', 'max_queue_size',
                          'max_cost', 'over_cost', 'max_batch_cost', 'cost_buckets', 'retired',
-                         unpack(TIMEOUT_FIELDS))
+                         'fairness', unpack(TIMEOUT_FIELDS))  -- all it reads, at once
 -- A dropped shard takes nothing more: no consumer will serve it.
 if rules[8] == '1' then return {-5, 'shards'} end
 local strategy = rules[1] or 'fifo'
@@ -156,7 +166,7 @@ local truncate = rules[5] == 'truncate'
 local costed = (tonumber(rules[6]) or 0) > 0 or (rules[7] and rules[7] ~= '')
 -- Malformed buckets read as none here: pop_batch refuses such a policy anyway.
 local bounds = parse_buckets(rules[7]) or {}
-local timeouts = timeouts_of(rules, 9)
+local timeouts = timeouts_of(rules, 10)
 if not timeouts then return {-3, 'policy'} end
 local now = queue_now(clock, stats, true)  -- noted once it writes (pass 2)
 
@@ -223,7 +233,7 @@ end
 -- Tenants (lua/_tenants.lua): each new request's tenant, and the quotas of the named
 -- ones, checked before the queue's own limit. Nothing of a refused call is written; only
 -- its tenant's refused counter (r:<tenant>) is raised.
-local tenant_counts, tenant_rates = tenant_keys(policy)
+local tenant_counts, tenant_rates = tenants, tenant_rate
 local tenant_new, tenant_names = {}, {}  -- tenant -> {count, cost} of its new requests
 for i = 1, n do
   if not effective[i] then
@@ -297,13 +307,16 @@ if limit > 0 and live + fresh > limit then
   return {-1, live, limit, fresh, int(rate)}
 end
 
--- Pass 2: write (the queue's clock with the arrival scores, scores.save()).
+-- Pass 2: write.
+-- (The queue's clock is written with the arrival scores, scores.save().)
 local first_deadline = nil  -- the queue's earliest deadline, read at the first new one
 local given = {}  -- the deadline each request got, ms
 local scores = arrival_clock(now)
 local wake = (strategy == 'fifo') or costed
 local pending_adds, job_fields, deadline_adds = {{}, {}, {}}, {}, {}
 local bucket_adds = {}  -- bucket -> {arrival, id, ...} of its new requests
+local fair = fair_index(rules[9], fair_sets, fair_counters, fair_who)
+local fair_adds = {}  -- {level, tenant, arrival, id} of each new request, under fairness
 local cost_fields = {}  -- id, cost_record, ...: beside jobs, so that a pop reads no payload
 key_index = FIRST_IDEM
 for i = 0, n - 1 do
@@ -364,6 +377,9 @@ for i = 0, n - 1 do
       table.insert(bucket_adds[b], arrival_s)
       table.insert(bucket_adds[b], id)
     end
+    if fair then
+      fair_adds[#fair_adds + 1] = {prio, envelope_tenant(ARGV[base + 3]), arrival, id}
+    end
     cost_fields[#cost_fields + 1] = id
     cost_fields[#cost_fields + 1] = cost_record(cost, b)
     depth[prio + 1] = depth[prio + 1] + 1
@@ -374,6 +390,7 @@ for level = 1, 3 do write_pairs('ZADD', pending[level], pending_adds[level]) end
 write_pairs('HSET', jobs, job_fields)
 write_pairs('HSET', costs, cost_fields)
 write_pairs('ZADD', deadlines, deadline_adds)
+fair_list(fair, fair_adds)
 scores.save()
 if wake then wake_consumers(marker) end
 for b, adds in pairs(bucket_adds) do

@@ -218,11 +218,11 @@ local function push_samples(key, ...)
   end
 end
 
--- The service rate window complete.lua keeps in stats (rate_window, "<since_us>:<processed
--- then>"): when it began and the processed counter then; nil where there is none (or it
--- was written by hand).
-local function read_rate_window(raw)
-  local since, base = string.match(raw or '', '^(%d+):(%d+)$')
-  if not since or #since > 17 or #base > 17 then return nil end
-  return tonumber(since), tonumber(base)
+-- The service rate window complete.lua keeps in stats (rate_since_us, rate_base: when it
+-- began and the processed counter then), as HMGET read them: nil where there is none (or
+-- it was written by hand).
+local function read_rate_window(since, base)
+  since, base = tonumber(since), tonumber(base)
+  if not since or not base or since < 0 or base < 0 then return nil end
+  return since, base
 end

@@ -6,8 +6,8 @@ KEYS[1]  {bg:q}:policy        hash   read when a named tenant's request leaves i
                                      fairness, tenant_quotas, cost_buckets
 KEYS[2]  {bg:q}:jobs          hash   id -> "<meta>|<envelope>"
 KEYS[3]  {bg:q}:clock         string the queue's clock (queue_now)
-KEYS[4]  {bg:q}:stats         hash   counters; the service rate window (rate_window:
-                                     "<since_us>:<processed then>", rate_mrps)
+KEYS[4]  {bg:q}:stats         hash   counters; the service rate window (rate_since_us,
+                                     rate_base: processed then; rate_mrps)
 KEYS[5]  {bg:q}:inflight      zset   batch id -> lease deadline
 KEYS[6]  {bg:q}:owner         hash   id -> batch id
 KEYS[7]  {bg:q}:batches       hash   batch id -> "consumer|ids"
@@ -213,16 +213,17 @@ if accepted > 0 then
   if expired > 0 then redis.call('HINCRBY', stats, 'expired', expired) end
   -- Recent service rate (enqueue's retry-after hint): requests processed over windows of
   -- at least 1 s, counted by the processed counter itself, so that a call in a window
-  -- only reads where the window began; rate_mrps = the last window's rate in
+  -- only reads where the window began (one HMGET, no write); rate_mrps = the last window's rate in
   -- milli-requests per second. A window longer than 10 s spanned an idle gap and is not
   -- published.
-  local since, base = read_rate_window(redis.call('HGET', stats, 'rate_window'))
+  local w = redis.call('HMGET', stats, 'rate_since_us', 'rate_base')
+  local since, base = read_rate_window(w[1], w[2])
   if not since or now - since >= 1000000 then
     if since and now - since <= 10000000 and processed >= base then
       redis.call('HSET', stats, 'rate_mrps', int((processed - base) * 1e9 / (now - since)),
-                 'rate_window', int(now) .. ':' .. processed)
+                 'rate_since_us', int(now), 'rate_base', processed)
     else
-      redis.call('HSET', stats, 'rate_window', int(now) .. ':' .. processed)
+      redis.call('HSET', stats, 'rate_since_us', int(now), 'rate_base', processed)
     end
   end
 end

@@ -297,12 +297,12 @@ end
 if limit > 0 and live + fresh > limit then
   -- The rate complete.lua measured, decayed when no window has closed for over 2 s
   -- (consumers stalled or gone): then it is at most what was processed since / time since.
-  local r = redis.call('HMGET', stats, 'rate_mrps', 'rate_window', 'processed')
+  local r = redis.call('HMGET', stats, 'rate_mrps', 'rate_since_us', 'rate_base', 'processed')
   local rate = tonumber(r[1]) or 0
-  local since, base = read_rate_window(r[2])
+  local since, base = read_rate_window(r[2], r[3])
   local idle = since and (now - since) or 0
   if idle > 2000000 then
-    rate = math.min(rate, math.max(0, (tonumber(r[3]) or 0) - base) * 1e9 / idle)
+    rate = math.min(rate, math.max(0, (tonumber(r[4]) or 0) - base) * 1e9 / idle)
   end
   return {-1, live, limit, fresh, int(rate)}
 end

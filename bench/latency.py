@@ -1,6 +1,7 @@
 """Where one request's time goes at light load, hop by hop, beside the raw Redis path.
 
     python -m bench.latency [--requests 400] [--rate 50] [--load 4000]
+    python -m bench.latency --against ../main --gateway   # the issue's whole set, one run
 
 Two private redis-servers (one per path, so that each one's CPU is its path's own):
 
@@ -19,12 +20,24 @@ With --load N (0 to skip): Redis CPU per request under load, N requests from 8 t
 at batch 1 (fifo, one submit per request) and N through `submit_many` at batch 32
 (dynamic), against the raw path's 8 threads; with the commands per request inside the
 scripts (`INFO commandstats`).
+
+With --against DIR (another checkout, e.g. main's; needs valgrind): Redis' instructions
+per request before (DIR) and after (this checkout) at batch 1 and batch 32
+(scripts/script_instructions.py --against). With --gateway: `bench.gateway_load` at 32
+and 1,000 connections, `--workers 2`, against the AsyncProducer direct. Ends with
+`summary: N of M checks met` (light-load p50 and p99 within 1.3x the raw path; with
+--against, a request's instructions end to end at most half DIR's at batch 1 and 32;
+with --gateway, the gateway at least 0.5x direct with no non-2xx answer at each
+concurrency); --strict exits 1 unless all are met.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -158,7 +171,7 @@ class Light:
                            complete_reply=complete, received=self.received[rid])
         return cpu
 
-    def report(self, cpu: tuple[float, float]) -> None:
+    def report(self, cpu: tuple[float, float]) -> list[tuple[str, bool]]:
         bg = [row for row in self.bg_rows.values() if "received" in row]
         print(f"light load: fifo, batch 1, no-op model; {len(bg)} batchgate and "
               f"{len(self.raw_rows)} raw requests, alternating, open loop")
@@ -181,6 +194,8 @@ class Light:
         print(f"ratio batchgate/raw: p50 {b50 / r50:.2f}x, p99 {b99 / r99:.2f}x")
         print(f"Redis CPU per request (INFO cpu, idle time between requests included): "
               f"batchgate {cpu[0]:.1f} µs, raw {cpu[1]:.1f} µs")
+        return [(f"light-load p50 within 1.3x the raw path ({b50 / r50:.2f}x)", b50 / r50 <= 1.3),
+                (f"light-load p99 within 1.3x the raw path ({b99 / r99:.2f}x)", b99 / r99 <= 1.3)]
 
 
 def commandstats(client: redis.Redis) -> dict[str, tuple[int, int]]:
@@ -242,20 +257,86 @@ def load_cpu(bg_url: str, raw_url: str, n: int, out_dir: Path) -> None:
             stop_worker(child)
 
 
+ROOT = Path(__file__).resolve().parents[1]
+END_TO_END = re.compile(r"^(a single submit end to end|a request end to end \(backlog\))"
+                        r"\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)x$", re.M)
+
+
+def instructions(against: Path) -> list[tuple[str, bool]]:
+    """scripts/script_instructions.py --against at batch 1 and batch 32: its output, and
+    whether a request's instructions end to end are at most half the other checkout's."""
+    checks = []
+    for batch, requests, which in ((1, 2000, "a single submit end to end"),
+                                   (32, 4000, "a request end to end (backlog)")):
+        print(f"\ninstructions per request, batch {batch} (callgrind; before = {against})")
+        done = subprocess.run([sys.executable, str(ROOT / "scripts" / "script_instructions.py"),
+                               "--batch", str(batch), "--requests", str(requests),
+                               "--against", str(against)],
+                              capture_output=True, text=True, check=True)
+        table = done.stdout[done.stdout.rindex("k instructions per request"):]
+        print(table, end="")
+        ratio = {m[0]: float(m[3]) for m in END_TO_END.findall(table)}.get(which)
+        checks.append((f"batch {batch}: {which} at most 0.5x before "
+                       f"({ratio if ratio is not None else '?'}x)",
+                       ratio is not None and ratio <= 0.5))
+    return checks
+
+
+def gateway(repeat: int, duration: float) -> list[tuple[str, bool]]:
+    """bench.gateway_load --workers 2 at 32 and 1,000 connections: its table, and whether
+    the gateway reached 0.5x the AsyncProducer direct (median of rounds), all 2xx."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cells_file = Path(tmp) / "cells.json"
+        print("\ngateway, --workers 2 (bench.gateway_load)", flush=True)
+        subprocess.run([sys.executable, "-m", "bench.gateway_load", "--workers", "2",
+                        "--repeat", str(repeat), "--duration", str(duration),
+                        "--json", str(cells_file)], check=True, cwd=ROOT,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+        cells = json.loads(cells_file.read_text())
+    cells = cells if isinstance(cells, list) else cells.get("cells", [])
+    checks = []
+    for n in (32, 1000):
+        row = [c for c in cells if c["connections"] == n]
+        direct = {c["round"]: c["rate"] for c in row if "direct" in c["what"]}
+        ratios = [c["rate"] / direct[c["round"]] for c in row if "gateway" in c["what"]]
+        errors = sum(c["errors"] for c in row if "gateway" in c["what"])
+        med = statistics.median(ratios) if ratios else 0.0
+        checks.append((f"gateway at {n} connections at least 0.5x direct ({med:.2f}x, "
+                       f"{errors} non-2xx)", med >= 0.5 and errors == 0))
+    return checks
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=400, help="per path")
     parser.add_argument("--rate", type=float, default=50.0, help="arrivals per second")
     parser.add_argument("--load", type=int, default=4000, help="0 to skip")
+    parser.add_argument("--against", type=Path,
+                        help="another checkout: instructions per request before/after")
+    parser.add_argument("--gateway", action="store_true", help="run bench.gateway_load too")
+    parser.add_argument("--gateway-repeat", type=int, default=3)
+    parser.add_argument("--gateway-duration", type=float, default=5.0)
+    parser.add_argument("--strict", action="store_true", help="exit 1 unless all checks met")
     args = parser.parse_args()
     with ExitStack() as stack:
         bg_url = stack.enter_context(embedded_redis())
         raw_url = stack.enter_context(embedded_redis())
         out_dir = Path(stack.enter_context(tempfile.TemporaryDirectory()))
         light = Light(bg_url, raw_url, out_dir)
-        light.report(light.run(args.requests, args.rate))
+        checks = light.report(light.run(args.requests, args.rate))
         if args.load:
             load_cpu(bg_url, raw_url, args.load, out_dir)
+    if args.against is not None:
+        checks += instructions(args.against.resolve())
+    if args.gateway:
+        checks += gateway(args.gateway_repeat, args.gateway_duration)
+    print()
+    for label, ok in checks:
+        print(f"{'met' if ok else 'NOT met'}: {label}")
+    met = sum(ok for _, ok in checks)
+    print(f"summary: {met} of {len(checks)} checks met")
+    if args.strict and met < len(checks):
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

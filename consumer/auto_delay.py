@@ -40,7 +40,7 @@ from scheduler_core.auto_delay import (
     read_cost_model,
 )
 from scheduler_core.connection import slot_owner
-from scheduler_core.keys import CLOCK_OFFSET, CONSUMER_ALIVE_S, QueueKeys, queue_clock_us
+from scheduler_core.keys import CONSUMER_ALIVE_S, QueueKeys, queue_clock_us
 from scheduler_core.load import rate_from
 from scheduler_core.policy import Policy, Strategy
 
@@ -126,7 +126,7 @@ class DelayKeeper:
             pipe.hgetall(self._keys.arrivals)
             pipe.hgetall(self._keys.cost_model)
             pipe.zrange(self._keys.consumers, 0, -1, withscores=True)
-            pipe.hget(self._keys.stats, CLOCK_OFFSET)  # heartbeats are on the queue's clock
+            pipe.get(self._keys.clock)  # heartbeats are on the queue's clock
             (now_s, now_us), counts, raw_cost, beats, offset = pipe.execute()
             now_s, now_us = int(now_s), int(now_us)
             rate = rate_from(counts, now_s, RATE_WINDOW_S)

@@ -29,7 +29,7 @@ import redis
 
 from consumer.batch import Batch
 from scheduler_core.deadlines import expire_due
-from scheduler_core.keys import CLOCK_OFFSET, QueueKeys, queue_clock_us
+from scheduler_core.keys import QueueKeys, queue_clock_us
 from scheduler_core.registry import REGISTER_EVERY_S, register_queue
 from scheduler_core.scripts import ScriptPipeline, Scripts, extend_lease_keys, requeue_keys
 
@@ -250,7 +250,7 @@ class LeaseKeeper:
         pipe.command("hgetall", self._keys.policy)
         pipe.command("zrange", self._keys.deadlines, 0, 0, False, True)  # with scores
         pipe.command("time")
-        pipe.command("hget", self._keys.stats, CLOCK_OFFSET)
+        pipe.command("get", self._keys.clock)
         replies = pipe.execute()
         self._arm(replies[-3], queue_clock_us(replies[-2], replies[-1]))
         return int(replies[0]) != 0, replies[-4]

@@ -2,8 +2,9 @@
 
 All keys of a queue share the hash tag `{bg:<queue>}`, so they live in one cluster slot
 and one Lua script may touch them all. Every key a script touches is passed in KEYS: the
-queue's shared keys first, as KEYS[1..43] in the order of SHARED_KEYS in every script,
-then the script's per-call keys (result:<id>, inbox:<producer>, idem:<key>).
+queue's shared keys it takes first, as KEYS[1..n] in the order of script_keys(script)
+(all 43 of SHARED_KEYS, unless SCRIPT_KEYS names fewer), then the script's per-call keys
+(result:<id>, inbox:<producer>, idem:<key>).
 
 | key                         | type   | holds                                                     |
 |-----------------------------|--------|-----------------------------------------------------------|
@@ -30,7 +31,10 @@ then the script's per-call keys (result:<id>, inbox:<producer>, idem:<key>).
 | `{bg:q}:owner`              | hash   | id -> batch id, while the request is in flight            |
 | `{bg:q}:inflight`           | zset   | batch id -> lease deadline (µs)                           |
 | `{bg:q}:batches`            | hash   | batch id -> "consumer|id,id,..."                          |
-| `{bg:q}:clock`              | string | last arrival score issued (keeps arrival order strict)    |
+| `{bg:q}:clock`              | string | the queue's clock: "<latest>[:<offset>]", the latest time |
+|                             |        | a script showed or issued as an arrival score (keeps      |
+|                             |        | arrival order strict) and the offset added to TIME after  |
+|                             |        | a backward step (lua/_common.lua, queue_now)              |
 | `{bg:q}:seq`                | string | batch id counter; a batch id is its fencing token         |
 | `{bg:q}:marker`             | zset   | wake-up marker idle consumers block on (BZPOPMIN)         |
 | `{bg:q}:marker:<1..5>`      | zset   | the wake-up marker of the consumers dedicated to cost     |
@@ -43,7 +47,6 @@ then the script's per-call keys (result:<id>, inbox:<producer>, idem:<key>).
 | `{bg:q}:wake:<consumer>`    | zset   | a consumer's private wake-up key (its own due timer)      |
 | `{bg:q}:consumers`          | zset   | consumer name -> last heartbeat (µs)                      |
 | `{bg:q}:stats`              | hash   | counters: processed, failed, batches, ...                 |
-|                             |        | and the queue's clock: clock_offset_us, clock_seen_us     |
 | `{bg:q}:samples:wait`       | list   | newest 10,000 queue waits (µs)                            |
 | `{bg:q}:samples:e2e`        | list   | newest 10,000 enqueue-to-result times (µs)                |
 | `{bg:q}:samples:model`      | list   | newest 10,000 batches as "size:model_us"                  |
@@ -132,17 +135,23 @@ BUCKET_SETS = tuple(f"bucket_set_{b}" for b in range(1, MAX_COST_BUCKETS + 2))
 # the waiting requests in tenant order, and the backlogged tenants by virtual counter.
 FAIR_SETS = tuple(f"fair_set_{level}" for level in range(3))
 FAIR_COUNTERS = tuple(f"fair_counters_{level}" for level in range(3))
-# Fields of {bg:q}:stats that make the queue's clock, which the scripts read instead of
-# TIME (lua/_common.lua, queue_now): TIME + offset never runs behind the time last seen.
+# Fields of {bg:q}:stats that held the queue's clock before it moved into the clock key
+# (lua/_common.lua, queue_now): readers drop them from the counters they show.
 CLOCK_OFFSET, CLOCK_SEEN = "clock_offset_us", "clock_seen_us"
 
 
-def queue_clock_us(time_reply: Any, offset: Any) -> int:
-    """The queue's clock (µs) from a TIME reply read beside its stats offset (None, or a
-    value written by hand that is not plain digits: 0, as queue_now reads it)."""
-    text = offset.decode() if isinstance(offset, bytes) else str(offset or 0)
-    return int(time_reply[0]) * 1_000_000 + int(time_reply[1]) + \
-        (int(text) if text.isdigit() and len(text) < 16 else 0)
+def clock_offset_us(clock: Any) -> int:
+    """The queue's clock offset (µs) from its clock key's value, "<latest>" or
+    "<latest>:<offset>" (None, or a value written by hand: 0, as queue_now reads it)."""
+    text = clock.decode() if isinstance(clock, bytes) else str(clock or "")
+    _, sep, offset = text.partition(":")
+    return int(offset) if sep and offset.isdigit() and len(offset) < 16 else 0
+
+
+def queue_clock_us(time_reply: Any, clock: Any) -> int:
+    """The queue's clock (µs) from a TIME reply read beside its clock key's value: TIME
+    plus the offset the scripts keep there (lua/_common.lua, queue_now)."""
+    return int(time_reply[0]) * 1_000_000 + int(time_reply[1]) + clock_offset_us(clock)
 
 
 SHARED_KEYS = ("policy", "pending_high", "pending_normal", "pending_low", "jobs", "costs",
@@ -151,6 +160,33 @@ SHARED_KEYS = ("policy", "pending_high", "pending_normal", "pending_low", "jobs"
                "deadlines", "delayed", "arrivals", "cost_model", *BUCKET_MARKERS,
                *BUCKET_SETS, "retry", "tenants", "tenant_rate", *FAIR_SETS, *FAIR_COUNTERS,
                "fair_who")
+
+
+# The shared keys a script takes, when it takes fewer than all of SHARED_KEYS: its
+# KEYS[1..n] in this order (its per-call keys after them). Each key passed costs the call
+# itself ~1 k instructions inside Redis, whether the script touches it or not, so a hot
+# script is passed only what it uses. A script not named here takes SHARED_KEYS. The
+# script's header and its `local name = KEYS[i]` lines follow this list
+# (tests/test_lua.py checks both).
+SCRIPT_KEYS: dict[str, tuple[str, ...]] = {
+    "enqueue": ("policy", "pending_high", "pending_normal", "pending_low", "jobs", "costs",
+                "clock", "marker", "stats", "deadlines", "arrivals", *BUCKET_MARKERS,
+                *BUCKET_SETS, "tenants", "tenant_rate", *FAIR_SETS, *FAIR_COUNTERS,
+                "fair_who"),
+    "complete": ("policy", "jobs", "clock", "stats", "inflight", "owner", "batches", "dead",
+                 "dead_reason", "e2e_samples", "model_samples", "retry", "marker",
+                 *BUCKET_MARKERS, "tenants"),
+    "cancel": ("policy", "pending_high", "pending_normal", "pending_low", "jobs", "costs",
+               "stats", "owner", "deadlines", "delayed", *BUCKET_SETS, "retry", "tenants",
+               *FAIR_SETS, *FAIR_COUNTERS, "fair_who"),
+    "extend_lease": ("clock", "inflight", "consumers"),
+    "stream_append": ("inflight", "owner"),
+}
+
+
+def script_keys(script: str) -> tuple[str, ...]:
+    """The names of the shared keys `script` takes, in order (its KEYS[1..n])."""
+    return SCRIPT_KEYS.get(script, SHARED_KEYS)
 
 
 def validate_queue_name(name: object, field: str = "queue") -> str:
@@ -220,6 +256,18 @@ class QueueKeys:
                 return self.fair_counters(FAIR_COUNTERS.index(name))
             return getattr(self, name)
         return tuple(key(name) for name in SHARED_KEYS)
+
+    def of_script(self, script: str) -> tuple[str, ...]:
+        """KEYS[1..n] of `script`: the shared keys it takes (script_keys), in that order."""
+        names = SCRIPT_KEYS.get(script)
+        if names is None:
+            return self.shared
+        cache = self.__dict__.setdefault("_of_script", {})
+        found = cache.get(script)
+        if found is None:
+            index = {name: key for name, key in zip(SHARED_KEYS, self.shared, strict=True)}
+            found = cache[script] = tuple(index[name] for name in names)
+        return found
 
     @property
     def jobs(self) -> str:

@@ -4,7 +4,8 @@ Each script is one file in `lua/` whose header documents KEYS, ARGV, return valu
 error codes. `-- @include NAME` inlines the helpers of a shared file that the script uses;
 `-- @render policy` (in `_policy.lua`) becomes the policy's STRATEGIES and LIMITS, rendered
 from scheduler_core/policy.py, their one source. Every queue script receives the queue's shared
-keys first, as KEYS[1..43] in the order of keys.SHARED_KEYS, then its per-call keys; the
+keys it takes first, as KEYS[1..n] in the order of keys.script_keys(name) (all 43 of
+keys.SHARED_KEYS unless keys.SCRIPT_KEYS names fewer), then its per-call keys; the
 `*_keys` builders below are the one place that builds each script's KEYS list.
 
 Scripts are called through `Scripts`, which registers them as redis-py's Script objects:
@@ -408,7 +409,7 @@ def enqueue_call(keys: QueueKeys, producer: str, requests: list[NewRequest],
     """enqueue.lua's KEYS and ARGV. `trial`: a coalesced call whose refusal the producer
     answers by sending each submission again alone: a tenant quota's refusal of it is
     not counted (the re-sent ones are)."""
-    script_keys = list(keys.shared)
+    script_keys = list(keys.of_script("enqueue"))
     args: list[Any] = [producer, len(requests), idempotency_ttl_s]
     for r in requests:
         args += [r.id, r.priority, r.deadline_ms, r.envelope, 1 if r.idempotency_key else 0,
@@ -465,7 +466,11 @@ def shared_keys(keys: QueueKeys) -> list[str]:
     return list(keys.shared)
 
 
-pop_keys = requeue_keys = extend_lease_keys = configure_keys = preempt_keys = shared_keys
+pop_keys = requeue_keys = configure_keys = preempt_keys = shared_keys
+
+
+def extend_lease_keys(keys: QueueKeys) -> list[str]:
+    return list(keys.of_script("extend_lease"))
 
 
 def complete_keys(keys: QueueKeys, items: list[tuple[str, str]],
@@ -473,7 +478,7 @@ def complete_keys(keys: QueueKeys, items: list[tuple[str, str]],
     """`items` are (request id, producer) pairs, in the order their results are passed;
     a request in `retried` (outcome 'retry') has its failed runs' list in place of its
     result key."""
-    script_keys = list(keys.shared)
+    script_keys = list(keys.of_script("complete"))
     for request_id, producer in items:
         first = keys.attempts(request_id) if request_id in retried else \
             keys.result(request_id)
@@ -482,17 +487,18 @@ def complete_keys(keys: QueueKeys, items: list[tuple[str, str]],
 
 
 def cancel_keys(keys: QueueKeys, request_id: str, producer: str) -> list[str]:
-    return [*keys.shared, keys.result(request_id), keys.inbox(producer)]
+    return [*keys.of_script("cancel"), keys.result(request_id), keys.inbox(producer)]
 
 
 def expire_keys(keys: QueueKeys, items: list[tuple[str, str]]) -> list[str]:
     """expire_due.lua's KEYS: `items` are (request id, producer) pairs, in ARGV's order."""
-    return complete_keys(keys, items)
+    return [*keys.shared, *(k for rid, producer in items
+                            for k in (keys.result(rid), keys.inbox(producer)))]
 
 
 def stream_keys(keys: QueueKeys, request_ids: list[str]) -> list[str]:
     """stream_append.lua's KEYS: one stream key per entry, in ARGV's order."""
-    return [*keys.shared, *(keys.stream(rid) for rid in request_ids)]
+    return [*keys.of_script("stream_append"), *(keys.stream(rid) for rid in request_ids)]
 
 
 def dead_letter_keys(keys: QueueKeys, request_ids: list[str]) -> list[str]:

@@ -1,6 +1,7 @@
 """Redis' instructions per request in each stage of a no-op backlog, counted by valgrind.
 
     python scripts/script_instructions.py [--requests 4000] [--batch 32] [--singles 200]
+    python scripts/script_instructions.py --batch 1 --against ../main   # before/after
 
 Wall and CPU times on a shared VM swing by a third between runs of the same code; the
 instructions redis-server executes while it processes commands do not, so this is the
@@ -13,6 +14,10 @@ the consumer's own calls, complete every batch. Between stages it zeroes and dum
 callgrind's counters (`callgrind_control`), and prints each stage's total over the
 requests. Before the backlog: the cost of a call itself (EVALSHA of `return 1` without
 and with a queue's shared keys, an LPUSH) and of enqueue.lua at one request per call.
+With --against DIR (another checkout, e.g. main's) the same counts are made there too,
+in a process of its own with that checkout's code, and printed side by side: before (DIR),
+after (this checkout) and their ratio, per stage and for a request end to end (enqueue +
+pop + complete; with --singles, the single submit's enqueue in place of the backlog's).
 Needs valgrind (Debian: apt-get install valgrind).
 """
 
@@ -84,7 +89,7 @@ def run_stages(url: str, counter: Counter, n: int, batch: int) -> None:
     prios = random.Random(1).choices(list(MIX), list(MIX.values()), k=n)
 
     def report(stage: str) -> None:
-        print(f"{stage:9s} {counter.since_zero() / n / 1000:7.1f} k instructions per request",
+        print(f"{stage:31s} {counter.since_zero() / n / 1000:7.1f} k instructions per request",
               flush=True)
 
     counter.zero()
@@ -130,13 +135,52 @@ def call_costs(url: str, counter: Counter, singles: int) -> None:
         producer.close()
 
 
+COUNT_LINE = re.compile(r"^(.+?)\s+([\d.]+) k instructions per (?:request|call)$", re.M)
+
+
+def counts(output: str) -> dict[str, float]:
+    return {label.strip(): float(k) for label, k in COUNT_LINE.findall(output)}
+
+
+def side_by_side(before: dict[str, float], after: dict[str, float]) -> None:
+    """The two checkouts' counts, per stage and end to end, with after/before."""
+    single = "enqueue, one request per call"
+    ends = [("a request end to end (backlog)", ("enqueue", "pop", "complete"))]
+    if single in before and single in after:
+        ends.append(("a single submit end to end", (single, "pop", "complete")))
+    rows = [(label, before[label], after[label]) for label in after if label in before]
+    for label, parts in ends:
+        if all(p in before and p in after for p in parts):
+            rows.append((label, sum(before[p] for p in parts), sum(after[p] for p in parts)))
+    print(f"\n{'k instructions per request':34s} {'before':>8s} {'after':>8s} "
+          f"{'after/before':>13s}")
+    for label, b, a in rows:
+        print(f"{label:34s} {b:8.1f} {a:8.1f} {a / b:12.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--singles", type=int, default=200,
                         help="single submits counted before the backlog (0 to skip)")
     parser.add_argument("--requests", type=int, default=4000)
     parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--against", type=Path,
+                        help="another checkout to count too (before), side by side")
     args = parser.parse_args()
+    if args.against is not None:
+        here = Path(__file__).resolve()
+        runs = {}
+        for name, root in (("before", args.against.resolve()), ("after", here.parents[1])):
+            command = [sys.executable, str(root / "scripts" / here.name), "--singles",
+                       str(args.singles), "--requests", str(args.requests), "--batch",
+                       str(args.batch)]
+            print(f"{name}: {root}", flush=True)
+            done = subprocess.run(command, capture_output=True, text=True, check=True,
+                                  cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
+            print(done.stdout, end="", flush=True)
+            runs[name] = counts(done.stdout)
+        side_by_side(runs["before"], runs["after"])
+        return
     for tool in ("valgrind", "callgrind_control", "redis-server"):
         if shutil.which(tool) is None:
             sys.exit(f"{tool} is not on PATH (Debian: apt-get install valgrind)")

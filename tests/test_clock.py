@@ -23,7 +23,7 @@ from helpers.processes import RedisServer
 from helpers.support import configure
 
 from producer import Producer
-from scheduler_core.keys import CLOCK_OFFSET, CLOCK_SEEN, QueueKeys
+from scheduler_core.keys import QueueKeys, clock_offset_us
 from scheduler_core.rules import queue_clock
 from scheduler_core.scripts import Scripts, pop_keys
 
@@ -92,20 +92,21 @@ def test_the_queue_clock_matches_its_python_twin(shared_redis, queue):
     for _ in range(200):
         t = server_us(client)
         offset = rng.choice([0, 0, rng.randint(1, 5 * STEP_US)])
-        seen = rng.choice([0, t + offset - rng.randint(0, STEP_US),
-                           t + offset + rng.randint(1, STEP_US)])
-        last = rng.choice([0, t + rng.randint(-STEP_US, STEP_US)])
-        client.hset(keys.stats, mapping={CLOCK_OFFSET: offset, CLOCK_SEEN: seen})
-        client.set(keys.clock, last)
+        # The clock key's latest time: shown by a call, or issued as an arrival score.
+        latest = rng.choice([0, t + offset - rng.randint(0, STEP_US),
+                             t + offset + rng.randint(1, STEP_US),
+                             t + rng.randint(-STEP_US, STEP_US)])
+        client.set(keys.clock, f"{latest}:{offset}" if offset else latest)
         t0 = server_us(client)
         scripts.pop_batch(keys=pop_keys(keys), args=["c1", 1000])
         t1 = server_us(client)
         now = int(client.zscore(keys.consumers, "c1"))
-        stored = int(client.hget(keys.stats, CLOCK_OFFSET) or 0)
-        low, high = queue_clock(t0, offset, seen, last), queue_clock(t1, offset, seen, last)
-        assert low[0] <= now <= high[0], (offset, seen, last)
-        assert queue_clock(now - stored, offset, seen, last) == (now, stored)
-        assert int(client.hget(keys.stats, CLOCK_SEEN)) == now
+        stored = clock_offset_us(client.get(keys.clock))
+        low, high = queue_clock(t0, offset, latest, latest), queue_clock(t1, offset, latest,
+                                                                            latest)
+        assert low[0] <= now <= high[0], (offset, latest)
+        assert queue_clock(now - stored, offset, latest, latest) == (now, stored)
+        assert int(client.get(keys.clock).split(b":")[0]) == now
 
 
 def test_a_clock_written_by_hand_is_read_as_none(shared_redis, queue):
@@ -115,8 +116,7 @@ def test_a_clock_written_by_hand_is_read_as_none(shared_redis, queue):
     configure(shared_redis.url, queue, strategy="fifo")
     scripts = Scripts(client)
     with Producer(shared_redis.url, queue) as p:
-        for bad in ("abc", "nan", "-5", "1e300", "inf"):
-            client.hset(keys.stats, mapping={CLOCK_OFFSET: bad, CLOCK_SEEN: bad})
+        for bad in ("abc", "nan", "-5", "1e300", "inf", "5:abc", "nan:1e300", ":"):
             client.set(keys.clock, bad)
             handle = p.submit({"bad": bad})
             t0 = server_us(client)
@@ -162,5 +162,5 @@ def test_a_real_backward_step_of_the_server_clock(stepped_redis, queue, start_co
     print(f"\nafter a real {STEP_US / 1e6:.0f} s backward step: answered in "
           f"{', '.join(f'{t * 1000:.0f}' for t in took)} ms")
     assert max(took) < 0.02 + SLACK_S
-    offset = int(client.hget(QueueKeys(queue).stats, CLOCK_OFFSET))
+    offset = clock_offset_us(client.get(QueueKeys(queue).clock))
     assert STEP_US * 0.9 <= offset <= STEP_US  # what the queue's clock absorbed

@@ -29,7 +29,7 @@ from consumer.worker import Batch, ConsumerConfig, Worker
 from producer import InvalidRequest, Priority, Producer
 from producer.validation import check_deadline, check_idempotency_key, check_timeout
 from scheduler_core.errors import InvalidPolicy
-from scheduler_core.keys import SHARED_KEYS, QueueKeys, validate_queue_name
+from scheduler_core.keys import QueueKeys, script_keys, validate_queue_name
 from scheduler_core.policy import CHOICES, LIMITS, Policy
 from scheduler_core.scripts import (
     NewRequest,
@@ -417,7 +417,7 @@ def test_fuzz_producer_submit():
             assert c == (cost[i] if isinstance(cost, list) else cost)
             assert store in (True, False) and keep == int(store or flag)
             assert request_tenant(envelope) == (tenant or "default")
-        assert len(keys) == len(SHARED_KEYS) + sum(args[7::7])
+        assert len(keys) == len(script_keys("enqueue")) + sum(args[7::7])
 
     @fuzz("submit")
     @given(batch=cases("submit", case))

@@ -21,8 +21,10 @@ from scheduler_core.keys import (
     BUCKET_SETS,
     FAIR_COUNTERS,
     FAIR_SETS,
+    SCRIPT_KEYS,
     SHARED_KEYS,
     QueueKeys,
+    script_keys,
 )
 from scheduler_core.policy import LIMITS
 from scheduler_core.scripts import (
@@ -51,26 +53,37 @@ NAMED_TABLE = re.compile(r"^local (\w+) = \{((?:KEYS\[\d+\],? ?)+)\}\s*$", re.MU
 
 @pytest.mark.parametrize("name", QUEUE_SCRIPTS)
 def test_script_names_the_shared_keys_in_the_one_order(name):
+    """Each script takes the shared keys keys.script_keys(name) lists, in that order (all
+    of SHARED_KEYS unless SCRIPT_KEYS names fewer), and names them at the top of its body."""
+    order = script_keys(name)
     header, body = (LUA / f"{name}.lua").read_text().split("]]", 1)
-    assert f"KEYS[1..{len(SHARED_KEYS)}] the queue's shared keys" in header
+    if order == SHARED_KEYS:
+        assert f"KEYS[1..{len(SHARED_KEYS)}] the queue's shared keys" in header
+    else:
+        assert f"KEYS[1..{len(order)}] the queue's shared keys this script takes" in header
+        assert f"SCRIPT_KEYS['{name}']" in header
     named = NAMED_KEY.findall(body)
     assert named, "the script names its keys at the top of its body"
     for local, index in named:
         i = int(index)
-        assert i > len(SHARED_KEYS) or local == SHARED_KEYS[i - 1], (local, i)
+        assert i > len(order) or local == order[i - 1], (local, i)
         assert re.search(rf"^KEYS\[{i}\] ", header, re.MULTILINE), f"header lacks KEYS[{i}]"
     # The per-bucket keys, as one table each: all of them, in order, and one header line.
     tables = {"bucket_markers": BUCKET_MARKERS, "bucket_sets": BUCKET_SETS,
               "fair_sets": FAIR_SETS, "fair_counters": FAIR_COUNTERS}
     for local, indexes in NAMED_TABLE.findall(body):
         numbers = [int(i) for i in re.findall(r"KEYS\[(\d+)\]", indexes)]
-        assert [SHARED_KEYS[i - 1] for i in numbers] == list(tables[local]), (local, numbers)
+        assert [order[i - 1] for i in numbers] == list(tables[local]), (local, numbers)
         assert f"KEYS[{numbers[0]}..{numbers[-1]}] " in header, "header lacks the markers"
-        named += [(SHARED_KEYS[i - 1], str(i)) for i in numbers]
+        named += [(order[i - 1], str(i)) for i in numbers]
     # Shared keys are used by name only; KEYS[<number>] elsewhere is a per-call key.
     numbered = [int(i) for i in re.findall(r"KEYS\[(\d+)\]", body)]
-    shared = sorted(int(i) for _, i in named if int(i) <= len(SHARED_KEYS))
-    assert sorted(i for i in numbered if i <= len(SHARED_KEYS)) == shared
+    shared = sorted(int(i) for _, i in named if int(i) <= len(order))
+    assert sorted(i for i in numbered if i <= len(order)) == shared
+    # Every key it takes is used (passing one costs the call whether used or not).
+    if order != SHARED_KEYS:
+        assert sorted({int(i) for _, i in named if int(i) <= len(order)}) == \
+            list(range(1, len(order) + 1))
 
 
 def test_every_keys_builder_starts_with_the_shared_keys():
@@ -81,13 +94,18 @@ def test_every_keys_builder_starts_with_the_shared_keys():
               else q.fair_counters(FAIR_COUNTERS.index(name)) if name in FAIR_COUNTERS
               else getattr(q, name) for name in SHARED_KEYS]
     assert list(q.shared) == shared and len(shared) == 43
-    for keys in (pop_keys(q), requeue_keys(q), extend_lease_keys(q), configure_keys(q)):
+    for keys in (pop_keys(q), requeue_keys(q), configure_keys(q)):
         assert keys == shared
-    assert enqueue_call(q, "p", [], 60)[0] == shared
-    assert complete_keys(q, [("a", "p")]) == [*shared, q.result("a"), q.inbox("p")]
-    assert cancel_keys(q, "a", "p") == [*shared, q.result("a"), q.inbox("p")]
+
+    def of(script: str) -> list[str]:
+        return [shared[SHARED_KEYS.index(name)] for name in script_keys(script)]
+    assert extend_lease_keys(q) == of("extend_lease")
+    assert enqueue_call(q, "p", [], 60)[0] == of("enqueue")
+    assert complete_keys(q, [("a", "p")]) == [*of("complete"), q.result("a"), q.inbox("p")]
+    assert cancel_keys(q, "a", "p") == [*of("cancel"), q.result("a"), q.inbox("p")]
     assert dead_letter_keys(q, ["a", "b"]) == [*shared, q.result("a"), q.result("b")]
-    assert stream_keys(q, ["a", "a"]) == [*shared, q.stream("a"), q.stream("a")]
+    assert stream_keys(q, ["a", "a"]) == [*of("stream_append"), q.stream("a"), q.stream("a")]
+    assert set(SCRIPT_KEYS) <= set(QUEUE_SCRIPTS)
 
 
 # -- policy limits: one source ------------------------------------------------------------

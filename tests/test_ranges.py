@@ -265,7 +265,7 @@ def test_policy_set_reaches_running_consumers_and_show_prints_it(shared_redis, q
                               "on_timeout": "reject", "shards": 1, "retry_on": "",
                               "retry_max": 1, "retry_backoff_ms": 1000,
                               "retry_backoff_max_ms": 60000, "retry_jitter": 0,
-                              "tenant_quotas": ""}
+                              "tenant_quotas": "", "fairness": "none"}
     with Producer(url, queue) as p:
         waiting = p.submit({"i": 0})
         wait_for(lambda: client.zcard(QueueKeys(queue).pending(1)) == 1, what="it to queue")

@@ -39,11 +39,13 @@ def tenants_hash(client: redis.Redis, queue: str) -> dict[str, int]:
 
 
 def request_state(client: redis.Redis, queue: str) -> dict:
-    """Every key of the queue but the tenants' counters and the clock fields."""
+    """Every key of the queue but the tenants' counters, the stats and the queue's clock
+    (a refused call notes the time it showed)."""
     keys = QueueKeys(queue)
     state = snapshot(client, queue_pattern(queue))
     state.pop((keys.tag + ":tenants").encode(), None)
     state.pop(keys.stats.encode(), None)
+    state.pop(keys.clock.encode(), None)
     return state
 
 

@@ -88,7 +88,7 @@ from scheduler_core.connection import (
     slot_owner_async,
 )
 from scheduler_core.deadlines import expire_due_async
-from scheduler_core.keys import CLOCK_OFFSET, QueueKeys, queue_clock_us
+from scheduler_core.keys import QueueKeys, queue_clock_us
 from scheduler_core.lifetime import die_with_marked_parent
 from scheduler_core.ops.stats import QueueStats, queue_stats
 from scheduler_core.scripts import Scripts, cancel_keys
@@ -227,7 +227,7 @@ class Gateway:
         pipe = owner.pipeline(transaction=False)
         pipe.hget(keys.jobs, request_id)
         pipe.time()
-        pipe.hget(keys.stats, CLOCK_OFFSET)
+        pipe.get(keys.clock)
         try:
             job, time_reply, offset = await pipe.execute()
         except redis.RedisError as exc:

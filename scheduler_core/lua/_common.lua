@@ -8,27 +8,28 @@ local function now_us()
 end
 
 -- The queue's clock (µs), which every script of a queue reads instead of TIME: TIME plus
--- the stats field clock_offset_us, raised whenever TIME falls behind the latest time the
--- queue showed (stats clock_seen_us) or the last arrival score issued (the clock key).
--- A backward step of the server's clock (an NTP step, failover to a host whose clock
--- lags) would otherwise leave every score written before it in the future: new arrivals
--- due only after step + delay, waits, aging, leases and deadlines late by the step. So
--- the queue's clock never goes back: after a step it runs on from where it was, 1% slower
--- than TIME until the offset is repaid (100 x the step), so that a later forward step
--- (the clock set right again) finds little of it left to add. A forward step is kept
--- (nothing tells it from time passing): what waits ages by it.
+-- the queue's offset, raised whenever TIME falls behind the latest time the queue showed
+-- or issued as an arrival score. Both live in the clock key, "<latest>" or
+-- "<latest>:<offset>" (offset > 0), so that a call reads and writes its clock with one
+-- command each. A backward step of the server's clock (an NTP step, failover to a host
+-- whose clock lags) would otherwise leave every score written before it in the future:
+-- new arrivals due only after step + delay, waits, aging, leases and deadlines late by
+-- the step. So the queue's clock never goes back: after a step it runs on from where it
+-- was, 1% slower than TIME until the offset is repaid (100 x the step), so that a later
+-- forward step (the clock set right again) finds little of it left to add. A forward
+-- step is kept (nothing tells it from time passing): what waits ages by it.
 -- `later`: the caller may still refuse its arguments (then it writes nothing), and calls
--- note_clock() once it writes.
-local unnoted  -- what queue_now read and note_clock has not written: {stats, now, offset}
+-- note_clock() once it writes. (The second argument is unused: the queue's stats key,
+-- which held the clock before.)
+local clock_now  -- this call's clock: {key, latest, offset, read (latest as stored), dirty}
 local function note_clock()
-  if not unnoted then return end
-  local stats, now, offset = unnoted[1], unnoted[2], unnoted[3]
-  unnoted = nil
-  if offset then  -- raised, or repaid in part
-    redis.call('HSET', stats, 'clock_offset_us', string.format('%d', offset),
-               'clock_seen_us', string.format('%d', now))
+  local c = clock_now
+  if not c or not c.dirty then return end
+  c.dirty = false
+  if c.offset > 0 then
+    redis.call('SET', c.key, string.format('%d:%d', c.latest, c.offset))
   else
-    redis.call('HSET', stats, 'clock_seen_us', string.format('%d', now))
+    redis.call('SET', c.key, string.format('%d', c.latest))
   end
 end
 
@@ -40,17 +41,21 @@ local function clock_value(s)
   return 0
 end
 
-local function queue_now(clock, stats, later)
+local function queue_now(clock, _, later)
   local t = now_us()
-  local kept = redis.call('HMGET', stats, 'clock_offset_us', 'clock_seen_us')
-  local offset, seen = clock_value(kept[1]), clock_value(kept[2])
+  local raw = redis.call('GET', clock)
+  local latest, offset = 0, 0
+  if raw then
+    local a, b = string.match(raw, '^(%d+):(%d+)$')
+    if a then latest, offset = clock_value(a), clock_value(b) else latest = clock_value(raw) end
+  end
   local stored = offset
-  local passed = t + offset - seen  -- on the queue's clock, since its last call
+  local passed = t + offset - latest  -- on the queue's clock, since its last call
   if offset > 0 and passed > 0 then offset = math.max(0, offset - math.floor(passed / 100)) end
   local now = t + offset
-  local latest = math.max(seen, clock_value(redis.call('GET', clock)))
   if now < latest then offset, now = latest - t, latest end  -- TIME stepped back
-  unnoted = {stats, now, offset ~= stored and offset or nil}
+  clock_now = {key = clock, latest = now, offset = offset, read = latest,
+               dirty = now ~= latest or offset ~= stored}
   if not later then note_clock() end
   return now
 end
@@ -142,13 +147,18 @@ local function pop_fields(raw)
 end
 
 -- What a completion needs of a jobs value, without parse_job's table and envelope copy:
--- its arrival (µs, as a number), whether its result is kept by id, and its producer; nil
--- where parse_job would find no meta.
+-- its arrival (µs, as a number), whether its result is kept by id, and whether it has a
+-- producer; nil where parse_job would find no meta. Positions, not strings, are captured
+-- where the value is not needed (each captured string is a new Lua string).
+local JOB_ROUTE = '^[0-2]:(%d+):()%d+():()%d+():([01]):()[%w_.%-]*():?()%d*():?()%d*()|'
+
 local function job_route(raw)
   if not raw then return nil end
-  local _, _, p, a, d, n, k, producer, c, r = string.find(raw, JOB_META)
-  if not p or #a > 17 or #d > 17 or #n > 9 or #c > 10 or #r > 10 then return nil end
-  return tonumber(a), k == '1', producer
+  local a, d0, d1, n0, n1, k, p0, p1, c0, c1, r0, r1 = string.match(raw, JOB_ROUTE)
+  if not a or #a > 17 or d1 - d0 > 17 or n1 - n0 > 9 or c1 - c0 > 10 or r1 - r0 > 10 then
+    return nil
+  end
+  return tonumber(a), k == '1', p1 > p0
 end
 
 -- The envelope of a jobs value, for a caller that needs no meta (the whole value if it
@@ -159,10 +169,14 @@ local function job_envelope(raw)
   return m and m.envelope or raw
 end
 
+-- The digits of the small numbers a meta holds most often, without string.format.
+local SMALL = {[0] = '0', '1', '2', '3', '4', '5', '6', '7', '8', '9'}
+
 local function format_job(m)
-  local raw = int(m.prio) .. ':' .. (m.arrival_s or int(m.arrival)) .. ':' ..
-              (m.deadline_s or int(m.deadline)) .. ':' .. int(m.attempts) .. ':' ..
-              (m.keep and '1:' or '0:') .. m.producer
+  local raw = (SMALL[m.prio] or int(m.prio)) .. ':' .. (m.arrival_s or int(m.arrival)) ..
+              ':' .. (m.deadline_s or SMALL[m.deadline] or int(m.deadline)) .. ':' ..
+              (SMALL[m.attempts] or int(m.attempts)) .. ':' .. (m.keep and '1:' or '0:') ..
+              m.producer
   local cost, requested = m.cost or 1, m.requested or m.cost or 1
   if requested ~= cost then
     raw = raw .. ':' .. int(cost) .. ':' .. int(requested)
@@ -202,4 +216,13 @@ local function push_samples(key, ...)
   if redis.call('LPUSH', key, ...) > SAMPLES_KEPT + SAMPLES_SLACK then
     redis.call('LTRIM', key, 0, SAMPLES_KEPT - 1)
   end
+end
+
+-- The service rate window complete.lua keeps in stats (rate_since_us, rate_base: when it
+-- began and the processed counter then), as HMGET read them: nil where there is none (or
+-- it was written by hand).
+local function read_rate_window(since, base)
+  since, base = tonumber(since), tonumber(base)
+  if not since or not base or since < 0 or base < 0 then return nil end
+  return since, base
 end

@@ -14,20 +14,29 @@ local function policy_int(field, value)
   return low and int_arg(value, low, high)
 end
 
--- The deadline policy: default timeouts per level (ms, 0 = none), whether a request's own
--- deadline_ms overrides them, and on_timeout. Fields a policy stored before they existed
--- take their defaults (none, 1, 'reject'); nil if a stored one is outside its limits.
-local function read_timeouts(policy)
-  local p = redis.call('HMGET', policy, 'timeout_high_ms', 'timeout_normal_ms',
-                       'timeout_low_ms', 'allow_timeout_override', 'on_timeout')
-  local t = {levels = {}, override = 1, on_timeout = p[5] or 'reject'}
-  for i, field in ipairs({'timeout_high_ms', 'timeout_normal_ms', 'timeout_low_ms'}) do
-    t.levels[i] = p[i] and policy_int(field, p[i]) or (not p[i] and 0)
+-- The deadline policy's fields, as read_timeouts and timeouts_of take them.
+local TIMEOUT_FIELDS = {'timeout_high_ms', 'timeout_normal_ms', 'timeout_low_ms',
+                        'allow_timeout_override', 'on_timeout'}
+
+-- The deadline policy from the values of TIMEOUT_FIELDS as read (p[first..first + 4]):
+-- default timeouts per level (ms, 0 = none), whether a request's own deadline_ms
+-- overrides them, and on_timeout. Fields a policy stored before they existed take their
+-- defaults (none, 1, 'reject'); nil if a stored one is outside its limits.
+local function timeouts_of(p, first)
+  local t = {levels = {}, override = 1, on_timeout = p[first + 4] or 'reject'}
+  for i = 1, 3 do
+    local v = p[first + i - 1]
+    t.levels[i] = v and policy_int(TIMEOUT_FIELDS[i], v) or (not v and 0)
     if not t.levels[i] then return nil end
   end
-  if p[4] then t.override = policy_int('allow_timeout_override', p[4]) end
+  if p[first + 3] then t.override = policy_int('allow_timeout_override', p[first + 3]) end
   if not t.override or not CHOICES.on_timeout[t.on_timeout] then return nil end
   return t
+end
+
+-- The stored deadline policy (timeouts_of), read on its own.
+local function read_timeouts(policy)
+  return timeouts_of(redis.call('HMGET', policy, unpack(TIMEOUT_FIELDS)), 1)
 end
 
 -- cost_buckets ("" or "32,1024": strictly increasing, each in [1, MAX_REQUEST_COST], at

@@ -24,6 +24,7 @@ end
 -- reading the jobs value (its payload), and every exit takes the id out of the set it
 -- was put in, whatever cost_buckets says by then (wire.cost_record).
 local function cost_record(cost, bucket)
+  if cost == 1 and bucket == 0 then return '1:0' end  -- the usual one, without a format
   return int(cost) .. ':' .. bucket
 end
 
@@ -85,16 +86,19 @@ local function unlist_waiting(costs, bucket_sets, ids)
 end
 
 -- Arrival scores: Redis time, strictly increasing per queue, so that ties keep arrival
--- order. next() issues one; save() stores the last one issued (once per call).
-local function arrival_clock(clock, now)
-  local last = tonumber(redis.call('GET', clock) or '0') or 0
+-- order. next() issues one; save() stores the last one issued (once per call), with the
+-- queue's clock (the clock key holds both): `now` is queue_now's, called first.
+local function arrival_clock(now)
+  local c = clock_now
+  local last = c.read
   local arrivals = {}
   function arrivals.next()
     last = math.max(now, last + 1)
     return last
   end
   function arrivals.save()
-    redis.call('SET', clock, int(last))
+    if last > c.latest then c.latest, c.dirty = last, true end
+    note_clock()
   end
   return arrivals
 end

@@ -1,7 +1,7 @@
 --[[ cancel: remove a waiting request so that it never runs.
 
-KEYS[1..43] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
-            this script uses:
+KEYS[1..24] the queue's shared keys this script takes, in the order of
+            scheduler_core.keys.SCRIPT_KEYS['cancel']:
 KEYS[1]  {bg:q}:policy        hash  its result_ttl_s, when set, overrides ARGV[2];
                                     fairness
 KEYS[2]  {bg:q}:pending:0     zset  HIGH
@@ -9,20 +9,20 @@ KEYS[3]  {bg:q}:pending:1     zset  NORMAL
 KEYS[4]  {bg:q}:pending:2     zset  LOW
 KEYS[5]  {bg:q}:jobs          hash  id -> "<meta>|<envelope>"
 KEYS[6]  {bg:q}:costs         hash  id -> "<cost>:<bucket>" while waiting
-KEYS[9]  {bg:q}:stats         hash  counters
-KEYS[11] {bg:q}:owner         hash  id -> batch id while in flight
-KEYS[20] {bg:q}:deadlines     zset  pending id -> deadline (µs)
-KEYS[21] {bg:q}:delayed       zset  past its deadline, waiting to run when idle
-KEYS[29..33] {bg:q}:bucket:<1..5> zset  the ids waiting in each cost bucket: a cancelled one
+KEYS[7]  {bg:q}:stats         hash  counters
+KEYS[8]  {bg:q}:owner         hash  id -> batch id while in flight
+KEYS[9]  {bg:q}:deadlines     zset  pending id -> deadline (µs)
+KEYS[10] {bg:q}:delayed       zset  past its deadline, waiting to run when idle
+KEYS[11..15] {bg:q}:bucket:<1..5> zset  the ids waiting in each cost bucket: a cancelled one
                                   leaves the set its costs entry names
-KEYS[34] {bg:q}:retry         zset  waiting for a retry (its backoff)
-KEYS[35] {bg:q}:tenants     hash  per named tenant's counters (lua/_tenants.lua)
-KEYS[37..39] {bg:q}:fair:<0..2> zset  fairness requests | cost (lua/_fair.lua): waiting
+KEYS[16] {bg:q}:retry         zset  waiting for a retry (its backoff)
+KEYS[17] {bg:q}:tenants     hash  per named tenant's counters (lua/_tenants.lua)
+KEYS[18..20] {bg:q}:fair:<0..2> zset  fairness requests | cost (lua/_fair.lua): waiting
                                   requests by tenant, then arrival
-KEYS[40..42] {bg:q}:vtc:<0..2> zset  the backlogged tenants of each level -> virtual counter
-KEYS[43] {bg:q}:fair:who    hash  id -> tenant of each request in the fair sets
-KEYS[44] {bg:q}:result:<id>   string, written if the request asked for it (keep)
-KEYS[45] {bg:q}:inbox:<producer>  list, the producer's inbox (any key if none)
+KEYS[21..23] {bg:q}:vtc:<0..2> zset  the backlogged tenants of each level -> virtual counter
+KEYS[24] {bg:q}:fair:who    hash  id -> tenant of each request in the fair sets
+KEYS[25] {bg:q}:result:<id>   string, written if the request asked for it (keep)
+KEYS[26] {bg:q}:inbox:<producer>  list, the producer's inbox (any key if none)
 
 ARGV[1]  request id
 ARGV[2]  result TTL, seconds, if the queue has no policy
@@ -47,22 +47,22 @@ local pending_normal = KEYS[3]
 local pending_low = KEYS[4]
 local jobs = KEYS[5]
 local costs = KEYS[6]
-local stats = KEYS[9]
-local owner = KEYS[11]
-local deadlines = KEYS[20]
-local delayed = KEYS[21]
-local bucket_sets = {KEYS[29], KEYS[30], KEYS[31], KEYS[32], KEYS[33]}
-local retry = KEYS[34]
-local tenants = KEYS[35]
-local fair_sets = {KEYS[37], KEYS[38], KEYS[39]}
-local fair_counters = {KEYS[40], KEYS[41], KEYS[42]}
-local fair_who = KEYS[43]
-local result = KEYS[44]
-local inbox = KEYS[45]
+local stats = KEYS[7]
+local owner = KEYS[8]
+local deadlines = KEYS[9]
+local delayed = KEYS[10]
+local bucket_sets = {KEYS[11], KEYS[12], KEYS[13], KEYS[14], KEYS[15]}
+local retry = KEYS[16]
+local tenants = KEYS[17]
+local fair_sets = {KEYS[18], KEYS[19], KEYS[20]}
+local fair_counters = {KEYS[21], KEYS[22], KEYS[23]}
+local fair_who = KEYS[24]
+local result = KEYS[25]
+local inbox = KEYS[26]
 
 if ARGV[4] ~= 'cancelled' and ARGV[4] ~= 'expired' then return {-3, 'counter'} end
 if not int_arg(ARGV[2], 1, 315360000) then return {-3, 'result_ttl_s'} end
-if #ARGV ~= 4 or #KEYS ~= 45 then return {-3, 'args'} end
+if #ARGV ~= 4 or #KEYS ~= 26 then return {-3, 'args'} end
 -- The queue's current result_ttl_s, as the consumers use it, not the caller's copy.
 local ttl = int_arg(redis.call('HGET', policy, 'result_ttl_s'), 1, 315360000)
   or tonumber(ARGV[2])

@@ -82,7 +82,7 @@ for i = 1, n do
     skipped = skipped + 1
   else
     local raw = redis.call('HGET', jobs, id)
-    if not arrivals then arrivals = arrival_clock(clock, queue_now(clock, stats)) end
+    if not arrivals then arrivals = arrival_clock(queue_now(clock, stats)) end
     local m = parse_job(raw)
     local prio = (m and m.prio) or 1
     local arrival = arrivals.next()

@@ -1,36 +1,35 @@
 --[[ enqueue: add N requests to a queue atomically (all or none).
 
-KEYS[1..43] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
-            this script uses:
-KEYS[1]  {bg:q}:policy      hash   read: strategy, max_batch_size, max_queue_size, max_cost,
-                                   over_cost, max_batch_cost, cost_buckets, retired and
-                                   the deadline policy (timeout_<level>_ms,
-                                   allow_timeout_override)
+KEYS[1..30] the queue's shared keys this script takes, in the order of
+            scheduler_core.keys.SCRIPT_KEYS['enqueue']:
+KEYS[1]  {bg:q}:policy      hash   read (one HMGET): strategy, max_batch_size,
+                                   max_queue_size, max_cost, over_cost, max_batch_cost,
+                                   cost_buckets, retired, fairness and the deadline policy
+                                   (timeout_<level>_ms, allow_timeout_override, on_timeout)
 KEYS[2]  {bg:q}:pending:0   zset   HIGH
 KEYS[3]  {bg:q}:pending:1   zset   NORMAL
 KEYS[4]  {bg:q}:pending:2   zset   LOW
 KEYS[5]  {bg:q}:jobs        hash   id -> "<meta>|<envelope>" (_common.lua's format_job)
 KEYS[6]  {bg:q}:costs       hash   id -> "<cost>:<bucket>" of each new request (_queue.lua's
                                    cost_record): what a pop reads of it to learn its cost
-KEYS[7]  {bg:q}:clock       string last arrival score issued (the queue's clock: queue_now)
+KEYS[7]  {bg:q}:clock       string the queue's clock and last arrival score issued (queue_now)
 KEYS[8]  {bg:q}:marker      zset   wake-up marker for idle consumers
-KEYS[9]  {bg:q}:stats       hash   read on rejection: the recent service rate; the
-                                   queue's clock (clock_offset_us, clock_seen_us)
-KEYS[20] {bg:q}:deadlines   zset   id -> deadline (µs) of each new request that has one
-KEYS[22] {bg:q}:arrivals    hash   epoch second (decimal string) -> requests enqueued in
+KEYS[9]  {bg:q}:stats       hash   read on rejection: the recent service rate
+KEYS[10] {bg:q}:deadlines   zset   id -> deadline (µs) of each new request that has one
+KEYS[11] {bg:q}:arrivals    hash   epoch second (decimal string) -> requests enqueued in
                                    that second (scheduler_core/load.py reads the rate);
                                    fields older than ARRIVALS_KEEP_S are removed
-KEYS[24..28] {bg:q}:marker:<1..5> zset  wake-up marker of the consumers dedicated to a cost
+KEYS[12..16] {bg:q}:marker:<1..5> zset  wake-up marker of the consumers dedicated to a cost
                                    bucket: set for each bucket a new request falls in
-KEYS[29..33] {bg:q}:bucket:<1..5> zset  with cost buckets: each new request's id, in its
+KEYS[17..21] {bg:q}:bucket:<1..5> zset  with cost buckets: each new request's id, in its
                                    bucket's set (score = arrival)
-KEYS[35] {bg:q}:tenants     hash  per named tenant's counters (lua/_tenants.lua)
-KEYS[36] {bg:q}:tenant_rate hash  per tenant's rate-quota token buckets
-KEYS[37..39] {bg:q}:fair:<0..2> zset  fairness requests | cost (lua/_fair.lua): waiting
+KEYS[22] {bg:q}:tenants     hash  per named tenant's counters (lua/_tenants.lua)
+KEYS[23] {bg:q}:tenant_rate hash  per tenant's rate-quota token buckets
+KEYS[24..26] {bg:q}:fair:<0..2> zset  fairness requests | cost (lua/_fair.lua): waiting
                                   requests by tenant, then arrival
-KEYS[40..42] {bg:q}:vtc:<0..2> zset  the backlogged tenants of each level -> virtual counter
-KEYS[43] {bg:q}:fair:who    hash  id -> tenant of each request in the fair sets
-KEYS[44..] {bg:q}:idem:<key> string one per request whose idem flag is 1, in order
+KEYS[27..29] {bg:q}:vtc:<0..2> zset  the backlogged tenants of each level -> virtual counter
+KEYS[30] {bg:q}:fair:who    hash  id -> tenant of each request in the fair sets
+KEYS[31..] {bg:q}:idem:<key> string one per request whose idem flag is 1, in order
 read, not passed: {bg:q}:result:<id> of the id an idempotency key names (the caller cannot
          know it; same hash tag, so the slot of the keys above)
 
@@ -76,7 +75,7 @@ Errors   {-1, depth, max_queue_size, adding, rate_mrps}  queue full, nothing wri
                                               retry_after_ms: until enough tokens are
                                               back (0: none given). Nothing written but
                                               the tenant's refused counter and the
-                                              queue's clock (stats clock_*)
+                                              queue's clock (the clock key)
          {-5, 'shards'}                       this queue is a shard that `policy set
                                               --shards` dropped (policy field retired):
                                               nothing written; place the requests on a
@@ -130,16 +129,16 @@ local costs = KEYS[6]
 local clock = KEYS[7]
 local marker = KEYS[8]
 local stats = KEYS[9]
-local deadlines = KEYS[20]
-local arrivals = KEYS[22]
-local bucket_markers = {KEYS[24], KEYS[25], KEYS[26], KEYS[27], KEYS[28]}
-local bucket_sets = {KEYS[29], KEYS[30], KEYS[31], KEYS[32], KEYS[33]}
-local tenants = KEYS[35]
-local tenant_rate = KEYS[36]
-local fair_sets = {KEYS[37], KEYS[38], KEYS[39]}
-local fair_counters = {KEYS[40], KEYS[41], KEYS[42]}
-local fair_who = KEYS[43]
-local FIRST_IDEM = 44  -- KEYS[44..]: the idempotency keys, in order
+local deadlines = KEYS[10]
+local arrivals = KEYS[11]
+local bucket_markers = {KEYS[12], KEYS[13], KEYS[14], KEYS[15], KEYS[16]}
+local bucket_sets = {KEYS[17], KEYS[18], KEYS[19], KEYS[20], KEYS[21]}
+local tenants = KEYS[22]
+local tenant_rate = KEYS[23]
+local fair_sets = {KEYS[24], KEYS[25], KEYS[26]}
+local fair_counters = {KEYS[27], KEYS[28], KEYS[29]}
+local fair_who = KEYS[30]
+local FIRST_IDEM = 31  -- KEYS[31..]: the idempotency keys, in order
 
 local n = int_arg(ARGV[2], 1, 10000)
 if not n or (#ARGV ~= 3 + 7 * n and #ARGV ~= 4 + 7 * n) then return {-3, 'n'} end
@@ -154,7 +153,7 @@ if producer ~= '' and not valid_id(producer) then return {-3, 'producer'} end
 
 local rules = redis.call('HMGET', policy, 'strategy', 'max_batch_size', 'max_queue_size',
                          'max_cost', 'over_cost', 'max_batch_cost', 'cost_buckets', 'retired',
-                         'fairness')
+                         'fairness', unpack(TIMEOUT_FIELDS))  -- all it reads, at once
 -- A dropped shard takes nothing more: no consumer will serve it.
 if rules[8] == '1' then return {-5, 'shards'} end
 local strategy = rules[1] or 'fifo'
@@ -167,7 +166,7 @@ local truncate = rules[5] == 'truncate'
 local costed = (tonumber(rules[6]) or 0) > 0 or (rules[7] and rules[7] ~= '')
 -- Malformed buckets read as none here: pop_batch refuses such a policy anyway.
 local bounds = parse_buckets(rules[7]) or {}
-local timeouts = read_timeouts(policy)
+local timeouts = timeouts_of(rules, 10)
 if not timeouts then return {-3, 'policy'} end
 local now = queue_now(clock, stats, true)  -- noted once it writes (pass 2)
 
@@ -297,20 +296,22 @@ if limit > 0 and total + fresh > limit then
 end
 if limit > 0 and live + fresh > limit then
   -- The rate complete.lua measured, decayed when no window has closed for over 2 s
-  -- (consumers stalled or gone): then it is at most rate_count / time since.
-  local r = redis.call('HMGET', stats, 'rate_mrps', 'rate_since_us', 'rate_count')
-  local rate, since = tonumber(r[1]) or 0, tonumber(r[2])
+  -- (consumers stalled or gone): then it is at most what was processed since / time since.
+  local r = redis.call('HMGET', stats, 'rate_mrps', 'rate_since_us', 'rate_base', 'processed')
+  local rate = tonumber(r[1]) or 0
+  local since, base = read_rate_window(r[2], r[3])
   local idle = since and (now - since) or 0
-  if idle > 2000000 then rate = math.min(rate, (tonumber(r[3]) or 0) * 1e9 / idle) end
+  if idle > 2000000 then
+    rate = math.min(rate, math.max(0, (tonumber(r[4]) or 0) - base) * 1e9 / idle)
+  end
   return {-1, live, limit, fresh, int(rate)}
 end
 
 -- Pass 2: write.
-note_clock()
-local first_deadline = redis.call('ZRANGE', deadlines, 0, 0, 'WITHSCORES')[2]
-first_deadline = first_deadline and tonumber(first_deadline) or math.huge
+-- (The queue's clock is written with the arrival scores, scores.save().)
+local first_deadline = nil  -- the queue's earliest deadline, read at the first new one
 local given = {}  -- the deadline each request got, ms
-local scores = arrival_clock(clock, now)
+local scores = arrival_clock(now)
 local wake = (strategy == 'fifo') or costed
 local pending_adds, job_fields, deadline_adds = {{}, {}, {}}, {}, {}
 local bucket_adds = {}  -- bucket -> {arrival, id, ...} of its new requests
@@ -343,6 +344,10 @@ for i = 0, n - 1 do
       deadline_adds[#deadline_adds + 1] = int(deadline)
       deadline_adds[#deadline_adds + 1] = id
       -- The queue's earliest deadline: an idle consumer re-arms its timer for it.
+      if not first_deadline then
+        local first = redis.call('ZRANGE', deadlines, 0, 0, 'WITHSCORES')[2]
+        first_deadline = first and tonumber(first) or math.huge
+      end
       if deadline < first_deadline then
         first_deadline, wake = deadline, true
       end
@@ -402,8 +407,9 @@ if #tenant_names > 0 then
   tally.flush(tenant_counts)
   for field, state in pairs(tenant_buckets) do redis.pcall('HSET', tenant_rates, field, state) end
 end
--- Counted by TIME's second, as scheduler_core/load.py reads them back.
-if fresh > 0 then count_arrivals(arrivals, now_us(), fresh) end
+-- Counted by TIME's second (the queue's clock less its offset), as
+-- scheduler_core/load.py reads them back.
+if fresh > 0 then count_arrivals(arrivals, now - clock_now.offset, fresh) end
 
 local reply = {1, fresh, total}
 for i = 1, n do reply[#reply + 1] = effective[i] end

@@ -52,7 +52,7 @@ KEYS[6]  {bg:q}:costs       hash  id -> "<cost>:<bucket>" of each waiting reques
                                   set, is the cursor of relist_step
 KEYS[7]  {bg:q}:clock       string last arrival score issued (the queue's clock: queue_now)
 KEYS[8]  {bg:q}:marker      zset  wake-up marker
-KEYS[9]  {bg:q}:stats       hash  counters; the queue's clock (clock_offset_us, clock_seen_us)
+KEYS[9]  {bg:q}:stats       hash  counters (the queue's clock is the clock key's)
 KEYS[10] {bg:q}:inflight    zset  batch id -> lease deadline (µs)
 KEYS[11] {bg:q}:owner       hash  id -> batch id
 KEYS[12] {bg:q}:batches     hash  batch id -> "consumer|ids"

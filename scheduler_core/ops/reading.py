@@ -97,11 +97,13 @@ def _read_shard(owner: Any, keys: QueueKeys, samples: int) -> QueueReading:
     pipe.zcard(keys.delayed)
     pipe.zcard(keys.retry)
     pipe.hgetall(keys.tenants) if tenants_read else pipe.hlen(keys.tenants)
+    pipe.get(keys.clock)
     (now_s, now_frac), policy, d0, d1, d2, o0, o1, o2, owned, batches, beats, counters, \
-        dead, waits, e2e, model, arrivals, delayed, retrying, tenants = pipe.execute()
+        dead, waits, e2e, model, arrivals, delayed, retrying, tenants, clock = pipe.execute()
     numbers = _numbers(counters)
-    numbers.pop(CLOCK_SEEN, None)
-    now_us = queue_clock_us((now_s, now_frac), numbers.pop(CLOCK_OFFSET, 0))  # the scripts'
+    numbers.pop(CLOCK_SEEN, None)  # where an older version kept the queue's clock
+    numbers.pop(CLOCK_OFFSET, None)
+    now_us = queue_clock_us((now_s, now_frac), clock)  # the scripts'
     return QueueReading(
         now_us=now_us, policy=policy, depth=[d0, d1, d2],
         oldest_us=[int(score) for first in (o0, o1, o2) for _, score in first],

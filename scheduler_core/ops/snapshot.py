@@ -14,7 +14,7 @@ import redis
 
 from scheduler_core.connection import slot_owner
 from scheduler_core.deadletter import list_dead
-from scheduler_core.keys import CLOCK_OFFSET, QueueKeys, queue_clock_us
+from scheduler_core.keys import QueueKeys, queue_clock_us
 from scheduler_core.ops.stats import queue_stats, top_tenants
 from scheduler_core.registry import DEFAULT_MAX_QUEUES, QueueFinder, shown_queues
 from scheduler_core.shards import physical_queues
@@ -97,7 +97,8 @@ def _read_shard(client: redis.Redis, keys: QueueKeys, failures_shown: int) -> di
     pipe.hgetall(keys.stats)
     pipe.lrange(keys.model_samples, 0, BATCH_SAMPLES_READ - 1)
     pipe.lrange(keys.failures, 0, failures_shown - 1) if failures_shown else pipe.echo("")
-    (now_s, now_frac), beats, batches, counters, model, failures = pipe.execute()
+    pipe.get(keys.clock)
+    (now_s, now_frac), beats, batches, counters, model, failures, clock = pipe.execute()
 
     names = [_text(name) for name, _ in beats]
     info_pipe = client.pipeline(transaction=False)
@@ -136,7 +137,7 @@ def _read_shard(client: redis.Redis, keys: QueueKeys, failures_shown: int) -> di
         except orjson.JSONDecodeError:
             continue
     return {
-        "now_us": queue_clock_us((now_s, now_frac), raw_counters.get(CLOCK_OFFSET)),
+        "now_us": queue_clock_us((now_s, now_frac), clock),
         "consumers": consumers,
         "sizes": sizes,
         # The adaptive delay (max_queue_delay_ms=auto) where the queue has one: any stats

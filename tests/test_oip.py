@@ -176,18 +176,17 @@ def test_queue_patterns_expand_to_registered_queues(shared_redis, queue, start_g
             [f"{queue}-x", f"{queue}-y"]
 
 
-def test_tritonclient_runs_the_built_in_generator(shared_redis, queue, start_consumer,
+def test_tritonclient_runs_the_built_in_generator(shared_redis, queue, inprocess_consumer,
                                                   start_gateway):
     """The built-in generator answers OIP as it is: `prompt` BYTES [1] and
-    `max_new_tokens` INT32 [1] are its payload; its result's keys are the outputs."""
+    `max_new_tokens` INT32 [1] are its payload; its result's keys are the outputs. (The
+    consumer runs in this process: the route under test is the gateway's.)"""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    start_consumer(shared_redis.url, queue, "--model", "consumer.models:generator",
-                   "--device", "cpu", "--torch-threads", "1",
-                   *(a for k, v in {"vocab": 512, "layers": 2, "dim": 32, "heads": 2,
-                                    "positions": 128}.items()
-                     for a in ("--model-arg", f"{k}={v}")),
-                   ready=False).wait_ready(timeout=240)  # importing torch: slow when busy
+    inprocess_consumer("consumer.models:generator", redis_url=shared_redis.url, queue=queue,
+                       device="cpu", torch_threads=1,
+                       model_args={"vocab": 512, "layers": 2, "dim": 32, "heads": 2,
+                                   "positions": 128})
     gateway = start_gateway(shared_redis.url, queue)
     client = triton_client(gateway)
     prompt = triton.InferInput("prompt", [1], "BYTES")

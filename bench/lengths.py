@@ -3,6 +3,7 @@ and --max-cost, on the generator model, measured and simulated side by side in o
 
     python -m bench.lengths                      # 4 configurations x 60 s
     python -m bench.lengths --quick --out /tmp/lengths
+    python -m bench.lengths --quick --shapes 1x16,1x256,2x256   # fewer profiled shapes
 
 The scenario (batchgate/lengths.py): 80% of the requests ask for 16 new tokens, 20% for
 256, Poisson at --load (0.6: the requests would take 60% of the consumers' time one by
@@ -37,6 +38,20 @@ from scheduler_core.ops.simulation import ModelTime, SimConfig, simulate
 from scheduler_core.policy import Policy
 
 PROFILE_SHAPES = [(b, c) for b in (1, 2, 4, 8) for c in (SHORT, 128, LONG)]
+
+
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    """--shapes "1x16,2x256": (batch size, new tokens) pairs; the step fit has three terms,
+    so at least three shapes, of two batch sizes and two lengths."""
+    try:
+        shapes = [(int(b), int(c)) for b, c in (s.split("x") for s in text.split(",") if s)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shapes: {text!r} is not BxC,BxC,...") from None
+    if (len(shapes) < 3 or len({b for b, _ in shapes}) < 2 or len({c for _, c in shapes}) < 2
+            or min(min(s) for s in shapes) < 1):
+        raise argparse.ArgumentTypeError(
+            "--shapes: at least 3 shapes of 2 batch sizes and 2 lengths, each >= 1")
+    return shapes
 
 
 @dataclass(frozen=True)
@@ -294,6 +309,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--configs", default=",".join(CONFIG_NAMES),
                         help="comma-separated, of " + ", ".join(CONFIG_NAMES))
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--shapes", type=parse_shapes, default=PROFILE_SHAPES,
+                        help="(batch size)x(new tokens) shapes profiled for the simulator's "
+                             "fits, comma-separated (default: batch 1, 2, 4, 8 x 16, 128, "
+                             "256 tokens)")
     parser.add_argument("--strict", action="store_true",
                         help="exit 1 when any check is missed")
     parser.add_argument("--out", type=Path, default=Path("bench/results/lengths"))
@@ -314,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         report = run_scenario(url, duration, args.consumers, args.seed, load=args.load,
                               rate=args.rate, configs=configs,
                               repeats=1 if args.quick else args.repeats,
-                              shapes=PROFILE_SHAPES, after_run=predictions)
+                              shapes=args.shapes, after_run=predictions)
     report["checks"] += sim_checks(report["configs"])
     (args.out / "results.json").write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
     (args.out / "results.md").write_text(render(report) + "\n")

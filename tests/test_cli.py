@@ -90,26 +90,26 @@ def test_unknown_model_fails_with_a_clear_message(shared_redis, queue, start_con
     assert "no_such_module_xyz" in proc.output()
 
 
-def test_conflicting_policy_flags_are_refused(shared_redis, queue, start_consumer):
-    start_consumer(shared_redis.url, queue, "--model", "consumer.models:noop", "--strategy",
-                   "dynamic", "--max-batch-size", "16")
+def test_conflicting_policy_flags_are_refused(shared_redis, queue, inprocess_consumer):
+    """The refusals through CliRunner (the command exits before it serves); the consumers
+    that run, in this process."""
+    inprocess_consumer("consumer.models:noop", redis_url=shared_redis.url, queue=queue,
+                       strategy="dynamic", max_batch_size=16)
     conflicts = [(["--strategy", "fifo"], "strategy=dynamic (asked fifo)"),
                  (["--max-batch-size", "8"], "max_batch_size=16 (asked 8)")]
-    procs = [start_consumer(shared_redis.url, queue, "--model", "consumer.models:noop",
-                            *flags, ready=False) for flags, _ in conflicts]
-    for proc, (_, says) in zip(procs, conflicts, strict=True):
-        assert proc.proc.wait(30) != 0
-        out = proc.output()
-        assert "ready on queue" not in out
+    for flags, says in conflicts:
+        ran = batchgate("consumer", "--redis-url", shared_redis.url, "--queue", queue,
+                        "--model", "consumer.models:noop", *flags)
+        out = ran.stdout + ran.stderr
+        assert ran.returncode != 0 and "ready on queue" not in out
         # The field, the stored and the asked value, and the queue.
         assert f"queue {queue!r} already runs with {says}" in out, out
     # The stored policy is untouched, and a consumer that asks nothing adopts it.
     policy = read_policy(shared_redis.client(), queue)
     assert policy.strategy.value == "dynamic" and policy.max_batch_size == 16
-    adopters = [start_consumer(shared_redis.url, queue, "--model", "consumer.models:noop",
-                               *flags, ready=False) for flags in ([], ["--strategy", "dynamic"])]
-    for proc in adopters:
-        proc.wait_ready()
+    for settings in ({}, {"strategy": "dynamic"}):
+        inprocess_consumer("consumer.models:noop", redis_url=shared_redis.url, queue=queue,
+                           **settings)
     # "ready" is printed before a consumer's first heartbeat: wait for the three to beat.
     wait_for(lambda: queue_stats(shared_redis.client(), queue).consumers_alive == 3,
              what="three consumers alive")

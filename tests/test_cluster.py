@@ -66,9 +66,9 @@ def test_connect(topology, queue, inprocess_consumer) -> None:
     connect_ahead(topology, queue, inprocess_consumer)
 
 
-def test_streaming(topology, queue, start_consumer) -> None:
-    stream_in_order(topology, f"{queue}-a", start_consumer)
-    async_stream(topology, f"{queue}-b", start_consumer)
+def test_streaming(topology, queue, inprocess_consumer) -> None:
+    stream_in_order(topology, f"{queue}-a", inprocess_consumer)
+    async_stream(topology, f"{queue}-b", inprocess_consumer)
 
 
 def test_async_cancel_and_deadline(topology, queue) -> None:

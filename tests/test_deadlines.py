@@ -371,12 +371,12 @@ def test_each_expiry_is_answered_exactly_once(shared_redis, queue, inprocess_con
 
 
 def test_a_request_fetched_ahead_does_not_run_once_its_deadline_has_passed(
-        shared_redis, queue, start_consumer, tmp_path):
+        shared_redis, queue, inprocess_consumer, tmp_path):
     """fifo, batch 1: W (50 ms) teaches the consumer a batch's time, so behind W and A
     (3 s) it fetches B (deadline 500 ms) ahead ~50 ms into A. B's deadline passes in the
     consumer's hands: it must not run, and is answered DeadlineExceeded, once."""
     model = RecordingModel(tmp_path)
-    model.start(start_consumer, shared_redis.url, queue, "--strategy", "fifo")
+    model.serve(inprocess_consumer, shared_redis.url, queue, strategy="fifo")
     client, keys = shared_redis.client(), QueueKeys(queue)
     with Producer(shared_redis.url, queue) as p:
         w = p.submit({"sleep_ms": 50})  # the consumer learns the shape's time

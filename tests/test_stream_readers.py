@@ -1,7 +1,8 @@
 """Readers of one request's partial results (issue 33 §6, §7; docs/streaming.md), with real
-consumer and gateway processes: several readers of one stream each get every part and the
-end; a retried keyed streaming submit starts from the first part (or after Last-Event-ID);
-a gateway releases the stream of a client that hung up at once."""
+gateway processes (the consumers in this process, but for a model that hangs): several
+readers of one stream each get every part and the end; a retried keyed streaming submit
+starts from the first part (or after Last-Event-ID); a gateway releases the stream of a
+client that hung up at once."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers.stream_models import Steps
 from helpers.support import queue_pattern, snapshot, wait_for
 
 from producer import Producer
@@ -23,9 +25,16 @@ HELPERS = str(Path(__file__).resolve().parent / "helpers")
 
 
 def steps(start_consumer, url, queue, parts, sleep_ms, *args):
+    """`batchgate consumer` running stream_models:Steps: for a model that hangs past the
+    test (a process is killed at the end; a thread would be waited for)."""
     return start_consumer(url, queue, "--model", "stream_models:Steps", "--model-arg",
                           f"parts={parts}", "--model-arg", f"sleep_ms={sleep_ms}", *args,
                           cwd=HELPERS)
+
+
+def serve_steps(inprocess_consumer, url, queue, parts, sleep_ms):
+    """The same model on the in-process consumer (the gateway is the process under test)."""
+    return inprocess_consumer(Steps(parts, sleep_ms), redis_url=url, queue=queue)
 
 
 @pytest.fixture
@@ -56,8 +65,8 @@ def parts(i: int, count: int, start: int = 0) -> list[tuple[str, object]]:
 
 
 def test_two_handles_of_one_keyed_request_each_read_every_part(shared_redis, queue,
-                                                                 start_consumer):
-    steps(start_consumer, shared_redis.url, queue, 5, 150)
+                                                                 inprocess_consumer):
+    serve_steps(inprocess_consumer, shared_redis.url, queue, 5, 150)
     with Producer(shared_redis.url, queue) as p:
         first = p.submit({"i": 1}, idempotency_key="k1")
         again = p.submit({"i": 1}, idempotency_key="k1")
@@ -78,9 +87,9 @@ def test_two_handles_of_one_keyed_request_each_read_every_part(shared_redis, que
         assert first.result(timeout=1) == {"i": 1, "parts": 5}
 
 
-def test_two_clients_stream_one_keyed_request(shared_redis, queue, start_consumer,
+def test_two_clients_stream_one_keyed_request(shared_redis, queue, inprocess_consumer,
                                               start_gateway):
-    steps(start_consumer, shared_redis.url, queue, 4, 200)
+    serve_steps(inprocess_consumer, shared_redis.url, queue, 4, 200)
     gateway = start_gateway(shared_redis.url, queue)
     body = {"payload": {"i": 7}, "stream": True, "idempotency_key": "both"}
     got: dict[int, list] = {}
@@ -104,8 +113,8 @@ def test_two_clients_stream_one_keyed_request(shared_redis, queue, start_consume
 
 
 def test_a_retry_after_a_hang_up_streams_from_the_start(shared_redis, queue,
-                                                        start_consumer, start_gateway):
-    steps(start_consumer, shared_redis.url, queue, 5, 300)
+                                                        inprocess_consumer, start_gateway):
+    serve_steps(inprocess_consumer, shared_redis.url, queue, 5, 300)
     gateway = start_gateway(shared_redis.url, queue)
     body = {"payload": {"i": 3}, "stream": True, "idempotency_key": "retry"}
     with httpx.Client(base_url=gateway.url, timeout=30) as http:

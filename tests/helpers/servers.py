@@ -23,7 +23,11 @@ class ServerProcess(LoggedProcess):
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         super().__init__(args, "bg-http-", cwd, env)
-        self._wait_ready(ready_path)
+        try:
+            self._wait_ready(ready_path)
+        except BaseException:  # no caller holds it yet to close it
+            self.close()
+            raise
 
     def _wait_ready(self, path: str, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from batchgate.embedded import EmbeddedRedis, free_port
+from scheduler_core.lifetime import spawn
 
 __all__ = ["BATCHGATE", "ConsumerProcess", "LoggedProcess", "RedisServer", "free_port"]
 
@@ -40,9 +41,10 @@ class LoggedProcess:
         self.args = args
         self.log = Path(tempfile.mkstemp(prefix=prefix, suffix=".log")[1])
         self._log_file = self.log.open("wb")
-        self.proc = subprocess.Popen(args, stdout=self._log_file, stderr=subprocess.STDOUT,
-                                     cwd=cwd, env={**os.environ, **(env or {})},
-                                     start_new_session=True)
+        # Tied to the test process (lifetime.spawn): a test run killed outright leaves no
+        # consumer or gateway behind.
+        self.proc = spawn(args, stdout=self._log_file, stderr=subprocess.STDOUT, cwd=cwd,
+                          env={**os.environ, **(env or {})}, start_new_session=True)
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")

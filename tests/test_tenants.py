@@ -504,3 +504,25 @@ def test_counters_through_delayed_deadlines_dead_letters_and_their_retry(
         wait_until(lambda: tenants_hash(client, queue).get("s:acme") == 2)
         assert p.fetch(late.id).ok and p.fetch(doomed.id).ok
     assert gauges(client, queue) == (0, 0)
+
+
+def test_x_tenant_sent_twice_is_refused_not_read_first_wins(shared_redis, queue):
+    """A proxy that adds its X-Tenant beside the client's (instead of replacing it) must
+    not let the client's copy, sent first, choose the tenant: 422 naming X-Tenant,
+    nothing written."""
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from producer.gateway.app import create_app
+    configure(shared_redis.url, queue, strategy="fifo")
+    client = shared_redis.client()
+    before = request_state(client, queue)
+    with TestClient(create_app(shared_redis.url, queue)) as http:
+        answer = http.post("/v1/requests", json={"payload": 1},
+                           headers=[("X-Tenant", "victim"), ("X-Tenant", "proxy-set")])
+        assert answer.status_code == 422, answer.text
+        assert answer.json()["field"] == "X-Tenant"
+        assert "at most once" in answer.json()["message"]
+        assert request_state(client, queue) == before
+        once = http.post("/v1/requests", json={"payload": 1}, headers={"X-Tenant": "acme"})
+        assert once.status_code == 202, once.text

@@ -526,3 +526,27 @@ def test_x_tenant_sent_twice_is_refused_not_read_first_wins(shared_redis, queue)
         assert request_state(client, queue) == before
         once = http.post("/v1/requests", json={"payload": 1}, headers={"X-Tenant": "acme"})
         assert once.status_code == 202, once.text
+
+
+def test_the_openai_endpoints_take_the_tenant_from_x_tenant(shared_redis, queue):
+    """A proxy's X-Tenant binds the OpenAI-compatible endpoints as it does /v1/requests:
+    without it a client there would be the default tenant, which no quota binds."""
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from producer.gateway.app import create_app
+    configure(shared_redis.url, queue, strategy="fifo", tenant_quotas="acme:rps=1,burst=1")
+    client = shared_redis.client()
+    body = {"model": queue, "prompt": "x"}
+    timeout = {"X-Request-Timeout-Ms": "200"}  # no consumer: the first one expires
+    with TestClient(create_app(shared_redis.url, queue)) as http:
+        http.post("/v1/completions", json=body, headers={**timeout, "X-Tenant": "acme"})
+        assert client.hget(QueueKeys(queue).tenants, "a:acme") == b"1"
+        before = request_state(client, queue)
+        over = http.post("/v1/completions", json=body, headers={**timeout, "X-Tenant": "acme"})
+        assert over.status_code == 429, over.text
+        assert over.headers["Retry-After"] == "1"
+        bad = http.post("/v1/completions", json=body,
+                        headers=[("X-Tenant", "acme"), ("X-Tenant", "other")])
+        assert bad.status_code == 400 and "X-Tenant" in bad.text, bad.text
+        assert request_state(client, queue) == before

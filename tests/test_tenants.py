@@ -504,3 +504,49 @@ def test_counters_through_delayed_deadlines_dead_letters_and_their_retry(
         wait_until(lambda: tenants_hash(client, queue).get("s:acme") == 2)
         assert p.fetch(late.id).ok and p.fetch(doomed.id).ok
     assert gauges(client, queue) == (0, 0)
+
+
+def test_x_tenant_sent_twice_is_refused_not_read_first_wins(shared_redis, queue):
+    """A proxy that adds its X-Tenant beside the client's (instead of replacing it) must
+    not let the client's copy, sent first, choose the tenant: 422 naming X-Tenant,
+    nothing written."""
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from producer.gateway.app import create_app
+    configure(shared_redis.url, queue, strategy="fifo")
+    client = shared_redis.client()
+    before = request_state(client, queue)
+    with TestClient(create_app(shared_redis.url, queue)) as http:
+        answer = http.post("/v1/requests", json={"payload": 1},
+                           headers=[("X-Tenant", "victim"), ("X-Tenant", "proxy-set")])
+        assert answer.status_code == 422, answer.text
+        assert answer.json()["field"] == "X-Tenant"
+        assert "at most once" in answer.json()["message"]
+        assert request_state(client, queue) == before
+        once = http.post("/v1/requests", json={"payload": 1}, headers={"X-Tenant": "acme"})
+        assert once.status_code == 202, once.text
+
+
+def test_the_openai_endpoints_take_the_tenant_from_x_tenant(shared_redis, queue):
+    """A proxy's X-Tenant binds the OpenAI-compatible endpoints as it does /v1/requests:
+    without it a client there would be the default tenant, which no quota binds."""
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from producer.gateway.app import create_app
+    configure(shared_redis.url, queue, strategy="fifo", tenant_quotas="acme:rps=1,burst=1")
+    client = shared_redis.client()
+    body = {"model": queue, "prompt": "x"}
+    timeout = {"X-Request-Timeout-Ms": "200"}  # no consumer: the first one expires
+    with TestClient(create_app(shared_redis.url, queue)) as http:
+        http.post("/v1/completions", json=body, headers={**timeout, "X-Tenant": "acme"})
+        assert client.hget(QueueKeys(queue).tenants, "a:acme") == b"1"
+        before = request_state(client, queue)
+        over = http.post("/v1/completions", json=body, headers={**timeout, "X-Tenant": "acme"})
+        assert over.status_code == 429, over.text
+        assert over.headers["Retry-After"] == "1"
+        bad = http.post("/v1/completions", json=body,
+                        headers=[("X-Tenant", "acme"), ("X-Tenant", "other")])
+        assert bad.status_code == 400 and "X-Tenant" in bad.text, bad.text
+        assert request_state(client, queue) == before

@@ -173,13 +173,25 @@ def queue_full(exc: QueueFull) -> ApiError:
                     retry_after_s=retry, headers=headers)
 
 
+def header_tenant(scope: Scope) -> str | None:
+    """The X-Tenant header a proxy set, checked (InvalidRequest naming X-Tenant). Sent
+    more than once it is refused, not read first-wins: a proxy that adds its header
+    instead of replacing the client's must not let the client's copy choose the tenant."""
+    sent = [value for key, value in scope["headers"] if key == b"x-tenant"]
+    if not sent:
+        return None
+    if len(sent) > 1:
+        raise InvalidRequest("X-Tenant", f"sent {len(sent)} times; at most once (a proxy "
+                                         "must replace the client's X-Tenant, not add one)")
+    return check_tenant(sent[0].decode("latin-1"), "X-Tenant")
+
+
 def submit_tenant(scope: Scope, submit: Submit) -> str | None:
     """The submit's tenant: its body's `tenant` or the X-Tenant header a proxy set; both
     given must agree (InvalidRequest naming tenant)."""
-    raw = header(scope, b"x-tenant")
-    if raw is None:
+    named = header_tenant(scope)
+    if named is None:
         return submit.tenant
-    named = check_tenant(raw.decode("latin-1"), "X-Tenant")
     if submit.tenant is not None and submit.tenant != named:
         raise InvalidRequest("tenant", f"{submit.tenant!r} differs from the X-Tenant header "
                                        f"{named!r}")

@@ -38,7 +38,7 @@ from fastapi import APIRouter, Depends, Request, Response
 from producer.gateway import openai_schemas as s
 from producer.gateway import tokenizer
 from producer.gateway.guard import Receive, Scope, Send, header
-from producer.gateway.hotpath import error_answer, is_json, read_body
+from producer.gateway.hotpath import error_answer, header_tenant, is_json, read_body
 from producer.gateway.queues import listed
 from producer.gateway.schemas import MAX_WAIT_S, Problem, loads
 from producer.validation import MAX_DEADLINE_MS
@@ -507,16 +507,17 @@ class OpenAIPath:
         job = Job(scope["path"], parsed)
         gateway = gateways[job.model]
         deadline_ms = deadline_of(scope)
+        tenant = header_tenant(scope)  # the proxy's X-Tenant: quotas apply here too
         wait_s = deadline_ms / 1000 if deadline_ms is not None else MAX_WAIT_S
         # store_result: how it ended, for until_answered (and GET /v1/requests/{id})
         if len(job.payloads) == 1:
             handles = [await gateway.sharded.submit(
                 job.payloads[0], priority=job.priority, deadline_ms=deadline_ms,
-                cost=job.costs[0], store_result=True)]
+                cost=job.costs[0], store_result=True, tenant=tenant)]
         else:
             handles = await gateway.sharded.submit_many(
                 job.payloads, priority=job.priority, deadline_ms=deadline_ms, cost=job.costs,
-                store_result=True)
+                store_result=True, tenant=tenant)
         scope["batchgate.wait"] = True
         ids = handles[0].id
         if job.stream:

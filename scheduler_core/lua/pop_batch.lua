@@ -475,75 +475,177 @@ local function candidates(rules, count, levels)
   end
 end
 
--- pick_costed's batch read from the bucket sets instead of the window, where they list
--- exactly the requests of the one level that waits: a bucket's group is the head of its
--- set (up to the window's last arrival), so only the groups looked at are read, and the
--- costs of their requests only (none without a budget). Returns false where that does
--- not hold, and the window is read: other levels or delayed requests wait, the sets are
--- being relisted, their sizes do not add up to the level's (an older version's ids),
--- arrivals tie (at the window's edge, or two buckets' oldest), or a chosen id does not
--- wait in the level.
+-- pick_costed's batch read from the bucket sets instead of the window: a bucket's group is
+-- the head of its set, less ids waiting in other levels than `levels`, up to the window's
+-- last arrival; so only the groups looked at are read, and the costs of their requests
+-- only (none without a budget), whichever levels wait. Returns false where that does not
+-- hold, and the window is read: the sets are being relisted, their sizes do not add up to
+-- the queue's (an older version's ids), a listed id waits nowhere it should, more than
+-- `window` ids of other levels lie ahead, or arrivals tie (within a group, at the
+-- window's edge, or two buckets' oldest).
 local function pick_from_sets(rules, count, levels, now, due_only)
   if views or #rules.bounds == 0 or rules.relisting then return false end
-  local level
+  local mine, n = {}, 0  -- the levels picked from that have requests, and their total
   for _, l in ipairs(levels) do
-    if count[l + 1] > 0 then
-      if level then return false end
-      level = l
+    if count[l + 1] > 0 then mine[#mine + 1], n = l, n + count[l + 1] end
+  end
+  if n == 0 then return false end
+  local nb, listed = bucket_count(rules.bounds), 0
+  for b = 1, #bucket_sets do
+    local size = redis.call('ZCARD', bucket_sets[b])
+    if size > 0 and b > nb then return false end
+    listed = listed + size
+  end
+  if listed ~= count[1] + count[2] + count[3] + count[4] then return false end
+  local exact = listed == n  -- every listed id waits in `mine`
+  -- Where other levels wait too, a walk starts at the oldest arrival in `mine`: those
+  -- waiting longer elsewhere (the usual case: LOW behind HIGH) are never read.
+  local from = '-inf'
+  if not exact then
+    local first
+    for _, l in ipairs(mine) do
+      local head = redis.call('ZRANGE', pending[l + 1], 0, 0, 'WITHSCORES')
+      if not first or tonumber(head[2]) < first then first, from = tonumber(head[2]), head[2] end
     end
   end
-  if not level or count[1] + count[2] + count[3] + count[4] ~= count[level + 1] then
-    return false
+  -- Whether arrival `score` (a string, as Redis gave it) is among the window's: true,
+  -- false, or nil where the window's edge is a tie (its order is the window's to say).
+  local window, edge = rules.window, nil
+  local function in_window(score)
+    if n <= window then return true end
+    if #mine == 1 then
+      if not edge then
+        edge = redis.call('ZRANGE', pending[mine[1] + 1], window - 1, window, 'WITHSCORES')
+        edge = {tonumber(edge[2]), tonumber(edge[4])}
+      end
+      local s = tonumber(score)
+      if s < edge[1] then return true end
+      if s > edge[1] then return false end
+      return edge[1] ~= edge[2] or nil
+    end
+    local le, lt = 0, 0
+    for _, l in ipairs(mine) do le = le + redis.call('ZCOUNT', pending[l + 1], '-inf', score) end
+    if le <= window then return true end
+    for _, l in ipairs(mine) do
+      lt = lt + redis.call('ZCOUNT', pending[l + 1], '-inf', '(' .. score)
+    end
+    if lt >= window then return false end
+    return nil
   end
-  local key, n, listed = pending[level + 1], count[level + 1], 0
-  for b = 1, #bucket_sets do listed = listed + redis.call('ZCARD', bucket_sets[b]) end
-  if listed ~= n then return false end
-  local bound = '+inf'
-  if n > rules.window then
-    local edge = redis.call('ZRANGE', key, rules.window - 1, rules.window, 'WITHSCORES')
-    if tonumber(edge[4]) == tonumber(edge[2]) then return false end
-    bound = edge[2]
+  -- Up to `want` requests of bucket b's set that wait in `mine`, in the set's order:
+  -- {ids, raw (their scores as Redis gave them), score, level}, each by index, the scores
+  -- and levels from the levels' zsets; nil where the set and the levels disagree,
+  -- arrivals tie, or more than `window` ids of other levels would be passed over (the
+  -- window is read instead).
+  local skipped = 0
+  local function walk(b, want)
+    local g = {ids = {}, raw = {}, score = {}, level = {}}
+    local at, prev, k = 0, nil, 0
+    while k < want do
+      local n_read = exact and want - k or math.max(want - k, at)
+      local ids = redis.call('ZRANGEBYSCORE', bucket_sets[b], from, '+inf', 'LIMIT', at, n_read)
+      if #ids == 0 then break end
+      at = at + #ids
+      local raw, level, left, left_at = {}, {}, ids, nil  -- left_at: nil, all of ids
+      for _, l in ipairs(mine) do
+        if #left == 0 then break end
+        local scores, rest, rest_at = redis.call('ZMSCORE', pending[l + 1], unpack(left)), {}, {}
+        for i = 1, #left do
+          local j = left_at and left_at[i] or i
+          if scores[i] then
+            raw[j], level[j] = scores[i], l
+          else
+            rest[#rest + 1], rest_at[#rest + 1] = left[i], j
+          end
+        end
+        left, left_at = rest, rest_at
+      end
+      for j = 1, #ids do
+        local r = raw[j]
+        if r then
+          local score = tonumber(r)
+          if prev and score <= prev then return nil end  -- a tie, or out of order
+          prev = score
+          if k < want then
+            k = k + 1
+            g.ids[k], g.raw[k], g.score[k], g.level[k] = ids[j], r, score, level[j]
+          end
+        elseif exact then
+          return nil
+        else
+          skipped = skipped + 1
+          if skipped > window then return nil end
+        end
+      end
+      if #ids < n_read then break end  -- the set's end
+    end
+    return g
   end
   local firsts = {}  -- per bucket in the window: its oldest, in arrival order
-  for b = 1, #bucket_sets do
-    local first = redis.call('ZRANGEBYSCORE', bucket_sets[b], '-inf', bound, 'WITHSCORES',
-                             'LIMIT', 0, 1)
-    if first[1] then
-      if b > bucket_count(rules.bounds) then return false end
-      firsts[#firsts + 1] = {bucket = b, id = first[1], score = tonumber(first[2])}
+  for b = 1, nb do
+    local head
+    if exact then  -- its set's first: the group's walk checks it against the levels
+      local item = redis.call('ZRANGE', bucket_sets[b], 0, 0, 'WITHSCORES')
+      head = {raw = {item[2]}, score = {tonumber(item[2])}}
+    else
+      head = walk(b, 1)
+      if not head then return false end
+    end
+    if head.raw[1] then
+      local w = in_window(head.raw[1])
+      if w == nil then return false end
+      if w then firsts[#firsts + 1] = {bucket = b, score = head.score[1]} end
     end
   end
   table.sort(firsts, function(x, y) return x.score < y.score end)
   for k = 2, #firsts do  -- a tie: the zset's order (by id) decides, left to the window
     if firsts[k].score == firsts[k - 1].score then return false end
   end
-  local function due(b, first)
-    local ids = redis.call('ZRANGEBYSCORE', bucket_sets[b], '-inf', bound, 'LIMIT', 0,
-                           rules.batch_size)
-    local cost_of, group = {}, {}
-    if rules.budget > 0 then cost_of = read_costs(ids) end
-    for i = 1, #ids do
-      group[i], cost_of[i] = i, cost_of[i] or 1
+  local function due(first)
+    local g = walk(first.bucket, rules.batch_size)
+    if not g or g.score[1] ~= first.score then return false end
+    local m = #g.ids
+    if n > window then  -- the group ends at the window's edge: ranks grow with arrival
+      local last = in_window(g.raw[m])
+      if last == nil then return false end
+      if not last then
+        local lo, hi = 1, m  -- g[lo] is in the window, g[hi] is not
+        while hi - lo > 1 do
+          local mid = math.floor((lo + hi) / 2)
+          local w = in_window(g.raw[mid])
+          if w == nil then return false end
+          if w then lo = mid else hi = mid end
+        end
+        m = lo
+      end
     end
-    local chosen, full = fit(rules, group, cost_of)
+    local taken, full  -- fit takes the group's first `taken`
+    if rules.budget > 0 then
+      local cost_of, indexes = read_costs({unpack(g.ids, 1, m)}), {}
+      for i = 1, m do indexes[i], cost_of[i] = i, cost_of[i] or 1 end
+      local chosen
+      chosen, full = fit(rules, indexes, cost_of)
+      taken = #chosen
+    else
+      taken = math.min(m, rules.batch_size)
+      full = taken == rules.batch_size
+    end
     if due_only and not full and now - first.score < rules.delay then return nil end
-    local names = {}
-    for k, i in ipairs(chosen) do names[k] = ids[i] end
-    local scores, out = redis.call('ZMSCORE', key, unpack(names)), {}
-    for k, name in ipairs(names) do
-      if not scores[k] then return false end
-      out[k] = {id = name, score = tonumber(scores[k]), level = level}
-    end
+    local out = {}
+    for i = 1, taken do out[i] = {id = g.ids[i], score = g.score[i], level = g.level[i]} end
+    -- Where nothing was passed over, the batch is the head of its set: commit takes it
+    -- out with one range removal, without reading its costs entries.
+    if exact then out.head_of = first.bucket end
     return out
   end
   for _, first in ipairs(firsts) do
     if first.bucket == rules.prefer then
-      local chosen = due(first.bucket, first)
+      local chosen = due(first)
       if chosen ~= nil then return chosen ~= false, chosen or nil end
     end
   end
   for _, first in ipairs(firsts) do
-    local chosen = due(first.bucket, first)
+    local chosen = due(first)
     if chosen ~= nil then return chosen ~= false, chosen or nil end
   end
   return true, nil
@@ -665,7 +767,7 @@ local function take_delayed(rules, count, now)
 end
 
 -- Members whose id no producer makes (written by hand) leave the queue for the
--- dead-letter set instead of a batch.
+-- dead-letter set instead of a batch. `chosen` itself where none does.
 local function drop_malformed(chosen, now)
   local kept, dropped = {}, {}
   for _, c in ipairs(chosen) do
@@ -679,6 +781,7 @@ local function drop_malformed(chosen, now)
         'by hand: not 1-128 characters from letters, digits, _ . -'}}))
     end
   end
+  if #dropped == 0 then return chosen end
   unlist_waiting(costs, bucket_sets, dropped)
   return kept
 end
@@ -758,7 +861,14 @@ local function commit(rules, consumer, lease_ms, chosen, read, total, now)
   redis.call('ZREM', deadlines, unpack(ids))  -- deadlines holds waiting requests only
   call_in_chunks('HSET', owner, owner_fields)  -- 2 x max_batch_size values
   -- The batch leaves costs and the bucket sets its entries name (those it was put in).
-  local by_bucket = unlist_waiting(costs, bucket_sets, ids)
+  local by_bucket
+  if chosen.head_of then  -- the head of one set (pick_from_sets; nothing dropped since)
+    by_bucket = {[chosen.head_of] = ids}
+    redis.call('ZREMRANGEBYRANK', bucket_sets[chosen.head_of], 0, #ids - 1)
+    call_in_chunks('HDEL', costs, ids)
+  else
+    by_bucket = unlist_waiting(costs, bucket_sets, ids)
+  end
   -- Tenants (lua/_tenants.lua): the batch's requests leave waiting for in flight.
   local tally = tenant_tally()
   for i = 1, #chosen do

@@ -84,7 +84,7 @@ for i = 1, n do
                                              envelope = m and m.envelope or raw}))
     redis.call('ZADD', pending[prio + 1], int(arrival), id)
     if not bounds then bounds = stored_bounds(policy) end
-    list_waiting(costs, bucket_sets, bounds, id, m and m.cost or 1, arrival)
+    list_waiting(costs, bucket_sets, bounds, id, m and m.cost or 1, arrival, prio)
     redis.call('ZREM', dead, id)
     redis.call('HDEL', dead_reason, id)
     redis.call('DEL', KEYS[34 + i])

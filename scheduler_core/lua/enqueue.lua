@@ -359,7 +359,7 @@ for i = 0, n - 1 do
       table.insert(bucket_adds[b], id)
     end
     cost_fields[#cost_fields + 1] = id
-    cost_fields[#cost_fields + 1] = cost_record(cost, b)
+    cost_fields[#cost_fields + 1] = cost_record(cost, b, prio)
     depth[prio + 1] = depth[prio + 1] + 1
     total = total + 1
   end

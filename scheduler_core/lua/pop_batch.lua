@@ -198,9 +198,19 @@ local function promote_aged(rules, now)
   for i = 1, #twice, 2 do move(1, 0, twice[i], twice[i + 1]) end
   local once = redis.call('ZRANGEBYSCORE', pending_normal, '(' .. int(now - 2 * aging),
                           int(now - aging), 'WITHSCORES', 'LIMIT', 0, limit)
-  for i = 1, #once, 2 do
-    local m = parse_job(redis.call('HGET', jobs, once[i]))
-    if not m or m.prio <= 1 then move(1, 0, once[i], once[i + 1]) end
+  if #once == 0 then return end
+  -- Those submitted LOW stay: the priority from the costs entries, never from the jobs
+  -- values (payloads); from those only where an older version wrote the entry.
+  local ids = {}
+  for i = 1, #once, 2 do ids[#ids + 1] = once[i] end
+  local entries = read_in_chunks('HMGET', costs, ids)
+  for k, id in ipairs(ids) do
+    local prio = select(3, read_cost_record(entries[k]))
+    if not prio then
+      local m = parse_job(redis.call('HGET', jobs, id))
+      prio = m and m.prio or 0
+    end
+    if prio <= 1 then move(1, 0, id, once[2 * k]) end
   end
 end
 
@@ -227,8 +237,8 @@ end
 -- from their costs entries; for one without (listed by an older version) its cost from
 -- its jobs value and its set nil.
 local function read_costs(ids)
-  local cost_of, set_of, missing = {}, {}, {}
-  if #ids == 0 then return cost_of, set_of end
+  local cost_of, set_of, prio_of, missing = {}, {}, {}, {}
+  if #ids == 0 then return cost_of, set_of, prio_of end
   local raw = cost_entries(ids)
   for i = 1, #ids do
     local v = raw[i]
@@ -237,7 +247,11 @@ local function read_costs(ids)
       read_cost_record(v)
       r = RECORDS[v]
     end
-    if r then cost_of[i], set_of[i] = r[1], r[2] else missing[#missing + 1] = ids[i] end
+    if r then
+      cost_of[i], set_of[i], prio_of[i] = r[1], r[2], r[3]
+    else
+      missing[#missing + 1] = ids[i]
+    end
   end
   if #missing > 0 then
     local values, j = read_in_chunks('HMGET', jobs, missing), 0
@@ -248,7 +262,7 @@ local function read_costs(ids)
       end
     end
   end
-  return cost_of, set_of
+  return cost_of, set_of, prio_of
 end
 
 -- Ids of its bucket's set a dedicated pop reads beyond its window, at most, when it meets
@@ -282,7 +296,7 @@ local function read_views(rules)
     for i in ipairs(ids) do
       if level_of[i] then live[#live + 1], at[#live + 1] = ids[i], i end
     end
-    local cost_of, set_of = read_costs(live)
+    local cost_of, set_of, prio_of = read_costs(live)
     local gone, seen = {}, {}
     for j, id in ipairs(live) do
       local i, cost, listed = at[j], cost_of[j], set_of[j]
@@ -292,7 +306,7 @@ local function read_views(rules)
         if listed and listed > 0 and listed ~= rules.only then
           redis.call('ZREM', bucket_sets[listed], id)
         end
-        redis.call('HSET', costs, id, cost_record(cost, b))
+        redis.call('HSET', costs, id, cost_record(cost, b, prio_of[j]))
       end
       if b ~= rules.only then
         gone[#gone + 1] = id
@@ -327,7 +341,7 @@ local function relist_step(rules)
   local entries, moved = scan[2], {}
   for k = 1, #entries, 2 do
     local id = entries[k]
-    local cost, listed = read_cost_record(entries[k + 1])
+    local cost, listed, prio = read_cost_record(entries[k + 1])
     local want = cost and (#rules.bounds > 0 and bucket_of(rules.bounds, cost) or 0)
     if want and want ~= listed then
       local arrival = listed > 0 and redis.call('ZSCORE', bucket_sets[listed], id)
@@ -343,7 +357,7 @@ local function relist_step(rules)
           redis.call('ZADD', bucket_sets[want], arrival, id)
           moved[want] = true
         end
-        redis.call('HSET', costs, id, cost_record(cost, want))
+        redis.call('HSET', costs, id, cost_record(cost, want, prio))
       end
     end
   end
@@ -575,6 +589,7 @@ local function pick_from_sets(rules, count, levels, now, due_only)
         else
           skipped = skipped + 1
           if skipped > window then return nil end
+          if k > 0 and not g.gap_at then g.gap_at = k end  -- ids after k are not next to it
         end
       end
       if #ids < n_read then break end  -- the set's end
@@ -633,9 +648,11 @@ local function pick_from_sets(rules, count, levels, now, due_only)
     if due_only and not full and now - first.score < rules.delay then return nil end
     local out = {}
     for i = 1, taken do out[i] = {id = g.ids[i], score = g.score[i], level = g.level[i]} end
-    -- Where nothing was passed over, the batch is the head of its set: commit takes it
-    -- out with one range removal, without reading its costs entries.
-    if exact then out.head_of = first.bucket end
+    -- Where nothing was passed over between them, the batch is a run of its set: commit
+    -- takes it out with one range removal, without reading its costs entries.
+    if not g.gap_at or taken <= g.gap_at then
+      out.run_of, out.run_at = first.bucket, exact and 0 or nil
+    end
     return out
   end
   for _, first in ipairs(firsts) do
@@ -862,9 +879,11 @@ local function commit(rules, consumer, lease_ms, chosen, read, total, now)
   call_in_chunks('HSET', owner, owner_fields)  -- 2 x max_batch_size values
   -- The batch leaves costs and the bucket sets its entries name (those it was put in).
   local by_bucket
-  if chosen.head_of then  -- the head of one set (pick_from_sets; nothing dropped since)
-    by_bucket = {[chosen.head_of] = ids}
-    redis.call('ZREMRANGEBYRANK', bucket_sets[chosen.head_of], 0, #ids - 1)
+  local run = chosen.run_of  -- a run of one set (pick_from_sets; nothing dropped since)
+  if run then
+    by_bucket = {[run] = ids}
+    local at = chosen.run_at or redis.call('ZRANK', bucket_sets[run], ids[1])
+    redis.call('ZREMRANGEBYRANK', bucket_sets[run], at, at + #ids - 1)
     call_in_chunks('HDEL', costs, ids)
   else
     by_bucket = unlist_waiting(costs, bucket_sets, ids)

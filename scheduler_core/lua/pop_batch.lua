@@ -512,30 +512,22 @@ local function pick_from_sets(rules, count, levels, now, due_only)
   end
   if listed ~= count[1] + count[2] + count[3] + count[4] then return false end
   local exact = listed == n  -- every listed id waits in `mine`
-  -- Where other levels wait too, a walk starts at the oldest arrival in `mine`: those
-  -- waiting longer elsewhere (the usual case: LOW behind HIGH) are never read.
-  local from = '-inf'
-  if not exact then
-    local first
-    for _, l in ipairs(mine) do
-      local head = redis.call('ZRANGE', pending[l + 1], 0, 0, 'WITHSCORES')
-      if not first or tonumber(head[2]) < first then first, from = tonumber(head[2]), head[2] end
-    end
+  local window = rules.window
+  -- The window's edge (one level and more than the window): its last arrival and the
+  -- next one's, as Redis gives them.
+  local edge
+  if #mine == 1 and n > window then
+    edge = redis.call('ZRANGE', pending[mine[1] + 1], window - 1, window, 'WITHSCORES')
   end
   -- Whether arrival `score` (a string, as Redis gave it) is among the window's: true,
   -- false, or nil where the window's edge is a tie (its order is the window's to say).
-  local window, edge = rules.window, nil
   local function in_window(score)
     if n <= window then return true end
-    if #mine == 1 then
-      if not edge then
-        edge = redis.call('ZRANGE', pending[mine[1] + 1], window - 1, window, 'WITHSCORES')
-        edge = {tonumber(edge[2]), tonumber(edge[4])}
-      end
-      local s = tonumber(score)
-      if s < edge[1] then return true end
-      if s > edge[1] then return false end
-      return edge[1] ~= edge[2] or nil
+    if edge then
+      local s, last = tonumber(score), tonumber(edge[2])
+      if s < last then return true end
+      if s > last then return false end
+      return last ~= tonumber(edge[4]) or nil
     end
     local le, lt = 0, 0
     for _, l in ipairs(mine) do le = le + redis.call('ZCOUNT', pending[l + 1], '-inf', score) end
@@ -546,18 +538,32 @@ local function pick_from_sets(rules, count, levels, now, due_only)
     if lt >= window then return false end
     return nil
   end
+  -- Where other levels wait too, a walk reads the sets from the oldest arrival in `mine`
+  -- to the window's edge: those waiting longer elsewhere (the usual case: LOW behind a
+  -- HIGH flood) are never read; and only where those sets' ids in that span are no more
+  -- than the window (else they are mostly of other levels: the window is read instead).
+  local from, to = '-inf', '+inf'
+  if not exact then
+    local first
+    for _, l in ipairs(mine) do
+      local head = redis.call('ZRANGE', pending[l + 1], 0, 0, 'WITHSCORES')
+      if not first or tonumber(head[2]) < first then first, from = tonumber(head[2]), head[2] end
+    end
+    if edge then to = edge[2] end
+    local span = 0
+    for b = 1, nb do span = span + redis.call('ZCOUNT', bucket_sets[b], from, to) end
+    if span > window then return false end
+  end
   -- Up to `want` requests of bucket b's set that wait in `mine`, in the set's order:
   -- {ids, raw (their scores as Redis gave them), score, level}, each by index, the scores
-  -- and levels from the levels' zsets; nil where the set and the levels disagree,
-  -- arrivals tie, or more than `window` ids of other levels would be passed over (the
-  -- window is read instead).
-  local skipped = 0
+  -- and levels from the levels' zsets; nil where the set and the levels disagree or
+  -- arrivals tie.
   local function walk(b, want)
     local g = {ids = {}, raw = {}, score = {}, level = {}}
     local at, prev, k = 0, nil, 0
     while k < want do
       local n_read = exact and want - k or math.max(want - k, at)
-      local ids = redis.call('ZRANGEBYSCORE', bucket_sets[b], from, '+inf', 'LIMIT', at, n_read)
+      local ids = redis.call('ZRANGEBYSCORE', bucket_sets[b], from, to, 'LIMIT', at, n_read)
       if #ids == 0 then break end
       at = at + #ids
       local raw, level, left, left_at = {}, {}, ids, nil  -- left_at: nil, all of ids
@@ -586,10 +592,8 @@ local function pick_from_sets(rules, count, levels, now, due_only)
           end
         elseif exact then
           return nil
-        else
-          skipped = skipped + 1
-          if skipped > window then return nil end
-          if k > 0 and not g.gap_at then g.gap_at = k end  -- ids after k are not next to it
+        elseif k > 0 and not g.gap_at then
+          g.gap_at = k  -- the ids after the k-th are not next to it in the set
         end
       end
       if #ids < n_read then break end  -- the set's end

@@ -2,7 +2,7 @@
 
 All keys of a queue share the hash tag `{bg:<queue>}`, so they live in one cluster slot
 and one Lua script may touch them all. Every key a script touches is passed in KEYS: the
-queue's shared keys first, as KEYS[1..34] in the order of SHARED_KEYS in every script,
+queue's shared keys first, as KEYS[1..43] in the order of SHARED_KEYS in every script,
 then the script's per-call keys (result:<id>, inbox:<producer>, idem:<key>).
 
 | key                         | type   | holds                                                     |
@@ -61,6 +61,13 @@ then the script's per-call keys (result:<id>, inbox:<producer>, idem:<key>).
 |                             |        | quota, s:t served (ran), sc:t cost served                 |
 | `{bg:q}:tenant_rate`       | hash   | per tenant with a rate quota: q:t / c:t token buckets     |
 |                             |        | (requests / cost) as "tokens:at_us" on the queue's clock  |
+| `{bg:q}:fair:<0|1|2>`      | zset   | fairness requests/cost only (lua/_fair.lua): each waiting |
+|                             |        | request of the level as "<tenant>|<arrival, 17 digits>|  |
+|                             |        | <id>", score 0: by tenant, then arrival (ZRANGEBYLEX)     |
+| `{bg:q}:vtc:<0|1|2>`       | zset   | the tenants with requests waiting at the level -> their   |
+|                             |        | virtual counter (weighted service at that level); a      |
+|                             |        | tenant leaves it with its last request there              |
+| `{bg:q}:fair:who`          | hash   | id -> tenant of each request in a fair set                |
 | `{bg:q}:consumer:<name>`    | hash   | a consumer's host, pid, device, batches, current batch;   |
 |                             |        | written with each heartbeat, expires 30 s after the last  |
 | `{bg:q}:failures`           | list   | newest 100 failed requests (orjson), by the lease thread  |
@@ -114,12 +121,16 @@ _SHARD_INDEX = re.compile(r"[1-9][0-9]{0,2}")
 # (it heartbeats at least every second while running).
 CONSUMER_ALIVE_S = 5.0
 
-# The queue's shared keys, as every script receives them (KEYS[1..34], this order) and
+# The queue's shared keys, as every script receives them (KEYS[1..43], this order) and
 # names them at the top of its body (`local pending_high = KEYS[2]`; the per-bucket keys
 # as one table each, `local bucket_markers = {KEYS[24], ...}`); QueueKeys has a property
 # of each name. A script's per-call keys come after them.
 BUCKET_MARKERS = tuple(f"bucket_marker_{b}" for b in range(1, MAX_COST_BUCKETS + 2))
 BUCKET_SETS = tuple(f"bucket_set_{b}" for b in range(1, MAX_COST_BUCKETS + 2))
+# Fair share between tenants (lua/_fair.lua, docs/tenants.md), per level HIGH, NORMAL, LOW:
+# the waiting requests in tenant order, and the backlogged tenants by virtual counter.
+FAIR_SETS = tuple(f"fair_set_{level}" for level in range(3))
+FAIR_COUNTERS = tuple(f"fair_counters_{level}" for level in range(3))
 # Fields of {bg:q}:stats that make the queue's clock, which the scripts read instead of
 # TIME (lua/_common.lua, queue_now): TIME + offset never runs behind the time last seen.
 CLOCK_OFFSET, CLOCK_SEEN = "clock_offset_us", "clock_seen_us"
@@ -137,7 +148,8 @@ SHARED_KEYS = ("policy", "pending_high", "pending_normal", "pending_low", "jobs"
                "clock", "marker", "stats", "inflight", "owner", "batches", "seq", "consumers",
                "dead", "dead_reason", "wait_samples", "e2e_samples", "model_samples",
                "deadlines", "delayed", "arrivals", "cost_model", *BUCKET_MARKERS,
-               *BUCKET_SETS, "retry")
+               *BUCKET_SETS, "retry", "tenants", "tenant_rate", *FAIR_SETS, *FAIR_COUNTERS,
+               "fair_who")
 
 
 def validate_queue_name(name: object, field: str = "queue") -> str:
@@ -195,12 +207,16 @@ class QueueKeys:
 
     @functools.cached_property
     def shared(self) -> tuple[str, ...]:
-        """KEYS[1..34] of every script: the keys of SHARED_KEYS, in that order."""
+        """KEYS[1..43] of every script: the keys of SHARED_KEYS, in that order."""
         def key(name: str) -> str:
             if name in BUCKET_MARKERS:
                 return self.bucket_marker(BUCKET_MARKERS.index(name) + 1)
             if name in BUCKET_SETS:
                 return self.bucket_set(BUCKET_SETS.index(name) + 1)
+            if name in FAIR_SETS:
+                return self.fair_set(FAIR_SETS.index(name))
+            if name in FAIR_COUNTERS:
+                return self.fair_counters(FAIR_COUNTERS.index(name))
             return getattr(self, name)
         return tuple(key(name) for name in SHARED_KEYS)
 
@@ -302,13 +318,27 @@ class QueueKeys:
 
     @property
     def tenants(self) -> str:
-        """Per named tenant's counters (lua/_tenants.lua names it from the policy key)."""
+        """Per named tenant's counters (lua/_tenants.lua)."""
         return self._k("tenants")
 
     @property
     def tenant_rate(self) -> str:
         """Per tenant's rate-quota token buckets (lua/_tenants.lua)."""
         return self._k("tenant_rate")
+
+    def fair_set(self, level: int) -> str:
+        """The requests waiting at `level` (0-2) as "<tenant>|<arrival>|<id>", by tenant
+        (lua/_fair.lua): written only under fairness requests or cost."""
+        return self._k(f"fair:{int(level)}")
+
+    def fair_counters(self, level: int) -> str:
+        """The tenants with requests waiting at `level` -> their virtual counter."""
+        return self._k(f"vtc:{int(level)}")
+
+    @property
+    def fair_who(self) -> str:
+        """Request id -> tenant, for each request listed in a fair set."""
+        return self._k("fair:who")
 
     def consumer_info(self, consumer: str) -> str:
         return self._k(f"consumer:{consumer}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import enum
+import functools
 import json
 import re
 from collections.abc import Mapping, Sequence
@@ -115,6 +116,9 @@ CHOICES: dict[str, tuple[str, ...]] = {
     # a request still waiting at its deadline: DeadlineExceeded, or kept to run only
     # when nothing else waits (docs/scheduling.md, "Deadlines")
     "on_timeout": ("reject", "delay"),
+    # fair share between tenants inside each level (docs/tenants.md): none (arrival
+    # order), by requests served, or by cost served (lua/_fair.lua)
+    "fairness": ("none", "requests", "cost"),
 }
 # The values a consumer (its flags, Consumer's keywords) or `policy set` may give;
 # delay_mode follows max_queue_delay_ms ("auto" or a number).
@@ -168,6 +172,9 @@ class Policy:
     # Per-tenant quotas, "*:rps=5;acme:max_waiting=100,rps=50" (format_tenant_quotas,
     # docs/tenants.md); "" = none.
     tenant_quotas: str = ""
+    # Fair share between tenants inside each level: "none", "requests" or "cost"
+    # (docs/tenants.md); weights and max_in_flight are in tenant_quotas.
+    fairness: str = "none"
 
     def batch_cost(self, costs: Sequence[int]) -> int:
         """A batch's cost as cost_mode counts it: Σcost, or padded, its size × its largest
@@ -195,6 +202,10 @@ class Policy:
         object.__setattr__(self, "cost_buckets", format_buckets(self.cost_buckets))
         object.__setattr__(self, "retry_on", format_retry_on(self.retry_on))
         object.__setattr__(self, "tenant_quotas", format_tenant_quotas(self.tenant_quotas))
+        if self.fairness == "none" and "max_in_flight=" in self.tenant_quotas:
+            raise InvalidPolicy("tenant_quotas", "max_in_flight needs fairness=requests or "
+                                                 "cost (the pop passes over a tenant at its "
+                                                 "limit through the fair index)")
         if self.delay_mode == AUTO and self.slo_p99_ms < 1:
             high = LIMITS["slo_p99_ms"][1]
             raise InvalidPolicy("slo_p99_ms", "max_queue_delay_ms=auto needs a P99 target: "
@@ -203,6 +214,12 @@ class Policy:
     @property
     def auto_delay(self) -> bool:
         return self.delay_mode == AUTO
+
+    @functools.cached_property
+    def quotas(self) -> dict[str, dict[str, int]]:
+        """tenant_quotas as {tenant: {quota: value}} ('*': every named tenant without an
+        entry of its own)."""
+        return parse_tenant_quotas(self.tenant_quotas)
 
     @property
     def bucket_bounds(self) -> tuple[int, ...]:
@@ -377,6 +394,10 @@ TENANT_QUOTAS: dict[str, tuple[int, int]] = {
     "burst": (0, 1_000_000_000),
     "cps": (0, 1_000_000_000),
     "cost_burst": (0, 1_000_000_000_000),
+    # Under fairness requests | cost (docs/tenants.md, "Fair share"): the tenant's share
+    # (0 = 1), and its requests popped but not finished.
+    "weight": (0, 1000),
+    "max_in_flight": (0, 1_000_000_000),
 }
 DEFAULT_QUOTA = "*"  # the entry that applies to every named tenant without its own
 MAX_TENANT_QUOTAS = 16_384  # characters of the stored form

@@ -4,7 +4,7 @@ Each script is one file in `lua/` whose header documents KEYS, ARGV, return valu
 error codes. `-- @include NAME` inlines the helpers of a shared file that the script uses;
 `-- @render policy` (in `_policy.lua`) becomes the policy's STRATEGIES and LIMITS, rendered
 from scheduler_core/policy.py, their one source. Every queue script receives the queue's shared
-keys first, as KEYS[1..34] in the order of keys.SHARED_KEYS, then its per-call keys; the
+keys first, as KEYS[1..43] in the order of keys.SHARED_KEYS, then its per-call keys; the
 `*_keys` builders below are the one place that builds each script's KEYS list.
 
 Scripts are called through `Scripts`, which registers them as redis-py's Script objects:

@@ -371,6 +371,13 @@ def cost_record(cost: int, bucket: int, priority: int | None = None) -> bytes:
     return f"{cost}:{bucket}:{priority}".encode()
 
 
+def fair_member(tenant: str, arrival_us: int, request_id: str) -> str:
+    """A waiting request's member in its level's fair set under fairness (lua/_fair.lua):
+    "<tenant>|<arrival, 17 digits>|<id>", so that the set's lex order is by tenant, then
+    arrival."""
+    return f"{tenant}|{arrival_us:017d}|{request_id}"
+
+
 def split_cost_record(raw: bytes) -> tuple[int, int] | None:
     """(cost, bucket) of a costs value; None where it is not one."""
     m = _COST_RECORD.fullmatch(raw)

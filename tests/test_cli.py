@@ -344,7 +344,8 @@ def test_policy_set_applies_the_new_strategys_batch_size_and_show_prints_numbers
         "slo_p99_ms": 0, "delay_mode": "fixed", "timeout_high_ms": 0, "timeout_normal_ms": 0,
         "timeout_low_ms": 0, "allow_timeout_override": 1, "on_timeout": "reject",
         "shards": 1, "retry_on": "", "retry_max": 1, "retry_backoff_ms": 1000,
-        "retry_backoff_max_ms": 60000, "retry_jitter": 0, "tenant_quotas": ""}
+        "retry_backoff_max_ms": 60000, "retry_jitter": 0, "tenant_quotas": "",
+        "fairness": "none"}
     stats_policy = stats_json(url, queue)["policy"]
     assert stats_policy == json.loads(shown.stdout)  # the same JSON in both places
 

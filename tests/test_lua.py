@@ -16,7 +16,14 @@ import redis
 import redis.asyncio
 from redis.commands.core import Script
 
-from scheduler_core.keys import BUCKET_MARKERS, BUCKET_SETS, SHARED_KEYS, QueueKeys
+from scheduler_core.keys import (
+    BUCKET_MARKERS,
+    BUCKET_SETS,
+    FAIR_COUNTERS,
+    FAIR_SETS,
+    SHARED_KEYS,
+    QueueKeys,
+)
 from scheduler_core.policy import LIMITS
 from scheduler_core.scripts import (
     SCRIPT_NAMES,
@@ -53,7 +60,8 @@ def test_script_names_the_shared_keys_in_the_one_order(name):
         assert i > len(SHARED_KEYS) or local == SHARED_KEYS[i - 1], (local, i)
         assert re.search(rf"^KEYS\[{i}\] ", header, re.MULTILINE), f"header lacks KEYS[{i}]"
     # The per-bucket keys, as one table each: all of them, in order, and one header line.
-    tables = {"bucket_markers": BUCKET_MARKERS, "bucket_sets": BUCKET_SETS}
+    tables = {"bucket_markers": BUCKET_MARKERS, "bucket_sets": BUCKET_SETS,
+              "fair_sets": FAIR_SETS, "fair_counters": FAIR_COUNTERS}
     for local, indexes in NAMED_TABLE.findall(body):
         numbers = [int(i) for i in re.findall(r"KEYS\[(\d+)\]", indexes)]
         assert [SHARED_KEYS[i - 1] for i in numbers] == list(tables[local]), (local, numbers)
@@ -69,8 +77,10 @@ def test_every_keys_builder_starts_with_the_shared_keys():
     q = QueueKeys("order")
     shared = [q.bucket_marker(BUCKET_MARKERS.index(name) + 1) if name in BUCKET_MARKERS
               else q.bucket_set(BUCKET_SETS.index(name) + 1) if name in BUCKET_SETS
+              else q.fair_set(FAIR_SETS.index(name)) if name in FAIR_SETS
+              else q.fair_counters(FAIR_COUNTERS.index(name)) if name in FAIR_COUNTERS
               else getattr(q, name) for name in SHARED_KEYS]
-    assert list(q.shared) == shared and len(shared) == 34
+    assert list(q.shared) == shared and len(shared) == 43
     for keys in (pop_keys(q), requeue_keys(q), extend_lease_keys(q), configure_keys(q)):
         assert keys == shared
     assert enqueue_call(q, "p", [], 60)[0] == shared

@@ -421,7 +421,8 @@ def test_async_and_sharded_producers_carry_the_tenant(shared_redis, queue):
 
 @pytest.mark.parametrize(("bad", "field"), [
     ("acme", "tenant_quotas"), ("a b:rps=1", "tenant_quotas['a b']"),
-    ("acme:max_in_flight=3", "tenant_quotas['acme'].max_in_flight"),
+    ("acme:max_in_flight=3", "tenant_quotas: max_in_flight needs fairness"),
+    ("acme:weight=1001", "tenant_quotas['acme'].weight"),
     ("acme:rps=-1", "tenant_quotas['acme'].rps"), ("acme:rps=1.5", "tenant_quotas['acme'].rps"),
     ("acme:rps=1000001", "tenant_quotas['acme'].rps"),
     ("default:rps=1", "tenant_quotas['default']"), ('{"acme": 5}', "tenant_quotas['acme']"),

@@ -166,23 +166,28 @@ end
 
 -- A request that ran, or was about to, waits again (a lapsed lease, a retry that fell
 -- due, a preempted sequence): back in its level under its arrival score (its place kept),
--- in its bucket's set, and its deadline listed again. `m` is its parsed jobs value (nil
--- if unreadable: LOW, arriving now, cost 1).
-local function return_to_waiting(pending, costs, deadlines, bucket_sets, bounds, id, m, now)
+-- in its bucket's set, in the fair index (`fair`: nil under fairness none), and its
+-- deadline listed again. `m` is its parsed jobs value (nil if unreadable: LOW, arriving
+-- now, cost 1).
+local function return_to_waiting(pending, costs, deadlines, bucket_sets, bounds, id, m, now,
+                                 fair)
   local prio, arrival = 2, now
   if m then prio, arrival = m.prio, m.arrival end
   redis.call('ZADD', pending[prio + 1], int(arrival), id)
   list_waiting(costs, bucket_sets, bounds, id, m and m.cost or 1, arrival, prio)
   if m and m.deadline > 0 then redis.call('ZADD', deadlines, m.deadline_s, id) end
+  if fair then
+    fair_list(fair, {{prio, m and envelope_tenant(m.envelope) or nil, arrival, id}})
+  end
 end
 
 -- Requests whose retry is due (complete.lua's 'retry': listed in the retry set until
 -- their backoff, or their deadline, passes) go back to their level under their arrival
 -- score, with their deadline listed again, at most `limit` per call. Returns how many
 -- moved, when the next one falls due (µs; nil if none waits) and the jobs values of
--- those moved (for their tenants' counters).
+-- those moved (for their tenants' counters). `fair`: the fair index (nil: none).
 local function promote_retries(retry, pending, jobs, costs, deadlines, bucket_sets, bounds,
-                               now, limit)
+                               now, limit, fair)
   -- One call in the usual case (none waits, or none is due): every pop runs this.
   local first = redis.call('ZRANGE', retry, 0, 0, 'WITHSCORES')
   if not first[2] or tonumber(first[2]) > now then
@@ -193,7 +198,8 @@ local function promote_retries(retry, pending, jobs, costs, deadlines, bucket_se
   for _, id in ipairs(due) do
     local raw = redis.call('HGET', jobs, id)
     moved[#moved + 1] = raw
-    return_to_waiting(pending, costs, deadlines, bucket_sets, bounds, id, parse_job(raw), now)
+    return_to_waiting(pending, costs, deadlines, bucket_sets, bounds, id, parse_job(raw), now,
+                      fair)
   end
   if #due > 0 then redis.call('ZREM', retry, unpack(due)) end
   local next_due = redis.call('ZRANGE', retry, 0, 0, 'WITHSCORES')

@@ -2,7 +2,7 @@
 -- (after _common.lua). A request of a named tenant carries it first in its envelope
 -- ({"v":1,"tenant":"acme",...}, scheduler_core/wire.py); one without belongs to the
 -- default tenant, which costs nothing here: no counter, no quota.
--- Two keys of the queue, named from its policy key (same hash tag, so the same slot):
+-- Two shared keys of the queue (KEYS[35], KEYS[36]):
 --   {bg:q}:tenants      hash  per named tenant t: w:t waiting, f:t in flight, a:t accepted,
 --                             r:t refused by a quota, s:t finished, sc:t cost finished
 --   {bg:q}:tenant_rate  hash  per tenant with a rate quota: q:t, c:t token buckets
@@ -10,12 +10,6 @@
 
 local TENANT_AT = '^{"v":1,"tenant":"([^"]*)"'
 local MAX_TENANT = 64
-
--- The two tenant keys of the queue whose policy key is `policy` ("{bg:q}:policy").
-local function tenant_keys(policy)
-  local prefix = string.sub(policy, 1, -7)
-  return prefix .. 'tenants', prefix .. 'tenant_rate'
-end
 
 -- The tenant of a request envelope: nil for the default tenant, false if malformed.
 local function envelope_tenant(envelope)

@@ -1,9 +1,9 @@
 --[[ cancel: remove a waiting request so that it never runs.
 
-KEYS[1..34] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
+KEYS[1..43] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
             this script uses:
-KEYS[1]  {bg:q}:policy        hash  its result_ttl_s, when set, overrides ARGV[2]; the
-                                    tenants' counters, {bg:q}:tenants, are named from it
+KEYS[1]  {bg:q}:policy        hash  its result_ttl_s, when set, overrides ARGV[2];
+                                    fairness
 KEYS[2]  {bg:q}:pending:0     zset  HIGH
 KEYS[3]  {bg:q}:pending:1     zset  NORMAL
 KEYS[4]  {bg:q}:pending:2     zset  LOW
@@ -16,8 +16,13 @@ KEYS[21] {bg:q}:delayed       zset  past its deadline, waiting to run when idle
 KEYS[29..33] {bg:q}:bucket:<1..5> zset  the ids waiting in each cost bucket: a cancelled one
                                   leaves the set its costs entry names
 KEYS[34] {bg:q}:retry         zset  waiting for a retry (its backoff)
-KEYS[35] {bg:q}:result:<id>   string, written if the request asked for it (keep)
-KEYS[36] {bg:q}:inbox:<producer>  list, the producer's inbox (any key if none)
+KEYS[35] {bg:q}:tenants     hash  per named tenant's counters (lua/_tenants.lua)
+KEYS[37..39] {bg:q}:fair:<0..2> zset  fairness requests | cost (lua/_fair.lua): waiting
+                                  requests by tenant, then arrival
+KEYS[40..42] {bg:q}:vtc:<0..2> zset  the backlogged tenants of each level -> virtual counter
+KEYS[43] {bg:q}:fair:who    hash  id -> tenant of each request in the fair sets
+KEYS[44] {bg:q}:result:<id>   string, written if the request asked for it (keep)
+KEYS[45] {bg:q}:inbox:<producer>  list, the producer's inbox (any key if none)
 
 ARGV[1]  request id
 ARGV[2]  result TTL, seconds, if the queue has no policy
@@ -32,8 +37,9 @@ Returns  1 cancelled (result delivered), 2 already in a batch (it will run),
 Errors   {-3, field} malformed argument
 ]]
 -- @include _common.lua
--- @include _queue.lua
 -- @include _tenants.lua
+-- @include _fair.lua
+-- @include _queue.lua
 
 local policy = KEYS[1]
 local pending_high = KEYS[2]
@@ -47,23 +53,31 @@ local deadlines = KEYS[20]
 local delayed = KEYS[21]
 local bucket_sets = {KEYS[29], KEYS[30], KEYS[31], KEYS[32], KEYS[33]}
 local retry = KEYS[34]
-local result = KEYS[35]
-local inbox = KEYS[36]
+local tenants = KEYS[35]
+local fair_sets = {KEYS[37], KEYS[38], KEYS[39]}
+local fair_counters = {KEYS[40], KEYS[41], KEYS[42]}
+local fair_who = KEYS[43]
+local result = KEYS[44]
+local inbox = KEYS[45]
 
 if ARGV[4] ~= 'cancelled' and ARGV[4] ~= 'expired' then return {-3, 'counter'} end
 if not int_arg(ARGV[2], 1, 315360000) then return {-3, 'result_ttl_s'} end
-if #ARGV ~= 4 or #KEYS ~= 36 then return {-3, 'args'} end
+if #ARGV ~= 4 or #KEYS ~= 45 then return {-3, 'args'} end
 -- The queue's current result_ttl_s, as the consumers use it, not the caller's copy.
 local ttl = int_arg(redis.call('HGET', policy, 'result_ttl_s'), 1, 315360000)
   or tonumber(ARGV[2])
 
 local id, envelope, counter = ARGV[1], ARGV[3], ARGV[4]
 if redis.call('HEXISTS', owner, id) == 1 then return 2 end
-for _, pending in ipairs({pending_high, pending_normal, pending_low, delayed, retry}) do
+for level, pending in ipairs({pending_high, pending_normal, pending_low, delayed, retry}) do
   if redis.call('ZREM', pending, id) == 1 then
     redis.call('ZREM', deadlines, id)
     unlist_waiting(costs, bucket_sets, {id})
     local m = parse_job(redis.call('HGET', jobs, id))
+    if level <= 3 then  -- out of the fair index (lua/_fair.lua), under fairness
+      fair_unlist(fair_open(policy, fair_sets, fair_counters, fair_who),
+                  {{level - 1, m and m.arrival or 0, id}})
+    end
     redis.call('HDEL', jobs, id)
     if not m or m.keep then store_result(result, envelope, ttl) end
     if m and m.producer ~= '' then deliver_results(inbox, ttl, envelope) end
@@ -74,7 +88,7 @@ for _, pending in ipairs({pending_high, pending_normal, pending_low, delayed, re
       if t then
         local tally = tenant_tally()
         tally.add_tenant(t, 'w', -1)
-        tally.flush((tenant_keys(policy)))
+        tally.flush(tenants)
       end
     end
     return 1

@@ -1,9 +1,10 @@
 --[[ complete: record results of (part of) a batch, fenced by the batch id.
 
-KEYS[1..34] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
+KEYS[1..43] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
             this script uses:
-KEYS[1]  {bg:q}:policy        its name only: {bg:q}:tenants (lua/_tenants.lua) is named
-                               from it
+KEYS[1]  {bg:q}:policy        hash   read when a named tenant's request leaves in flight:
+                                     fairness, tenant_quotas, cost_buckets
+KEYS[8]  {bg:q}:marker        zset   woken when a tenant under max_in_flight may run more
 KEYS[5]  {bg:q}:jobs          hash   id -> "<meta>|<envelope>"
 KEYS[34] {bg:q}:retry        zset   id -> when it may run again (µs), for 'retry'
 KEYS[7]  {bg:q}:clock         string last arrival score issued (the queue's clock: queue_now)
@@ -15,10 +16,12 @@ KEYS[15] {bg:q}:dead          zset   dead-lettered id -> time
 KEYS[16] {bg:q}:dead:reason   hash   dead-lettered id -> error envelope
 KEYS[18] {bg:q}:samples:e2e   list   recent enqueue-to-result times (µs)
 KEYS[19] {bg:q}:samples:model list   recent batches as "size:model_us"
-KEYS[35+2i] {bg:q}:result:<id_i>         result of request i (i = 0..n-1), written only if
+KEYS[24..28] {bg:q}:marker:<1..5> zset  woken with the marker
+KEYS[35] {bg:q}:tenants     hash  per named tenant's counters (lua/_tenants.lua)
+KEYS[44+2i] {bg:q}:result:<id_i>         result of request i (i = 0..n-1), written only if
                                          its request asked for it (keep); for a 'retry'
                                          {bg:q}:attempts:<id_i>, its failed runs (list)
-KEYS[36+2i] {bg:q}:inbox:<producer_i>    its producer's inbox (any key if it has none)
+KEYS[45+2i] {bg:q}:inbox:<producer_i>    its producer's inbox (any key if it has none)
 
 ARGV[1]  batch id (the fencing token returned by pop_batch)
 ARGV[2]  result TTL, seconds
@@ -26,7 +29,7 @@ ARGV[3]  n, number of results (1..the largest max_batch_size of the policy LIMIT
 ARGV[4+3i..6+3i] for result i: id, outcome ('ok' | 'err' | 'dead' | 'expired' | 'retry'),
          result envelope; 'expired' (deadline passed, not run) counts as expired, not
          failed; for 'retry' "<backoff ms (0..86400000)>|<this run's error>" instead of
-         an envelope: the error is pushed onto KEYS[35+2i]
+         an envelope: the error is pushed onto KEYS[44+2i]
 ARGV[4+3n] optional: the batch's model run as "size:model_us", pushed to KEYS[19]
 
 Returns  {accepted, refused, remaining}: results written; results refused because the
@@ -46,10 +49,12 @@ Work is bounded by n plus the batch's size.
 ]]
 -- @include _common.lua
 -- @include _policy.lua
--- @include _queue.lua
 -- @include _tenants.lua
+-- @include _fair.lua
+-- @include _queue.lua
 
-local policy = KEYS[1]  -- its name only (lua/_tenants.lua)
+local policy = KEYS[1]
+local marker = KEYS[8]
 local jobs = KEYS[5]
 local retry = KEYS[34]
 local clock = KEYS[7]
@@ -61,13 +66,15 @@ local dead = KEYS[15]
 local dead_reason = KEYS[16]
 local e2e_samples = KEYS[18]
 local model_samples = KEYS[19]
--- KEYS[35 + 2i], KEYS[36 + 2i]: result:<id> and inbox:<producer> of result i
+local bucket_markers = {KEYS[24], KEYS[25], KEYS[26], KEYS[27], KEYS[28]}
+local tenants = KEYS[35]
+-- KEYS[44 + 2i], KEYS[45 + 2i]: result:<id> and inbox:<producer> of result i
 
 local batch_id = ARGV[1]
 local _, most_results = policy_range('max_batch_size')  -- a batch's results fit one call
 local ttl, n = int_arg(ARGV[2], 1, 315360000), int_arg(ARGV[3], 1, most_results)
 if not ttl then return {-3, 'result_ttl_s'} end
-if not n or (#ARGV ~= 3 + 3 * n and #ARGV ~= 4 + 3 * n) or #KEYS ~= 34 + 2 * n then
+if not n or (#ARGV ~= 3 + 3 * n and #ARGV ~= 4 + 3 * n) or #KEYS ~= 43 + 2 * n then
   return {-3, 'n'}
 end
 local model_sample = ARGV[4 + 3 * n]
@@ -105,8 +112,8 @@ for i = 0, n - 1 do
     local backoff_ms, error = string.match(envelope, '^(%d+)|(.*)$')
     local due = now + tonumber(backoff_ms) * 1000
     -- Kept while it may still be read: until the result would expire after the wait.
-    redis.call('RPUSH', KEYS[35 + 2 * i], error)
-    redis.call('EXPIRE', KEYS[35 + 2 * i], ttl + math.ceil(tonumber(backoff_ms) / 1000))
+    redis.call('RPUSH', KEYS[44 + 2 * i], error)
+    redis.call('EXPIRE', KEYS[44 + 2 * i], ttl + math.ceil(tonumber(backoff_ms) / 1000))
     if m then
       if m.deadline > 0 then due = math.min(due, m.deadline) end
       m.attempts = m.attempts + 1
@@ -122,9 +129,9 @@ for i = 0, n - 1 do
     seen[id] = true
     local arrival, keep, producer = job_route(raw[i + 1])
     -- Without readable meta (written by hand) the result is stored: no inbox to take it.
-    if not arrival or keep then store_result(KEYS[35 + 2 * i], envelope, ttl) end
+    if not arrival or keep then store_result(KEYS[44 + 2 * i], envelope, ttl) end
     if arrival and producer ~= '' then
-      local inbox = KEYS[36 + 2 * i]
+      local inbox = KEYS[45 + 2 * i]
       if not inboxes[inbox] then
         inboxes[inbox] = {}
         inbox_order[#inbox_order + 1] = inbox
@@ -156,10 +163,11 @@ end
 -- Tenants (lua/_tenants.lua): the answered requests leave in flight; those that ran (ok,
 -- err) count as served, in requests and in cost.
 if #answered > 0 then
-  local tally = tenant_tally()
+  local tally, freed = tenant_tally(), false
   for _, i in ipairs(answered) do
     local t, outcome = job_tenant(raw[i]), ARGV[2 + 3 * i]
     if t then
+      freed = true
       tally.add_tenant(t, 'f', -1)
       if outcome == 'ok' or outcome == 'err' then
         tally.add_tenant(t, 's', 1)
@@ -167,7 +175,15 @@ if #answered > 0 then
       end
     end
   end
-  tally.flush((tenant_keys(policy)))
+  tally.flush(tenants)
+  -- Under fairness, a pop passes over a tenant at its max_in_flight (lua/_fair.lua): one
+  -- may now take its requests.
+  local p = freed and redis.call('HMGET', policy, 'fairness', 'tenant_quotas')
+  if p and (p[1] == 'requests' or p[1] == 'cost') and p[2]
+     and string.find(p[2], 'max_in_flight=', 1, true) then
+    wake_consumers(marker)
+    wake_buckets(bucket_markers, bucket_count(stored_bounds(policy)))
+  end
 end
 for _, inbox in ipairs(inbox_order) do  -- results keep their order within each inbox
   deliver_results(inbox, ttl, unpack(inboxes[inbox]))

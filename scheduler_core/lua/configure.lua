@@ -1,12 +1,16 @@
 --[[ configure: store a queue's policy, atomically.
 
-KEYS[1..34] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
+KEYS[1..43] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
             this script uses:
 KEYS[1]  {bg:q}:policy   hash
 KEYS[5]  {bg:q}:jobs     hash   read by 'retire': the requests the queue holds
 KEYS[6]  {bg:q}:costs    hash   where cost_buckets changes and requests wait: its RELIST
                                 field set to '0' (the pops move every waiting request to
                                 the bucket set the new boundaries name, a bounded step each)
+KEYS[37..39] {bg:q}:fair:<0..2> zset  the fair index (lua/_fair.lua): unlinked when
+                                fairness becomes none (nothing keeps it up to date then)
+KEYS[40..42] {bg:q}:vtc:<0..2> zset  the same
+KEYS[43] {bg:q}:fair:who hash   the same
 
 ARGV[1]  mode: 'ensure' (write only if the queue has no policy yet) | 'replace' |
          'retire' (a shard that `policy set --shards` drops: set the policy's field
@@ -25,12 +29,16 @@ Errors   {-3, field} malformed argument, nothing written
 ]]
 -- @include _common.lua
 -- @include _policy.lua
--- @include _queue.lua
 -- @include _tenants.lua
+-- @include _fair.lua
+-- @include _queue.lua
 
 local policy = KEYS[1]
 local jobs = KEYS[5]
 local costs = KEYS[6]
+local fair_sets = {KEYS[37], KEYS[38], KEYS[39]}
+local fair_counters = {KEYS[40], KEYS[41], KEYS[42]}
+local fair_who = KEYS[43]
 
 local mode = ARGV[1]
 if mode == 'retire' then
@@ -74,6 +82,11 @@ if mode == 'replace' or redis.call('EXISTS', policy) == 0 then
   redis.call('HSET', policy, unpack(ARGV, 2))
   written = 1
   local after = parse_buckets(redis.call('HGET', policy, 'cost_buckets')) or {}
+  if not fair_index(redis.call('HGET', policy, 'fairness'), fair_sets, fair_counters,
+                    fair_who) then
+    redis.call('UNLINK', fair_who, unpack(fair_sets))
+    redis.call('UNLINK', unpack(fair_counters))
+  end
   if table.concat(before, ',') ~= table.concat(after, ',')
      and redis.call('EXISTS', costs) == 1 then
     redis.call('HSET', costs, RELIST, '0')  -- from the start, even if a relist was under way

@@ -1,6 +1,6 @@
 --[[ enqueue: add N requests to a queue atomically (all or none).
 
-KEYS[1..34] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
+KEYS[1..43] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
             this script uses:
 KEYS[1]  {bg:q}:policy      hash   read: strategy, max_batch_size, max_queue_size, max_cost,
                                    over_cost, max_batch_cost, cost_buckets, retired and
@@ -24,8 +24,13 @@ KEYS[24..28] {bg:q}:marker:<1..5> zset  wake-up marker of the consumers dedicate
                                    bucket: set for each bucket a new request falls in
 KEYS[29..33] {bg:q}:bucket:<1..5> zset  with cost buckets: each new request's id, in its
                                    bucket's set (score = arrival)
-KEYS[35..] {bg:q}:idem:<key> string one per request whose idem flag is 1, in order
-named from KEYS[1], not passed: {bg:q}:tenants and {bg:q}:tenant_rate (lua/_tenants.lua)
+KEYS[35] {bg:q}:tenants     hash  per named tenant's counters (lua/_tenants.lua)
+KEYS[36] {bg:q}:tenant_rate hash  per tenant's rate-quota token buckets
+KEYS[37..39] {bg:q}:fair:<0..2> zset  fairness requests | cost (lua/_fair.lua): waiting
+                                  requests by tenant, then arrival
+KEYS[40..42] {bg:q}:vtc:<0..2> zset  the backlogged tenants of each level -> virtual counter
+KEYS[43] {bg:q}:fair:who    hash  id -> tenant of each request in the fair sets
+KEYS[44..] {bg:q}:idem:<key> string one per request whose idem flag is 1, in order
 read, not passed: {bg:q}:result:<id> of the id an idempotency key names (the caller cannot
          know it; same hash tag, so the slot of the keys above)
 
@@ -84,8 +89,9 @@ an idle one re-arms its timer for it. Work is bounded by n; the writes are varia
 ]]
 -- @include _common.lua
 -- @include _policy.lua
--- @include _queue.lua
 -- @include _tenants.lua
+-- @include _fair.lua
+-- @include _queue.lua
 
 local ARRIVALS_KEEP_S = 120
 -- Variadic calls take at most CHUNK requests: unpack() of more would overflow Lua's stack.
@@ -128,7 +134,12 @@ local deadlines = KEYS[20]
 local arrivals = KEYS[22]
 local bucket_markers = {KEYS[24], KEYS[25], KEYS[26], KEYS[27], KEYS[28]}
 local bucket_sets = {KEYS[29], KEYS[30], KEYS[31], KEYS[32], KEYS[33]}
-local FIRST_IDEM = 35  -- KEYS[35..]: the idempotency keys, in order
+local tenants = KEYS[35]
+local tenant_rate = KEYS[36]
+local fair_sets = {KEYS[37], KEYS[38], KEYS[39]}
+local fair_counters = {KEYS[40], KEYS[41], KEYS[42]}
+local fair_who = KEYS[43]
+local FIRST_IDEM = 44  -- KEYS[44..]: the idempotency keys, in order
 
 local n = int_arg(ARGV[2], 1, 10000)
 if not n or (#ARGV ~= 3 + 7 * n and #ARGV ~= 4 + 7 * n) then return {-3, 'n'} end
@@ -142,7 +153,8 @@ local producer = ARGV[1]
 if producer ~= '' and not valid_id(producer) then return {-3, 'producer'} end
 
 local rules = redis.call('HMGET', policy, 'strategy', 'max_batch_size', 'max_queue_size',
-                         'max_cost', 'over_cost', 'max_batch_cost', 'cost_buckets', 'retired')
+                         'max_cost', 'over_cost', 'max_batch_cost', 'cost_buckets', 'retired',
+                         'fairness')
 -- A dropped shard takes nothing more: no consumer will serve it.
 if rules[8] == '1' then return {-5, 'shards'} end
 local strategy = rules[1] or 'fifo'
@@ -222,7 +234,7 @@ end
 -- Tenants (lua/_tenants.lua): each new request's tenant, and the quotas of the named
 -- ones, checked before the queue's own limit. Nothing of a refused call is written; only
 -- its tenant's refused counter (r:<tenant>) is raised.
-local tenant_counts, tenant_rates = tenant_keys(policy)
+local tenant_counts, tenant_rates = tenants, tenant_rate
 local tenant_new, tenant_names = {}, {}  -- tenant -> {count, cost} of its new requests
 for i = 1, n do
   if not effective[i] then
@@ -302,6 +314,8 @@ local scores = arrival_clock(clock, now)
 local wake = (strategy == 'fifo') or costed
 local pending_adds, job_fields, deadline_adds = {{}, {}, {}}, {}, {}
 local bucket_adds = {}  -- bucket -> {arrival, id, ...} of its new requests
+local fair = fair_index(rules[9], fair_sets, fair_counters, fair_who)
+local fair_adds = {}  -- {level, tenant, arrival, id} of each new request, under fairness
 local cost_fields = {}  -- id, cost_record, ...: beside jobs, so that a pop reads no payload
 key_index = FIRST_IDEM
 for i = 0, n - 1 do
@@ -358,6 +372,9 @@ for i = 0, n - 1 do
       table.insert(bucket_adds[b], arrival_s)
       table.insert(bucket_adds[b], id)
     end
+    if fair then
+      fair_adds[#fair_adds + 1] = {prio, envelope_tenant(ARGV[base + 3]), arrival, id}
+    end
     cost_fields[#cost_fields + 1] = id
     cost_fields[#cost_fields + 1] = cost_record(cost, b, prio)
     depth[prio + 1] = depth[prio + 1] + 1
@@ -368,6 +385,7 @@ for level = 1, 3 do write_pairs('ZADD', pending[level], pending_adds[level]) end
 write_pairs('HSET', jobs, job_fields)
 write_pairs('HSET', costs, cost_fields)
 write_pairs('ZADD', deadlines, deadline_adds)
+fair_list(fair, fair_adds)
 scores.save()
 if wake then wake_consumers(marker) end
 for b, adds in pairs(bucket_adds) do

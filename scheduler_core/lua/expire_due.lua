@@ -7,10 +7,9 @@ pushed to the producer's inbox (and stored under result:<id> if the request aske
 it) as cancel.lua and complete.lua do. A request is answered only while it still waits past its deadline, so
 of several callers (consumers, their lease threads, producers) exactly one delivers it.
 
-KEYS[1..34] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
+KEYS[1..43] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
             this script uses:
-KEYS[1]  {bg:q}:policy      hash  on_timeout, result_ttl_s, cost_buckets; the tenants'
-                                  counters, {bg:q}:tenants, are named from it
+KEYS[1]  {bg:q}:policy      hash  on_timeout, result_ttl_s, cost_buckets
 KEYS[2]  {bg:q}:pending:0   zset  HIGH
 KEYS[3]  {bg:q}:pending:1   zset  NORMAL
 KEYS[4]  {bg:q}:pending:2   zset  LOW
@@ -25,8 +24,13 @@ KEYS[21] {bg:q}:delayed     zset  id -> arrival (µs): past its deadline, runs w
 KEYS[24..28] {bg:q}:marker:<1..5> zset  wake-up markers of consumers dedicated to a cost bucket
 KEYS[29..33] {bg:q}:bucket:<1..5> zset  the ids waiting in each cost bucket: an expired one
                                   leaves the set its costs entry names
-KEYS[35+2i] {bg:q}:result:<id_i>       ('expire' only) result of listed request i
-KEYS[36+2i] {bg:q}:inbox:<producer_i>  ('expire' only) its producer's inbox (any key if
+KEYS[35] {bg:q}:tenants     hash  per named tenant's counters (lua/_tenants.lua)
+KEYS[37..39] {bg:q}:fair:<0..2> zset  fairness requests | cost (lua/_fair.lua): waiting
+                                  requests by tenant, then arrival
+KEYS[40..42] {bg:q}:vtc:<0..2> zset  the backlogged tenants of each level -> virtual counter
+KEYS[43] {bg:q}:fair:who    hash  id -> tenant of each request in the fair sets
+KEYS[44+2i] {bg:q}:result:<id_i>       ('expire' only) result of listed request i
+KEYS[45+2i] {bg:q}:inbox:<producer_i>  ('expire' only) its producer's inbox (any key if
             it has none)
 
 ARGV[1]  mode: 'list' | 'expire'
@@ -48,8 +52,9 @@ Work is bounded by limit (list) and n (expire).
 ]]
 -- @include _common.lua
 -- @include _policy.lua
--- @include _queue.lua
 -- @include _tenants.lua
+-- @include _fair.lua
+-- @include _queue.lua
 
 local policy = KEYS[1]
 local pending_high = KEYS[2]
@@ -64,13 +69,23 @@ local deadlines = KEYS[20]
 local delayed = KEYS[21]
 local bucket_markers = {KEYS[24], KEYS[25], KEYS[26], KEYS[27], KEYS[28]}
 local bucket_sets = {KEYS[29], KEYS[30], KEYS[31], KEYS[32], KEYS[33]}
-
+local tenants = KEYS[35]
+local fair_sets = {KEYS[37], KEYS[38], KEYS[39]}
+local fair_counters = {KEYS[40], KEYS[41], KEYS[42]}
+local fair_who = KEYS[43]
 local pending = {pending_high, pending_normal, pending_low}
+-- The fair index (lua/_fair.lua) under fairness requests | cost, read once; nil: none.
+local fair = nil
 
--- Take `id` out of whichever level holds it (aging may have moved it); false if none.
-local function unqueue(id)
-  for _, level in ipairs(pending) do
-    if redis.call('ZREM', level, id) == 1 then return true end
+-- Take `id` (parsed jobs value `m`) out of whichever level holds it (aging may have moved
+-- it), and out of the fair index; false if none.
+local function unqueue(id, m)
+  for level, key in ipairs(pending) do
+    if redis.call('ZREM', key, id) == 1 then
+      if fair == nil then fair = fair_open(policy, fair_sets, fair_counters, fair_who) or false end
+      fair_unlist(fair or nil, {{level - 1, m and m.arrival or 0, id}})
+      return true
+    end
   end
   return false
 end
@@ -79,7 +94,7 @@ end
 local function delay(id, now)
   local m = parse_job(redis.call('HGET', jobs, id))
   redis.call('ZREM', deadlines, id)
-  if not unqueue(id) then return false end
+  if not unqueue(id, m) then return false end
   local arrival = now
   if m then
     arrival = m.arrival
@@ -134,7 +149,7 @@ end
 local ttl_arg = int_arg(ARGV[2], 1, 315360000)
 if not ttl_arg then return {-3, 'result_ttl_s'} end
 local n = int_arg(ARGV[3], 1, 1000)
-if not n or #ARGV ~= 3 + 2 * n or #KEYS ~= 34 + 2 * n then return {-3, 'n'} end
+if not n or #ARGV ~= 3 + 2 * n or #KEYS ~= 43 + 2 * n then return {-3, 'n'} end
 note_clock()
 -- The queue's current result_ttl_s, as the consumers use it, not the caller's copy.
 local ttl = int_arg(redis.call('HGET', policy, 'result_ttl_s'), 1, 315360000) or ttl_arg
@@ -149,11 +164,11 @@ for i = 0, n - 1 do
     else
       local m = parse_job(redis.call('HGET', jobs, id))
       redis.call('ZREM', deadlines, id)
-      if unqueue(id) then
+      if unqueue(id, m) then
         unlist_waiting(costs, bucket_sets, {id})
         redis.call('HDEL', jobs, id)
-        if not m or m.keep then store_result(KEYS[35 + 2 * i], envelope, ttl) end
-        if m and m.producer ~= '' then deliver_results(KEYS[36 + 2 * i], ttl, envelope) end
+        if not m or m.keep then store_result(KEYS[44 + 2 * i], envelope, ttl) end
+        if m and m.producer ~= '' then deliver_results(KEYS[45 + 2 * i], ttl, envelope) end
         expired = expired + 1
         local t = m and envelope_tenant(m.envelope)
         if t then tally.add_tenant(t, 'w', -1) end
@@ -163,7 +178,7 @@ for i = 0, n - 1 do
 end
 if expired > 0 then
   redis.call('HINCRBY', stats, 'expired', expired)
-  tally.flush((tenant_keys(policy)))
+  tally.flush(tenants)
 end
 if moved > 0 then
   redis.call('HINCRBY', stats, 'delayed', moved)

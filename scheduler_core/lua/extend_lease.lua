@@ -1,6 +1,6 @@
 --[[ extend_lease: heartbeat a consumer and, if it holds a batch, renew its lease.
 
-KEYS[1..34] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
+KEYS[1..43] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
             this script uses:
 KEYS[7]  {bg:q}:clock       string last arrival score issued (the queue's clock: queue_now)
 KEYS[9]  {bg:q}:stats       hash  the queue's clock (clock_offset_us, clock_seen_us)

@@ -20,6 +20,12 @@ This is where the scheduling rules live (docs/scheduling.md explains them):
             applied to that bucket's requests alone, as if they were the whole queue: the
             oldest `window` of its bucket set, wherever they wait (read_views). Without
             cost_buckets, bucket 1 is every request and no other bucket has any.
+fairness  (policy fairness requests | cost, lua/_fair.lua) wherever a rule above takes
+            requests of a level, it takes them in fair order: each next one the oldest of
+            the tenant with the lowest virtual counter at that level (weighted service,
+            raised at commit); a tenant at its max_in_flight is passed over, and if every
+            one waiting is, the reply is {0, -1}. The delayed set and a dedicated
+            consumer's view keep arrival order. docs/tenants.md, "Fair share".
 Deadlines: while any waiting request is past its deadline the reply is {-4}: the caller
             takes them out with expire_due.lua and pops again, so an expired request never
             fills or joins a batch. A wait ends no later than the earliest deadline.
@@ -31,7 +37,7 @@ Delayed:   requests past their deadline under on_timeout = delay (expire_due.lua
             them) run only when no level has a request waiting: up to max_batch_size of
             them, oldest first (with costs, by pick_costed's rule), as level 3.
 
-KEYS[1..34] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
+KEYS[1..43] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
             this script uses:
 KEYS[1]  {bg:q}:policy      hash  read; each field within policy LIMITS
 KEYS[2]  {bg:q}:pending:0   zset  HIGH    (score = arrival, µs)
@@ -66,6 +72,12 @@ KEYS[29..33] {bg:q}:bucket:<1..5> zset  the ids waiting in each cost bucket (sco
                                   those listed under an older cost_buckets to their
                                   bucket's
 KEYS[34] {bg:q}:retry       zset  id -> when it may run again (µs): due ones leave it
+KEYS[35] {bg:q}:tenants     hash  per named tenant's counters (lua/_tenants.lua); under
+                                  fairness, its in-flight counts (max_in_flight)
+KEYS[37..39] {bg:q}:fair:<0..2> zset  fairness requests | cost (lua/_fair.lua): each level's
+                                  waiting requests by tenant, then arrival
+KEYS[40..42] {bg:q}:vtc:<0..2> zset  the backlogged tenants of each level -> virtual counter
+KEYS[43] {bg:q}:fair:who    hash  id -> tenant of each request in the fair sets
 
 ARGV[1]  consumer name (no '|')
 ARGV[2]  lease in ms (100..86400000)
@@ -116,8 +128,9 @@ drop_malformed, isolate_retried, commit.
 ]]
 -- @include _common.lua
 -- @include _policy.lua
--- @include _queue.lua
 -- @include _tenants.lua
+-- @include _fair.lua
+-- @include _queue.lua
 
 local policy = KEYS[1]
 local pending_high = KEYS[2]
@@ -141,8 +154,14 @@ local delayed = KEYS[21]
 local bucket_markers = {KEYS[24], KEYS[25], KEYS[26], KEYS[27], KEYS[28]}
 local bucket_sets = {KEYS[29], KEYS[30], KEYS[31], KEYS[32], KEYS[33]}
 local retry = KEYS[34]
+local tenants = KEYS[35]
+local fair_sets = {KEYS[37], KEYS[38], KEYS[39]}
+local fair_counters = {KEYS[40], KEYS[41], KEYS[42]}
+local fair_who = KEYS[43]
 
 local pending = {pending_high, pending_normal, pending_low, delayed}  -- by level + 1
+-- The fair index (lua/_fair.lua) under fairness requests | cost; nil under none.
+local fair = nil
 
 -- The cost settings (absent in a policy stored before them: off) into `rules`: budget
 -- (max_batch_cost, 0 = none), padded (cost_mode), bounds (cost_buckets), costed (any of
@@ -166,7 +185,7 @@ end
 local function read_policy()
   local p = redis.call('HMGET', policy, 'strategy', 'max_batch_size', 'max_queue_delay_ms',
                        'aging_ms', 'max_attempts', 'max_batch_cost', 'cost_mode',
-                       'cost_buckets', 'retry_max')
+                       'cost_buckets', 'retry_max', 'fairness')
   if not p[1] then return nil, {-1} end
   local rules = {strategy = p[1], batch_size = policy_int('max_batch_size', p[2]),
                  delay = policy_int('max_queue_delay_ms', p[3]),
@@ -179,12 +198,14 @@ local function read_policy()
   rules.delay, rules.aging = rules.delay * 1000, rules.aging * 1000
   -- A retried run counts as a delivery: retry_max runs must fit (absent: 1, no retries).
   rules.max_attempts = math.max(rules.max_attempts, policy_int('retry_max', p[9]) or 1)
+  rules.fairness = p[10]
   return rules
 end
 
 local function move(from, to, id, score)
   redis.call('ZREM', pending[from + 1], id)
   redis.call('ZADD', pending[to + 1], score, id)
+  fair_move(fair, from, to, id, score)
 end
 
 -- Aging (priority only): level = original priority - floor(wait / aging_ms).
@@ -389,6 +410,7 @@ local function heads(count, levels, n)
     for _, level in ipairs(levels) do got[level + 1] = views[level + 1] end
     return got
   end
+  if fair then return fair_heads(fair, count, levels, n) end
   local fullest
   for _, level in ipairs(levels) do
     if count[level + 1] > 0 and (not fullest or count[level + 1] > count[fullest + 1]) then
@@ -461,7 +483,7 @@ end
 -- candidates that are used get theirs.
 local function candidates(rules, count, levels)
   local single
-  if not views then
+  if not views and not fair then
     for _, level in ipairs(levels) do
       if count[level + 1] > 0 then single = (single == nil) and level or false end
     end
@@ -493,12 +515,13 @@ end
 -- the head of its set, less ids waiting in other levels than `levels`, up to the window's
 -- last arrival; so only the groups looked at are read, and the costs of their requests
 -- only (none without a budget), whichever levels wait. Returns false where that does not
--- hold, and the window is read: the sets are being relisted, their sizes do not add up to
--- the queue's (an older version's ids), a listed id waits nowhere it should, more than
--- `window` ids of other levels lie ahead, or arrivals tie (within a group, at the
+-- hold, and the window is read: tenants are served fairly, the sets are being relisted,
+-- their sizes do not add up to the queue's (an older version's ids), a listed id waits
+-- nowhere it should, the sets hold more than `window` ids between the oldest of `levels`
+-- and the window's edge (mostly other levels'), or arrivals tie (within a group, at the
 -- window's edge, or two buckets' oldest).
 local function pick_from_sets(rules, count, levels, now, due_only)
-  if views or #rules.bounds == 0 or rules.relisting then return false end
+  if views or fair or #rules.bounds == 0 or rules.relisting then return false end
   local mine, n = {}, 0  -- the levels picked from that have requests, and their total
   for _, l in ipairs(levels) do
     if count[l + 1] > 0 then mine[#mine + 1], n = l, n + count[l + 1] end
@@ -706,6 +729,7 @@ local function pick_costed(rules, count, levels, now, due_only)
     local chosen, full = fit(rules, groups[b], cost_of)
     if not due_only or full then return entries(chosen) end
     local first = entries({groups[b][1]})[1]
+    if fair then first = fair_oldest(entries(groups[b])) end  -- not first in fair order
     if now - first.score >= rules.delay then return entries(chosen) end
     return nil
   end
@@ -881,6 +905,7 @@ local function commit(rules, consumer, lease_ms, chosen, read, total, now)
   end
   redis.call('ZREM', deadlines, unpack(ids))  -- deadlines holds waiting requests only
   call_in_chunks('HSET', owner, owner_fields)  -- 2 x max_batch_size values
+  fair_commit(fair, chosen)  -- counters, then out of the fair index (lua/_fair.lua)
   -- The batch leaves costs and the bucket sets its entries name (those it was put in).
   local by_bucket
   local run = chosen.run_of  -- a run of one set (pick_from_sets; nothing dropped since)
@@ -901,7 +926,7 @@ local function commit(rules, consumer, lease_ms, chosen, read, total, now)
       tally.add_tenant(t, 'f', 1)
     end
   end
-  tally.flush((tenant_keys(policy)))
+  tally.flush(tenants)
   redis.call('ZADD', inflight, int(lease_deadline), batch_id)
   redis.call('HSET', batches, batch_id, consumer .. '|' .. table.concat(ids, ','))
   redis.call('HINCRBY', stats, 'batches', 1)
@@ -936,8 +961,14 @@ if rules.only == 1 and #rules.bounds == 0 then rules.only = 0 end  -- bucket 1 i
 if delay_ms then rules.delay = delay_ms * 1000 end
 local now = queue_now(clock, stats)
 redis.call('ZADD', consumers, int(now), consumer)
+fair = fair_index(rules.fairness, fair_sets, fair_counters, fair_who)
+if fair then
+  fair.pending, fair.tenants, fair.costs = pending, tenants, costs
+  fair.quotas = redis.call('HGET', policy, 'tenant_quotas')
+end
 local retried, next_retry, retried_jobs = promote_retries(
-  retry, pending, jobs, costs, deadlines, bucket_sets, rules.bounds, now, rules.batch_size)
+  retry, pending, jobs, costs, deadlines, bucket_sets, rules.bounds, now, rules.batch_size,
+  fair)
 if retried > 0 then  -- another consumer (or bucket) may be the one to run them
   wake_consumers(marker)
   wake_buckets(bucket_markers, bucket_count(rules.bounds))
@@ -946,7 +977,7 @@ if retried > 0 then  -- another consumer (or bucket) may be the one to run them
     local t = job_tenant(raw)
     if t then tally.add_tenant(t, 'w', 1) end
   end
-  tally.flush((tenant_keys(policy)))
+  tally.flush(tenants)
 end
 local expired, first_deadline = past_deadline(now)
 if expired then return {-4} end
@@ -975,6 +1006,9 @@ elseif waiting == 0 then
   chosen = take_delayed(rules, count, now)
 else
   chosen, wait = choose(rules, count, waiting, now)
+end
+if fair and fair.blocked and not wait and (not chosen or #chosen == 0) then
+  chosen, wait = nil, {0, -1}  -- every tenant that waits is at its max_in_flight
 end
 if not chosen then
   -- A view cut short by dead ids, or the sets not yet relisted after a cost_buckets

@@ -6,7 +6,7 @@ never dead-letters a request. A request keeps its arrival time (its place in its
 and is recomputed from the start by whichever consumer pops it next. Fenced by the batch
 id: a batch whose lease lapsed (re-queued, maybe re-run) is refused.
 
-KEYS[1..34] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
+KEYS[1..43] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
             this script uses:
 KEYS[1]  {bg:q}:policy      hash  read: cost_buckets (the bucket sets and markers)
 KEYS[2]  {bg:q}:pending:0   zset  HIGH
@@ -23,6 +23,11 @@ KEYS[12] {bg:q}:batches     hash  batch id -> "consumer|ids"
 KEYS[20] {bg:q}:deadlines   zset  pending id -> deadline (µs): listed again
 KEYS[24..28] {bg:q}:marker:<1..5> zset  wake-up markers of consumers dedicated to a cost bucket
 KEYS[29..33] {bg:q}:bucket:<1..5> zset  the ids waiting in each cost bucket (score = arrival)
+KEYS[35] {bg:q}:tenants     hash  per named tenant's counters (lua/_tenants.lua)
+KEYS[37..39] {bg:q}:fair:<0..2> zset  fairness requests | cost (lua/_fair.lua): waiting
+                                  requests by tenant, then arrival
+KEYS[40..42] {bg:q}:vtc:<0..2> zset  the backlogged tenants of each level -> virtual counter
+KEYS[43] {bg:q}:fair:who    hash  id -> tenant of each request in the fair sets
 
 ARGV[1]  batch id (the fencing token returned by pop_batch)
 ARGV[2]  n, number of request ids (1..the largest max_batch_size of the policy LIMITS)
@@ -37,8 +42,9 @@ Work is bounded by n plus the batch's size.
 ]]
 -- @include _common.lua
 -- @include _policy.lua
--- @include _queue.lua
 -- @include _tenants.lua
+-- @include _fair.lua
+-- @include _queue.lua
 
 local policy = KEYS[1]
 local pending_high = KEYS[2]
@@ -55,6 +61,10 @@ local batches = KEYS[12]
 local deadlines = KEYS[20]
 local bucket_markers = {KEYS[24], KEYS[25], KEYS[26], KEYS[27], KEYS[28]}
 local bucket_sets = {KEYS[29], KEYS[30], KEYS[31], KEYS[32], KEYS[33]}
+local tenants = KEYS[35]
+local fair_sets = {KEYS[37], KEYS[38], KEYS[39]}
+local fair_counters = {KEYS[40], KEYS[41], KEYS[42]}
+local fair_who = KEYS[43]
 
 local batch_id = ARGV[1]
 local _, most = policy_range('max_batch_size')
@@ -65,6 +75,7 @@ if not redis.call('ZSCORE', inflight, batch_id) then return {-1} end
 local pending = {pending_high, pending_normal, pending_low}
 local now = queue_now(clock, stats)
 local bounds = stored_bounds(policy)
+local fair = fair_open(policy, fair_sets, fair_counters, fair_who)
 local given = 0
 local tally = tenant_tally()
 for i = 3, 2 + n do
@@ -77,7 +88,7 @@ for i = 3, 2 + n do
       tally.add_tenant(t, 'f', -1)
       tally.add_tenant(t, 'w', 1)
     end
-    return_to_waiting(pending, costs, deadlines, bucket_sets, bounds, id, m, now)
+    return_to_waiting(pending, costs, deadlines, bucket_sets, bounds, id, m, now, fair)
     redis.call('HDEL', owner, id)
     given = given + 1
   end
@@ -90,7 +101,7 @@ if #members > 0 then
   end
 end
 if remaining == 0 then release_batch(inflight, batches, batch_id) end
-tally.flush((tenant_keys(policy)))
+tally.flush(tenants)
 if given > 0 then
   redis.call('HINCRBY', stats, 'preempted', given)
   wake_consumers(marker)

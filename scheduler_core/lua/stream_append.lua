@@ -1,11 +1,11 @@
 --[[ stream_append: append partial results of a batch's requests to their streams, fenced
 by the batch id (one call per model step for the whole batch).
 
-KEYS[1..34] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
+KEYS[1..43] the queue's shared keys, in the order of scheduler_core.keys.SHARED_KEYS;
             this script uses:
 KEYS[10] {bg:q}:inflight      zset   batch id -> lease deadline
 KEYS[11] {bg:q}:owner         hash   id -> batch id
-KEYS[35+i] {bg:q}:stream:<id_i>  stream  the partial results of entry i's request
+KEYS[44+i] {bg:q}:stream:<id_i>  stream  the partial results of entry i's request
            (i = 0..n-1; an id may repeat, each time with its own key)
 
 ARGV[1]  batch id (the fencing token returned by pop_batch)
@@ -26,7 +26,7 @@ Work is bounded by n (at most MAX_STREAM_ENTRIES).
 
 local inflight = KEYS[10]
 local owner = KEYS[11]
--- KEYS[35 + i]: stream:<id> of entry i
+-- KEYS[44 + i]: stream:<id> of entry i
 
 local MAX_STREAM_ENTRIES = 4096
 local batch_id = ARGV[1]
@@ -35,7 +35,7 @@ if not ttl then return {-3, 'result_ttl_s'} end
 local maxlen = int_arg(ARGV[3], 1, 1000000)
 if not maxlen then return {-3, 'stream_maxlen'} end
 local n = int_arg(ARGV[4], 1, MAX_STREAM_ENTRIES)
-if not n or #ARGV ~= 4 + 3 * n or #KEYS ~= 34 + n then return {-3, 'n'} end
+if not n or #ARGV ~= 4 + 3 * n or #KEYS ~= 43 + n then return {-3, 'n'} end
 local kinds = {p = true, r = true}
 for i = 0, n - 1 do
   if not kinds[ARGV[6 + 3 * i]] then return {-3, 'kind'} end
@@ -57,7 +57,7 @@ for j, id in ipairs(unique) do held[id] = holders[j] == batch_id end
 
 local appended, refused, touched = 0, 0, {}
 for i = 0, n - 1 do
-  local key = KEYS[35 + i]
+  local key = KEYS[44 + i]
   if held[ids[i + 1]] then
     redis.call('XADD', key, 'MAXLEN', maxlen, '*', ARGV[6 + 3 * i], ARGV[7 + 3 * i])
     if not touched[key] then

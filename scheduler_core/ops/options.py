@@ -133,8 +133,11 @@ POLICY_KNOBS: list[tuple[str, dict[str, Any], str]] = [
      "only when nothing else waits) [default: reject]."),
     ("--tenant-quotas", {"type": str},
      "Per-tenant quotas, 'TENANT:QUOTA=N,...;...' with '*' for every named tenant without "
-     "its own; quotas max_waiting, rps, burst, cps, cost_burst (docs/tenants.md); '' = "
-     "none [default: '']."),
+     "its own; quotas max_waiting, rps, burst, cps, cost_burst, and under --fairness "
+     "weight and max_in_flight (docs/tenants.md); '' = none [default: '']."),
+    ("--fairness", {"type": click.Choice(CHOICES["fairness"])},
+     "Share each priority level between tenants: none (arrival order), requests or cost "
+     "(weighted service kept balanced, docs/tenants.md) [default: none]."),
     ("--shards", {"type": int},
      f"Physical queues (shards) the queue is spread over, {_range('shards')}; each has its "
      "own cluster slot; ordering is strict within a shard only (docs/scaling.md) "

@@ -56,7 +56,8 @@ from typing import Any
 from scheduler_core.cost_model import fit
 from scheduler_core.errors import InvalidRequest
 from scheduler_core.policy import MAX_COST_BUCKETS, Policy
-from scheduler_core.rules import Batch, Request, Wait, apply, decide
+from scheduler_core.rules import Batch, Fair, Request, Wait, apply, decide
+from scheduler_core.wire import DEFAULT_TENANT
 
 PRIORITIES = ("high", "normal", "low")
 MIX = (0.1, 0.6, 0.3)  # share of HIGH, NORMAL, LOW requests
@@ -287,9 +288,11 @@ class SimResult:
 
 
 def simulate(config: SimConfig, times: list[float], prios: list[int],
-             costs: list[int] | None = None) -> SimResult:
+             costs: list[int] | None = None, tenants: list[str] | None = None) -> SimResult:
     """Run the queue on these arrivals (offsets in s, sorted; priorities 0-2; costs, each
-    >= 1, as submitted: None for all 1)."""
+    >= 1, as submitted: None for all 1; tenants: None for the default one). Under the
+    policy's fairness each level is shared as pop_batch.lua shares it (rules.Fair);
+    max_in_flight is not simulated."""
     started = time.perf_counter()
     n = len(times)
     if n != len(prios):
@@ -298,8 +301,11 @@ def simulate(config: SimConfig, times: list[float], prios: list[int],
         raise InvalidRequest("costs", f"{n} times but {len(costs)} costs")
     if n > MAX_REQUESTS:
         raise InvalidRequest("arrivals", f"{n} requests; at most {MAX_REQUESTS:,}")
+    if tenants is not None and len(tenants) != n:
+        raise InvalidRequest("tenants", f"{n} times but {len(tenants)} tenants")
     arrival = _arrival_scores(times)
     policy = config.policy
+    fair = Fair() if policy.fairness != "none" else None
     # Without costs every request costs 1: a batch of b costs b units in either cost_mode.
     cost = [config.cost.us(b, b) for b in range(policy.max_batch_size + 1)]
     # Costs as enqueue.lua stores them: capped (truncate) or refused (reject) over max_cost.
@@ -346,12 +352,13 @@ def simulate(config: SimConfig, times: list[float], prios: list[int],
             bisect.insort(idle, pop(free_at)[1])
         if next_arrival == now:  # scores are unique, as Redis' arrival clock makes them
             prio = prios[i]
-            if stored is None:
-                levels[prio].append(Request(now, i, prio))
+            tenant = tenants[i] if tenants is not None else DEFAULT_TENANT
+            if stored is None or stored[i]:  # 0: refused at enqueue (over max_cost)
+                levels[prio].append(Request(now, i, prio, cost=stored[i] if stored else 1,
+                                            tenant=tenant))
                 waiting += 1
-            elif stored[i]:  # 0: refused at enqueue (over max_cost)
-                levels[prio].append(Request(now, i, prio, cost=stored[i]))
-                waiting += 1
+                if fair is not None:
+                    fair.join(prio, tenant)
             i += 1
             next_arrival = arrival[i] if i < n else math.inf
         if not idle:
@@ -363,8 +370,10 @@ def simulate(config: SimConfig, times: list[float], prios: list[int],
             for consumer in idle if dedicated else idle[:1]:
                 decision = decide(levels, now, policy, prefer_bucket=prefer[consumer],
                                   first_deadline_us=0,  # no simulated request has one
-                                  only_bucket=only[consumer])
-                apply(levels, decision)
+                                  only_bucket=only[consumer], fair=fair)
+                apply(levels, decision, fair)
+                if fair is not None:
+                    fair.in_flight.clear()  # max_in_flight is not simulated
                 if type(decision) is Batch:
                     break
                 if type(decision) is Wait:

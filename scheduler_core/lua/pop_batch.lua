@@ -589,19 +589,23 @@ local function pick_from_sets(rules, count, levels, now, due_only)
       local ids = redis.call('ZRANGEBYSCORE', bucket_sets[b], from, to, 'LIMIT', at, n_read)
       if #ids == 0 then break end
       at = at + #ids
-      local raw, level, left, left_at = {}, {}, ids, nil  -- left_at: nil, all of ids
-      for _, l in ipairs(mine) do
-        if #left == 0 then break end
-        local scores, rest, rest_at = redis.call('ZMSCORE', pending[l + 1], unpack(left)), {}, {}
-        for i = 1, #left do
-          local j = left_at and left_at[i] or i
-          if scores[i] then
-            raw[j], level[j] = scores[i], l
-          else
-            rest[#rest + 1], rest_at[#rest + 1] = left[i], j
+      local raw, level = redis.call('ZMSCORE', pending[mine[1] + 1], unpack(ids)), mine[1]
+      if #mine > 1 then  -- the level of each: the first of `mine` that has it
+        local left, left_at = ids, nil  -- left_at: nil, all of ids
+        raw, level = {}, {}
+        for _, l in ipairs(mine) do
+          if #left == 0 then break end
+          local scores, rest, rest_at = redis.call('ZMSCORE', pending[l + 1], unpack(left)), {}, {}
+          for i = 1, #left do
+            local j = left_at and left_at[i] or i
+            if scores[i] then
+              raw[j], level[j] = scores[i], l
+            else
+              rest[#rest + 1], rest_at[#rest + 1] = left[i], j
+            end
           end
+          left, left_at = rest, rest_at
         end
-        left, left_at = rest, rest_at
       end
       for j = 1, #ids do
         local r = raw[j]
@@ -611,7 +615,8 @@ local function pick_from_sets(rules, count, levels, now, due_only)
           prev = score
           if k < want then
             k = k + 1
-            g.ids[k], g.raw[k], g.score[k], g.level[k] = ids[j], r, score, level[j]
+            g.ids[k], g.raw[k], g.score[k] = ids[j], r, score
+            g.level[k] = type(level) == 'table' and level[j] or level
           end
         elseif exact then
           return nil

@@ -45,7 +45,7 @@ KEYS[3]  {bg:q}:pending:1   zset  NORMAL
 KEYS[4]  {bg:q}:pending:2   zset  LOW
 KEYS[5]  {bg:q}:jobs        hash  id -> "<meta>|<envelope>" (read only: the delivery in
                                   progress is the stored attempts + 1)
-KEYS[6]  {bg:q}:costs       hash  id -> "<cost>:<bucket>" of each waiting request: the
+KEYS[6]  {bg:q}:costs       hash  id -> "<cost>:<bucket>:<prio>" of each waiting request: the
                                   costs a pop reads (never the payload); a batch's
                                   entries go. An id without one (listed by an older
                                   version) is read from jobs. Its RELIST field, while
@@ -117,10 +117,13 @@ makes (written by hand) is dead-lettered here, never delivered; if that leaves n
 the reply is {0, 0} (pop again at once).
 Work is bounded: at most 2 x max_batch_size promotions, max_batch_size retries moved
 back and max_batch_size pops per call;
-with costs, at most (buckets x max_batch_size) requests read per level (at most 5 x 4096);
+with costs, at most (buckets x max_batch_size) requests read per level (at most 5 x 4096):
+from the bucket sets (pick_from_sets: the groups it looks at, and at most twice the
+window of ids of other levels passed over) or else the window;
 a dedicated consumer reads as many of its bucket's set, and their levels (ZMSCORE), plus
-at most STALE_BUDGET ids no longer waiting. Costs come from the costs hash: a pop's work
-does not grow with payload size (it reads the payloads of its batch only).
+at most STALE_BUDGET ids no longer waiting. Costs come from the costs hash, and aging's
+submitted priorities too: a pop's work does not grow with payload size (it reads the
+payloads of its batch only).
 The body runs as named steps: read_policy, past_deadline, relist_step (after a
 cost_buckets change: at most RELIST_STEP costs entries), promote_aged, read_views (a
 dedicated consumer), choose (pick_costed when costs are on) or take_delayed,

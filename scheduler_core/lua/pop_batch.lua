@@ -631,7 +631,7 @@ local function pick_from_sets(rules, count, levels, now, due_only)
     end
     return g
   end
-  local firsts = {}  -- per bucket in the window: its oldest, in arrival order
+  local firsts = {}  -- per bucket: its oldest, in arrival order (in the window or not)
   for b = 1, nb do
     local head
     if exact then  -- its set's first: the group's walk checks it against the levels
@@ -642,14 +642,18 @@ local function pick_from_sets(rules, count, levels, now, due_only)
       if not head then return false end
     end
     if head.raw[1] then
-      local w = in_window(head.raw[1])
-      if w == nil then return false end
-      if w then firsts[#firsts + 1] = {bucket = b, score = head.score[1]} end
+      firsts[#firsts + 1] = {bucket = b, score = head.score[1], raw = head.raw[1]}
     end
   end
   table.sort(firsts, function(x, y) return x.score < y.score end)
   for k = 2, #firsts do  -- a tie: the zset's order (by id) decides, left to the window
     if firsts[k].score == firsts[k - 1].score then return false end
+  end
+  -- Whether a bucket's oldest is in the window (a group of it): asked only of those
+  -- looked at; the oldest of all is, where every request waiting is in `mine`.
+  local function seen(k)
+    if k == 1 and exact then return true end
+    return in_window(firsts[k].raw)
   end
   local function due(first)
     local g = walk(first.bucket, rules.batch_size)
@@ -690,13 +694,20 @@ local function pick_from_sets(rules, count, levels, now, due_only)
     end
     return out
   end
-  for _, first in ipairs(firsts) do
+  for k, first in ipairs(firsts) do
     if first.bucket == rules.prefer then
-      local chosen = due(first)
-      if chosen ~= nil then return chosen ~= false, chosen or nil end
+      local w = seen(k)
+      if w == nil then return false end
+      if w then
+        local chosen = due(first)
+        if chosen ~= nil then return chosen ~= false, chosen or nil end
+      end
     end
   end
-  for _, first in ipairs(firsts) do
+  for k, first in ipairs(firsts) do
+    local w = seen(k)  -- the later ones are younger: out of the window too
+    if w == nil then return false end
+    if not w then break end
     local chosen = due(first)
     if chosen ~= nil then return chosen ~= false, chosen or nil end
   end

@@ -688,10 +688,8 @@ local function pick_from_sets(rules, count, levels, now, due_only)
     local out = {}
     for i = 1, taken do out[i] = {id = g.ids[i], score = g.score[i], level = g.level[i]} end
     -- Where nothing was passed over between them, the batch is a run of its set: commit
-    -- takes it out with one range removal, without reading its costs entries.
-    if not g.gap_at or taken <= g.gap_at then
-      out.run_of, out.run_at = first.bucket, exact and 0 or nil
-    end
+    -- takes it out by one range removal, without reading its costs entries.
+    if not g.gap_at or taken <= g.gap_at then out.run_of = first.bucket end
     return out
   end
   for k, first in ipairs(firsts) do
@@ -929,9 +927,15 @@ local function commit(rules, consumer, lease_ms, chosen, read, total, now)
   local by_bucket
   local run = chosen.run_of  -- a run of one set (pick_from_sets; nothing dropped since)
   if run then
+    -- One range removal, by arrival (the commands of the documented ACL rule), where
+    -- the range holds the batch alone; arrivals are unique, unless written by hand.
     by_bucket = {[run] = ids}
-    local at = chosen.run_at or redis.call('ZRANK', bucket_sets[run], ids[1])
-    redis.call('ZREMRANGEBYRANK', bucket_sets[run], at, at + #ids - 1)
+    local lo, hi = int(chosen[1].score), int(chosen[#chosen].score)
+    if redis.call('ZCOUNT', bucket_sets[run], lo, hi) == #ids then
+      redis.call('ZREMRANGEBYSCORE', bucket_sets[run], lo, hi)
+    else
+      call_in_chunks('ZREM', bucket_sets[run], ids)
+    end
     call_in_chunks('HDEL', costs, ids)
   else
     by_bucket = unlist_waiting(costs, bucket_sets, ids)

@@ -34,7 +34,13 @@ from scheduler_core.ops.reading import (
     read_queue,
 )
 from scheduler_core.ops.scaling import scaling_signal
-from scheduler_core.ops.stats import delay_in_use, tenant_stats
+from scheduler_core.ops.stats import (
+    OTHER_TENANTS,
+    delay_in_use,
+    fairness,
+    summed,
+    tenant_stats,
+)
 from scheduler_core.policy import LIMITS, Policy, Priority
 from scheduler_core.registry import DEFAULT_MAX_QUEUES, QueueFinder, shown_queues
 
@@ -47,7 +53,8 @@ DEFAULT_SCRAPE_TIMEOUT_S = 5.0
 MAX_SCRAPE_TIMEOUT_S = 60.0
 MAX_SAMPLES = SAMPLES_READ  # what the sample lists keep (scheduler_core/lua/_common.lua)
 QUANTILES = (0.5, 0.9, 0.99)
-EXPORTED_TENANTS = 20  # tenants with a label of their own per queue; the rest: "other"
+DEFAULT_TENANT_LABELS = 20  # tenants with a label of their own per queue; the rest: "other"
+MAX_TENANT_LABELS = 1000
 # {bg:q}:stats counter -> (metric, outcome label or None)
 REQUEST_COUNTERS = {"processed": "ok", "failed": "failed", "expired": "expired",
                     "cancelled": "cancelled"}
@@ -62,6 +69,10 @@ OTHER_COUNTERS = {
     "dead_purged": ("batchgate_queue_dead_letters_purged", "Dead letters purged."),
     "retried": ("batchgate_queue_retried_requests",
                 "Runs that raised a retry_on exception, scheduled to run again."),
+    "preempted": ("batchgate_queue_preempted_requests",
+                  "Running requests given back to the queue for HIGH work (--preempt)."),
+    "preempted_steps": ("batchgate_queue_preempted_steps",
+                        "Decode steps the preempted requests had run (recomputed later)."),
 }
 # Policy knob -> (gauge, unit divisor to seconds or 1)
 POLICY_GAUGES = {
@@ -93,6 +104,7 @@ class ExporterConfig:
     max_queues: int = DEFAULT_MAX_QUEUES
     samples: int = DEFAULT_SAMPLES
     scrape_timeout_s: float = DEFAULT_SCRAPE_TIMEOUT_S
+    tenant_labels: int = DEFAULT_TENANT_LABELS
 
     def __post_init__(self) -> None:
         for name in self.queues:
@@ -102,17 +114,22 @@ class ExporterConfig:
                 or not 0.1 <= self.scrape_timeout_s <= MAX_SCRAPE_TIMEOUT_S):
             raise InvalidRequest("scrape_timeout_s", f"{self.scrape_timeout_s!r} is outside "
                                  f"[0.1, {MAX_SCRAPE_TIMEOUT_S:g}] seconds")
-        for field, value, high in (("max_queues", self.max_queues, 10_000),
-                                   ("samples", self.samples, MAX_SAMPLES)):
-            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high:
-                raise InvalidRequest(field, f"{value!r} is outside [1, {high}]")
+        for field, value, low, high in (("max_queues", self.max_queues, 1, 10_000),
+                                        ("samples", self.samples, 1, MAX_SAMPLES),
+                                        ("tenant_labels", self.tenant_labels, 0,
+                                         MAX_TENANT_LABELS)):
+            if (isinstance(value, bool) or not isinstance(value, int)
+                    or not low <= value <= high):
+                raise InvalidRequest(field, f"{value!r} is outside [{low}, {high}]")
 
 
 class Families:
     """The metric families of one scrape, filled queue by queue."""
 
-    def __init__(self) -> None:
+    def __init__(self, tenant_labels: int = DEFAULT_TENANT_LABELS) -> None:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        self.tenant_labels = tenant_labels
 
         gauge, counter = GaugeMetricFamily, CounterMetricFamily
         q = ["queue"]
@@ -164,7 +181,7 @@ class Families:
                                                                  else "."), labels=q)
                        for knob, (name, div) in POLICY_GAUGES.items()}
         qt = ["queue", "tenant"]
-        other = (f" The {EXPORTED_TENANTS} tenants with the most requests accepted have a "
+        other = (f" The {tenant_labels} tenants with the most requests accepted have a "
                  "label each, the rest are summed as tenant=\"other\" (docs/tenants.md).")
         self.tenants = {
             "waiting": gauge("batchgate_tenant_waiting", "Requests waiting, per tenant." +
@@ -178,6 +195,17 @@ class Families:
             "rejected": counter("batchgate_tenant_rejected", "Requests refused by a tenant "
                                 "quota (TenantLimit)." + other, labels=qt),
         }
+        self.share = gauge("batchgate_tenant_share", "A backlogged tenant's fraction of the "
+                           "weighted service among the backlogged tenants (absent for one "
+                           "with nothing waiting)." + other, labels=qt)
+        self.backlogged = gauge("batchgate_tenant_backlogged", "Named tenants with requests "
+                                "waiting.", labels=q)
+        self.jain = gauge("batchgate_tenant_fairness_jain", "Jain's fairness index over the "
+                          "backlogged tenants' weighted service (1: equal; absent when none "
+                          "is backlogged).", labels=["queue", "unit"])
+        self.tenant_fields = gauge("batchgate_tenant_counter_fields", "Fields of the "
+                                   "tenants' counter hash; past the read cap no tenant series "
+                                   "is exported (docs/tenants.md).", labels=q)
 
     def add(self, queue: str, r: QueueReading, policy: Policy | None = None) -> None:
         for level, count in zip(Priority, r.depth, strict=True):
@@ -208,20 +236,30 @@ class Families:
             for knob, (_, div) in POLICY_GAUGES.items():
                 self.policy[knob].add_metric([queue], getattr(policy, knob) / div)
 
-        self.add_tenants(queue, tenant_stats(r.tenants, sum(r.depth) + r.delayed, r.owned))
+        self.tenant_fields.add_metric([queue], r.tenant_fields)
+        if r.tenants_read:
+            self.add_tenants(queue, tenant_stats(r.tenants, sum(r.depth) + r.delayed,
+                                                 r.owned, policy), policy)
 
-    def add_tenants(self, queue: str, tenants: dict[str, dict[str, int]]) -> None:
-        """The EXPORTED_TENANTS tenants with the most accepted requests, a label each (a
+    def add_tenants(self, queue: str, tenants: dict[str, dict[str, Any]],
+                    policy: Policy | None = None) -> None:
+        """The tenant_labels tenants with the most accepted requests, a label each (a
         ranking by a total changes slowly, so labels seldom come and go); the rest as
-        "other": the label count stays bounded whatever the number of tenants."""
+        "other": the label count stays bounded whatever the number of tenants. Jain's
+        index is over every backlogged tenant, labelled or not."""
         ranked = sorted(tenants.items(), key=lambda item: (-item[1]["accepted"], item[0]))
-        rows = ranked[:EXPORTED_TENANTS]
-        if len(ranked) > EXPORTED_TENANTS:
-            rest = [t for _, t in ranked[EXPORTED_TENANTS:]]
-            rows.append(("other", {name: sum(t[name] for t in rest) for name in rest[0]}))
+        rows = ranked[:self.tenant_labels]
+        if len(ranked) > self.tenant_labels:
+            rows.append((OTHER_TENANTS, summed([t for _, t in ranked[self.tenant_labels:]])))
         for tenant, t in rows:
             for name, family in self.tenants.items():
                 family.add_metric([queue, tenant], t[name])
+            if t["share"] is not None:
+                self.share.add_metric([queue, tenant], t["share"])
+        fair = fairness(tenants, policy)
+        self.backlogged.add_metric([queue], fair.backlogged)
+        if fair.jain_index is not None:
+            self.jain.add_metric([queue, fair.unit], fair.jain_index)
 
     def add_scaling(self, queue: str, signal: dict[str, Any]) -> None:
         self.arrival_rate.add_metric([queue], signal["arrival_rate_rps"])
@@ -233,7 +271,8 @@ class Families:
                     self.consumers, self.dead, self.requests, *self.others.values(), self.wait,
                     self.e2e, self.model, self.samples, self.policy_info, self.delay,
                     *self.policy.values(), self.arrival_rate, self.recommended,
-                    *self.tenants.values())
+                    *self.tenants.values(), self.share, self.backlogged, self.jain,
+                    self.tenant_fields)
 
 
 class Reader:
@@ -320,7 +359,7 @@ class QueueCollector:
         exported = GaugeMetricFamily("batchgate_exporter_queues", "Queues exported.")
         skipped = GaugeMetricFamily("batchgate_exporter_queues_skipped",
                                     "Queues found but left out by --max-queues.")
-        families = Families()
+        families = Families(self.config.tenant_labels)
 
         def read() -> tuple[list[str], int, int]:
             unreadable = 0
@@ -391,8 +430,14 @@ def build_registry(client: redis.Redis, config: ExporterConfig) -> Any:
             type=FloatRange(0.1, MAX_SCRAPE_TIMEOUT_S),
             help="Seconds a scrape waits for Redis; past them it answers "
                  "batchgate_exporter_redis_up 0. Keep it under Prometheus' scrape_timeout.")
+@env_option("--tenant-labels", envvar="BATCHGATE_EXPORTER_TENANT_LABELS",
+            default=DEFAULT_TENANT_LABELS, show_default=True,
+            type=click.IntRange(0, MAX_TENANT_LABELS),
+            help="Tenants per queue with a label of their own (those with the most "
+                 "requests accepted); the rest are summed as tenant=\"other\".")
 def exporter_command(redis_url: str, queues: tuple[str, ...], host: str, port: int,
-                     max_queues: int, samples: int, scrape_timeout_s: float) -> None:
+                     max_queues: int, samples: int, scrape_timeout_s: float,
+                     tenant_labels: int) -> None:
     """Serve Prometheus metrics of every queue (depth, in flight, consumers, counters,
     latency quantiles, policy), read from Redis at each scrape: no consumer needed."""
     try:
@@ -402,7 +447,8 @@ def exporter_command(redis_url: str, queues: tuple[str, ...], host: str, port: i
                                    "'batchgate[metrics]'") from None
     from scheduler_core.connection import connect
 
-    config = ExporterConfig(tuple(queues), max_queues, samples, scrape_timeout_s)
+    config = ExporterConfig(tuple(queues), max_queues, samples, scrape_timeout_s,
+                            tenant_labels)
     client = connect(redis_url)
     server, thread = start_http_server(port, addr=host, registry=build_registry(client, config))
     log.info("exporter ready on http://%s:%d/metrics (%s)", host, port,

@@ -15,6 +15,7 @@ from scheduler_core.compat import connect_checked
 from scheduler_core.cost_model import read_cost_model
 from scheduler_core.errors import InvalidRequest
 from scheduler_core.keys import QueueKeys
+from scheduler_core.ops.continuous_sim import StepTime
 from scheduler_core.ops.options import redis_url_option
 from scheduler_core.ops.planner import (
     DEFAULT_REQUESTS,
@@ -23,9 +24,15 @@ from scheduler_core.ops.planner import (
     Option,
     Plan,
     Target,
+    better,
     plan,
 )
-from scheduler_core.ops.simulation import DEFAULT_OVERHEAD_MS, DEFAULT_TRANSPORT_MS, mean_cost
+from scheduler_core.ops.simulation import (
+    BATCHING,
+    DEFAULT_OVERHEAD_MS,
+    DEFAULT_TRANSPORT_MS,
+    mean_cost,
+)
 from scheduler_core.policy import Policy
 
 
@@ -119,6 +126,16 @@ def render(out: dict[str, Any], answer: Plan, target: Target) -> str:
               help="Latency per request outside queue and model, ms (as simulate).")
 @click.option("--seed", type=int, default=1, show_default=True,
               help="Random seed of the simulated arrivals.")
+@click.option("--batching", type=click.Choice(["static", "continuous", "compare"]),
+              default="static", show_default=True,
+              help="Plan for static consumers, for continuous ones (consumer --batching "
+                   "continuous: strategy and max_batch_size searched, the slots), or both, "
+                   "naming the better.")
+@click.option("--step-ms", default=None,
+              help="Continuous: a step's time for n sequences, A+B*n ms (as simulate) "
+                   "[default: from the cost model].")
+@click.option("--prefill-ms", type=float, default=0.0, show_default=True,
+              help="Continuous, with --step-ms: ms per sequence joining a step.")
 @click.option("--apply", is_flag=True,
               help="Store the policy found for --queue (only if the target is met).")
 @click.option("--json", "as_json", is_flag=True, help="Print the answer as JSON.")
@@ -128,7 +145,8 @@ def plan_command(rate: float, slo_p99_ms: float, slo_high_p99_ms: float | None, 
                  apply: bool, as_json: bool, cost_mix: str | None = None,
                  max_cost: int | None = None, over_cost: str | None = None,
                  max_batch_cost: int | None = None, cost_mode: str | None = None,
-                 cost_buckets: str | None = None) -> None:
+                 cost_buckets: str | None = None, batching: str = "static",
+                 step_ms: str | None = None, prefill_ms: float = 0.0) -> None:
     """Find the cheapest configuration (fewest consumers, then the most headroom) whose
     simulated p99 meets the target at --rate: strategy, max_batch_size,
     max_queue_delay_ms and consumers. Without one, say the closest target reachable and
@@ -166,8 +184,15 @@ def plan_command(rate: float, slo_p99_ms: float, slo_high_p99_ms: float | None, 
         model = CostModel(stored.base_ms, stored.per_item_ms)
     costs = Costs(model, overhead_ms, transport_ms,
                   mean_cost(mix_of_costs, base) if mix_of_costs else 1.0)
-    answer = plan(load, target, costs, max_consumers, base)
+    step = StepTime.parse(step_ms, prefill_ms) if step_ms else None
+    modes = list(BATCHING) if batching == "compare" else [batching]
+    plans = {mode: plan(load, target, costs, max_consumers, base, mode, step)
+             for mode in modes}
+    chosen = better(plans)
+    answer = plans[chosen]
     out: dict[str, Any] = answer.to_dict()
+    if batching == "compare":
+        out["compared"] = {mode: p.to_dict() for mode, p in plans.items()}
     out.update({"rate": rate, "mix": mix, "slo_p99_ms": slo_p99_ms,
                 "slo_high_p99_ms": slo_high_p99_ms, "cost_ms": str(model).removesuffix(" ms"),
                 "cost_mix": cost_mix,
@@ -187,5 +212,27 @@ def plan_command(rate: float, slo_p99_ms: float, slo_high_p99_ms: float | None, 
     out["wall_s"] = round(time.perf_counter() - started, 3)
     if as_json:
         click.echo(orjson.dumps(out, option=orjson.OPT_INDENT_2).decode())
+    elif batching == "compare":
+        click.echo(render_compare(out, plans, chosen, target))
     else:
         click.echo(render(out, answer, target))
+
+
+def render_compare(out: dict[str, Any], plans: dict[str, Plan], chosen: str,
+                   target: Target) -> str:
+    """`--batching compare`: each mode's plan, then the better one named."""
+    parts = []
+    for mode, answer in plans.items():
+        text = render({**out, "applied": False}, answer, target).split("\n")
+        parts += [f"-- {mode} batching --", *text[2:-1], ""]
+    parts = render(out, plans[chosen], target).split("\n")[:2] + parts
+    why = "meets the target with fewer consumers or more headroom" if plans[chosen].feasible \
+        else "comes closest to the target"
+    parts.append(f"better: {chosen} batching ({why})")
+    if chosen == "continuous":
+        parts.append("  (run the consumers with --batching continuous)")
+    parts.append(f"{sum(p.simulations for p in plans.values())} simulations in "
+                 f"{out['wall_s']:.2f} s")
+    if out.get("applied"):
+        parts.append(f"stored as the policy of queue {out['queue']!r}")
+    return "\n".join(parts)

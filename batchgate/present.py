@@ -117,16 +117,26 @@ def _recommended(stats: dict[str, Any]) -> str:
 TENANT_ROWS = 10  # `batchgate stats` shows the busiest tenants; --json has them all
 
 
-def _tenant_rows(tenants: dict[str, dict[str, int]]) -> list[tuple[str, str]]:
+def _tenant_rows(tenants: dict[str, dict[str, Any]], fair: dict[str, Any],
+                 counters: dict[str, Any]) -> list[tuple[str, str]]:
     """One row per tenant (busiest first, as stats orders them), beyond TENANT_ROWS the
-    rest summed as "other"."""
+    rest summed as "other"; a backlogged tenant's share of the weighted service; Jain's
+    index over them in the heading."""
+    if counters and not counters.get("read", True):
+        return [("tenants", f"not read: {counters['fields']:,} counters, over the "
+                            f"{counters['read_cap']:,} read (docs/tenants.md)")]
     if not tenants:
         return []
-    rows = [("tenants", f"{len(tenants):,} (docs/tenants.md)")]
+    heading = f"{len(tenants):,}"
+    if fair.get("jain_index") is not None:
+        heading += (f", {fair['backlogged']:,} backlogged, Jain's index "
+                    f"{fair['jain_index']:.3f} (by {fair['unit']})")
+    rows = [("tenants", heading + " (docs/tenants.md)")]
     for name, t in top_tenants(tenants, TENANT_ROWS).items():
+        share = f", share {t['share']:.1%}" if t.get("share") is not None else ""
         rows.append((f"  {name[:LABEL - 3]}", f"waiting {t['waiting']:,}, in flight "
                      f"{t['in_flight']:,}, served {t['served']:,} (cost "
-                     f"{t['served_cost']:,}), rejected {t['rejected']:,}"))
+                     f"{t['served_cost']:,}), rejected {t['rejected']:,}{share}"))
     return rows
 
 
@@ -158,10 +168,13 @@ def stats_table(stats: dict[str, Any], now_s: float | None = None) -> list[str]:
         ("requeued", f"{stats['requeued']:,} (their batch's lease expired)"),
         ("retried", f"{stats.get('retried', 0):,} runs (the model raised a retry_on "
                     f"exception), {stats.get('retrying', 0):,} waiting to run again"),
+        ("preempted", f"{stats.get('preempted', 0):,} running requests given back for HIGH "
+                      f"work, {stats.get('preempted_steps', 0):,} decode steps to recompute"),
         ("dead letters", f"{stats['dead_letters']:,}"),
         ("batches", f"{stats['batches']:,}" + (f", mean size {mean:.1f} requests"
                                                if mean is not None else "")),
-        *_tenant_rows(stats.get("tenants") or {}),
+        *_tenant_rows(stats.get("tenants") or {}, stats.get("tenant_fairness") or {},
+                      stats.get("tenant_counters") or {}),
         None,
         _latency_rows(stats),
         None,

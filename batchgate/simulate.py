@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import re
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +23,11 @@ import orjson
 
 from batchgate.workload import MIX, PRIORITIES, Workload
 from scheduler_core.errors import InvalidRequest
+from scheduler_core.ops.continuous_sim import DEFAULT_STEP_OVERHEAD_MS, StepTime
 from scheduler_core.ops.options import POLICY_KNOBS
 from scheduler_core.ops.simulation import (  # noqa: F401 (the importable API, as before)
     AUTO_LEAD,
+    BATCHING,
     DEFAULT_FETCH,
     DEFAULT_FINISH,
     DEFAULT_OVERHEAD_MS,
@@ -223,6 +226,11 @@ def render(result: SimResult, config: SimConfig, workload: str) -> str:
             f"({p.cost_mode}), cost_buckets {p.cost_buckets or '-'}"
             if result.latency_by_cost else ""),
     ]
+    if config.batching == "continuous":
+        step = config.step or StepTime.from_model(config.cost)
+        prose.append(f"continuous batching: a step = {step}, overhead "
+                     f"{config.step_overhead_ms:g} ms per step; the batches below are steps, "
+                     "their size the sequences each ran")
     # The description wraps at 100 columns, as the tables below fit them.
     lines = [*(textwrap.fill(line, 100, subsequent_indent="  ") for line in prose),
         "",
@@ -329,6 +337,20 @@ def render(result: SimResult, config: SimConfig, workload: str) -> str:
                    "each request's result is seen later or earlier by one of their "
                    "differences from their mean, drawn with --seed: the path's spread, "
                    "which its constant terms leave out [default: none].")
+@click.option("--batching", type=click.Choice(["static", "continuous", "compare"]),
+              default="static", show_default=True,
+              help="static: a popped batch runs to its end; continuous: requests join and "
+                   "leave a running batch at every step (consumer --batching continuous); "
+                   "compare: both, side by side, naming the lower p99.")
+@click.option("--step-ms", default=None,
+              help="Continuous: a step's time for n running sequences, A+B*n ms, plus "
+                   "--prefill-ms per sequence joining [default: from --cost-ms: A+B*c gives "
+                   "B*n and a prefill of A; A+B*b gives A+B*n, no prefill].")
+@click.option("--prefill-ms", type=float, default=0.0, show_default=True,
+              help="Continuous, with --step-ms: ms per sequence joining a step.")
+@click.option("--step-overhead-ms", type=float, default=DEFAULT_STEP_OVERHEAD_MS,
+              show_default=True,
+              help="Continuous: the consumer loop's own time per step besides the model, ms.")
 @click.option("--seed", type=int, default=1, show_default=True,
               help="Random seed of the arrivals (that of python -m bench.run gives its requests).")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
@@ -343,7 +365,9 @@ def simulate_command(strategy: str | None, max_batch_size: int | None,
                      overhead_ms: float, fetch_ms: str, finish_ms: str,
                      lead_ms: float | None, transport_ms: float, react_ms: float,
                      cost_jitter: Path | None, path_samples: Path | None, seed: int,
-                     as_json: bool) -> None:
+                     as_json: bool, batching: str = "static", step_ms: str | None = None,
+                     prefill_ms: float = 0.0,
+                     step_overhead_ms: float = DEFAULT_STEP_OVERHEAD_MS) -> None:
     """Predict latency per priority, throughput, batch sizes and utilisation of a queue
     policy on a workload, by a discrete-event simulation of the scheduling rules (no
     Redis, no model: about a million requests in seconds)."""
@@ -361,7 +385,9 @@ def simulate_command(strategy: str | None, max_batch_size: int | None,
                        PathTime.parse(finish_ms, "finish_ms"), jitter, seed,
                        _parse_prefs(only_buckets, "only_buckets") if only_buckets else (),
                        AUTO_LEAD if lead_ms is None else lead_ms, react_ms,
-                       path_offsets(read_path_samples(path_samples)) if path_samples else ())
+                       path_offsets(read_path_samples(path_samples)) if path_samples else (),
+                       step=StepTime.parse(step_ms, prefill_ms) if step_ms else None,
+                       step_overhead_ms=step_overhead_ms)
     mix_of_costs = parse_cost_mix(cost_mix) if cost_mix is not None else None
     costs: list[int] | None = None
     if trace is not None:
@@ -376,8 +402,50 @@ def simulate_command(strategy: str | None, max_batch_size: int | None,
     if mix_of_costs is not None:
         costs = draw_costs(len(times), mix_of_costs, seed)
         workload += f", costs {cost_mix}"
+    if batching == "compare":
+        both = {mode: simulate(replace(config, batching=mode), times, prios, costs)
+                for mode in BATCHING}
+        better = lower_p99(both)
+        if as_json:
+            click.echo(orjson.dumps({**{m: r.to_dict() for m, r in both.items()},
+                                     "better": better}, option=orjson.OPT_INDENT_2).decode())
+        else:
+            click.echo(render_compare(both, config, workload, better))
+        return
+    config = replace(config, batching=batching)
     result = simulate(config, times, prios, costs)
     if as_json:
         click.echo(orjson.dumps(result.to_dict(), option=orjson.OPT_INDENT_2).decode())
     else:
         click.echo(render(result, config, workload))
+
+
+def lower_p99(results: dict[str, SimResult]) -> str:
+    """The mode whose p99 of all requests is lower (static on a tie)."""
+    return min(results, key=lambda m: (results[m].latency_ms["all"]["p99"] or 0.0,
+                                       m != "static"))
+
+
+def render_compare(results: dict[str, SimResult], config: SimConfig, workload: str,
+                   better: str) -> str:
+    """`--batching compare`: the two modes side by side on the same arrivals."""
+    step = config.step or StepTime.from_model(config.cost)
+    lines = [f"{workload}; {config.consumers} consumer(s), policy {config.policy.strategy}, "
+             f"max_batch_size {config.policy.max_batch_size}; static t(b) = {config.cost}; "
+             f"continuous step = {step}, overhead {config.step_overhead_ms:g} ms per step",
+             "",
+             f"{'':<22}{'static':>12}{'continuous':>12}",
+             f"{'throughput req/s':<22}" + "".join(
+                 f"{results[m].throughput_rps:>12,.1f}" for m in BATCHING)]
+    groups = [("all", results["static"].latency_ms["all"],
+               results["continuous"].latency_ms["all"])]
+    groups += [(f"cost {c}", results["static"].latency_by_cost.get(c, {}),
+                results["continuous"].latency_by_cost.get(c, {}))
+               for c in results["static"].latency_by_cost]
+    for name, a, b in groups:
+        for key in ("p50", "p99"):
+            cells = "".join(f"{'-' if x.get(key) is None else f'{x[key]:.2f}':>12}"
+                            for x in (a, b))
+            lines.append(f"{name + ' ' + key + ' ms':<22}{cells}")
+    lines += ["", f"better: {better} (lower p99 of all requests)"]
+    return "\n".join(lines)

@@ -17,6 +17,9 @@ a private redis-server. The configurations:
   continuous        --batching continuous, fifo, max_batch_size 8: requests join and
                     leave the running batch at every step
 
+Then, unless --no-crash, a continuous consumer SIGKILLed mid-generation with another
+taking over: each request answered once, with its solo output.
+
 Per configuration: the short and long requests' p50/p99 (from the scheduled arrival to
 the result at the producer), requests/s and generated tokens/s; then the issue's targets
 as PASS/MISS. --out gets results.json and results.md.
@@ -29,6 +32,7 @@ import contextlib
 import os
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -163,6 +167,48 @@ def high_first_token(url: str, preempt: bool, threads: int, log_dir: Path,
             "p99": _r(pct(ttft, 0.99)), "p50": _r(pct(ttft, 0.5))}
 
 
+def crash_rerun(url: str, threads: int, log_dir: Path, requests: int = 6) -> dict[str, Any]:
+    """A continuous consumer (4 slots) SIGKILLed three tokens into the first of
+    `requests` generations; another takes over: each request answered once (results
+    delivered per id, counted at the producer), its output equal to its solo output (the
+    same seeded generator in this process)."""
+    from batchgate.lengths import build_generator
+
+    queue = "continuous-crash"
+    model_args = [a for k, v in MODEL_ARGS.items() for a in ("--model-arg", f"{k}={v}")]
+    argv = [*batchgate_argv(), "--log-level", "WARNING", "consumer", "--redis-url", url,
+            "--queue", queue, "--model", "consumer.models:generator", *model_args,
+            "--model-arg", "stream=true", "--torch-threads", str(threads), "--device", "cpu",
+            "--batching", "continuous", "--strategy", "fifo", "--max-batch-size", "4",
+            "--lease-ms", "1000"]
+    payloads = [{"prompt": f"crash {i}", "max_new_tokens": 64 + 32 * i}
+                for i in range(requests)]
+    deliveries: Counter[str] = Counter()
+    procs = [ChildProcess(argv, log_dir / f"{queue}-{i}.log", b"ready on queue")
+             for i in range(2)]
+    try:
+        wait_all_ready(procs[:1], READY_TIMEOUT_S)
+        with Producer(url, queue, on_result=lambda r: deliveries.update([r.id])) \
+                .connect() as producer:
+            handles = producer.submit_many(payloads)
+            tokens = handles[0].stream(timeout=120)
+            for _ in range(3):
+                next(tokens)
+            procs[0].kill()
+            wait_all_ready(procs[1:], READY_TIMEOUT_S)
+            results = [_value(h, 120) for h in handles]
+            time.sleep(0.5)  # a second delivery would land by now
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.reap()
+    solo = build_generator(**MODEL_ARGS)
+    expected = [solo([payload])[0] for payload in payloads]
+    return {"requests": requests,
+            "answered_once": sum(deliveries[h.id] == 1 for h in handles),
+            "equal_to_solo": sum(r == e for r, e in zip(results, expected, strict=True))}
+
+
 def _value(handle: Any, timeout: float) -> Any:
     """The request's result, or "failed" / "unanswered"."""
     try:
@@ -177,18 +223,27 @@ def _r(value: float | None) -> float | None:
     return None if value is None else round(value, 1)
 
 
-def checks(results: dict[str, Any], solo_short_ms: float) -> list[dict[str, Any]]:
+def checks(results: dict[str, Any], solo_short_ms: float,
+           crash: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """The issue's targets: continuous short p99 <= 1/2 the best static one and within
-    2x a short request's own time alone; tokens/s >= 0.95x the best static."""
+    2x a short request's own time alone; tokens/s >= 0.95x the best static; after a
+    SIGKILL mid-generation every request answered once with its solo output."""
+    out = []
+    if crash is not None:
+        n = crash["requests"]
+        out.append({"check": "SIGKILL mid-generation: each request answered once, output "
+                             "equal to its solo output",
+                    "ok": crash["answered_once"] == crash["equal_to_solo"] == n,
+                    "value": f"{crash['answered_once']} of {n} once, "
+                             f"{crash['equal_to_solo']} of {n} equal"})
     cont = results.get("continuous")
     statics = {n: r for n, r in results.items() if n != "continuous"}
     if cont is None or not statics:
-        return []
+        return out
     short = {n: r["latency_ms"][str(SHORT)]["p99"] for n, r in results.items()}
     best = min((n for n in statics if short[n] is not None), key=lambda n: short[n],
                default=None)
     fastest = max(statics, key=lambda n: statics[n]["tokens_per_s"] or 0)
-    out = []
     if best is not None and short["continuous"] is not None:
         out.append({"check": f"continuous short p99 <= 1/2 of the best static ({best})",
                     "ok": short["continuous"] <= short[best] / 2,
@@ -246,6 +301,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--high-samples", type=int, default=5,
                         help="HIGH requests timed against full LOW slots, with and without "
                              "--preempt (0: skip)")
+    parser.add_argument("--crash", action=argparse.BooleanOptionalAction, default=True,
+                        help="a continuous consumer SIGKILLed mid-generation, another "
+                             "taking over: each request answered once, output equal to solo")
     parser.add_argument("--strict", action="store_true", help="exit 1 on any MISS")
     parser.add_argument("--out", type=Path, default=Path("bench/results/continuous"))
     args = parser.parse_args(argv)
@@ -268,13 +326,15 @@ def main(argv: list[str] | None = None) -> int:
                                        log_dir)
         high = [high_first_token(url, preempt, threads, log_dir, args.high_samples)
                 for preempt in (False, True)] if args.high_samples else []
+        crash = crash_rerun(url, threads, log_dir) if args.crash else None
     report = {"workload": {"rate": rate, "duration_s": args.duration_s, "load": round(load, 2),
                            "seed": args.seed, "requests": len(times),
                            "short": costs.count(SHORT), "long": costs.count(LONG),
                            "solo_short_ms": t1(prof, SHORT), "solo_long_ms": t1(prof, LONG)},
               "consumers": args.consumers, "torch_threads": threads, "model_args": MODEL_ARGS,
-              "profile": prof, "configs": results, "high": high, "host": host_load()}
-    report["checks"] = checks(results, t1(prof, SHORT))
+              "profile": prof, "configs": results, "high": high, "crash": crash,
+              "host": host_load()}
+    report["checks"] = checks(results, t1(prof, SHORT), crash)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
     text = render(report)

@@ -21,6 +21,7 @@ consumer finishes its batch.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import deque
@@ -53,6 +54,10 @@ from scheduler_core.wire import Outcome
 log = logging.getLogger("batchgate.consumer")
 
 LOW = 2  # a request popped at this level or below (3: delayed past its deadline) yields
+# After a pop between steps found nothing due, the next waits this long: a pop every step
+# (a millisecond or less) would cost the consumer and Redis about as much CPU as a small
+# model's steps; a request arriving meanwhile joins at most this much later.
+IDLE_POP_GAP_S = 0.002
 
 
 @dataclass(eq=False)
@@ -61,7 +66,9 @@ class Group:
     batch: Batch
     open: int  # members not yet answered
     writer: StreamWriter | None
-    started_s: float = field(default_factory=time.perf_counter)
+    joined: list[Item] = field(default_factory=list)  # members the model took (tracing)
+    first_step_ns: int = 0  # wall clock of its first member's first step (tracing)
+    failed: int = 0  # members answered with the model's error (tracing)
     answered: Answers = field(default_factory=dict)  # for the observer, once all are in
     unsent: Answers = field(default_factory=dict)  # answered, not yet written
     ran: int = 0  # members the model ran
@@ -98,6 +105,8 @@ class ContinuousLoop:
         self.running: dict[Any, Member] = {}  # handle -> member
         self.step_marker: Batch | None = None  # what the lease thread's hang clock watches
         self.steps = 0
+        self.pending: tuple[SentScript, float] | None = None  # the pop sent between steps
+        self.quiet_until = 0.0  # monotonic time before which no pop is sent between steps
         self.preempted = 0  # sequences given back to the queue for HIGH work
         self.wasted_steps = 0  # the steps those had run (recomputed later)
 
@@ -116,42 +125,64 @@ class ContinuousLoop:
         w = self.worker
         backoff = Backoff(outage=w.outage)
         upcoming: Next = POP_NOW  # what the last pop (or idle wait) said
+        # The pop between steps: sent before a step, read once its reply is in (after
+        # that step, or a later one): Redis pops while the model runs, and no step waits
+        # for it. Read before anything else waits (nothing running, a stop).
         # A batch popped before a stop arrived is run, not stranded until its lease lapses.
         while not w.stopping.is_set() or self.running or self.waiting \
-                or isinstance(upcoming, Batch):
+                or isinstance(upcoming, Batch) or self.pending is not None:
             try:
                 w._sweep_if_due()
+                if self.pending is not None and (not self.running or self.pending[0].ready()):
+                    upcoming = self._read_pending()
                 if isinstance(upcoming, Batch):  # popped by the idle wait
                     self._join(upcoming)
                     upcoming = POP_NOW
                 elif not self.running and self._may_pop() and isinstance(upcoming, PopNow):
                     upcoming = self._joined(w._pop())
                 self._admit()
-                if self.running and w.config.preempt:
-                    self._preempt()
+                if self.running and w.config.preempt and self._preempt():
+                    # The HIGH work is popped now and joins this very step.
+                    if self.pending is not None:
+                        upcoming = self._read_pending()
+                    if self._may_pop():
+                        upcoming = self._joined(w._pop())
+                    self._admit()
                 if self.running:
-                    # The pop between steps is sent before the step and read after it:
-                    # Redis pops while the model runs, and the step never waits for it.
-                    sent = (SentScript(w.redis, *w._pop_call()), time.monotonic()) \
-                        if self._may_pop() else None
-                    try:
-                        self._step()
-                    finally:
-                        if sent is not None:
-                            upcoming = self._joined(w._parse(sent[0].reply()), sent[1])
+                    if self._may_pop_between_steps():
+                        self.pending = (SentScript(w.redis, *w._pop_call()), time.monotonic())
+                    self._step()
                 elif not self.waiting and not w.stopping.is_set() \
                         and isinstance(upcoming, Idle):
                     upcoming = w._idle(upcoming)  # blocks until work may be due, then pops
                 backoff.succeeded()
             except redis.RedisError as exc:
                 upcoming = POP_NOW
+                # Its batch, if Redis popped one, is run; lost with the connection, it is
+                # re-queued when its lease lapses.
+                with contextlib.suppress(redis.RedisError):
+                    if self.pending is not None:
+                        upcoming = self._read_pending()
                 backoff.sleep_after(exc)
 
+    def _read_pending(self) -> Next:
+        """The reply of the pop sent between steps; its batch joins."""
+        sent, sent_s = self.pending
+        self.pending = None
+        step = self._joined(self.worker._parse(sent.reply()), sent_s)
+        if isinstance(step, Idle):
+            self.quiet_until = time.monotonic() + IDLE_POP_GAP_S
+        return step
+
     def _may_pop(self) -> bool:
-        """A free slot, nobody popped waiting here for one, no stop asked, and no request
-        running alone."""
+        """A free slot, nobody popped waiting here for one, no pop in flight, no stop
+        asked, and no request running alone."""
         return not self.worker.stopping.is_set() and not self.waiting and self._free() > 0 \
-            and not self._alone()
+            and self.pending is None and not self._alone()
+
+    def _may_pop_between_steps(self) -> bool:
+        """_may_pop, and the last pop between steps found work, or was IDLE_POP_GAP_S ago."""
+        return self._may_pop() and self.quiet_until <= time.monotonic()
 
     def _alone(self) -> bool:
         """A request delivered before (its consumer crashed or hung: it may be the cause)
@@ -222,18 +253,25 @@ class ContinuousLoop:
                     type(exc).__name__, describe_error(exc))))
                 continue
             self.running[member.handle] = member
+            group.joined.append(item)
             cost += item.cost
         self._flush()
 
     def _step(self) -> None:
         w = self.worker
         self.step_marker = Batch("step", 0, [])  # a fresh one: the hang clock restarts
+        size, started = len(self.running), time.perf_counter()
+        if w.tracer is not None:
+            now_ns = time.time_ns()
+            for member in self.running.values():
+                member.group.first_step_ns = member.group.first_step_ns or now_ns
         try:
             steps = checked_steps(self.model.step())
         except Exception as exc:  # every running sequence fails; the loop goes on
             message = describe_error(exc)
             log.warning("model step raised: %s: %s", type(exc).__name__, message)
             for handle, member in list(self.running.items()):
+                member.group.failed += 1
                 self._drop(handle)
                 self._answer(member.group, member.item.id, w._encode(
                     member.item.id, False, (type(exc).__name__, message)))
@@ -242,6 +280,11 @@ class ContinuousLoop:
         finally:
             self.step_marker = None
         self.steps += 1
+        # A step is the model's call here: its size and time are what the consumer's
+        # batch size and model time histograms show (a popped group's lifetime is not).
+        on_step = getattr(w.observer, "on_step", None)
+        if on_step is not None:
+            on_step(size, int((time.perf_counter() - started) * 1e6))
         parts: dict[Group, dict[int, Any]] = {}
         for handle, part, result in steps:
             member = self.running.get(handle)
@@ -262,20 +305,22 @@ class ContinuousLoop:
                 self._lose(group)
         self._flush()
 
-    def _preempt(self) -> None:
+    def _preempt(self) -> bool:
         """--preempt: HIGH requests wait and every slot runs: give running LOW sequences
         (the latest admitted first: the least work lost) back to the queue, one per HIGH
         request waiting; they keep their arrival time and are recomputed later, and their
-        streams get a restart marker. The HIGH ones are popped at the next step."""
+        streams get a restart marker. Whether any was given back (the caller pops the
+        HIGH work at once)."""
         w = self.worker
         if self._free() > 0 or self.waiting:
-            return
+            return False
         low = [m for m in self.running.values() if m.item.level >= LOW]
         if not low:
-            return
+            return False
         high = int(w.redis.zcard(w.keys.pending(0)))
         if not high:
-            return
+            return False
+        given = False
         self._flush()  # answers first: the give-back may close their batch
         victims: dict[Group, list[Member]] = {}
         for member in low[-high:]:
@@ -286,8 +331,8 @@ class ContinuousLoop:
             if group.writer is not None:
                 group.writer.restart([m.item for m in members])
             ids = [m.item.id for m in members]
-            reply = w.scripts.preempt(keys=preempt_keys(w.keys),
-                                      args=[group.batch.id, len(ids), *ids])
+            reply = w.scripts.preempt(keys=preempt_keys(w.keys), args=[
+                group.batch.id, len(ids), *ids, *(m.steps for m in members)])
             if int(reply[0]) == -1:
                 self._lose(group)
                 continue
@@ -295,11 +340,13 @@ class ContinuousLoop:
                 self._drop(m.handle)
                 self.wasted_steps += m.steps
             self.preempted += len(members)
+            given = True
             group.open -= len(members)
             log.info("batch %s: %d LOW sequences given back to the queue for HIGH work",
                      group.batch.id, len(members))
             if group.open == 0:
                 self._close(group)
+        return given
 
     # -- answers ----------------------------------------------------------------------
     def _answer(self, group: Group, request_id: str, answer: tuple[Outcome, bytes]) -> None:
@@ -322,11 +369,25 @@ class ContinuousLoop:
 
     def _close(self, group: Group) -> None:
         del self.groups[group.batch.id]
-        observer = self.worker.observer
-        if observer is not None:
-            observer.on_batch(group.batch, group.ran,
-                              int((time.perf_counter() - group.started_s) * 1e6),
-                              group.answered)
+        w = self.worker
+        if w.observer is not None:  # waits and outcomes; the steps were observed each
+            w.observer.on_batch(group.batch, 0, 0, group.answered)
+        if w.tracer is not None and group.first_step_ns:
+            self._trace(group)
+
+    def _trace(self, group: Group) -> None:
+        """The group's spans, as a static batch's (consumer/tracing.py): each traced
+        request's queue wait; the batch span from the pop to its last answer; the model
+        span from its first step to its last answer, the steps shared with the running
+        batch."""
+        w = self.worker
+        try:
+            span = w.tracer.model_ran(group.batch, group.joined,
+                                      w.policy.strategy.value if w.policy else "",
+                                      group.first_step_ns, time.time_ns(), group.failed)
+            w.tracer.completed(span)
+        except Exception:  # tracing must never stop the consumer
+            log.exception("tracing failed")
 
     def _lose(self, group: Group) -> None:
         """The group's lease lapsed (another consumer re-runs it): stop its sequences."""

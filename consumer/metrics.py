@@ -24,8 +24,10 @@ it ran), dead_letter or retry (the model raised a retry_on exception: it runs ag
 delay in use is the max_queue_delay_ms this consumer passes to pop_batch (under
 max_queue_delay_ms=auto the one it derived last, else the stored one); the arrival rate
 (requests/s) is the one it derived it from (0 under a fixed delay).
-Under `--batching continuous --preempt`: the running sequences this consumer gave back to
-the queue for HIGH work, and the decode steps they had run (thrown away: recomputed later).
+Under `--batching continuous` the model's call is a step: batch size counts the sequences
+a step advanced and model time is the step's; with `--preempt`, the running sequences this
+consumer gave back to the queue for HIGH work, and the decode steps they had run (thrown
+away: recomputed later).
 """
 
 from __future__ import annotations
@@ -129,6 +131,14 @@ class ConsumerMetrics:
         # Labelled by the outcome's name, each exported at 0 from the start.
         self._answered = {outcome: self.outcomes.labels(queue, outcome.name.lower())
                           for outcome in Outcome if outcome is not Outcome.RUN}
+
+    def on_step(self, size: int, model_us: int) -> None:
+        """A continuous consumer's step (consumer/continuous.py): the model's call there."""
+        try:
+            self.size.labels(self.queue).observe(size)
+            self.model.labels(self.queue).observe(model_us / 1e6)
+        except Exception:  # metrics must never stop the consumer
+            log.exception("metrics observer failed")
 
     def on_batch(self, batch: Batch, ran: int, model_us: int, outcomes: Answers) -> None:
         try:

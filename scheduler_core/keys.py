@@ -69,7 +69,8 @@ then the script's per-call keys (result:<id>, inbox:<producer>, idem:<key>).
 | `{bg:q}:vtc:<0|1|2>`       | zset   | the tenants with requests waiting at the level -> their   |
 |                             |        | virtual counter (weighted service at that level); a      |
 |                             |        | tenant leaves it with its last request there              |
-| `{bg:q}:fair:who`          | hash   | id -> tenant of each request in a fair set                |
+| `{bg:q}:fair:who`          | hash   | id -> tenant of each request in a fair set; `<L>|<tenant>` |
+|                             |        | -> that tenant's first requests at L (a pop's head cache) |
 | `{bg:q}:consumer:<name>`    | hash   | a consumer's host, pid, device, batches, current batch;   |
 |                             |        | written with each heartbeat, expires 30 s after the last  |
 | `{bg:q}:failures`           | list   | newest 100 failed requests (orjson), by the lease thread  |

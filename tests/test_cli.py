@@ -209,7 +209,8 @@ STATS_JSON_FIELDS = {  # `stats --json` is for scripts: these stay as they are
     "dead_letters", "batches", "mean_batch_size", "queue_wait_ms", "end_to_end_ms",
     "model_ms", "delayed", "past_deadline", "arrival_rate_rps", "max_queue_delay_ms_in_use",
     "arrival_window_s", "slo_p99_ms", "cost_model", "recommended_consumers", "retried",
-    "retrying", "tenants"}
+    "retrying", "tenants", "preempted", "preempted_steps", "tenant_fairness",
+    "tenant_counters"}
 
 
 def test_stats_prints_an_aligned_table_with_units(shared_redis, queue, start_consumer):

@@ -66,8 +66,38 @@ def fair_case(rng: random.Random, t0: int) -> tuple[Case, Fair]:
     return Case(policy, levels, stored, case.prefer, case.delay_ms), fair
 
 
-def write_state(pipe, keys: QueueKeys, case: Case, fair: Fair) -> None:
-    """The keys as enqueue.lua and the fair index leave them."""
+def head_cache(requests: list[Request], complete: bool) -> str:
+    """lua/_fair.lua's head cache of a tenant's first requests at a level, oldest first."""
+    return ("=" if complete else "+") + "c" + "".join(
+        f"{r.arrival_us:017d}|{r.cost}|{r.id}," for r in requests)
+
+
+def split_who(who: dict[str, str], members: list[list[str]], cost_of: dict[str, int]
+              ) -> dict[str, str]:
+    """fair:who's id -> tenant fields; checks that each head cache in it (field
+    "<level>|<tenant>") lists the first of that tenant's members at the level (`members`:
+    each level's set, in its order), all of them where it says so, with their units."""
+    ids = {k: v for k, v in who.items() if "|" not in k}
+    for field, value in who.items():
+        if "|" not in field:
+            continue
+        level, tenant = field.split("|", 1)
+        mine = [m.split("|") for m in members[int(level)] if m.split("|")[0] == tenant]
+        flag, letter, entries = value[0], value[1], value[2:].split(",")
+        assert entries.pop() == "" and mine and flag in "=+" and letter == "c", (field, value)
+        assert len(entries) <= len(mine) and (flag == "+" or len(entries) == len(mine)), \
+            (field, value, mine)
+        for entry, (_, arrival, rid) in zip(entries, mine, strict=False):
+            a, unit, i = entry.split("|")
+            assert (a, i) == (arrival, rid), (field, value, mine)
+            assert int(unit) == cost_of.get(rid, 1), (field, value)
+    return ids
+
+
+def write_state(pipe, keys: QueueKeys, case: Case, fair: Fair,
+                rng: random.Random | None = None) -> None:
+    """The keys as enqueue.lua and the fair index leave them (with `rng`, a head cache
+    for some of the tenants, as pops leave them)."""
     pipe.hset(keys.policy, mapping=case.stored.to_redis())
     for level, requests in enumerate(case.levels):
         if not requests:
@@ -90,6 +120,15 @@ def write_state(pipe, keys: QueueKeys, case: Case, fair: Fair) -> None:
                                              for r in requests})
             pipe.hset(keys.fair_who, mapping={r.id: r.tenant for r in requests})
             pipe.zadd(keys.fair_counters(level), fair.counters[level])
+            for tenant in sorted({r.tenant for r in requests}):
+                if rng is None or rng.random() < 0.5:
+                    continue
+                mine = sorted((r for r in requests if r.tenant == tenant),
+                              key=lambda r: (r.arrival_us, r.id))
+                k = rng.randint(1, len(mine))
+                complete = k == len(mine) and rng.random() < 0.7
+                pipe.hset(keys.fair_who, f"{level}|{tenant}",
+                          head_cache(mine[:k], complete))
     flying = {f"f:{t}": n for t, n in fair.in_flight.items() if n}
     if flying:
         pipe.hset(keys.tenants, mapping=flying)
@@ -109,7 +148,7 @@ def test_pop_batch_and_decide_share_a_level_fairly_alike(shared_redis):
         case, fair = fair_case(rng, t0)
         keys = QueueKeys(f"fair-{uuid.uuid4().hex[:12]}")
         pipe = client.pipeline(transaction=False)
-        write_state(pipe, keys, case, fair)
+        write_state(pipe, keys, case, fair, rng)
         optional = [case.prefer] if case.prefer or case.delay_ms is not None else []
         if case.delay_ms is not None:
             optional.append(case.delay_ms)
@@ -125,8 +164,11 @@ def test_pop_batch_and_decide_share_a_level_fairly_alike(shared_redis):
         reply, now = replies[-10], int(replies[-9])
         counters_after = [{k.decode(): v for k, v in replies[-8 + 2 * level]}
                           for level in range(3)]
-        sets_after = [{m.decode() for m in replies[-7 + 2 * level]} for level in range(3)]
-        who_after = {k.decode(): v.decode() for k, v in replies[-2].items()}
+        members_after = [[m.decode() for m in replies[-7 + 2 * level]] for level in range(3)]
+        sets_after = [set(level) for level in members_after]
+        cost_of = {r.id: r.cost for level in case.levels for r in level}
+        who_after = split_who({k.decode(): v.decode() for k, v in replies[-2].items()},
+                              members_after, cost_of)
         expected = decide(case.levels, now, case.policy, prefer_bucket=max(case.prefer, 0),
                           only_bucket=max(-case.prefer, 0), fair=fair)
         where = f"case {i}: {case.policy} prefer {case.prefer} levels {case.levels} " \
@@ -320,7 +362,11 @@ def test_every_path_keeps_the_fair_index_exact(shared_redis, queue):
                 t.decode() for t in client.zrange(keys.fair_counters(level), 0, -1)}
         listed = {i.decode() for level in range(3) for i in client.zrange(keys.pending(level),
                                                                            0, -1)}
-        assert {i.decode() for i in client.hkeys(keys.fair_who)} == listed
+        who = {k.decode(): v.decode() for k, v in client.hgetall(keys.fair_who).items()}
+        members = [[m.decode() for m in client.zrange(keys.fair_set(level), 0, -1)]
+                   for level in range(3)]
+        cost_of = {k.decode(): int(v.split(b":")[0]) for k, v in client.hgetall(keys.costs).items()}
+        assert set(split_who(who, members, cost_of)) == listed
 
     with Producer(shared_redis.url, queue=queue) as p:
         a = _enqueue(p, "a", 4, "low", cost=3)
@@ -375,3 +421,109 @@ def test_the_simulator_shares_a_level_as_the_script_does():
         result = simulate(config, times, prios, costs, tenants)
         p99[fairness] = result.latency_by_cost[2]["p99"]
     assert p99["none"] > 200 and p99["requests"] < 30, p99
+
+
+def _index_exact(client, keys: QueueKeys, all_listed: bool) -> None:
+    """The fair index against the levels, read in one transaction (the producer's sweeper
+    expires requests meanwhile): each level's set lists waiting requests only (all of them
+    where `all_listed`), its counters hold exactly the tenants listed there, who maps each
+    listed id to its tenant and each head cache is exact (split_who)."""
+    pipe = client.pipeline(transaction=True)
+    for level in range(3):
+        pipe.zrange(keys.fair_set(level), 0, -1)
+        pipe.zrange(keys.pending(level), 0, -1)
+        pipe.zrange(keys.fair_counters(level), 0, -1)
+    pipe.hgetall(keys.fair_who)
+    pipe.hgetall(keys.costs)
+    got = pipe.execute()
+    members = [[m.decode() for m in got[3 * level]] for level in range(3)]
+    for level in range(3):
+        ids = {i.decode() for i in got[3 * level + 1]}
+        listed = {m.split("|")[2] for m in members[level]}
+        assert listed == ids if all_listed else listed <= ids, (level, listed ^ ids)
+        assert {m.split("|")[0] for m in members[level]} == {
+            t.decode() for t in got[3 * level + 2]}, level
+    who = {k.decode(): v.decode() for k, v in got[9].items()}
+    cost_of = {k.decode(): int(v.split(b":")[0]) for k, v in got[10].items() if b":" in v}
+    ids = split_who(who, members, cost_of)
+    expected = {m.split("|")[2]: m.split("|")[0] for level in members for m in level}
+    assert ids == expected, sorted(set(ids.items()) ^ set(expected.items()))
+
+
+def test_random_operations_keep_the_fair_index_and_its_head_caches_exact(shared_redis, queue):
+    """Enqueue (several tenants, levels, costs), cancel, pop, complete, a lapsed lease
+    re-queued, preemption, deadline expiry, aging and fairness switched between requests,
+    cost and none, in random order: after every step the index lists what waits, and the
+    head caches a pop keeps are exact prefixes of their tenant's requests; no request ends
+    twice."""
+    from scheduler_core.admin import change_policy
+
+    client, scripts, keys = _queue_with(shared_redis, queue, strategy="priority",
+                                        max_batch_size=4, fairness="cost", aging_ms=150,
+                                        max_queue_delay_ms=0)
+    rng = random.Random(3535)
+    tenants = ("a", "b", "c:x", "d.e", "f-g", None)
+    handles: list = []
+    mode, all_listed, steps, history = "cost", True, {}, []
+    ended: set[str] = set()
+    with Producer(shared_redis.url, queue=queue) as p:
+        for _ in range(400):
+            op = rng.choices(("submit", "cancel", "pop", "complete", "lapse", "preempt",
+                              "expire", "switch"), (6, 2, 5, 3, 1, 1, 1, 1))[0]
+            steps[op] = steps.get(op, 0) + 1
+            history.append(op)
+            inflight = [b.decode() for b in client.zrange(keys.inflight, 0, -1)]
+            if op == "submit":
+                tenant = rng.choice(tenants)
+                kw = {"tenant": tenant} if tenant else {}
+                if rng.random() < 0.2:
+                    kw["deadline_ms"] = rng.choice((5, 60_000))
+                new = p.submit_many([{"k": 1}] * rng.randint(1, 5), cost=rng.choice(
+                    (1, 3, 16)), priority=rng.choice(("high", "normal", "low")), **kw)
+                handles += new
+                history.append(f"{[h.id[:6] for h in new]} {kw}")
+            elif op == "cancel" and handles:
+                h = rng.choice(handles)
+                history.append(f"cancel {h.id[:6]}")
+                if h.cancel() == "cancelled":
+                    assert h.id not in ended
+                    ended.add(h.id)
+            elif op == "pop":
+                reply = scripts.pop_batch(keys=pop_keys(keys), args=["c1", 60_000])
+                if int(reply[0]) == -4:
+                    scripts.expire_due(keys=list(keys.shared), args=["list", 100])
+            elif op == "complete" and inflight:
+                batch = rng.choice(inflight)
+                ids = [rid for rid in client.hget(keys.batches, batch).decode().split(
+                    "|", 1)[1].split(",") if client.hget(keys.owner, rid) == batch.encode()]
+                args = [batch, 60, len(ids)]
+                for rid in ids:
+                    args += [rid, "ok", b'{"v":1,"id":"x","ok":true,"value":1}']
+                scripts.complete(keys=complete_keys(keys, [(rid, "p") for rid in ids]),
+                                 args=args)
+                assert not ended & set(ids)
+                ended |= set(ids)
+            elif op == "lapse" and inflight:
+                client.zadd(keys.inflight, {rng.choice(inflight): 0})
+                scripts.requeue_expired(keys=requeue_keys(keys), args=[10])
+            elif op == "preempt" and inflight:
+                batch = rng.choice(inflight)
+                ids = client.hget(keys.batches, batch).decode().split("|", 1)[1].split(",")
+                scripts.preempt(keys=list(keys.shared), args=[batch, 1, rng.choice(ids)])
+            elif op == "expire":
+                time.sleep(0.01)
+                scripts.expire_due(keys=list(keys.shared), args=["list", 100])
+            elif op == "switch":
+                mode = rng.choice(("requests", "cost", "none"))
+                change_policy(client, queue, {"fairness": mode})
+                all_listed = all_listed and mode != "none" or not any(
+                    client.zcard(keys.pending(level)) for level in range(3))
+            if mode != "none":
+                try:
+                    _index_exact(client, keys, all_listed)
+                except AssertionError as exc:
+                    raise AssertionError(f"after {history[-12:]} under {mode}") from exc
+            else:
+                assert not client.exists(keys.fair_who, *(keys.fair_set(i) for i in range(3)))
+    print(steps)
+    assert min(steps.values()) >= 5, steps

@@ -99,9 +99,10 @@ def test_round_trip_never_imports_pickle_nor_calls_marshal(shared_redis, queue):
 # queue hash tags, no pub/sub channels.
 ACL_COMMANDS = " ".join([
     "ping time multi exec evalsha eval script|load script|exists",
-    "get set del exists incr expire",
+    "get set del unlink exists incr expire",
     "hget hset hdel hexists hmget hgetall hincrby hlen hkeys hscan object|encoding",
-    "zadd zrem zrange zrangebyscore zremrangebyscore zcard zcount zscore zmscore bzpopmin",
+    "zadd zrem zrange zrangebyscore zrangebylex zremrangebyscore zcard zcount zscore zmscore",
+    "bzpopmin",
     "rpush lpush ltrim lrange llen blmpop",
     "xadd xread",
 ]).split(" ")

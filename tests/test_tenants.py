@@ -241,38 +241,6 @@ def test_gateway_takes_a_tenant_from_the_body_or_x_tenant_and_answers_429(shared
         factory.close()
 
 
-def test_stats_and_the_exporter_show_tenants_with_bounded_labels(shared_redis, queue):
-    pytest.importorskip("prometheus_client")
-    from batchgate.exporter import EXPORTED_TENANTS, Families
-    from batchgate.present import stats_table
-    from scheduler_core.ops.reading import read_queue
-    from scheduler_core.ops.stats import queue_stats
-    configure(shared_redis.url, queue, strategy="fifo", tenant_quotas="t00:max_waiting=1")
-    n = EXPORTED_TENANTS + 5
-    with Producer(shared_redis.url, queue=queue) as p:
-        for i in range(n):
-            p.submit_many(list(range(i + 1)), tenant=f"t{i:02d}")
-        p.submit_many([0, 1, 2])  # the default tenant
-        with pytest.raises(TenantLimit):
-            p.submit(0, tenant="t00")
-    tenants = queue_stats(shared_redis.client(), queue).tenants
-    assert len(tenants) == n + 1
-    assert list(tenants)[0] == f"t{n - 1:02d}"  # the busiest first
-    assert tenants["default"]["waiting"] == 3
-    assert tenants["t00"] == {"waiting": 1, "in_flight": 0, "accepted": 1, "served": 0,
-                              "served_cost": 0, "rejected": 1}
-    table = "\n".join(stats_table({**queue_stats(shared_redis.client(), queue).to_dict(),
-                                   "recommended_consumers": None}))
-    assert f"tenants          {n + 1}" in table and "  other" in table
-    families = Families()
-    families.add(queue, read_queue(shared_redis.client(), queue))
-    waiting = {s.labels["tenant"]: s.value for s in families.tenants["waiting"].samples}
-    assert len(waiting) == EXPORTED_TENANTS + 1  # bounded: the top N and "other"
-    assert waiting["other"] == sum(tenants[name]["waiting"] for name in tenants
-                                   if name not in waiting)
-    assert sum(waiting.values()) == sum(t["waiting"] for t in tenants.values())
-
-
 def test_coalesced_submissions_of_several_tenants_are_refused_one_by_one(shared_redis,
                                                                            queue):
     """Concurrent submits share one enqueue call; a refusal there is sent again per

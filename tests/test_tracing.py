@@ -130,6 +130,41 @@ def test_consumer_spans_in_process(shared_redis, queue):
     assert batch.start_time <= model.start_time <= model.end_time <= batch.end_time
 
 
+def test_continuous_consumer_spans(shared_redis, queue):
+    """--batching continuous: a popped batch's spans are a static batch's; its model span
+    runs from its members' first step to their last (steps shared with the running
+    batch)."""
+    from helpers.step_models import Counter
+
+    tracer, spans = in_memory()
+    producer_tracer, _ = in_memory()
+    with Producer(shared_redis.url, queue) as producer:
+        with producer_tracer.start_as_current_span("a") as span_a:
+            first = producer.submit({"i": 1, "n": 3})
+        second = producer.submit({"i": 2, "n": 5})
+        with Consumer(Counter(sleep_ms=5), redis_url=shared_redis.url, queue=queue,
+                      batching="continuous", strategy="fifo", max_batch_size=4,
+                      tracer=tracer):
+            assert first.result(timeout=30) == {"i": 1, "steps": 3}
+            assert second.result(timeout=30) == {"i": 2, "steps": 5}
+
+    finished = {s.name: [] for s in spans.get_finished_spans()}
+    for s in spans.get_finished_spans():
+        finished[s.name].append(s)
+    (batch,) = finished["batchgate batch"]  # both popped at once
+    assert batch.attributes["batchgate.batch.size"] == 2
+    assert {link.context.span_id for link in batch.links} == \
+        {span_a.get_span_context().span_id}
+    (wait,) = finished["batchgate queue wait"]
+    assert wait.parent.span_id == span_a.get_span_context().span_id
+    (model,) = finished["batchgate model"]
+    assert model.parent.span_id == batch.context.span_id
+    assert model.attributes["batchgate.batch.size"] == 2
+    assert model.attributes["batchgate.failed"] == 0
+    assert model.end_time - model.start_time >= 5 * 5e6  # five steps of 5 ms
+    assert batch.start_time <= model.start_time <= model.end_time <= batch.end_time
+
+
 def console_spans(output: str) -> list[dict[str, Any]]:
     return [orjson.loads(line) for line in output.splitlines() if line.startswith('{"name"')]
 

@@ -34,8 +34,9 @@ local function tenant_get(key, field)
   return type(value) == 'string' and value or nil
 end
 
--- Per-tenant counter changes, gathered over a call and written with one HINCRBY each:
--- add_tenant(t, field, delta) counts, flush(key) writes.
+-- Per-tenant counter changes, gathered over a call and written at once (a read, a write
+-- and a delete, however many tenants: a batch may hold dozens): add_tenant(t, field,
+-- delta) counts, flush(key) writes.
 local function tenant_tally()
   local deltas, order = {}, {}
   local tally = {}
@@ -45,14 +46,33 @@ local function tenant_tally()
     deltas[name] = (deltas[name] or 0) + delta
   end
   function tally.flush(key)
+    local names = {}
     for _, name in ipairs(order) do
-      -- A gauge (w:, f:) at 0 is removed: a tenant gone idle leaves only its totals.
-      local now = deltas[name] ~= 0 and redis.pcall('HINCRBY', key, name, deltas[name])
-      if type(now) == 'table' then  -- not an integer (by hand): start again from 0
-        now = redis.pcall('HSET', key, name, deltas[name]) and deltas[name]
-      end
-      if now == 0 and string.find(name, '^[wf]:') then redis.pcall('HDEL', key, name) end
+      if deltas[name] ~= 0 then names[#names + 1] = name end
     end
+    if #names == 0 then return end
+    local now = redis.pcall('HMGET', key, unpack(names))
+    if now.err then return end  -- not a hash (by hand): left alone
+    local set, gone = {}, {}
+    for i, name in ipairs(names) do
+      local kept, n = now[i], deltas[name]
+      -- Not an integer (by hand): start again from 0. Past 2^53 a Lua number is not exact:
+      -- Redis adds.
+      if kept and #kept > 15 and string.find(kept, '^%-?%d+$') then
+        redis.pcall('HINCRBY', key, name, n)
+      else
+        if kept and string.find(kept, '^%-?%d+$') then n = n + tonumber(kept) end
+        -- A gauge (w:, f:) at 0 is removed: a tenant gone idle leaves only its totals.
+        if n == 0 and string.find(name, '^[wf]:') then
+          gone[#gone + 1] = name
+        else
+          set[#set + 1] = name
+          set[#set + 1] = string.format('%d', n)
+        end
+      end
+    end
+    if #set > 0 then redis.pcall('HSET', key, unpack(set)) end
+    if #gone > 0 then redis.pcall('HDEL', key, unpack(gone)) end
   end
   return tally
 end

@@ -16,7 +16,7 @@ KEYS[5]  {bg:q}:jobs        hash  id -> "<meta>|<envelope>" (read only)
 KEYS[6]  {bg:q}:costs       hash  id -> "<cost>:<bucket>:<prio>": a returned request's entry
 KEYS[7]  {bg:q}:clock       string last arrival score issued (the queue's clock: queue_now)
 KEYS[8]  {bg:q}:marker      zset  wake-up marker
-KEYS[9]  {bg:q}:stats       hash  counters (preempted); the queue's clock
+KEYS[9]  {bg:q}:stats       hash  counters (preempted, preempted_steps); the queue's clock
 KEYS[10] {bg:q}:inflight    zset  batch id -> lease deadline (µs)
 KEYS[11] {bg:q}:owner       hash  id -> batch id
 KEYS[12] {bg:q}:batches     hash  batch id -> "consumer|ids"
@@ -32,6 +32,8 @@ KEYS[43] {bg:q}:fair:who    hash  id -> tenant of each request in the fair sets
 ARGV[1]  batch id (the fencing token returned by pop_batch)
 ARGV[2]  n, number of request ids (1..the largest max_batch_size of the policy LIMITS)
 ARGV[3..2+n] the request ids to give back
+ARGV[3+n..2+2n] the decode steps each of them had run (0..10^12): wasted, counted in
+         preempted_steps for those given back
 
 Returns  {given_back, remaining}: requests returned to the queue (an id not, or no longer,
          in this batch is skipped); requests of the batch still open. The batch leaves
@@ -69,7 +71,12 @@ local fair_who = KEYS[43]
 local batch_id = ARGV[1]
 local _, most = policy_range('max_batch_size')
 local n = int_arg(ARGV[2], 1, most)
-if not n or #ARGV ~= 2 + n then return {-3, 'n'} end
+if not n or #ARGV ~= 2 + 2 * n then return {-3, 'n'} end
+local steps = {}
+for i = 1, n do
+  steps[i] = int_arg(ARGV[2 + n + i], 0, 1000000000000)
+  if not steps[i] then return {-3, 'steps'} end
+end
 if not redis.call('ZSCORE', inflight, batch_id) then return {-1} end
 
 local pending = {pending_high, pending_normal, pending_low}
@@ -77,6 +84,7 @@ local now = queue_now(clock, stats)
 local bounds = stored_bounds(policy)
 local fair = fair_open(policy, fair_sets, fair_counters, fair_who)
 local given = 0
+local wasted = 0
 local tally = tenant_tally()
 for i = 3, 2 + n do
   local id = ARGV[i]
@@ -91,6 +99,7 @@ for i = 3, 2 + n do
     return_to_waiting(pending, costs, deadlines, bucket_sets, bounds, id, m, now, fair)
     redis.call('HDEL', owner, id)
     given = given + 1
+    wasted = wasted + steps[i - 2]
   end
 end
 local remaining = 0
@@ -104,6 +113,7 @@ if remaining == 0 then release_batch(inflight, batches, batch_id) end
 tally.flush(tenants)
 if given > 0 then
   redis.call('HINCRBY', stats, 'preempted', given)
+  if wasted > 0 then redis.call('HINCRBY', stats, 'preempted_steps', wasted) end
   wake_consumers(marker)
   wake_buckets(bucket_markers, bucket_count(bounds))
 end

@@ -1,6 +1,8 @@
 """The planner: which policy and how many consumers meet a latency target (P99) at a load.
 
-`batchgate plan` searches strategy × max_batch_size × max_queue_delay_ms × consumers;
+`batchgate plan` searches strategy × max_batch_size × max_queue_delay_ms × consumers
+(for `--batching continuous` consumers, strategy × max_batch_size × consumers; with
+`compare`, both, naming the better: `better`);
 `recommended_consumers` (stats, the exporter) asks only how many consumers the
 queue's current policy needs. Both answer with the simulator (scheduler_core.ops.simulation)
 on a short Poisson workload, the same for every candidate (common random numbers, so
@@ -28,7 +30,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from scheduler_core.errors import InvalidRequest
+from scheduler_core.ops.continuous_sim import StepTime
 from scheduler_core.ops.simulation import (
+    BATCHING,
     DEFAULT_OVERHEAD_MS,
     DEFAULT_TRANSPORT_MS,
     MIX,
@@ -50,6 +54,7 @@ MAX_CONSUMERS = 4096  # SimConfig's limit
 VERIFIED = 4  # the answer and its runners-up
 IMPROVES = 0.95  # more consumers must cut p99 below this share of the last one
 IDLE = 0.25  # a candidate missing its target this idle is at its floor: dropped
+CONTINUOUS_SLOTS = 64  # the most running sequences a continuous candidate gets
 
 
 @dataclass(frozen=True)
@@ -157,9 +162,10 @@ class Plan:
     closest_slo_p99_ms: float | None = None  # infeasible: the target best reachable
     closest_slo_high_p99_ms: float | None = None
     simulations: int = 0
+    batching: str = "static"  # the consumers' --batching the plan is for
 
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"feasible": self.feasible}
+        out: dict[str, Any] = {"feasible": self.feasible, "batching": self.batching}
         if self.best is not None:
             out.update(self.best.to_dict())
         else:
@@ -174,13 +180,13 @@ class Plan:
 
 class _Search:
     def __init__(self, load: Load, target: Target, costs: Costs, max_consumers: int,
-                 verify: bool = True):
+                 verify: bool = True, batching: str = "static", step: StepTime | None = None):
         if isinstance(max_consumers, bool) or not isinstance(max_consumers, int) \
                 or not 1 <= max_consumers <= MAX_CONSUMERS:
             raise InvalidRequest("max_consumers", f"must be an integer in [1, "
                                                   f"{MAX_CONSUMERS}], got {max_consumers!r}")
         self.load, self.target, self.costs, self.max = load, target, costs, max_consumers
-        self.verify = verify
+        self.verify, self.batching, self.step = verify, batching, step
         self.simulations = 0
 
     def fewest(self, policy: Policy) -> int:
@@ -191,7 +197,7 @@ class _Search:
 
     def run(self, policy: Policy, consumers: int, verify: bool = False) -> Option:
         config = SimConfig(policy, self.costs.model, consumers, self.costs.overhead_ms,
-                           self.costs.transport_ms)
+                           self.costs.transport_ms, batching=self.batching, step=self.step)
         arrivals = self.load.long_arrivals if verify else self.load.arrivals
         result = simulate(config, *arrivals)
         self.simulations += 1
@@ -231,7 +237,8 @@ class _Search:
             if verified:
                 verified.sort(key=lambda io: (-io[1].headroom, io[0]))
                 best, *rest = [o for _, o in verified]
-                return Plan(True, best, rest, simulations=self.simulations)
+                return Plan(True, best, rest, simulations=self.simulations,
+                            batching=self.batching)
             n = n + 1 if alive else n
             if alive:
                 n = max(n, min(self.fewest(p) for p in alive.values()))
@@ -253,7 +260,7 @@ class _Search:
             return Plan(False, option, [], _ceil(option.result.latency_ms["all"]["p99"]),
                         _ceil(option.result.latency_ms["high"]["p99"])
                         if self.target.slo_high_p99_ms is not None else None,
-                        simulations=self.simulations)
+                        simulations=self.simulations, batching=self.batching)
         best_ratio = min(o.ratio for o in tried)
         # Within 5% of the best reachable, the fewest consumers, then the lowest ratio.
         near = [o for o in tried if o.ratio <= best_ratio * 1.05]
@@ -262,7 +269,7 @@ class _Search:
         high = option.result.latency_ms["high"]["p99"]
         return Plan(False, option, [], _ceil(option.result.latency_ms["all"]["p99"]),
                     _ceil(high) if self.target.slo_high_p99_ms is not None else None,
-                    simulations=self.simulations)
+                    simulations=self.simulations, batching=self.batching)
 
 
 def _ceil(ms: float | None) -> float | None:
@@ -310,11 +317,43 @@ def candidates(target: Target, costs: Costs, mix: tuple[float, float, float],
     return out
 
 
+def continuous_candidates(mix: tuple[float, float, float], base: Policy) -> list[Policy]:
+    """The grid searched for continuous consumers: fifo and (with more than one priority)
+    priority × max_batch_size, the running sequences' slots; a pop never waits for a
+    batch to form there, so no delay is searched."""
+    sizes = [b for b in BATCH_SIZES if b <= min(CONTINUOUS_SLOTS, LIMITS["max_batch_size"][1])]
+    out = [replace(base, strategy=Strategy.FIFO, max_batch_size=b) for b in sizes]
+    if sum(1 for w in mix if w > 0) > 1:
+        out += [replace(base, strategy=Strategy.PRIORITY, max_batch_size=b,
+                        max_queue_delay_ms=DELAYS_MS[0]) for b in sizes]
+    return out
+
+
 def plan(load: Load, target: Target, costs: Costs, max_consumers: int = 64,
-         base: Policy | None = None) -> Plan:
-    """The cheapest configuration meeting `target` at `load` (see the module's doc)."""
-    search = _Search(load, target, costs, max_consumers)
-    return search.search(candidates(target, costs, load.mix, base or Policy()))
+         base: Policy | None = None, batching: str = "static",
+         step: StepTime | None = None) -> Plan:
+    """The cheapest configuration meeting `target` at `load` (see the module's doc), for
+    consumers of that `batching` (step: a continuous step's time, None: from the cost
+    model)."""
+    if batching not in BATCHING:
+        raise InvalidRequest("batching", f"{batching!r} is not one of {', '.join(BATCHING)}")
+    search = _Search(load, target, costs, max_consumers, batching=batching, step=step)
+    grid = candidates(target, costs, load.mix, base or Policy()) if batching == "static" \
+        else continuous_candidates(load.mix, base or Policy())
+    return search.search(grid)
+
+
+def better(plans: dict[str, Plan]) -> str:
+    """Of plans per batching mode, the better: one that meets the target, then the fewest
+    consumers, then the most headroom; where none meets it, the lowest reachable p99."""
+    def rank(mode: str) -> tuple[Any, ...]:
+        p = plans[mode]
+        if p.best is None:
+            return (2, 0, 0.0, mode != "static")
+        if p.feasible:
+            return (0, p.best.consumers, -p.best.headroom, mode != "static")
+        return (1, p.closest_slo_p99_ms or math.inf, p.best.consumers, mode != "static")
+    return min(plans, key=rank)
 
 
 def consumers_for(policy: Policy, load: Load, target: Target, costs: Costs,

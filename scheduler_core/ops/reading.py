@@ -21,6 +21,11 @@ from scheduler_core.keys import (
 from scheduler_core.shards import physical_queues
 
 SAMPLES_READ = 10_000  # the sample lists hold this many, plus up to 500 between trims
+# Most fields of {bg:q}:tenants a reading takes (six per busy tenant, four per idle one:
+# 3,300-5,000 tenants; HGETALL of that many holds Redis a few ms). Past it the per-tenant
+# counters are not read at all (a part would show wrong rows): QueueReading.tenant_fields
+# says how many there are.
+TENANT_FIELDS_READ = 20_000
 
 
 def quantile(values: list[int], q: float) -> int:
@@ -47,6 +52,8 @@ class QueueReading:
     past_deadline: int  # waiting past their deadline, about to be expired
     tenants: dict[str, int]  # the named tenants' counters ("w:acme" -> n; keys.tenants)
     retrying: int = 0  # waiting out a retry's backoff (the retry set)
+    tenant_fields: int = 0  # fields in keys.tenants (on a sharded queue: the most any has)
+    tenants_read: bool = True  # False: over TENANT_FIELDS_READ, `tenants` left empty
 
     @property
     def consumers_alive(self) -> int:
@@ -68,6 +75,9 @@ def read_queue(client: redis.Redis, queue: str, samples: int = SAMPLES_READ) -> 
 
 
 def _read_shard(owner: Any, keys: QueueKeys, samples: int) -> QueueReading:
+    # Counted first (a round trip): what the MULTI then reads is bounded, give or take
+    # the fields written in between.
+    tenants_read = owner.hlen(keys.tenants) <= TENANT_FIELDS_READ
     pipe = owner.pipeline(transaction=True)
     pipe.time()
     pipe.hgetall(keys.policy)
@@ -86,7 +96,7 @@ def _read_shard(owner: Any, keys: QueueKeys, samples: int) -> QueueReading:
     pipe.hgetall(keys.arrivals)
     pipe.zcard(keys.delayed)
     pipe.zcard(keys.retry)
-    pipe.hgetall(keys.tenants)
+    pipe.hgetall(keys.tenants) if tenants_read else pipe.hlen(keys.tenants)
     (now_s, now_frac), policy, d0, d1, d2, o0, o1, o2, owned, batches, beats, counters, \
         dead, waits, e2e, model, arrivals, delayed, retrying, tenants = pipe.execute()
     numbers = _numbers(counters)
@@ -101,7 +111,8 @@ def _read_shard(owner: Any, keys: QueueKeys, samples: int) -> QueueReading:
         model=_ints(sample.partition(b":")[2] for sample in model),  # "size:model_us"
         arrivals=_numbers(arrivals), delayed=delayed, retrying=retrying,
         past_deadline=owner.zcount(keys.deadlines, "-inf", now_us),  # at the TIME above
-        tenants=_numbers(tenants))
+        tenants=_numbers(tenants) if tenants_read else {},
+        tenant_fields=len(tenants) if tenants_read else tenants, tenants_read=tenants_read)
 
 
 def _summed(readings: list[QueueReading]) -> QueueReading:
@@ -135,7 +146,10 @@ def _summed(readings: list[QueueReading]) -> QueueReading:
         model=sorted(x for r in readings for x in r.model),
         arrivals=arrivals, delayed=sum(r.delayed for r in readings),
         past_deadline=sum(r.past_deadline for r in readings),
-        retrying=sum(r.retrying for r in readings), tenants=tenants)
+        retrying=sum(r.retrying for r in readings),
+        tenants=tenants if all(r.tenants_read for r in readings) else {},
+        tenant_fields=max(r.tenant_fields for r in readings),
+        tenants_read=all(r.tenants_read for r in readings))
 
 
 def _numbers(raw: dict[bytes, bytes]) -> dict[Any, int]:

@@ -55,11 +55,17 @@ from typing import Any
 
 from scheduler_core.cost_model import fit
 from scheduler_core.errors import InvalidRequest
+from scheduler_core.ops.continuous_sim import (
+    DEFAULT_STEP_OVERHEAD_MS,
+    StepTime,
+    simulate_continuous,
+)
 from scheduler_core.policy import MAX_COST_BUCKETS, Policy
 from scheduler_core.rules import Batch, Fair, Request, Wait, apply, decide
 from scheduler_core.wire import DEFAULT_TENANT
 
 PRIORITIES = ("high", "normal", "low")
+BATCHING = ("static", "continuous")
 MIX = (0.1, 0.6, 0.3)  # share of HIGH, NORMAL, LOW requests
 # The gap between two batches of one consumer at saturation, p50 (docs/benchmarks.md,
 # "Saturation: the scheduler's cost between batches").
@@ -222,8 +228,19 @@ class SimConfig:
     # of them (drawn with jitter_seed) later or earlier than the constant path gives. The
     # path's spread (a host's stalls), which its means alone leave out. () = none.
     path_spread: tuple[float, ...] = ()
+    # "static": a popped batch runs to its end; "continuous": requests join and leave a
+    # running batch at every step (scheduler_core/ops/continuous_sim.py), each step
+    # `step` (None: StepTime.from_model(cost)) plus step_overhead_ms.
+    batching: str = "static"
+    step: StepTime | None = None
+    step_overhead_ms: float = DEFAULT_STEP_OVERHEAD_MS
 
     def __post_init__(self) -> None:
+        if self.batching not in BATCHING:
+            raise InvalidRequest("batching", f"{self.batching!r} is not one of "
+                                             f"{', '.join(BATCHING)}")
+        if self.step is not None and not isinstance(self.step, StepTime):
+            raise InvalidRequest("step_ms", f"must be a StepTime, got {self.step!r}")
         if isinstance(self.consumers, bool) or not isinstance(self.consumers, int) or \
                 not 1 <= self.consumers <= 4096:
             raise InvalidRequest("consumers", f"must be an integer in [1, 4096], got "
@@ -233,7 +250,7 @@ class SimConfig:
             raise InvalidRequest("lead_ms", f"must be within [0, 60000] ms or {AUTO_LEAD} "
                                             f"(twice the fetch plus 0.5 ms), got "
                                             f"{self.lead_ms!r}")
-        for name in ("overhead_ms", "transport_ms", "react_ms"):
+        for name in ("overhead_ms", "transport_ms", "react_ms", "step_overhead_ms"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and 0 <= value <= 60_000):
                 raise InvalidRequest(name, f"must be within [0, 60000] ms, got {value!r}")
@@ -305,6 +322,8 @@ def simulate(config: SimConfig, times: list[float], prios: list[int],
         raise InvalidRequest("tenants", f"{n} times but {len(tenants)} tenants")
     arrival = _arrival_scores(times)
     policy = config.policy
+    if config.batching == "continuous":
+        return _continuous(config, arrival, prios, costs, started)
     fair = Fair() if policy.fairness != "none" else None
     # Without costs every request costs 1: a batch of b costs b units in either cost_mode.
     cost = [config.cost.us(b, b) for b in range(policy.max_batch_size + 1)]
@@ -419,6 +438,20 @@ def simulate(config: SimConfig, times: list[float], prios: list[int],
         return result
     return replace(result, padding_waste=round(pad_waste / pad_total, 4) if pad_total else 0.0,
                    rejected=refused, truncated=capped)
+
+
+def _continuous(config: SimConfig, arrival: list[int], prios: list[int],
+                costs: list[int] | None, started: float) -> SimResult:
+    """simulate() under continuous batching: `batches` counts steps, mean_batch and the
+    histogram the sequences a step ran."""
+    stored, refused, capped = _stored_costs(config.policy, costs, len(arrival))
+    done, histogram, model_us = simulate_continuous(
+        config, [_Level(), _Level(), _Level()], arrival, prios, stored)
+    result = _result(config, arrival, prios, done, histogram, model_us,
+                     time.perf_counter() - started, costs, stored if refused else None)
+    steps = sum(histogram)
+    mean = round(sum(k * v for k, v in enumerate(histogram)) / steps, 2) if steps else 0.0
+    return replace(result, mean_batch=mean, rejected=refused, truncated=capped)
 
 
 def _stored_costs(policy: Policy, costs: list[int] | None, n: int

@@ -76,6 +76,7 @@ def queue_snapshot(client: redis.Redis, queue: str, dead_shown: int = DEAD_SHOWN
         **stats,
         # the busiest tenants, the rest as "other" (all of them: `stats --json`)
         "tenants": top_tenants(stats["tenants"], TENANTS_SHOWN),
+        "tenant_count": len(stats["tenants"]),
         "completed": stats["processed"] + stats["failed"] + stats["expired"]
         + stats["cancelled"],
         "consumers": list(consumers.values()),

@@ -11,8 +11,10 @@ import redis
 from scheduler_core.auto_delay import STATS_AT_US, STATS_DELAY_US
 from scheduler_core.keys import CONSUMER_ALIVE_S
 from scheduler_core.load import rate_from
+from scheduler_core.ops import reading
 from scheduler_core.ops.reading import quantile, read_queue
 from scheduler_core.policy import Policy, Priority
+from scheduler_core.rules import tenant_share
 from scheduler_core.wire import DEFAULT_TENANT
 
 
@@ -40,6 +42,10 @@ class QueueStats:
     past_deadline: int = 0  # waiting past their deadline, about to be expired
     retried: int = 0  # runs that raised a retry_on exception and were scheduled again
     retrying: int = 0  # waiting out a retry's backoff now
+    # --batching continuous --preempt: running requests given back to the queue for HIGH
+    # work (preempt.lua), and the decode steps they had run (recomputed later)
+    preempted: int = 0
+    preempted_steps: int = 0
     # requests/s enqueued over the last 10 complete seconds (enqueue.lua's counts)
     arrival_rate_rps: float = 0.0
     # the max_queue_delay_ms pop_batch applies: the stored one, or under
@@ -47,8 +53,13 @@ class QueueStats:
     # when no consumer did)
     max_queue_delay_ms_in_use: float | None = None
     # per tenant (docs/tenants.md): waiting, in_flight, accepted, served, served_cost,
-    # rejected; the default tenant's waiting and in_flight are what no named tenant holds
-    tenants: dict[str, dict[str, int]] = field(default_factory=dict)
+    # rejected, share; the default tenant's waiting and in_flight are what no named
+    # tenant holds
+    tenants: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # fair share among the backlogged tenants: unit, backlogged, jain_index (Fairness)
+    tenant_fairness: dict[str, Any] = field(default_factory=dict)
+    # the tenants hash read: fields, read_cap, read (False: over the cap, tenants empty)
+    tenant_counters: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -70,6 +81,7 @@ def queue_stats(client: redis.Redis, queue: str) -> QueueStats:
     counters = r.counters
     batches = counters.get("batches", 0)
     stored = Policy.from_redis(r.policy) if r.policy else None
+    tenants = tenant_stats(r.tenants, sum(r.depth) + r.delayed, r.owned, stored)
     return QueueStats(
         queue=queue,
         policy=stored.to_dict() if stored else None,
@@ -93,10 +105,15 @@ def queue_stats(client: redis.Redis, queue: str) -> QueueStats:
         past_deadline=r.past_deadline,
         retried=counters.get("retried", 0),
         retrying=r.retrying,
+        preempted=counters.get("preempted", 0),
+        preempted_steps=counters.get("preempted_steps", 0),
         arrival_rate_rps=rate_from(r.arrivals, r.now_us // 1_000_000),
         max_queue_delay_ms_in_use=delay_in_use(stored, counters,
                                                 r.now_us - CONSUMER_ALIVE_S * 1_000_000),
-        tenants=tenant_stats(r.tenants, sum(r.depth) + r.delayed, r.owned),
+        tenants=tenants,
+        tenant_fairness=asdict(fairness(tenants, stored)),
+        tenant_counters={"fields": r.tenant_fields, "read_cap": reading.TENANT_FIELDS_READ,
+                         "read": r.tenants_read},
     )
 
 
@@ -105,16 +122,18 @@ TENANT_FIELDS = {"w": "waiting", "f": "in_flight", "a": "accepted", "s": "served
                  "sc": "served_cost", "r": "rejected"}
 
 
-def tenant_stats(counters: dict[str, int], waiting: int, in_flight: int
-                 ) -> dict[str, dict[str, int]]:
-    """Per tenant, its counters by name (0 where absent), busiest first (waiting + in
-    flight, then served); the default tenant, when it holds any request, with what the
-    named ones do not hold (its other counters are not kept)."""
-    table: dict[str, dict[str, int]] = {}
+def tenant_stats(counters: dict[str, int], waiting: int, in_flight: int,
+                 policy: Policy | None = None) -> dict[str, dict[str, Any]]:
+    """Per tenant, its counters by name (0 where absent) and its share (shares()),
+    busiest first (waiting + in flight, then served); the default tenant, when it holds
+    any request, with what the named ones do not hold (its other counters are not kept)."""
+    table: dict[str, dict[str, Any]] = {}
     for name, value in counters.items():
         prefix, _, tenant = name.partition(":")
         if prefix in TENANT_FIELDS and tenant:
-            row = table.setdefault(tenant, dict.fromkeys(TENANT_FIELDS.values(), 0))
+            row = table.get(tenant)
+            if row is None:
+                row = table[tenant] = dict.fromkeys(TENANT_FIELDS.values(), 0)
             row[TENANT_FIELDS[prefix]] = value
     rest_waiting = waiting - sum(row["waiting"] for row in table.values())
     rest_flight = in_flight - sum(row["in_flight"] for row in table.values())
@@ -122,21 +141,74 @@ def tenant_stats(counters: dict[str, int], waiting: int, in_flight: int
         table[DEFAULT_TENANT] = {**dict.fromkeys(TENANT_FIELDS.values(), 0),
                                  "waiting": max(0, rest_waiting),
                                  "in_flight": max(0, rest_flight)}
+    share = shares(weighted_service(table, policy))
+    for tenant, row in table.items():
+        row["share"] = share.get(tenant)
     return dict(sorted(table.items(), key=lambda item: (
         -(item[1]["waiting"] + item[1]["in_flight"]), -item[1]["served"], item[0])))
+
+
+def service_unit(policy: Policy | None) -> str:
+    """What a tenant's service is counted in: cost under fairness=cost, else requests."""
+    return "cost" if policy is not None and policy.fairness == "cost" else "requests"
+
+
+def weighted_service(tenants: dict[str, dict[str, Any]], policy: Policy | None
+                     ) -> dict[str, float]:
+    """Each backlogged named tenant's (requests waiting) weighted service: what it was
+    served since its counters began, in service_unit, over its weight. The default
+    tenant's service is not counted, so it is left out."""
+    unit = "served_cost" if service_unit(policy) == "cost" else "served"
+    return {tenant: row[unit] / (tenant_share(policy, tenant)[0] if policy else 1)
+            for tenant, row in tenants.items()
+            if row["waiting"] > 0 and tenant != DEFAULT_TENANT}
+
+
+def shares(service: dict[str, float]) -> dict[str, float]:
+    """Each tenant's fraction of the weighted service (1/n each when none has any)."""
+    total = sum(service.values())
+    return {t: (x / total if total else 1 / len(service)) for t, x in service.items()}
+
+
+def jain_index(values: list[float]) -> float | None:
+    """Jain's fairness index (Σx)² / (n·Σx²): 1 when all are equal, 1/n when one has
+    everything; 1 when all are 0, None for no value."""
+    if not values:
+        return None
+    squares = sum(x * x for x in values)
+    return sum(values) ** 2 / (len(values) * squares) if squares else 1.0
+
+
+@dataclass
+class Fairness:
+    unit: str  # "cost" or "requests" (service_unit)
+    backlogged: int  # named tenants with requests waiting
+    jain_index: float | None  # over their weighted service; None when none is backlogged
+
+
+def fairness(tenants: dict[str, dict[str, Any]], policy: Policy | None) -> Fairness:
+    service = weighted_service(tenants, policy)
+    return Fairness(service_unit(policy), len(service), jain_index(list(service.values())))
 
 
 OTHER_TENANTS = "other"
 
 
-def top_tenants(tenants: dict[str, dict[str, int]], n: int) -> dict[str, dict[str, int]]:
+def summed(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Tenants' rows added up: their counters, and their shares (None if none has one)."""
+    total: dict[str, Any] = {name: sum(t[name] for t in rows) for name in TENANT_FIELDS.values()}
+    held = [t["share"] for t in rows if t.get("share") is not None]
+    total["share"] = sum(held) if held else None
+    return total
+
+
+def top_tenants(tenants: dict[str, dict[str, Any]], n: int) -> dict[str, dict[str, Any]]:
     """The first `n` rows of tenant_stats' table and, if there are more, "other": the
     rest summed (what `stats` and the dashboard show of many tenants)."""
     rows = list(tenants.items())
     shown = dict(rows[:n])
     if len(rows) > n:
-        shown[OTHER_TENANTS] = {name: sum(t[name] for _, t in rows[n:])
-                                for name in TENANT_FIELDS.values()}
+        shown[OTHER_TENANTS] = summed([t for _, t in rows[n:]])
     return shown
 
 

@@ -221,15 +221,30 @@ function render(snap) {
       fmt(c.batches_per_s)]),
     (row) => el("tr", {}, ...row.map((v) => el("td", { title: v }, v))));
 
-  // Tenants (docs/tenants.md): the busiest, the rest summed as "other".
+  // Tenants (docs/tenants.md): the busiest, the rest summed as "other"; a backlogged
+  // tenant's share of the weighted service, Jain's index over them in the heading.
   const tenants = Object.entries(snap.tenants || {});
   replaceIfChanged(card, "tenants", card.querySelector(".tenants tbody"),
     tenants.map(([name, t]) => [name, fmt(t.waiting), fmt(t.in_flight), fmt(t.served),
-                                fmt(t.served_cost), fmt(t.rejected)]),
+                                fmt(t.served_cost), fmt(t.rejected),
+                                t.share == null ? "–" : `${(100 * t.share).toFixed(1)}%`]),
     (row) => el("tr", {}, ...row.map((v) => el("td", { title: v }, v))));
-  card.querySelector(".tenant-total").textContent = `(${tenants.length})`;
+  const fair = snap.tenant_fairness || {};
+  const counters = snap.tenant_counters || {};
+  let heading = `(${fmt(snap.tenant_count ?? tenants.length)}`;
+  if (fair.jain_index != null) {
+    heading += `; ${fmt(fair.backlogged)} backlogged, Jain's index ` +
+      `${fair.jain_index.toFixed(3)} by ${fair.unit}`;
+  }
+  heading += ")";
+  const unread = counters.read === false;
+  if (unread) {
+    heading = `(not read: ${fmt(counters.fields)} counters, over the ` +
+      `${fmt(counters.read_cap)} read)`;
+  }
+  card.querySelector(".tenant-total").textContent = heading;
   card.querySelector(".tenants").hidden = !tenants.length;
-  card.querySelector(".tenant-total").parentElement.hidden = !tenants.length;
+  card.querySelector(".tenant-total").parentElement.hidden = !tenants.length && !unread;
 
   // Counts in the headings; a table with no rows is not drawn.
   card.querySelector(".consumer-total").textContent = `(${snap.consumers.length})`;

@@ -1,17 +1,31 @@
 """What cost buckets add to a pop: pop_batch.lua's time inside Redis, with and without.
 
-    python -m bench.pop_cost [--pops 20] [--redis-server redis-server]
+    python -m bench.pop_cost [--pops 40] [--kind fifo] [--kb 1] [--batch 64]
+                             [--redis-server redis-server]
 
-Starts a private `redis-server` on a free port. For each shape (max_batch_size 64 with 4
-cost buckets, 256 with 5) and payload size (1 KB, 20 KB, 50 KB) it fills two fifo queues
-with the same requests, whose costs cycle through every bucket: one whose policy names no
-cost buckets, one that names them. Then it pops --pops batches of each, in turns (the
-order alternating), so that both meet the same load on the host. Each pop's time is the
-Redis-side duration of its EVALSHA, from SLOWLOG (slowlog-log-slower-than 0): the client
-and the network are not in it. After each pop the queue is topped up again and the
-popped requests are deleted (not timed), so every pop meets the same depth:
-max_batch_size x (buckets + 1) + max_batch_size waiting. Prints, per point, the least and
-the median time of each side and their ratio (with / without).
+Starts a private `redis-server` on a free port. For each queue kind, shape (max_batch_size
+64 with 4 cost buckets, 256 with 5) and payload size (1 KB, 20 KB, 50 KB) it fills two
+queues with the same requests, whose costs cycle through every bucket: one whose policy
+names no cost buckets, one that names them. The kinds:
+
+  fifo    fifo, every request NORMAL (one level waits)
+  mixed   fifo, priorities cycling HIGH, NORMAL, LOW (the pop merges three levels)
+  aging   priority with aging on, priorities cycling: the pop takes HIGH while NORMAL
+          and LOW wait (aging_ms is 10 minutes, so that both queues meet the same levels:
+          the pop looks for requests to promote and finds none)
+
+Then it pops --pops batches of each, in turns (the order alternating), so that both meet
+the same load on the host. Each pop is measured twice: the CPU time Redis' main thread
+spent on it (INFO cpu, used_cpu_user_main_thread + used_cpu_sys_main_thread, read just
+before and just after; sending the reply is in it), which time slices lost to other
+processes on a busy host do not inflate, and the duration of its EVALSHA from SLOWLOG
+(slowlog-log-slower-than 0: the client and the network are not in it), which they do.
+After each pop the queue is topped up again with as many new requests (costs cycling on,
+each at the level of a popped one) and the popped ones are deleted (not timed), so every
+pop meets the same depth, max_batch_size x (buckets + 1) + max_batch_size waiting, and
+the same mix of levels (aging: 3 x that depth, a third of it HIGH). Prints, per point,
+the least and the median CPU time of each side and their ratios (with / without), then
+the SLOWLOG ratios, and checks that both CPU ratios are within --target (1.2).
 """
 
 from __future__ import annotations
@@ -26,6 +40,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import orjson
 import redis
@@ -39,6 +54,24 @@ PAYLOAD_KB = (1, 20, 50)
 # (max_batch_size, cost_buckets): 4 and 5 buckets.
 SHAPES = ((64, "10,100,1000"), (256, "10,100,1000,10000"))
 LEASE_MS = 600_000
+AGING_MS = 600_000
+
+
+@dataclass(frozen=True)
+class Kind:
+    """A queue shape: its strategy, aging, and the priorities its requests cycle through."""
+
+    strategy: Strategy
+    priorities: tuple[int, ...]
+    aging_ms: int = 0
+    # Depth in units of max_batch_size x (buckets + 2): the level the pop takes from holds
+    # at least that many, so that each bucket makes a full batch on both sides.
+    depth: int = 1
+
+
+KINDS = {"fifo": Kind(Strategy.FIFO, (1,)),
+         "mixed": Kind(Strategy.FIFO, (0, 1, 2)),
+         "aging": Kind(Strategy.PRIORITY, (0, 1, 2), AGING_MS, depth=3)}
 
 
 @contextlib.contextmanager
@@ -71,18 +104,15 @@ def bucket_costs(buckets: str) -> list[int]:
     return [*bounds, bounds[-1] + 1]
 
 
-def fill(client: redis.Redis, scripts: Scripts, keys: QueueKeys, n: int, envelope: bytes,
-         costs: list[int], start: int) -> None:
-    requests = [NewRequest(id=uuid.uuid4().hex, priority=1, deadline_ms=0, envelope=envelope,
-                           idempotency_key=None, cost=costs[(start + i) % len(costs)],
-                           store_result=False) for i in range(n)]
-    for first in range(0, n, 1000):
-        script_keys, args = enqueue_call(keys, "", requests[first:first + 1000], 60)
-        assert int(scripts.enqueue(keys=script_keys, args=args)[0]) == 1
+def main_thread_cpu_ms(client: redis.Redis) -> float:
+    """CPU time Redis' main thread has used (ms): user + system."""
+    cpu = client.info("cpu")
+    return (cpu["used_cpu_user_main_thread"] + cpu["used_cpu_sys_main_thread"]) * 1000
 
 
-def forget(client: redis.Redis, keys: QueueKeys, reply: list) -> int:
-    """Delete a popped batch (it is never run): the next pop meets what the last one did."""
+def forget(client: redis.Redis, keys: QueueKeys, reply: list) -> list[int]:
+    """Delete a popped batch (it is never run): the next pop meets what the last one did.
+    Returns the levels its requests were popped from."""
     ids = [reply[i] for i in range(4, len(reply), 5)]
     pipe = client.pipeline(transaction=False)
     pipe.hdel(keys.jobs, *ids)
@@ -90,46 +120,64 @@ def forget(client: redis.Redis, keys: QueueKeys, reply: list) -> int:
     pipe.zrem(keys.inflight, reply[0])
     pipe.hdel(keys.batches, reply[0])
     pipe.execute()
-    return len(ids)
+    return [int(reply[i]) for i in range(8, len(reply), 5)]
 
 
 class Side:
     """One queue of a point: its policy (with or without cost buckets), kept at its depth."""
 
-    def __init__(self, client: redis.Redis, batch: int, buckets: str, envelope: bytes,
-                 costed: bool) -> None:
-        self.client, self.scripts = client, Scripts(client)
+    def __init__(self, client: redis.Redis, kind: Kind, batch: int, buckets: str,
+                 envelope: bytes, costed: bool) -> None:
+        self.client, self.scripts, self.kind = client, Scripts(client), kind
         self.keys = QueueKeys(f"popcost-{uuid.uuid4().hex[:8]}")
         self.costs, self.envelope = bucket_costs(buckets), envelope
         store_policy(client, self.keys.queue,
-                     Policy(strategy=Strategy.FIFO, max_batch_size=batch, max_queue_size=0,
-                            cost_buckets=buckets if costed else ""), replace=True)
-        self.added = batch * (len(self.costs) + 1) + batch
-        fill(client, self.scripts, self.keys, self.added, envelope, self.costs, 0)
+                     Policy(strategy=kind.strategy, max_batch_size=batch, max_queue_size=0,
+                            aging_ms=kind.aging_ms, cost_buckets=buckets if costed else ""),
+                     replace=True)
+        self.added = 0
+        self.fill(kind.depth * batch * (len(self.costs) + 2))
         self.pop = f"evalsha {self.scripts.pop_batch.sha} ".encode()
-        self.times: list[float] = []
+        self.cpu: list[float] = []  # ms of Redis' main thread per pop
+        self.times: list[float] = []  # ms per pop by SLOWLOG
+
+    def fill(self, n: int, levels: list[int] | None = None) -> None:
+        """n new requests, their costs cycling on from the last one's; their priorities
+        `levels`, or cycling."""
+        prios, costs = self.kind.priorities, self.costs
+        if levels is None:
+            levels = [prios[i % len(prios)] for i in range(n)]
+        requests = [NewRequest(id=uuid.uuid4().hex, priority=levels[k], deadline_ms=0,
+                               envelope=self.envelope, idempotency_key=None,
+                               cost=costs[(self.added + k) % len(costs)], store_result=False)
+                    for k in range(n)]
+        for first in range(0, n, 1000):
+            script_keys, args = enqueue_call(self.keys, "", requests[first:first + 1000], 60)
+            assert int(self.scripts.enqueue(keys=script_keys, args=args)[0]) == 1
+        self.added += n
 
     def pop_once(self) -> None:
-        """One pop, timed by SLOWLOG; then the queue is topped up again (not timed)."""
+        """One pop, timed by INFO cpu and SLOWLOG; then the queue is topped up again (not
+        timed)."""
         self.client.slowlog_reset()
+        before = main_thread_cpu_ms(self.client)
         reply = self.scripts.pop_batch(keys=pop_keys(self.keys), args=["bench", LEASE_MS])
+        self.cpu.append(main_thread_cpu_ms(self.client) - before)
         assert int(reply[0]) > 0, reply[:2]
         took = [e["duration"] for e in self.client.slowlog_get(8)
                 if e["command"].lower().startswith(self.pop)]
         assert took, "SLOWLOG holds no pop"
         self.times.append(took[0] / 1000)
-        popped = forget(self.client, self.keys, reply)
-        fill(self.client, self.scripts, self.keys, popped, self.envelope, self.costs,
-             self.added)
-        self.added += popped
+        levels = forget(self.client, self.keys, reply)
+        self.fill(len(levels), levels)
 
 
-def pop_times(client: redis.Redis, batch: int, buckets: str, payload_kb: int,
-              pops: int) -> tuple[list[float], list[float]]:
-    """The Redis-side ms of `pops` pops without cost buckets and `pops` with them, taken
-    in turns (the order alternating), so that both meet the same load on the host."""
+def pop_times(client: redis.Redis, kind: Kind, batch: int, buckets: str, payload_kb: int,
+              pops: int) -> tuple[Side, Side]:
+    """`pops` pops without cost buckets and `pops` with them, taken in turns (the order
+    alternating), so that both meet the same load on the host: the two sides, timed."""
     envelope = orjson.dumps({"v": 1, "payload": "x" * (payload_kb * 1024)})
-    sides = [Side(client, batch, buckets, envelope, costed) for costed in (False, True)]
+    sides = [Side(client, kind, batch, buckets, envelope, costed) for costed in (False, True)]
     client.config_set("slowlog-log-slower-than", 0)
     client.config_set("slowlog-max-len", 128)
     try:
@@ -140,33 +188,54 @@ def pop_times(client: redis.Redis, batch: int, buckets: str, payload_kb: int,
         client.config_set("slowlog-log-slower-than", 10000)
         for side in sides:
             client.delete(*side.keys.shared)
-    return sides[0].times, sides[1].times
+    return sides[0], sides[1]
+
+
+def ratios(without: list[float], with_: list[float]) -> tuple[float, float]:
+    """with / without, by the least and by the median."""
+    return (min(with_) / min(without),
+            statistics.median(with_) / statistics.median(without))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--pops", type=int, default=20, help="pops timed per point")
+    parser.add_argument("--pops", type=int, default=40, help="pops timed per point and side")
+    parser.add_argument("--kind", choices=sorted(KINDS), action="append",
+                        help="queue kinds (repeatable; default: all)")
+    parser.add_argument("--kb", type=int, choices=PAYLOAD_KB, action="append",
+                        help="payload sizes in KB (repeatable; default: all)")
+    parser.add_argument("--batch", type=int, choices=[b for b, _ in SHAPES], action="append",
+                        help="shapes by max_batch_size (repeatable; default: all)")
+    parser.add_argument("--target", type=float, default=1.2, help="ratio checked per point")
     parser.add_argument("--redis-server", default="redis-server")
     args = parser.parse_args(argv)
-    ratios: dict[str, list[float]] = {"min": [], "median": []}
+    kinds, sizes = args.kind or list(KINDS), args.kb or list(PAYLOAD_KB)
+    shapes = [s for s in SHAPES if not args.batch or s[0] in args.batch]
+    met = checks = 0
     with private_redis(args.redis_server) as client:
-        print(f"redis {client.info('server')['redis_version']}; {args.pops} pops per point; "
-              "Redis-side ms per pop (SLOWLOG), min and median")
-        print(f"{'batch':>5} {'buckets':>7} {'payload':>7} | {'min without':>11} "
-              f"{'with':>7} {'ratio':>5} | {'median without':>14} {'with':>7} {'ratio':>5}")
-        for batch, buckets in SHAPES:
-            for kb in PAYLOAD_KB:
-                without, with_ = pop_times(client, batch, buckets, kb, args.pops)
-                lo = min(with_) / min(without)
-                mid = statistics.median(with_) / statistics.median(without)
-                ratios["min"].append(lo)
-                ratios["median"].append(mid)
-                print(f"{batch:>5} {len(bucket_costs(buckets)):>7} {kb:>5}KB | "
-                      f"{min(without):>11.3f} {min(with_):>7.3f} {lo:>5.2f} | "
-                      f"{statistics.median(without):>14.3f} "
-                      f"{statistics.median(with_):>7.3f} {mid:>5.2f}", flush=True)
-    print(f"worst ratio: {max(ratios['min']):.2f} by the min, {max(ratios['median']):.2f} "
-          "by the median (target <= 1.2)")
+        print(f"redis {client.info('server')['redis_version']}; {args.pops} pops per point "
+              "and side, in turns; ms per pop: Redis' main thread CPU (least, median), "
+              "then the ratios by SLOWLOG")
+        print(f"{'kind':>5} {'batch':>5} {'buckets':>7} {'payload':>7} | "
+              f"{'least without':>13} {'with':>7} {'ratio':>5} | "
+              f"{'median without':>14} {'with':>7} {'ratio':>5} | "
+              f"{'slowlog least':>13} {'median':>6} | check")
+        for name in kinds:
+            for batch, buckets in shapes:
+                for kb in sizes:
+                    without, with_ = pop_times(client, KINDS[name], batch, buckets, kb,
+                                               args.pops)
+                    lo, mid = ratios(without.cpu, with_.cpu)
+                    wall_lo, wall_mid = ratios(without.times, with_.times)
+                    ok = max(lo, mid) <= args.target
+                    checks, met = checks + 1, met + ok
+                    print(f"{name:>5} {batch:>5} {len(bucket_costs(buckets)):>7} {kb:>5}KB | "
+                          f"{min(without.cpu):>13.3f} {min(with_.cpu):>7.3f} {lo:>5.2f} | "
+                          f"{statistics.median(without.cpu):>14.3f} "
+                          f"{statistics.median(with_.cpu):>7.3f} {mid:>5.2f} | "
+                          f"{wall_lo:>13.2f} {wall_mid:>6.2f} | "
+                          f"{'ok' if ok else 'OVER'} (<= {args.target})", flush=True)
+    print(f"summary: {met} of {checks} checks met")
     return 0
 
 

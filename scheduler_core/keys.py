@@ -16,9 +16,11 @@ queue's shared keys it takes first, as KEYS[1..n] in the order of script_keys(sc
 |                             |        | then '|' and the request envelope (orjson bytes);       |
 |                             |        | attempts: deliveries ended without a result; keep: 1 if  |
 |                             |        | the result is stored by id (wire.JobMeta, split_job)     |
-| `{bg:q}:costs`              | hash   | id -> "<cost>:<bucket>" of each waiting request (pending |
-|                             |        | or delayed): its cost and the cost bucket set it is      |
-|                             |        | listed in (1..5; 0: none), so that a pop learns costs    |
+| `{bg:q}:costs`              | hash   | id -> "<cost>:<bucket>:<prio>" of each waiting request   |
+|                             |        | (pending or delayed): its cost, the cost bucket set it   |
+|                             |        | is listed in (1..5; 0: none) and the priority it was     |
+|                             |        | submitted at (an older version wrote none), so that a    |
+|                             |        | pop learns costs, and aging submitted priorities,        |
 |                             |        | without reading payloads and every exit (pop, cancel,    |
 |                             |        | expiry) removes the id from the set it was put in,       |
 |                             |        | whatever cost_buckets says now (wire.cost_record). Its   |

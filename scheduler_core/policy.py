@@ -257,9 +257,13 @@ class Policy:
         kept), a number switches it to fixed."""
         values = {k: v for k, v in changes.items() if v is not None}
         merged = self.to_dict()
-        if ("strategy" in values and "max_batch_size" not in values
-                and Strategy(values["strategy"]) is not self.strategy):
-            del merged["max_batch_size"]  # Policy.build supplies the new strategy's default
+        if "strategy" in values and "max_batch_size" not in values:
+            try:
+                strategy = Strategy(values["strategy"])
+            except (TypeError, ValueError):
+                strategy = None  # Policy.build refuses it, naming the field
+            if strategy is not self.strategy:
+                del merged["max_batch_size"]  # Policy.build supplies the strategy's default
         if "max_queue_delay_ms" in values:  # "auto" keeps the stored fixed delay
             values = {**delay_fields(values.pop("max_queue_delay_ms")), **values}
         merged.update(values)

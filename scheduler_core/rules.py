@@ -13,7 +13,7 @@ queue states against a real Redis. `batchgate simulate` and the benchmark's in-p
 baseline decide with it, so the rules have one Python copy. With a policy's cost settings
 (max_batch_cost, cost_buckets) a batch is fitted to the budget from one bucket
 (_CostRules: the script's read_cost_rules, fit and pick_costed, whose pick_from_sets
-reads the same batch from the bucket sets where they list the one level that waits); a
+reads the same batch from the bucket sets, passing over the ids of other levels); a
 request's cost is `Request.cost`; `decide(..., prefer_bucket=N)` is a consumer's
 ARGV[3] = N and `decide(..., only_bucket=N)` one dedicated to bucket N (ARGV[3] = -N:
 the rules applied to that bucket's oldest requests wherever they wait, the script's

@@ -354,16 +354,21 @@ def format_job(meta: JobMeta, envelope: bytes) -> bytes:
     return text.encode() + b"|" + envelope
 
 
-# The value of `{bg:q}:costs[id]` while request `id` waits: "<cost>:<bucket>", the Lua
-# scripts' cost_record (scheduler_core/lua/_queue.lua). bucket: the cost bucket set
-# (`{bg:q}:bucket:<bucket>`) the request is listed in, 0 for none.
-_COST_RECORD = re.compile(rb"(\d{1,10}):([0-5])")
+# The value of `{bg:q}:costs[id]` while request `id` waits: "<cost>:<bucket>:<priority>",
+# the Lua scripts' cost_record (scheduler_core/lua/_queue.lua). bucket: the cost bucket set
+# (`{bg:q}:bucket:<bucket>`) the request is listed in, 0 for none; priority: the one it
+# was submitted at (aging reads it there, not from the payload). An older version wrote
+# "<cost>:<bucket>".
+_COST_RECORD = re.compile(rb"(\d{1,10}):([0-5])(?::([0-2]))?")
 
 
-def cost_record(cost: int, bucket: int) -> bytes:
+def cost_record(cost: int, bucket: int, priority: int | None = None) -> bytes:
     """The costs value of a waiting request of `cost` listed in bucket set `bucket` (0:
-    none), as enqueue.lua writes it (tests and tools that write a request by hand)."""
-    return f"{cost}:{bucket}".encode()
+    none), submitted at `priority`, as enqueue.lua writes it (tests and tools that write
+    a request by hand); without a priority, as an older version wrote it."""
+    if priority is None:
+        return f"{cost}:{bucket}".encode()
+    return f"{cost}:{bucket}:{priority}".encode()
 
 
 def fair_member(tenant: str, arrival_us: int, request_id: str) -> str:

@@ -21,6 +21,7 @@ from helpers.support import RecordingModel, configure, wait_for, wait_samples_ms
 
 from producer import Producer
 from scheduler_core.keys import QueueKeys
+from scheduler_core.scripts import Scripts, pop_keys
 
 BATCH = 4  # max_batch_size
 MODEL_MS = 40  # the recording model's time per batch
@@ -194,3 +195,26 @@ def test_an_idle_consumer_wakes_up_when_a_request_would_age(shared_redis, queue,
         assert p.submit({"n": 0}).result(timeout=10) == {"n": 0}
     (waited_ms,) = wait_samples_ms(shared_redis.client(), queue)  # by Redis' clock
     assert aging_ms <= waited_ms <= aging_ms + SLACK_S * 1000, waited_ms
+
+
+def test_aging_learns_the_submitted_priority_without_reading_payloads(shared_redis, queue):
+    """Between aging_ms and 2 x aging_ms a NORMAL request moves up to HIGH but one
+    submitted LOW (already moved up to NORMAL) stays: the pop learns which from the
+    request's costs entry (a few bytes), not from its jobs value, whose payload may be
+    megabytes. Here each jobs value says the other priority (written by hand): the pop
+    follows the costs entries."""
+    aging_ms = 300
+    configure(shared_redis.url, queue, strategy="priority", max_batch_size=BATCH,
+              max_queue_delay_ms=60_000, aging_ms=aging_ms)
+    client, keys = shared_redis.client(), QueueKeys(queue)
+    with Producer(shared_redis.url, queue) as p:
+        low = p.submit({"l": 0}, priority="low")
+        normal = p.submit({"n": 0}, priority="normal")
+    for handle, other in ((low, b"1"), (normal, b"2")):
+        value = client.hget(keys.jobs, handle.id)
+        client.hset(keys.jobs, handle.id, other + value[1:])  # the meta's priority
+    time.sleep(1.3 * aging_ms / 1000)  # both waited past aging_ms, neither 2 x aging_ms
+    scripts = Scripts(client)
+    reply = scripts.pop_batch(keys=pop_keys(keys), args=["c", 60_000])
+    assert [reply[i] for i in range(4, len(reply), 5)] == [normal.id.encode()]  # HIGH now
+    assert client.zrange(keys.pending(1), 0, -1) == [low.id.encode()]  # NORMAL, not HIGH

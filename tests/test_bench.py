@@ -169,6 +169,21 @@ def test_profile_stages_smoke():
     assert "10 batches, mean size 30.0" in proc.stdout  # 9 full, the last one of 12
 
 
+@pytest.mark.skipif(not shutil.which("redis-server"), reason="redis-server is not on PATH")
+def test_pop_cost_smoke():
+    """bench/pop_cost.py (the pop with cost buckets against one without, in
+    docs/benchmarks.md) runs every queue kind and prints a checked row for each and the
+    summary; 3 pops per side, the small shape, 1 KB."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.pop_cost", "--pops", "3", "--batch", "64", "--kb", "1"],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if "KB |" in line]
+    assert [row.split()[0] for row in rows] == ["fifo", "mixed", "aging"], proc.stdout
+    assert all("| ok (<= 1.2)" in row or "| OVER (<= 1.2)" in row for row in rows), rows
+    assert "summary: " in proc.stdout and " of 3 checks met" in proc.stdout
+
+
 # Not HEAVY: a few paced requests and two small loads, the time mostly process start-up.
 def test_latency_smoke():
     """bench/latency.py (the hop-by-hop figures in docs/benchmarks.md) runs both paths

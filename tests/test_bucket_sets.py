@@ -11,6 +11,7 @@ import time
 import uuid
 
 import orjson
+import pytest
 from helpers.support import configure
 
 from producer import Producer
@@ -117,26 +118,32 @@ def test_a_cost_buckets_change_leaves_no_id_in_the_old_bucket_set(shared_redis, 
     assert client.hlen(keys.costs) == 0
 
 
-def _enqueue(scripts: Scripts, keys: QueueKeys, costs: list[int], envelope: bytes) -> list[str]:
-    """Requests of these costs, the cheap ones (<= 32) NORMAL and the others LOW: with two
-    levels waiting the pop weighs its window (the bucket sets alone list no one level)."""
+def _enqueue(scripts: Scripts, keys: QueueKeys, costs: list[int], envelope: bytes,
+             path: str = "sets") -> list[str]:
+    """Requests of these costs, the cheap ones (<= 32) NORMAL and the others LOW (two
+    levels). path "sets": the pop reads the bucket sets; "window": the first request is
+    in no set (as an older version listed it), so the pop weighs its whole window."""
     requests = [NewRequest(id=uuid.uuid4().hex, priority=1 if cost <= 32 else 2,
                            deadline_ms=0, envelope=envelope, cost=cost) for cost in costs]
     script_keys, args = enqueue_call(keys, "", requests, 60)
     assert int(scripts.enqueue(keys=script_keys, args=args)[0]) == 1
+    if path == "window":
+        scripts.client.zrem(keys.bucket_set(1), requests[0].id)
     return [r.id for r in requests]
 
 
+@pytest.mark.parametrize("path", ["sets", "window"])
 def test_a_pop_takes_costs_from_the_costs_hash_not_from_the_jobs_values(shared_redis,
-                                                                        queue):
+                                                                        queue, path):
     """fifo, cost_buckets "32", batch 4: one short request, then seven long ones (another
-    level: the pop weighs all eight). Their jobs values are rewritten without meta (as if
-    the pop could not read their cost from them): the pop still groups them by the cost
-    they were enqueued with, so the batch is the short request alone."""
+    level). Their jobs values are rewritten without meta (as if the pop could not read
+    their cost from them): the pop still groups them by the cost they were enqueued with,
+    so the batch is the short request alone, whether it reads the bucket sets or weighs
+    all eight."""
     configure(shared_redis.url, queue, strategy="fifo", max_batch_size=4, cost_buckets="32")
     client, keys = shared_redis.client(), QueueKeys(queue)
     scripts = Scripts(client)
-    ids = _enqueue(scripts, keys, [8] + [100] * 7, orjson.dumps({"v": 1, "payload": 1}))
+    ids = _enqueue(scripts, keys, [8] + [100] * 7, orjson.dumps({"v": 1, "payload": 1}), path)
     for rid in ids[1:]:
         meta, envelope = split_job(client.hget(keys.jobs, rid))
         assert meta is not None and meta.cost == 100
@@ -157,12 +164,14 @@ def _pop_ms(client, scripts: Scripts, keys: QueueKeys, pops: int) -> float:
     return min(took)
 
 
+@pytest.mark.parametrize("path", ["sets", "window"])
 def test_a_pops_work_does_not_grow_with_the_payloads_of_the_requests_it_weighs(
-        shared_redis, queue):
+        shared_redis, queue, path):
     """dynamic (nothing due for a minute), cost_buckets "32", batch 4: a pop weighs the
-    costs of the six waiting requests (on two levels). With 4 MB payloads it takes no
-    longer than with 1-byte ones (reading them would copy 24 MB into the script: several
-    ms at least): the least of 5 pops each, within 2 ms plus twice the small one's."""
+    six waiting requests (on two levels; from the bucket sets, or the costs of its whole
+    window). With 4 MB payloads it takes no longer than with 1-byte ones (reading them
+    would copy 24 MB into the script: several ms at least): the least of 5 pops each,
+    within 2 ms plus twice the small one's."""
     client = shared_redis.client()
     scripts = Scripts(client)
     client.config_set("slowlog-log-slower-than", 0)
@@ -172,7 +181,7 @@ def test_a_pops_work_does_not_grow_with_the_payloads_of_the_requests_it_weighs(
             keys = QueueKeys(f"{queue}-{size}")
             configure(shared_redis.url, keys.queue, strategy="dynamic", max_batch_size=4,
                       max_queue_delay_ms=60_000, cost_buckets="32")
-            _enqueue(scripts, keys, [8, 100] * 3, b"x" * size)
+            _enqueue(scripts, keys, [8, 100] * 3, b"x" * size, path)
             times[size] = _pop_ms(client, scripts, keys, 5)
             client.delete(*keys.shared)
     finally:

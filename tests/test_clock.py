@@ -140,7 +140,12 @@ def stepped_redis(tmp_path, monkeypatch):
         env.setenv("CLOCKSTEP_FILE", str(offset))
         server = RedisServer()
     assert "LD_PRELOAD" not in os.environ or os.environ["LD_PRELOAD"] != str(shim)
-    yield server, lambda us: offset.write_text(str(us))
+    def step(us: int) -> None:  # whole: a torn read (an empty file) would be no step at all
+        part = offset.with_suffix(".part")
+        part.write_text(str(us))
+        part.replace(offset)
+
+    yield server, step
     server.close()
 
 

@@ -426,3 +426,26 @@ def test_the_policy_action_on_an_auto_queue_applies_the_delay_posted(shared_redi
         assert back.status_code == 200, back.text
         stored = read_policy(client, queue)
         assert (stored.delay_mode, stored.max_queue_delay_ms) == ("auto", 7)
+
+
+@pytest.mark.parametrize("strategy", ["evil", "", 5, ["fifo"], {"a": 1}])
+def test_the_policy_action_refuses_an_unknown_strategy_naming_it(shared_redis, queue,
+                                                                  strategy):
+    """A strategy the policy does not know is a 400 naming the field, and nothing is
+    stored (it was a 500: the change looked the strategy up before validating it)."""
+    from fastapi.testclient import TestClient
+
+    from batchgate.dashboard.app import create_app
+    from scheduler_core.admin import read_policy, store_policy
+    from scheduler_core.policy import Policy
+
+    client = shared_redis.client()
+    store_policy(client, queue, Policy.build("dynamic"), replace=True)
+    before = read_policy(client, queue)
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    with TestClient(create_app(client, token=TOKEN)) as http:
+        answer = http.post(f"/api/queues/{queue}/policy", json={"strategy": strategy},
+                           headers=auth)
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["field"] == "strategy"
+    assert read_policy(client, queue) == before

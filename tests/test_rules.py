@@ -161,11 +161,12 @@ def meta(r: Request) -> str:
 
 
 def run_case(client, scripts: Scripts, rng: random.Random) -> tuple[
-        Case, list, int, int, list[list[str]], set[str]]:
+        Case, list, int, int, list[list[str]], set[str], set[str]]:
     """Build the case's state through the real keys (as enqueue.lua writes them, aged and
     re-delivered ones as aging and requeue_expired.lua leave them, delayed ones as
     expire_due.lua does), run pop_batch.lua; (case, reply, TIME before, TIME after,
-    pending ids per level and delayed ids after, the deadlines zset's ids after)."""
+    pending ids per level and delayed ids after, the deadlines zset's ids after, the ids
+    in the cost bucket sets after)."""
     sec, usec = client.time()
     t0 = sec * 1_000_000 + usec
     case = random_case(rng, t0)
@@ -185,10 +186,14 @@ def run_case(client, scripts: Scripts, rng: random.Random) -> tuple[
             for r in requests:
                 if listed[r.id]:  # as enqueue.lua (requeue, retry) list them
                     pipe.zadd(keys.bucket_set(listed[r.id]), {r.id: r.arrival_us})
-            # Their costs entries, as enqueue.lua writes them; every other request has
-            # none, as if listed by an older version (the pop reads its jobs value).
-            pipe.hset(keys.costs, mapping={r.id: cost_record(r.cost, listed[r.id])
-                                           for r in requests[::2]})
+            # Their costs entries, as enqueue.lua writes them; every third has one without
+            # the priority and every third none, as if listed by older versions (the pop
+            # reads what is missing from its jobs value).
+            pipe.hset(keys.costs, mapping={r.id: cost_record(r.cost, listed[r.id], r.priority)
+                                           for r in requests[::3]})
+            if requests[1::3]:
+                pipe.hset(keys.costs, mapping={r.id: cost_record(r.cost, listed[r.id])
+                                               for r in requests[1::3]})
     # ARGV[3] (prefer) and ARGV[4] (delay) are absent, as consumers without them send.
     optional = [case.prefer] if case.prefer or case.delay_ms is not None else []
     if case.delay_ms is not None:
@@ -200,12 +205,23 @@ def run_case(client, scripts: Scripts, rng: random.Random) -> tuple[
         pipe.zrange(keys.pending(level), 0, -1)
     pipe.zrange(keys.delayed, 0, -1)
     pipe.zrange(keys.deadlines, 0, -1)
+    for b in range(1, 6):
+        pipe.zrange(keys.bucket_set(b), 0, -1)
     pipe.delete(*keys.shared)
     replies = pipe.execute()
-    reply, now = replies[-8], int(replies[-7])
-    after = [[x.decode() for x in ids] for ids in replies[-6:-2]]
-    deadlines_after = {x.decode() for x in replies[-2]}
-    return case, reply, t0, now, after, deadlines_after
+    reply, now = replies[-13], int(replies[-12])
+    after = [[x.decode() for x in ids] for ids in replies[-11:-7]]
+    deadlines_after = {x.decode() for x in replies[-7]}
+    sets_after = {x.decode() for ids in replies[-6:-1] for x in ids}
+    return case, reply, t0, now, after, deadlines_after, sets_after
+
+
+def listed_left(case: Case, decision) -> set[str]:
+    """The ids in the cost bucket sets after the pop: a popped request leaves its set."""
+    if not case.stored.bucket_bounds:
+        return set()
+    gone = set(decision.ids) if isinstance(decision, Batch) else set()
+    return {r.id for level in case.levels for r in level} - gone
 
 
 def ids_after(case: Case, decision) -> list[list[str]]:
@@ -232,7 +248,8 @@ def test_decide_makes_the_decisions_of_pop_batch_lua(shared_redis):
             "dedicated batch": 0, "dedicated, none in view": 0}
     started = time.monotonic()
     for i in range(CASES):
-        case, reply, t0, now, after, deadlines_after = run_case(client, scripts, rng)
+        case, reply, t0, now, after, deadlines_after, sets_after = run_case(client, scripts,
+                                                                            rng)
         where = f"case {i}: {case.policy}, prefer {case.prefer}, levels {case.levels}, " \
                 f"reply {reply}"
         assert t0 <= now, where
@@ -292,6 +309,8 @@ def test_decide_makes_the_decisions_of_pop_batch_lua(shared_redis):
                 seen["bucket cut"] += cut_bucket
         assert after == ids_after(case, expected), where  # the aging moves and the pops
         assert deadlines_after == deadlines_left(case, expected), where
+        # A batch leaves its bucket sets (by one range removal where it is a run of one).
+        assert sets_after == listed_left(case, expected), where
         seen["promoted"] += len(expected.promoted)
     took = time.monotonic() - started
     # Every outcome is exercised, many times over.

@@ -238,7 +238,7 @@ local function fair_units(f, ids, costs)
     return units
   end
   local raw = read_in_chunks('HMGET', f.costs, ids)
-  for i = 1, #ids do  -- "<cost>:<bucket>" (_queue.lua's cost_record)
+  for i = 1, #ids do  -- "<cost>:<bucket>:<prio>" (_queue.lua's cost_record)
     units[i] = tonumber(raw[i] and string.match(raw[i], '^(%d+):') or '1') or 1
   end
   return units

@@ -19,28 +19,33 @@ local function wake_buckets(bucket_markers, n)
   for b = 1, n do wake_bucket(bucket_markers, b) end
 end
 
--- costs[id] while request `id` waits (pending or delayed): "<cost>:<bucket>", its cost
--- and the cost bucket set it is listed in (0: none), so that a pop learns costs without
--- reading the jobs value (its payload), and every exit takes the id out of the set it
--- was put in, whatever cost_buckets says by then (wire.cost_record).
-local function cost_record(cost, bucket)
-  if cost == 1 and bucket == 0 then return '1:0' end  -- the usual one, without a format
-  return int(cost) .. ':' .. bucket
+-- costs[id] while request `id` waits (pending or delayed): "<cost>:<bucket>:<priority>",
+-- its cost, the cost bucket set it is listed in (0: none) and the priority it was
+-- submitted at, so that a pop learns costs (and aging the priority) without reading the
+-- jobs value (its payload), and every exit takes the id out of the set it was put in,
+-- whatever cost_buckets says by then (wire.cost_record). prio nil: "<cost>:<bucket>",
+-- as an older version wrote it.
+local function cost_record(cost, bucket, prio)
+  -- The usual one, cost 1 and no bucket, without a format.
+  local head = (cost == 1 and bucket == 0) and '1:0' or int(cost) .. ':' .. bucket
+  if prio then return head .. ':' .. prio end
+  return head
 end
 
--- The cost and bucket set of a costs value; nil where there is none (a request listed
--- before the costs hash existed, or written by hand). A queue has few distinct costs:
--- each value is matched once per call.
+-- The cost, bucket set and priority (nil if not recorded: an older version's) of a costs
+-- value; nil where there is none (a request listed before the costs hash existed, or
+-- written by hand). A queue has few distinct costs: each value is matched once per call.
 local RECORDS = {}
 local function read_cost_record(raw)
   if not raw then return nil end
   local r = RECORDS[raw]
   if r == nil then
-    local c, b = string.match(raw, '^(%d+):([0-5])$')
-    r = (c and #c <= 10) and {tonumber(c), tonumber(b)} or false
+    local c, b, p = string.match(raw, '^(%d+):([0-5]):([0-2])$')
+    if not c then c, b = string.match(raw, '^(%d+):([0-5])$') end
+    r = (c and #c <= 10) and {tonumber(c), tonumber(b), tonumber(p)} or false
     RECORDS[raw] = r
   end
-  if r then return r[1], r[2] end
+  if r then return r[1], r[2], r[3] end
   return nil
 end
 
@@ -54,13 +59,13 @@ local RELIST = '~relist'
 -- with cost buckets (`bounds` not empty), its bucket's set, score = arrival, so that a
 -- consumer dedicated to the bucket finds it however many requests of other buckets wait
 -- ahead of it (pop_batch's read_views).
-local function list_waiting(costs, bucket_sets, bounds, id, cost, arrival)
+local function list_waiting(costs, bucket_sets, bounds, id, cost, arrival, prio)
   local b = 0
   if #bounds > 0 then
     b = bucket_of(bounds, cost)
     redis.call('ZADD', bucket_sets[b], int(arrival), id)
   end
-  redis.call('HSET', costs, id, cost_record(cost, b))
+  redis.call('HSET', costs, id, cost_record(cost, b, prio))
 end
 
 -- Requests `ids` stop waiting (popped, cancelled, expired, dropped): out of the bucket set
@@ -174,7 +179,7 @@ local function return_to_waiting(pending, costs, deadlines, bucket_sets, bounds,
   local prio, arrival = 2, now
   if m then prio, arrival = m.prio, m.arrival end
   redis.call('ZADD', pending[prio + 1], int(arrival), id)
-  list_waiting(costs, bucket_sets, bounds, id, m and m.cost or 1, arrival)
+  list_waiting(costs, bucket_sets, bounds, id, m and m.cost or 1, arrival, prio)
   if m and m.deadline > 0 then redis.call('ZADD', deadlines, m.deadline_s, id) end
   if fair then
     fair_list(fair, {{prio, m and envelope_tenant(m.envelope) or nil, arrival, id}})

@@ -8,7 +8,7 @@ KEYS[2]  {bg:q}:pending:0     zset  HIGH
 KEYS[3]  {bg:q}:pending:1     zset  NORMAL
 KEYS[4]  {bg:q}:pending:2     zset  LOW
 KEYS[5]  {bg:q}:jobs          hash  id -> "<meta>|<envelope>"
-KEYS[6]  {bg:q}:costs         hash  id -> "<cost>:<bucket>" while waiting
+KEYS[6]  {bg:q}:costs         hash  id -> "<cost>:<bucket>:<prio>" while waiting
 KEYS[7]  {bg:q}:stats         hash  counters
 KEYS[8]  {bg:q}:owner         hash  id -> batch id while in flight
 KEYS[9]  {bg:q}:deadlines     zset  pending id -> deadline (µs)

@@ -7,7 +7,7 @@ KEYS[2]  {bg:q}:pending:0     zset   HIGH
 KEYS[3]  {bg:q}:pending:1     zset   NORMAL
 KEYS[4]  {bg:q}:pending:2     zset   LOW
 KEYS[5]  {bg:q}:jobs          hash   id -> "<meta>|<envelope>"
-KEYS[6]  {bg:q}:costs         hash   id -> "<cost>:<bucket>": a retried request's entry
+KEYS[6]  {bg:q}:costs         hash   id -> "<cost>:<bucket>:<prio>": a retried request's entry
 KEYS[7]  {bg:q}:clock         string last arrival score issued
 KEYS[8]  {bg:q}:marker        zset   wake-up marker for idle consumers
 KEYS[9]  {bg:q}:stats         hash   counters (dead_retried, dead_purged); the queue's clock
@@ -96,7 +96,7 @@ for i = 1, n do
       bounds = stored_bounds(policy)
       fair = fair_open(policy, fair_sets, fair_counters, fair_who)
     end
-    list_waiting(costs, bucket_sets, bounds, id, m and m.cost or 1, arrival)
+    list_waiting(costs, bucket_sets, bounds, id, m and m.cost or 1, arrival, prio)
     fair_list(fair, {{prio, job_tenant(raw), arrival, id}})
     redis.call('ZREM', dead, id)
     redis.call('HDEL', dead_reason, id)

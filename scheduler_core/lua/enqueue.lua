@@ -10,7 +10,7 @@ KEYS[2]  {bg:q}:pending:0   zset   HIGH
 KEYS[3]  {bg:q}:pending:1   zset   NORMAL
 KEYS[4]  {bg:q}:pending:2   zset   LOW
 KEYS[5]  {bg:q}:jobs        hash   id -> "<meta>|<envelope>" (_common.lua's format_job)
-KEYS[6]  {bg:q}:costs       hash   id -> "<cost>:<bucket>" of each new request (_queue.lua's
+KEYS[6]  {bg:q}:costs       hash   id -> "<cost>:<bucket>:<prio>" of each new request (_queue.lua's
                                    cost_record): what a pop reads of it to learn its cost
 KEYS[7]  {bg:q}:clock       string the queue's clock and last arrival score issued (queue_now)
 KEYS[8]  {bg:q}:marker      zset   wake-up marker for idle consumers
@@ -381,7 +381,7 @@ for i = 0, n - 1 do
       fair_adds[#fair_adds + 1] = {prio, envelope_tenant(ARGV[base + 3]), arrival, id}
     end
     cost_fields[#cost_fields + 1] = id
-    cost_fields[#cost_fields + 1] = cost_record(cost, b)
+    cost_fields[#cost_fields + 1] = cost_record(cost, b, prio)
     depth[prio + 1] = depth[prio + 1] + 1
     total = total + 1
   end

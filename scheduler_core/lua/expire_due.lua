@@ -14,7 +14,7 @@ KEYS[2]  {bg:q}:pending:0   zset  HIGH
 KEYS[3]  {bg:q}:pending:1   zset  NORMAL
 KEYS[4]  {bg:q}:pending:2   zset  LOW
 KEYS[5]  {bg:q}:jobs        hash  id -> "<meta>|<envelope>" (deadline cleared when delayed)
-KEYS[6]  {bg:q}:costs       hash  id -> "<cost>:<bucket>" while waiting: an expired one's
+KEYS[6]  {bg:q}:costs       hash  id -> "<cost>:<bucket>:<prio>" while waiting: an expired one's
                                   entry goes (a delayed one still waits: it keeps it)
 KEYS[7]  {bg:q}:clock       string last arrival score issued (the queue's clock: queue_now)
 KEYS[8]  {bg:q}:marker      zset  wake-up marker (a delayed request may be due at once)

@@ -45,7 +45,7 @@ KEYS[3]  {bg:q}:pending:1   zset  NORMAL
 KEYS[4]  {bg:q}:pending:2   zset  LOW
 KEYS[5]  {bg:q}:jobs        hash  id -> "<meta>|<envelope>" (read only: the delivery in
                                   progress is the stored attempts + 1)
-KEYS[6]  {bg:q}:costs       hash  id -> "<cost>:<bucket>" of each waiting request: the
+KEYS[6]  {bg:q}:costs       hash  id -> "<cost>:<bucket>:<prio>" of each waiting request: the
                                   costs a pop reads (never the payload); a batch's
                                   entries go. An id without one (listed by an older
                                   version) is read from jobs. Its RELIST field, while
@@ -117,10 +117,13 @@ makes (written by hand) is dead-lettered here, never delivered; if that leaves n
 the reply is {0, 0} (pop again at once).
 Work is bounded: at most 2 x max_batch_size promotions, max_batch_size retries moved
 back and max_batch_size pops per call;
-with costs, at most (buckets x max_batch_size) requests read per level (at most 5 x 4096);
+with costs, at most (buckets x max_batch_size) requests read per level (at most 5 x 4096):
+from the bucket sets (pick_from_sets: the groups it looks at, and at most twice the
+window of ids of other levels passed over) or else the window;
 a dedicated consumer reads as many of its bucket's set, and their levels (ZMSCORE), plus
-at most STALE_BUDGET ids no longer waiting. Costs come from the costs hash: a pop's work
-does not grow with payload size (it reads the payloads of its batch only).
+at most STALE_BUDGET ids no longer waiting. Costs come from the costs hash, and aging's
+submitted priorities too: a pop's work does not grow with payload size (it reads the
+payloads of its batch only).
 The body runs as named steps: read_policy, past_deadline, relist_step (after a
 cost_buckets change: at most RELIST_STEP costs entries), promote_aged, read_views (a
 dedicated consumer), choose (pick_costed when costs are on) or take_delayed,
@@ -219,9 +222,19 @@ local function promote_aged(rules, now)
   for i = 1, #twice, 2 do move(1, 0, twice[i], twice[i + 1]) end
   local once = redis.call('ZRANGEBYSCORE', pending_normal, '(' .. int(now - 2 * aging),
                           int(now - aging), 'WITHSCORES', 'LIMIT', 0, limit)
-  for i = 1, #once, 2 do
-    local m = parse_job(redis.call('HGET', jobs, once[i]))
-    if not m or m.prio <= 1 then move(1, 0, once[i], once[i + 1]) end
+  if #once == 0 then return end
+  -- Those submitted LOW stay: the priority from the costs entries, never from the jobs
+  -- values (payloads); from those only where an older version wrote the entry.
+  local ids = {}
+  for i = 1, #once, 2 do ids[#ids + 1] = once[i] end
+  local entries = read_in_chunks('HMGET', costs, ids)
+  for k, id in ipairs(ids) do
+    local prio = select(3, read_cost_record(entries[k]))
+    if not prio then
+      local m = parse_job(redis.call('HGET', jobs, id))
+      prio = m and m.prio or 0
+    end
+    if prio <= 1 then move(1, 0, id, once[2 * k]) end
   end
 end
 
@@ -248,8 +261,8 @@ end
 -- from their costs entries; for one without (listed by an older version) its cost from
 -- its jobs value and its set nil.
 local function read_costs(ids)
-  local cost_of, set_of, missing = {}, {}, {}
-  if #ids == 0 then return cost_of, set_of end
+  local cost_of, set_of, prio_of, missing = {}, {}, {}, {}
+  if #ids == 0 then return cost_of, set_of, prio_of end
   local raw = cost_entries(ids)
   for i = 1, #ids do
     local v = raw[i]
@@ -258,7 +271,11 @@ local function read_costs(ids)
       read_cost_record(v)
       r = RECORDS[v]
     end
-    if r then cost_of[i], set_of[i] = r[1], r[2] else missing[#missing + 1] = ids[i] end
+    if r then
+      cost_of[i], set_of[i], prio_of[i] = r[1], r[2], r[3]
+    else
+      missing[#missing + 1] = ids[i]
+    end
   end
   if #missing > 0 then
     local values, j = read_in_chunks('HMGET', jobs, missing), 0
@@ -269,7 +286,7 @@ local function read_costs(ids)
       end
     end
   end
-  return cost_of, set_of
+  return cost_of, set_of, prio_of
 end
 
 -- Ids of its bucket's set a dedicated pop reads beyond its window, at most, when it meets
@@ -303,7 +320,7 @@ local function read_views(rules)
     for i in ipairs(ids) do
       if level_of[i] then live[#live + 1], at[#live + 1] = ids[i], i end
     end
-    local cost_of, set_of = read_costs(live)
+    local cost_of, set_of, prio_of = read_costs(live)
     local gone, seen = {}, {}
     for j, id in ipairs(live) do
       local i, cost, listed = at[j], cost_of[j], set_of[j]
@@ -313,7 +330,7 @@ local function read_views(rules)
         if listed and listed > 0 and listed ~= rules.only then
           redis.call('ZREM', bucket_sets[listed], id)
         end
-        redis.call('HSET', costs, id, cost_record(cost, b))
+        redis.call('HSET', costs, id, cost_record(cost, b, prio_of[j]))
       end
       if b ~= rules.only then
         gone[#gone + 1] = id
@@ -348,7 +365,7 @@ local function relist_step(rules)
   local entries, moved = scan[2], {}
   for k = 1, #entries, 2 do
     local id = entries[k]
-    local cost, listed = read_cost_record(entries[k + 1])
+    local cost, listed, prio = read_cost_record(entries[k + 1])
     local want = cost and (#rules.bounds > 0 and bucket_of(rules.bounds, cost) or 0)
     if want and want ~= listed then
       local arrival = listed > 0 and redis.call('ZSCORE', bucket_sets[listed], id)
@@ -364,7 +381,7 @@ local function relist_step(rules)
           redis.call('ZADD', bucket_sets[want], arrival, id)
           moved[want] = true
         end
-        redis.call('HSET', costs, id, cost_record(cost, want))
+        redis.call('HSET', costs, id, cost_record(cost, want, prio))
       end
     end
   end
@@ -497,75 +514,199 @@ local function candidates(rules, count, levels)
   end
 end
 
--- pick_costed's batch read from the bucket sets instead of the window, where they list
--- exactly the requests of the one level that waits: a bucket's group is the head of its
--- set (up to the window's last arrival), so only the groups looked at are read, and the
--- costs of their requests only (none without a budget). Returns false where that does
--- not hold, and the window is read: other levels or delayed requests wait, the sets are
--- being relisted, their sizes do not add up to the level's (an older version's ids),
--- arrivals tie (at the window's edge, or two buckets' oldest), or a chosen id does not
--- wait in the level.
+-- pick_costed's batch read from the bucket sets instead of the window: a bucket's group is
+-- the head of its set, less ids waiting in other levels than `levels`, up to the window's
+-- last arrival; so only the groups looked at are read, and the costs of their requests
+-- only (none without a budget), whichever levels wait. Returns false where that does not
+-- hold, and the window is read: tenants are served fairly, the sets are being relisted,
+-- their sizes do not add up to the queue's (an older version's ids), a listed id waits
+-- nowhere it should, the sets hold more than `window` ids between the oldest of `levels`
+-- and the window's edge (mostly other levels'), or arrivals tie (within a group, at the
+-- window's edge, or two buckets' oldest).
 local function pick_from_sets(rules, count, levels, now, due_only)
   if views or fair or #rules.bounds == 0 or rules.relisting then return false end
-  local level
+  local mine, n = {}, 0  -- the levels picked from that have requests, and their total
   for _, l in ipairs(levels) do
-    if count[l + 1] > 0 then
-      if level then return false end
-      level = l
-    end
+    if count[l + 1] > 0 then mine[#mine + 1], n = l, n + count[l + 1] end
   end
-  if not level or count[1] + count[2] + count[3] + count[4] ~= count[level + 1] then
-    return false
-  end
-  local key, n, listed = pending[level + 1], count[level + 1], 0
-  for b = 1, #bucket_sets do listed = listed + redis.call('ZCARD', bucket_sets[b]) end
-  if listed ~= n then return false end
-  local bound = '+inf'
-  if n > rules.window then
-    local edge = redis.call('ZRANGE', key, rules.window - 1, rules.window, 'WITHSCORES')
-    if tonumber(edge[4]) == tonumber(edge[2]) then return false end
-    bound = edge[2]
-  end
-  local firsts = {}  -- per bucket in the window: its oldest, in arrival order
+  if n == 0 then return false end
+  local nb, listed = bucket_count(rules.bounds), 0
   for b = 1, #bucket_sets do
-    local first = redis.call('ZRANGEBYSCORE', bucket_sets[b], '-inf', bound, 'WITHSCORES',
-                             'LIMIT', 0, 1)
-    if first[1] then
-      if b > bucket_count(rules.bounds) then return false end
-      firsts[#firsts + 1] = {bucket = b, id = first[1], score = tonumber(first[2])}
+    local size = redis.call('ZCARD', bucket_sets[b])
+    if size > 0 and b > nb then return false end
+    listed = listed + size
+  end
+  if listed ~= count[1] + count[2] + count[3] + count[4] then return false end
+  local exact = listed == n  -- every listed id waits in `mine`
+  local window = rules.window
+  -- The window's edge (one level and more than the window): its last arrival and the
+  -- next one's, as Redis gives them.
+  local edge
+  if #mine == 1 and n > window then
+    edge = redis.call('ZRANGE', pending[mine[1] + 1], window - 1, window, 'WITHSCORES')
+  end
+  -- Whether arrival `score` (a string, as Redis gave it) is among the window's: true,
+  -- false, or nil where the window's edge is a tie (its order is the window's to say).
+  local function in_window(score)
+    if n <= window then return true end
+    if edge then
+      local s, last = tonumber(score), tonumber(edge[2])
+      if s < last then return true end
+      if s > last then return false end
+      return last ~= tonumber(edge[4]) or nil
+    end
+    local le, lt = 0, 0
+    for _, l in ipairs(mine) do le = le + redis.call('ZCOUNT', pending[l + 1], '-inf', score) end
+    if le <= window then return true end
+    for _, l in ipairs(mine) do
+      lt = lt + redis.call('ZCOUNT', pending[l + 1], '-inf', '(' .. score)
+    end
+    if lt >= window then return false end
+    return nil
+  end
+  -- Where other levels wait too, a walk reads the sets from the oldest arrival in `mine`
+  -- to the window's edge: those waiting longer elsewhere (the usual case: LOW behind a
+  -- HIGH flood) are never read; and only where those sets' ids in that span are no more
+  -- than the window (else they are mostly of other levels: the window is read instead).
+  local from, to = '-inf', '+inf'
+  if not exact then
+    local first
+    for _, l in ipairs(mine) do
+      local head = redis.call('ZRANGE', pending[l + 1], 0, 0, 'WITHSCORES')
+      if not first or tonumber(head[2]) < first then first, from = tonumber(head[2]), head[2] end
+    end
+    if edge then to = edge[2] end
+    local span = 0
+    for b = 1, nb do span = span + redis.call('ZCOUNT', bucket_sets[b], from, to) end
+    if span > window then return false end
+  end
+  -- Up to `want` requests of bucket b's set that wait in `mine`, in the set's order:
+  -- {ids, raw (their scores as Redis gave them), score, level}, each by index, the scores
+  -- and levels from the levels' zsets; nil where the set and the levels disagree or
+  -- arrivals tie.
+  local function walk(b, want)
+    local g = {ids = {}, raw = {}, score = {}, level = {}}
+    local at, prev, k = 0, nil, 0
+    while k < want do
+      local n_read = exact and want - k or math.max(want - k, at)
+      local ids = redis.call('ZRANGEBYSCORE', bucket_sets[b], from, to, 'LIMIT', at, n_read)
+      if #ids == 0 then break end
+      at = at + #ids
+      local raw, level = redis.call('ZMSCORE', pending[mine[1] + 1], unpack(ids)), mine[1]
+      if #mine > 1 then  -- the level of each: the first of `mine` that has it
+        local left, left_at = ids, nil  -- left_at: nil, all of ids
+        raw, level = {}, {}
+        for _, l in ipairs(mine) do
+          if #left == 0 then break end
+          local scores, rest, rest_at = redis.call('ZMSCORE', pending[l + 1], unpack(left)), {}, {}
+          for i = 1, #left do
+            local j = left_at and left_at[i] or i
+            if scores[i] then
+              raw[j], level[j] = scores[i], l
+            else
+              rest[#rest + 1], rest_at[#rest + 1] = left[i], j
+            end
+          end
+          left, left_at = rest, rest_at
+        end
+      end
+      for j = 1, #ids do
+        local r = raw[j]
+        if r then
+          local score = tonumber(r)
+          if prev and score <= prev then return nil end  -- a tie, or out of order
+          prev = score
+          if k < want then
+            k = k + 1
+            g.ids[k], g.raw[k], g.score[k] = ids[j], r, score
+            g.level[k] = type(level) == 'table' and level[j] or level
+          end
+        elseif exact then
+          return nil
+        elseif k > 0 and not g.gap_at then
+          g.gap_at = k  -- the ids after the k-th are not next to it in the set
+        end
+      end
+      if #ids < n_read then break end  -- the set's end
+    end
+    return g
+  end
+  local firsts = {}  -- per bucket: its oldest, in arrival order (in the window or not)
+  for b = 1, nb do
+    local head
+    if exact then  -- its set's first: the group's walk checks it against the levels
+      local item = redis.call('ZRANGE', bucket_sets[b], 0, 0, 'WITHSCORES')
+      head = {raw = {item[2]}, score = {tonumber(item[2])}}
+    else
+      head = walk(b, 1)
+      if not head then return false end
+    end
+    if head.raw[1] then
+      firsts[#firsts + 1] = {bucket = b, score = head.score[1], raw = head.raw[1]}
     end
   end
   table.sort(firsts, function(x, y) return x.score < y.score end)
   for k = 2, #firsts do  -- a tie: the zset's order (by id) decides, left to the window
     if firsts[k].score == firsts[k - 1].score then return false end
   end
-  local function due(b, first)
-    local ids = redis.call('ZRANGEBYSCORE', bucket_sets[b], '-inf', bound, 'LIMIT', 0,
-                           rules.batch_size)
-    local cost_of, group = {}, {}
-    if rules.budget > 0 then cost_of = read_costs(ids) end
-    for i = 1, #ids do
-      group[i], cost_of[i] = i, cost_of[i] or 1
+  -- Whether a bucket's oldest is in the window (a group of it): asked only of those
+  -- looked at; the oldest of all is, where every request waiting is in `mine`.
+  local function seen(k)
+    if k == 1 and exact then return true end
+    return in_window(firsts[k].raw)
+  end
+  local function due(first)
+    local g = walk(first.bucket, rules.batch_size)
+    if not g or g.score[1] ~= first.score then return false end
+    local m = #g.ids
+    if n > window then  -- the group ends at the window's edge: ranks grow with arrival
+      local last = in_window(g.raw[m])
+      if last == nil then return false end
+      if not last then
+        local lo, hi = 1, m  -- g[lo] is in the window, g[hi] is not
+        while hi - lo > 1 do
+          local mid = math.floor((lo + hi) / 2)
+          local w = in_window(g.raw[mid])
+          if w == nil then return false end
+          if w then lo = mid else hi = mid end
+        end
+        m = lo
+      end
     end
-    local chosen, full = fit(rules, group, cost_of)
+    local taken, full  -- fit takes the group's first `taken`
+    if rules.budget > 0 then
+      local cost_of, indexes = read_costs({unpack(g.ids, 1, m)}), {}
+      for i = 1, m do indexes[i], cost_of[i] = i, cost_of[i] or 1 end
+      local chosen
+      chosen, full = fit(rules, indexes, cost_of)
+      taken = #chosen
+    else
+      taken = math.min(m, rules.batch_size)
+      full = taken == rules.batch_size
+    end
     if due_only and not full and now - first.score < rules.delay then return nil end
-    local names = {}
-    for k, i in ipairs(chosen) do names[k] = ids[i] end
-    local scores, out = redis.call('ZMSCORE', key, unpack(names)), {}
-    for k, name in ipairs(names) do
-      if not scores[k] then return false end
-      out[k] = {id = name, score = tonumber(scores[k]), level = level}
-    end
+    local out = {}
+    for i = 1, taken do out[i] = {id = g.ids[i], score = g.score[i], level = g.level[i]} end
+    -- Where nothing was passed over between them, the batch is a run of its set: commit
+    -- takes it out by one range removal, without reading its costs entries.
+    if not g.gap_at or taken <= g.gap_at then out.run_of = first.bucket end
     return out
   end
-  for _, first in ipairs(firsts) do
+  for k, first in ipairs(firsts) do
     if first.bucket == rules.prefer then
-      local chosen = due(first.bucket, first)
-      if chosen ~= nil then return chosen ~= false, chosen or nil end
+      local w = seen(k)
+      if w == nil then return false end
+      if w then
+        local chosen = due(first)
+        if chosen ~= nil then return chosen ~= false, chosen or nil end
+      end
     end
   end
-  for _, first in ipairs(firsts) do
-    local chosen = due(first.bucket, first)
+  for k, first in ipairs(firsts) do
+    local w = seen(k)  -- the later ones are younger: out of the window too
+    if w == nil then return false end
+    if not w then break end
+    local chosen = due(first)
     if chosen ~= nil then return chosen ~= false, chosen or nil end
   end
   return true, nil
@@ -688,7 +829,7 @@ local function take_delayed(rules, count, now)
 end
 
 -- Members whose id no producer makes (written by hand) leave the queue for the
--- dead-letter set instead of a batch.
+-- dead-letter set instead of a batch. `chosen` itself where none does.
 local function drop_malformed(chosen, now)
   local kept, dropped = {}, {}
   for _, c in ipairs(chosen) do
@@ -702,6 +843,7 @@ local function drop_malformed(chosen, now)
         'by hand: not 1-128 characters from letters, digits, _ . -'}}))
     end
   end
+  if #dropped == 0 then return chosen end
   unlist_waiting(costs, bucket_sets, dropped)
   return kept
 end
@@ -782,7 +924,22 @@ local function commit(rules, consumer, lease_ms, chosen, read, total, now)
   call_in_chunks('HSET', owner, owner_fields)  -- 2 x max_batch_size values
   fair_commit(fair, chosen)  -- counters, then out of the fair index (lua/_fair.lua)
   -- The batch leaves costs and the bucket sets its entries name (those it was put in).
-  local by_bucket = unlist_waiting(costs, bucket_sets, ids)
+  local by_bucket
+  local run = chosen.run_of  -- a run of one set (pick_from_sets; nothing dropped since)
+  if run then
+    -- One range removal, by arrival (the commands of the documented ACL rule), where
+    -- the range holds the batch alone; arrivals are unique, unless written by hand.
+    by_bucket = {[run] = ids}
+    local lo, hi = int(chosen[1].score), int(chosen[#chosen].score)
+    if redis.call('ZCOUNT', bucket_sets[run], lo, hi) == #ids then
+      redis.call('ZREMRANGEBYSCORE', bucket_sets[run], lo, hi)
+    else
+      call_in_chunks('ZREM', bucket_sets[run], ids)
+    end
+    call_in_chunks('HDEL', costs, ids)
+  else
+    by_bucket = unlist_waiting(costs, bucket_sets, ids)
+  end
   -- Tenants (lua/_tenants.lua): the batch's requests leave waiting for in flight.
   local tally = tenant_tally()
   for i = 1, #chosen do

@@ -13,7 +13,7 @@ KEYS[2]  {bg:q}:pending:0   zset  HIGH
 KEYS[3]  {bg:q}:pending:1   zset  NORMAL
 KEYS[4]  {bg:q}:pending:2   zset  LOW
 KEYS[5]  {bg:q}:jobs        hash  id -> "<meta>|<envelope>" (read only)
-KEYS[6]  {bg:q}:costs       hash  id -> "<cost>:<bucket>": a returned request's entry
+KEYS[6]  {bg:q}:costs       hash  id -> "<cost>:<bucket>:<prio>": a returned request's entry
 KEYS[7]  {bg:q}:clock       string last arrival score issued (the queue's clock: queue_now)
 KEYS[8]  {bg:q}:marker      zset  wake-up marker
 KEYS[9]  {bg:q}:stats       hash  counters (preempted, preempted_steps); the queue's clock

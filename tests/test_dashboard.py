@@ -3,6 +3,7 @@ headless Chromium (Debian's, driven by Playwright) with a real consumer."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -35,6 +36,30 @@ def start_dashboard(redis_url: str, *extra: str) -> ServerProcess:
     port = free_port()
     return ServerProcess([BATCHGATE, "dashboard", "--redis-url", redis_url, "--port", str(port),
                           *extra], port, ready_path="/api/config")
+
+
+@contextlib.contextmanager
+def queue_card(redis_url: str, queue: str) -> Iterator:
+    """A dashboard on `queue` in Chromium: the queue's card, unfolded (skips without
+    Playwright or Chromium)."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    if CHROMIUM is None:
+        pytest.skip("no chromium")
+    server = start_dashboard(redis_url, "--queue", queue)
+    try:
+        with sync_api.sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=CHROMIUM,
+                                         args=["--no-sandbox", "--disable-gpu"])
+            try:
+                page = browser.new_page(viewport={"width": 1200, "height": 1100})
+                page.goto(server.url + "/")
+                card = page.locator(f"section.queue[data-queue='{queue}']")
+                card.locator("h2").click()
+                yield card
+            finally:
+                browser.close()
+    finally:
+        server.close()
 
 
 @pytest.fixture

@@ -189,30 +189,14 @@ def test_the_dashboard_api_has_shares_and_jains_index(shared_redis, queue,
 
 
 def test_the_page_shows_shares_and_jains_index(shared_redis, queue, inprocess_consumer):
-    pytest.importorskip("fastapi")
     sync_api = pytest.importorskip("playwright.sync_api")
     import test_dashboard
-    if test_dashboard.CHROMIUM is None:
-        pytest.skip("no chromium")
     known_state(shared_redis.url, queue, inprocess_consumer)
     wait_for(lambda: queue_stats(shared_redis.client(), queue).tenants["idle"]["served"] == 1)
-    server = test_dashboard.start_dashboard(shared_redis.url, "--queue", queue)
-    try:
-        with sync_api.sync_playwright() as pw:
-            browser = pw.chromium.launch(executable_path=test_dashboard.CHROMIUM,
-                                         args=["--no-sandbox", "--disable-gpu"])
-            try:
-                page = browser.new_page(viewport={"width": 1200, "height": 1100})
-                page.goto(server.url + "/")
-                card = page.locator(f"section.queue[data-queue='{queue}']")
-                card.locator("h2").click()
-                sync_api.expect(card.locator(".tenant-total")).to_have_text(
-                    "(5; 3 backlogged, Jain's index 0.600 by cost)")
-                gold = card.locator(".tenants tbody tr", has_text="gold")
-                sync_api.expect(gold.locator("td").last).to_have_text("66.7%")
-                idle = card.locator(".tenants tbody tr", has_text="idle")
-                sync_api.expect(idle.locator("td").last).to_have_text("–")
-            finally:
-                browser.close()
-    finally:
-        server.close()
+    with test_dashboard.queue_card(shared_redis.url, queue) as card:
+        sync_api.expect(card.locator(".tenant-total")).to_have_text(
+            "(5; 3 backlogged, Jain's index 0.600 by cost)")
+        gold = card.locator(".tenants tbody tr", has_text="gold")
+        sync_api.expect(gold.locator("td").last).to_have_text("66.7%")
+        idle = card.locator(".tenants tbody tr", has_text="idle")
+        sync_api.expect(idle.locator("td").last).to_have_text("–")

@@ -414,30 +414,15 @@ def test_the_dashboard_shows_the_busiest_tenants_and_other(shared_redis, queue):
     pytest.importorskip("fastapi")
     sync_api = pytest.importorskip("playwright.sync_api")
     import test_dashboard
-    if test_dashboard.CHROMIUM is None:
-        pytest.skip("no chromium")
     with Producer(shared_redis.url, queue=queue) as p:
         for i in range(12):
             p.submit_many(list(range(i + 1)), tenant=f"t{i:02d}")
-    server = test_dashboard.start_dashboard(shared_redis.url, "--queue", queue)
-    try:
-        with sync_api.sync_playwright() as pw:
-            browser = pw.chromium.launch(executable_path=test_dashboard.CHROMIUM,
-                                         args=["--no-sandbox", "--disable-gpu"])
-            try:
-                page = browser.new_page(viewport={"width": 1200, "height": 1100})
-                page.goto(server.url + "/")
-                card = page.locator(f"section.queue[data-queue='{queue}']")
-                card.locator("h2").click()
-                rows = card.locator(".tenants tbody tr")
-                sync_api.expect(rows).to_have_count(11, timeout=10_000)  # 10 + other
-                sync_api.expect(rows.first).to_contain_text("t11")
-                sync_api.expect(rows.last).to_contain_text("other")
-                sync_api.expect(rows.last.locator("td").nth(1)).to_have_text("3")  # 1 + 2
-            finally:
-                browser.close()
-    finally:
-        server.close()
+    with test_dashboard.queue_card(shared_redis.url, queue) as card:
+        rows = card.locator(".tenants tbody tr")
+        sync_api.expect(rows).to_have_count(11, timeout=10_000)  # 10 + other
+        sync_api.expect(rows.first).to_contain_text("t11")
+        sync_api.expect(rows.last).to_contain_text("other")
+        sync_api.expect(rows.last.locator("td").nth(1)).to_have_text("3")  # 1 + 2
 
 
 def test_configure_stores_only_quotas_the_policy_reads_back(shared_redis, queue):

@@ -170,6 +170,16 @@ local function fair_settle(f, groups)
   if #keep > 0 then call_in_chunks('HSET', f.who, keep) end
 end
 
+-- Members (per level) leave the fair sets and ids `gone` leave who; then the tenants in
+-- `groups` settle (fair_settle).
+local function fair_remove(f, members, gone, groups)
+  for level = 1, 3 do
+    if #members[level] > 0 then call_in_chunks('ZREM', f.sets[level], members[level]) end
+  end
+  if #gone > 0 then call_in_chunks('HDEL', f.who, gone) end
+  fair_settle(f, groups)
+end
+
 -- Requests stop waiting: entries {level, arrival, id}; `tenants` (optional) their tenants
 -- by index, else read from who. Those not listed (delayed, retried, listed before
 -- fairness was on) are passed over.
@@ -197,11 +207,7 @@ local function fair_unlist(f, entries, tenants)
       g.gone[e[3]] = true
     end
   end
-  for level = 1, 3 do
-    if #members[level] > 0 then call_in_chunks('ZREM', f.sets[level], members[level]) end
-  end
-  if #gone > 0 then call_in_chunks('HDEL', f.who, gone) end
-  fair_settle(f, groups)
+  fair_remove(f, members, gone, groups)
 end
 
 -- Aging moved request `id` (arrival `score`) from level `from` to `to`.
@@ -524,11 +530,7 @@ local function fair_commit(f, chosen)
       gone[#gone + 1] = e[3]
     end
   end
-  for level = 1, 3 do
-    if #members[level] > 0 then call_in_chunks('ZREM', f.sets[level], members[level]) end
-  end
-  if #gone > 0 then call_in_chunks('HDEL', f.who, gone) end
-  fair_settle(f, others)
+  fair_remove(f, members, gone, others)
 end
 
 -- The oldest of candidates {id, score, level} (a fair order is not in arrival order).

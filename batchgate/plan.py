@@ -35,6 +35,9 @@ from scheduler_core.ops.simulation import (
 )
 from scheduler_core.policy import Policy
 
+# The cost settings a plan takes as given (stored for --queue, or the flags): not searched.
+COST_SETTINGS = ("max_cost", "over_cost", "max_batch_cost", "cost_mode", "cost_buckets")
+
 
 def _policy_line(option: Option) -> str:
     p = option.policy
@@ -54,6 +57,10 @@ def render(out: dict[str, Any], answer: Plan, target: Target) -> str:
     if target.slo_high_p99_ms is not None:
         goal += f", HIGH p99 <= {target.slo_high_p99_ms:g} ms"
     costs = f", costs {out['cost_mix']}" if out.get("cost_mix") else ""
+    # The cost settings planned with, where not the defaults (stored ones included).
+    default = Policy()
+    costs += "".join(f", {k} {v}" for k, v in out.get("cost_settings", {}).items()
+                     if v != getattr(default, k))
     lines = [f"{out['rate']:,g} req/s (mix {out['mix']}{costs}), target {goal}, t(b) = "
              f"{out['cost_ms']} ms", ""]
     best = answer.best
@@ -172,6 +179,15 @@ def plan_command(rate: float, slo_p99_ms: float, slo_high_p99_ms: float | None, 
                                     ("cost_mode", cost_mode), ("cost_buckets", cost_buckets))
                   if v is not None}
     base = replace(base, **cost_knobs)  # validated as Policy validates
+    if apply and base.cost_buckets and not mix_of_costs:
+        # Without a cost mix every simulated request costs 1: the buckets play no part in
+        # the plan, so the policy stored would not be the one planned.
+        raise InvalidRequest("cost_mix", f"the plan has cost_buckets {base.cost_buckets!r}"
+                                         f"{' (stored)' if cost_buckets is None else ''} "
+                                         "but no --cost-mix, so every simulated request "
+                                         "costs 1 and the buckets play no part: give "
+                                         "--cost-mix, or --cost-buckets '' to plan and "
+                                         "store none")
     if cost_ms is not None:
         model = CostModel.parse(cost_ms)
     else:
@@ -196,16 +212,18 @@ def plan_command(rate: float, slo_p99_ms: float, slo_high_p99_ms: float | None, 
     out.update({"rate": rate, "mix": mix, "slo_p99_ms": slo_p99_ms,
                 "slo_high_p99_ms": slo_high_p99_ms, "cost_ms": str(model).removesuffix(" ms"),
                 "cost_mix": cost_mix,
-                "max_consumers": max_consumers, "queue": queue, "applied": False})
+                "max_consumers": max_consumers, "queue": queue, "applied": False,
+                "cost_settings": {k: getattr(base, k) for k in COST_SETTINGS}})
     if apply:
         if answer.feasible and answer.best is not None and client is not None:
             from scheduler_core.admin import change_policy
 
             best = answer.best.policy
+            # The policy planned: its cost settings too, stored or given alike.
             change_policy(client, queue, {"strategy": best.strategy.value,
                                           "max_batch_size": best.max_batch_size,
                                           "max_queue_delay_ms": best.max_queue_delay_ms,
-                                          **cost_knobs})
+                                          **{k: getattr(best, k) for k in COST_SETTINGS}})
             out["applied"] = True
         else:
             click.echo("nothing applied: no configuration meets the target", err=True)

@@ -212,3 +212,45 @@ def test_after_a_cost_buckets_change_dedicated_consumers_find_every_request(
         assert [h.result(timeout=60) for h in listed] == [f"r{i}" for i in range(200)]
     assert bucket_ids(client, keys) == {}
     assert client.hlen(keys.costs) == 0
+
+
+def _pop_commands(client, scripts: Scripts, keys: QueueKeys) -> dict[str, int]:
+    """The Redis commands one pop runs (commandstats' calls, its script's included), for
+    a pop that finds nothing due."""
+    before = {k: v["calls"] for k, v in client.info("commandstats").items()}
+    assert int(scripts.pop_batch(keys=pop_keys(keys), args=["c1", 60_000])[0]) == 0
+    after = {k: v["calls"] for k, v in client.info("commandstats").items()}
+    return {k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)}
+
+
+def test_ids_in_a_set_beyond_the_bucket_count_leave_it_a_bounded_step_a_pop(shared_redis,
+                                                                           queue):
+    """cost_buckets "10,100,1000": 4 buckets, sets 1..4. 600 ids written by hand into
+    bucket 5's set, and a waiting request (cost 50, bucket 2) listed there instead of in
+    its own: each pop (nothing due for a minute) takes at most 256 of them out, the
+    waiting one moves to bucket 2's set, and once the set is empty a pop runs the same
+    Redis commands as on a queue that never had them (the bucket sets' path, where it
+    weighed the whole window while they stayed)."""
+    client = shared_redis.client()
+    scripts = Scripts(client)
+    clean, dirty = QueueKeys(f"{queue}-clean"), QueueKeys(f"{queue}-dirty")
+    for keys in (clean, dirty):
+        configure(shared_redis.url, keys.queue, strategy="dynamic", max_batch_size=4,
+                  max_queue_delay_ms=60_000, cost_buckets="10,100,1000")
+        ids = _enqueue(scripts, keys, [5, 50, 500, 5000] * 2, b"x")
+    moved = ids[1]
+    client.zadd(dirty.bucket_set(5), {f"junk-{i}": i for i in range(600)})
+    arrival = client.zscore(dirty.bucket_set(2), moved)
+    client.zrem(dirty.bucket_set(2), moved)
+    client.zadd(dirty.bucket_set(5), {moved: arrival})
+    client.hset(dirty.costs, moved, "50:5:2")
+    assert _pop_commands(client, scripts, clean) != _pop_commands(client, scripts, dirty)
+    left = [client.zcard(dirty.bucket_set(5))]
+    while left[-1] and len(left) < 10:
+        _pop_commands(client, scripts, dirty)
+        left.append(client.zcard(dirty.bucket_set(5)))
+    assert left == [601 - 256, 601 - 2 * 256, 0], left
+    assert bucket_ids(client, dirty) == bucket_ids(client, clean) == {1: 2, 2: 2, 3: 2, 4: 2}
+    assert client.zscore(dirty.bucket_set(2), moved) == arrival
+    assert split_cost_record(client.hget(dirty.costs, moved)) == (50, 2)
+    assert _pop_commands(client, scripts, clean) == _pop_commands(client, scripts, dirty)

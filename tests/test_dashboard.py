@@ -474,3 +474,38 @@ def test_the_policy_action_refuses_an_unknown_strategy_naming_it(shared_redis, q
     assert answer.status_code == 400, answer.text
     assert answer.json()["field"] == "strategy"
     assert read_policy(client, queue) == before
+
+
+def test_actions_on_a_queue_outside_the_queue_option_are_refused(shared_redis, queue):
+    """Started with --queue, the dashboard acts on those queues only: a policy change,
+    retry or purge on another is a 404 naming it, and none of its keys change (the
+    policy action used to write any queue's policy)."""
+    from fastapi.testclient import TestClient
+
+    from batchgate.dashboard.app import create_app
+    from scheduler_core.admin import store_policy
+    from scheduler_core.policy import Policy
+
+    client = shared_redis.client()
+    other = queue + "-outside"
+    store_policy(client, other, Policy.build("dynamic"), replace=True)
+    request_id = dead_letter(shared_redis.url, client, other, {"i": "dead"})
+    client.zadd(QueueKeys(other).dead, {request_id: 1})  # listed as dead, as a pop does
+
+    def keys_of(name: str) -> dict[bytes, bytes]:
+        return {k: client.dump(k) for k in client.scan_iter(match=f"{{bg:{name}}}:*")}
+
+    before = keys_of(other)
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    with TestClient(create_app(client, token=TOKEN, only=[queue])) as http:
+        for path, body in (("policy", {"max_batch_size": 4}),
+                           ("dead-letters/retry", {"ids": [request_id]}),
+                           ("dead-letters/purge", {"all": True})):
+            answer = http.post(f"/api/queues/{other}/{path}", json=body, headers=auth)
+            assert answer.status_code == 404, (path, answer.text)
+            assert repr(other) in answer.json()["error"]
+        assert keys_of(other) == before
+        # The queue it was started with is still served.
+        allowed = http.post(f"/api/queues/{queue}/policy", json={"max_batch_size": 4},
+                            headers=auth)
+        assert allowed.status_code == 200, allowed.text

@@ -180,3 +180,37 @@ def test_apply_on_an_auto_queue_stores_the_fixed_delay_it_prints(shared_redis, q
     assert (stored.strategy.value, stored.max_batch_size, stored.max_queue_delay_ms) == (
         out["policy"]["strategy"], out["policy"]["max_batch_size"],
         out["policy"]["max_queue_delay_ms"])
+
+
+def test_apply_stores_the_cost_buckets_it_planned_with(shared_redis, queue):
+    """A queue stored with cost_buckets "32": the plan simulates with them and says so
+    (cost_settings; the text's first line), and --apply stores the policy planned, its
+    cost settings included. Without --cost-mix every simulated request costs 1 and the
+    buckets would play no part: --apply is then refused (exit 2, naming cost_mix),
+    nothing written; --cost-buckets '' plans and stores none."""
+    from helpers.cli import batchgate
+
+    from scheduler_core.admin import store_policy
+    client = shared_redis.client()
+    store_policy(client, queue, Policy.build("dynamic", cost_buckets="32", max_queue_size=500),
+                 replace=True)
+    before = read_policy(client, queue)
+    common = ("--rate", "300", "--slo-p99-ms", "100", "--cost-ms", "5+0.01*c", "--queue",
+              queue, "--redis-url", shared_redis.url)
+    refused = batchgate("plan", *common, "--apply")
+    assert refused.returncode == 2 and "cost_mix" in refused.stderr + refused.stdout, refused
+    assert "'32' (stored)" in refused.stderr + refused.stdout
+    assert read_policy(client, queue) == before
+    shown = batchgate("plan", *common, "--cost-mix", "16:80,256:20")
+    assert shown.returncode == 0 and "cost_buckets 32" in shown.stdout.splitlines()[0]
+    out = plan(*common, "--cost-mix", "16:80,256:20", "--apply")
+    assert out["applied"] and out["cost_settings"]["cost_buckets"] == "32"
+    stored = read_policy(client, queue)
+    assert stored is not None
+    assert (stored.cost_buckets, stored.max_batch_size, stored.max_queue_size) == (
+        "32", out["policy"]["max_batch_size"], 500)
+    none = plan(*common, "--cost-buckets", "", "--apply")
+    assert none["applied"] and none["cost_settings"]["cost_buckets"] == ""
+    stored = read_policy(client, queue)
+    assert stored is not None and stored.cost_buckets == ""
+    assert stored.max_batch_size == none["policy"]["max_batch_size"]

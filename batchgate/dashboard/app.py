@@ -1,5 +1,6 @@
 """The dashboard's FastAPI app: the page, its live feed (server-sent events) and, with a
-token, the actions (policy change, dead-letter retry and purge).
+token, the actions (policy change, dead-letter retry and purge) on the queues it shows
+(with --queue, only those).
 
 Every URL the page uses is relative, so it works under any path prefix (a proxy that
 strips it, or --root-path / X-Forwarded-Prefix for one that does not).
@@ -150,6 +151,10 @@ def create_app(client: redis.Redis, token: str | None = None, interval_s: float 
         denied = authorized(request)
         if denied is not None:
             return denied
+        if only and queue not in only:
+            # Started with --queue: an allow-list for the actions too, not only the page.
+            return _error(404, f"queue {queue!r} is not served by this dashboard (queues: "
+                               f"{', '.join(sorted(set(only)))})")
         try:
             validate_queue_name(queue)
             body = await body_of(request)

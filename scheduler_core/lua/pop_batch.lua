@@ -70,7 +70,8 @@ KEYS[29..33] {bg:q}:bucket:<1..5> zset  the ids waiting in each cost bucket (sco
                                   a dedicated consumer reads its own, drops the ids no
                                   longer waiting (left by an older version) and moves
                                   those listed under an older cost_buckets to their
-                                  bucket's
+                                  bucket's; the sets beyond the bucket count are
+                                  emptied, SWEEP_STEP ids a pop (sweep_extra_sets)
 KEYS[34] {bg:q}:retry       zset  id -> when it may run again (µs): due ones leave it
 KEYS[35] {bg:q}:tenants     hash  per named tenant's counters (lua/_tenants.lua); under
                                   fairness, its in-flight counts (max_in_flight)
@@ -125,7 +126,8 @@ at most STALE_BUDGET ids no longer waiting. Costs come from the costs hash, and 
 submitted priorities too: a pop's work does not grow with payload size (it reads the
 payloads of its batch only).
 The body runs as named steps: read_policy, past_deadline, relist_step (after a
-cost_buckets change: at most RELIST_STEP costs entries), promote_aged, read_views (a
+cost_buckets change: at most RELIST_STEP costs entries), sweep_extra_sets (at most
+SWEEP_STEP ids of the sets beyond the bucket count), promote_aged, read_views (a
 dedicated consumer), choose (pick_costed when costs are on) or take_delayed,
 drop_malformed, isolate_retried, commit.
 ]]
@@ -389,6 +391,50 @@ local function relist_step(rules)
   if done then redis.call('HDEL', costs, RELIST) else redis.call('HSET', costs, RELIST, scan[1]) end
   for b in pairs(moved) do wake_bucket(bucket_markers, b) end
   return not done
+end
+
+-- Ids in the sets beyond the bucket count (written by hand, or left there once
+-- relist_step was through): no request belongs there, and while any is listed
+-- pick_from_sets reads the window instead. Each pop takes the next SWEEP_STEP of them out;
+-- one still waiting moves to the set its cost names (its costs entry says so).
+local SWEEP_STEP = 256
+local function sweep_extra_sets(rules)
+  local nb = bucket_count(rules.bounds)
+  if nb == 0 or nb >= #bucket_sets then return end
+  local extra = {}
+  for b = nb + 1, #bucket_sets do extra[#extra + 1] = bucket_sets[b] end
+  if redis.call('EXISTS', unpack(extra)) == 0 then return end  -- the usual case: one call
+  local budget = SWEEP_STEP
+  for b = nb + 1, #bucket_sets do
+    if budget == 0 then return end
+    local items = redis.call('ZRANGE', bucket_sets[b], 0, budget - 1, 'WITHSCORES')
+    local ids, waits, live, at = {}, {}, {}, {}
+    for i = 1, #items, 2 do ids[#ids + 1] = items[i] end
+    if #ids > 0 then
+      budget = budget - #ids
+      call_in_chunks('ZREM', bucket_sets[b], ids)
+      for level = 1, #pending do
+        for i, score in ipairs(read_in_chunks('ZMSCORE', pending[level], ids)) do
+          if score then waits[i] = true end
+        end
+      end
+      for i, id in ipairs(ids) do
+        if waits[i] then live[#live + 1], at[#live + 1] = id, i end
+      end
+      local cost_of, set_of, prio_of = read_costs(live)
+      for j, id in ipairs(live) do
+        local want, listed = bucket_of(rules.bounds, cost_of[j]), set_of[j]
+        if listed ~= want then  -- listed here, elsewhere or nowhere: its bucket's set now
+          if listed and listed > 0 and listed ~= b then
+            redis.call('ZREM', bucket_sets[listed], id)
+          end
+          redis.call('ZADD', bucket_sets[want], items[2 * at[j]], id)
+          redis.call('HSET', costs, id, cost_record(cost_of[j], want, prio_of[j]))
+          wake_bucket(bucket_markers, want)
+        end
+      end
+    end
+  end
 end
 
 -- A level's first n (or more: callers stop at n) {id, score, ...}: from the zset, or the
@@ -1005,6 +1051,7 @@ end
 local expired, first_deadline = past_deadline(now)
 if expired then return {-4} end
 rules.relisting = relist_step(rules)
+if not rules.relisting then sweep_extra_sets(rules) end
 if rules.strategy == 'priority' and rules.aging > 0 then promote_aged(rules, now) end
 
 local count = {redis.call('ZCARD', pending_high), redis.call('ZCARD', pending_normal),
